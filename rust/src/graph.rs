@@ -1,0 +1,270 @@
+//! Graph validation: turns the parsed graph into a slot-based form, once, at load.
+//!
+//! Every value is defined exactly once and before its first use (so the graph is acyclic by
+//! construction), every weight and user leaf it names exists, and each slot knows the step
+//! after which nothing reads it, so the interpreter frees values at their last use.
+
+use std::collections::HashMap;
+
+use crate::artifact;
+use crate::error::Result;
+use crate::schema::{Arg, Graph, InputSource, Outputs};
+
+/// A parsed op name such as `aten::add.Tensor`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct OpName {
+    pub namespace: String,
+    pub name: String,
+    /// `None` for plain Python callables such as `operator::mul`.
+    pub overload: Option<String>,
+}
+
+impl OpName {
+    pub fn parse(s: &str) -> Option<OpName> {
+        let (ns, rest) = s.split_once("::")?;
+        let (name, overload) = match rest.split_once('.') {
+            Some((n, o)) => (n, Some(o.to_owned())),
+            None => (rest, None),
+        };
+        let ident = |t: &str| !t.is_empty() && t.chars().all(|c| c == '_' || c.is_ascii_alphanumeric());
+        (ident(ns) && ident(name) && overload.as_deref().is_none_or(ident)).then(|| OpName {
+            namespace: ns.to_owned(),
+            name: name.to_owned(),
+            overload,
+        })
+    }
+}
+
+impl std::fmt::Display for OpName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}::{}", self.namespace, self.name)?;
+        if let Some(o) = &self.overload {
+            write!(f, ".{o}")?;
+        }
+        Ok(())
+    }
+}
+
+/// A resolved reference to a value.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ValueRef {
+    /// A runtime value: a user input or a node output.
+    Slot(usize),
+    /// A weight, by its name in `weights.tensors`.
+    Weight(String),
+}
+
+/// An argument with its references resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ArgPlan {
+    Value(ValueRef),
+    /// A literal (anything but `Ref` and `List`).
+    Literal(Arg),
+    List(Vec<ArgPlan>),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum OutPlan {
+    None,
+    One(Option<usize>),
+    Many(Vec<Option<usize>>),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepPlan {
+    pub op: OpName,
+    pub args: Vec<ArgPlan>,
+    pub kwargs: Vec<(String, ArgPlan)>,
+    pub outputs: OutPlan,
+    /// Slots read for the last time by this step.
+    pub free: Vec<usize>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct GraphPlan {
+    pub n_slots: usize,
+    /// `(slot, user leaf index)` for each user input the graph reads.
+    pub user_inputs: Vec<(usize, usize)>,
+    pub steps: Vec<StepPlan>,
+    pub outputs: Vec<ArgPlan>,
+}
+
+/// Validates `graph` against the number of user leaves and the weight names.
+pub fn plan<'g>(graph: &'g Graph, n_leaves: usize, has_weight: impl Fn(&str) -> bool) -> Result<GraphPlan> {
+    let mut defs: HashMap<&'g str, ValueRef> = HashMap::new();
+    let mut n_slots = 0;
+    let mut user_inputs = Vec::new();
+    let mut leaf_used = vec![false; n_leaves];
+
+    for (i, input) in graph.inputs.iter().enumerate() {
+        let what = format!("graph.inputs[{i}] ({:?})", input.name);
+        let value = match &input.source {
+            InputSource::Weight(w) => {
+                if !has_weight(w) {
+                    return Err(artifact!("{what}: weight {w:?} is not in weights.tensors"));
+                }
+                ValueRef::Weight(w.clone())
+            }
+            InputSource::User(leaf) => {
+                match leaf_used.get_mut(*leaf) {
+                    None => return Err(artifact!("{what}: user leaf {leaf} out of range (the input spec has {n_leaves})")),
+                    Some(true) => return Err(artifact!("{what}: user leaf {leaf} bound twice")),
+                    Some(used) => *used = true,
+                }
+                user_inputs.push((n_slots, *leaf));
+                n_slots += 1;
+                ValueRef::Slot(n_slots - 1)
+            }
+        };
+        if defs.insert(&input.name, value).is_some() {
+            return Err(artifact!("{what}: value defined twice"));
+        }
+    }
+
+    let mut steps = Vec::with_capacity(graph.nodes.len());
+    for (i, node) in graph.nodes.iter().enumerate() {
+        let what = format!("graph.nodes[{i}] ({})", node.op);
+        let op = OpName::parse(&node.op).ok_or_else(|| artifact!("{what}: malformed op name"))?;
+        let args = node.args.iter().map(|a| resolve(a, &defs, &what)).collect::<Result<Vec<_>>>()?;
+        let kwargs = node
+            .kwargs
+            .iter()
+            .map(|(k, a)| Ok((k.clone(), resolve(a, &defs, &what)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let mut define = |name: &'g str| -> Result<usize> {
+            let slot = n_slots;
+            if defs.insert(name, ValueRef::Slot(slot)).is_some() {
+                return Err(artifact!("{what}: value {name:?} defined twice"));
+            }
+            n_slots += 1;
+            Ok(slot)
+        };
+        let outputs = match &node.outputs {
+            Outputs::None(()) => OutPlan::None,
+            Outputs::One(name) => OutPlan::One(Some(define(name)?)),
+            Outputs::Many(names) => OutPlan::Many(
+                names.iter().map(|n| n.as_deref().map(&mut define).transpose()).collect::<Result<_>>()?,
+            ),
+        };
+        steps.push(StepPlan { op, args, kwargs, outputs, free: Vec::new() });
+    }
+
+    let outputs = graph
+        .outputs
+        .iter()
+        .map(|a| resolve(a, &defs, "graph.outputs"))
+        .collect::<Result<Vec<_>>>()?;
+
+    // Last reader of each slot; outputs are read "after" every step, so never freed early.
+    let mut last_use: Vec<Option<usize>> = vec![None; n_slots];
+    for (s, step) in steps.iter().enumerate() {
+        for a in step.args.iter().chain(step.kwargs.iter().map(|(_, a)| a)) {
+            visit_slots(a, &mut |slot| last_use[slot] = Some(s));
+        }
+    }
+    let mut is_output = vec![false; n_slots];
+    for a in &outputs {
+        visit_slots(a, &mut |slot| is_output[slot] = true);
+    }
+    for (slot, last) in last_use.iter().enumerate() {
+        if let (Some(s), false) = (last, is_output[slot]) {
+            steps[*s].free.push(slot);
+        }
+    }
+    // A node output no one reads is dropped right away.
+    for step in &mut steps {
+        let unread = |slot: &mut Option<usize>| {
+            if let Some(s) = *slot {
+                if last_use[s].is_none() && !is_output[s] {
+                    *slot = None;
+                }
+            }
+        };
+        match &mut step.outputs {
+            OutPlan::One(slot) => unread(slot),
+            OutPlan::Many(slots) => slots.iter_mut().for_each(unread),
+            OutPlan::None => {}
+        }
+    }
+    Ok(GraphPlan { n_slots, user_inputs, steps, outputs })
+}
+
+fn resolve(arg: &Arg, defs: &HashMap<&str, ValueRef>, what: &str) -> Result<ArgPlan> {
+    Ok(match arg {
+        Arg::Ref(name) => ArgPlan::Value(
+            defs.get(name.as_str())
+                .cloned()
+                .ok_or_else(|| artifact!("{what}: value {name:?} is used before it is defined (or never defined)"))?,
+        ),
+        Arg::List(items) => ArgPlan::List(items.iter().map(|a| resolve(a, defs, what)).collect::<Result<_>>()?),
+        literal => ArgPlan::Literal(literal.clone()),
+    })
+}
+
+pub fn visit_slots(arg: &ArgPlan, f: &mut impl FnMut(usize)) {
+    match arg {
+        ArgPlan::Value(ValueRef::Slot(s)) => f(*s),
+        ArgPlan::List(items) => items.iter().for_each(|a| visit_slots(a, f)),
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schema::{GraphInput, Node};
+
+    fn input(name: &str, source: InputSource) -> GraphInput {
+        GraphInput { name: name.into(), source }
+    }
+    fn node(op: &str, args: Vec<Arg>, out: &str) -> Node {
+        Node { op: op.into(), args, kwargs: Default::default(), outputs: Outputs::One(out.into()) }
+    }
+    fn r(n: &str) -> Arg {
+        Arg::Ref(n.into())
+    }
+
+    #[test]
+    fn plans_slots_and_frees_at_last_use() {
+        let g = Graph {
+            inputs: vec![input("w", InputSource::Weight("fc.weight".into())), input("x", InputSource::User(0))],
+            nodes: vec![
+                node("aten::mul.Tensor", vec![r("x"), r("w")], "a"),
+                node("aten::add.Tensor", vec![r("a"), Arg::List(vec![r("x")])], "b"),
+                node("aten::neg.default", vec![r("b")], "unused"),
+            ],
+            outputs: vec![r("b")],
+        };
+        let p = plan(&g, 1, |w| w == "fc.weight").unwrap();
+        assert_eq!(p.user_inputs, vec![(0, 0)]);
+        assert_eq!(p.steps[0].args[1], ArgPlan::Value(ValueRef::Weight("fc.weight".into())));
+        assert_eq!(p.steps[0].free, Vec::<usize>::new());
+        assert_eq!(p.steps[1].free, vec![0, 1]); // x and a, both last read by step 1
+        assert_eq!(p.steps[2].outputs, OutPlan::One(None)); // never read
+        assert_eq!(p.steps[2].free, Vec::<usize>::new()); // b is an output
+    }
+
+    #[test]
+    fn rejects_bad_graphs() {
+        let err = |g: Graph| plan(&g, 1, |_| false).unwrap_err().to_string();
+        let g = Graph { inputs: vec![input("x", InputSource::User(0))], nodes: vec![node("aten::neg.default", vec![r("y")], "y")], outputs: vec![] };
+        assert!(err(g).contains("used before it is defined"));
+        let g = Graph { inputs: vec![input("x", InputSource::User(0))], nodes: vec![node("aten::neg.default", vec![r("x")], "x")], outputs: vec![] };
+        assert!(err(g).contains("defined twice"));
+        let g = Graph { inputs: vec![input("x", InputSource::User(3))], nodes: vec![], outputs: vec![] };
+        assert!(err(g).contains("out of range"));
+        let g = Graph { inputs: vec![input("w", InputSource::Weight("nope".into()))], nodes: vec![], outputs: vec![] };
+        assert!(err(g).contains("not in weights.tensors"));
+        let g = Graph { inputs: vec![], nodes: vec![node("aten add", vec![], "a")], outputs: vec![] };
+        assert!(err(g).contains("malformed op name"));
+    }
+
+    #[test]
+    fn parses_op_names() {
+        let op = OpName::parse("aten::add.Tensor").unwrap();
+        assert_eq!((op.namespace.as_str(), op.name.as_str(), op.overload.as_deref()), ("aten", "add", Some("Tensor")));
+        assert_eq!(OpName::parse("operator::mul").unwrap().overload, None);
+        assert!(OpName::parse("os.system").is_none());
+        assert!(OpName::parse("aten::__import__('os')").is_none());
+    }
+}

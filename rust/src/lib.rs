@@ -1,0 +1,52 @@
+//! kwexport's runtime: loads a kwexport file, validates it, and calls it like the original
+//! Python function. The file layout mirrors the architecture:
+//!
+//! - `container`  the file's sections (magic, header length, header, data)
+//! - `schema`     the header's JSON types
+//! - `upgrade`    format versions and the upgraders between them
+//! - `treespec`   nested-structure specs: validation, flattening, rebuilding
+//! - `signature`  binding a call to the saved signature, as CPython does
+//! - `checks`     per-leaf input checks: dtype, device, shape, symbols, constants
+//! - `graph`      graph validation into value slots, with last-use frees
+//! - `weights`    the storage table and zero-copy tensors over the mapped file
+//! - `plan`       the execution plan: ops resolved once, run as a flat loop
+//! - `program`    the `Program` Python class: load and call
+//! - `error`      the error taxonomy and its Python exception classes
+
+pub mod checks;
+pub mod container;
+pub mod dtype;
+pub mod error;
+pub mod graph;
+pub mod plan;
+pub mod program;
+pub mod schema;
+pub mod signature;
+pub mod treespec;
+pub mod upgrade;
+pub mod weights;
+
+use pyo3::prelude::*;
+
+/// Loads a kwexport file and returns a callable `Program`.
+#[pyfunction]
+fn load(py: Python<'_>, path: std::path::PathBuf) -> PyResult<program::Program> {
+    let path = path.to_str().ok_or_else(|| pyo3::exceptions::PyValueError::new_err("path is not valid UTF-8"))?;
+    program::load(py, path)
+}
+
+#[pymodule]
+fn _rt(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    let c = error::classes(py);
+    m.add("KwexportError", c.base.bind(py))?;
+    m.add("ArtifactError", c.artifact.bind(py))?;
+    m.add("VersionError", c.version.bind(py))?;
+    m.add("SignatureError", c.signature.bind(py))?;
+    m.add("InputError", c.input.bind(py))?;
+    m.add("FORMAT_VERSION", (upgrade::CURRENT.major, upgrade::CURRENT.minor))?;
+    m.add("OLDEST_FORMAT_VERSION", (upgrade::OLDEST.major, upgrade::OLDEST.minor))?;
+    m.add_class::<program::Program>()?;
+    m.add_function(wrap_pyfunction!(load, m)?)?;
+    Ok(())
+}
