@@ -17,6 +17,7 @@ import os
 import struct
 import sys
 import tempfile
+import warnings
 from typing import Any
 
 import torch
@@ -103,6 +104,11 @@ def export(f, args, kwargs=None, *, dynamic_shapes=None) -> Exported:
     finally:
         del module.forward
 
+    # Functionalize (in-place ops on intermediates become pure; buffer updates become
+    # outputs, which _serialize refuses) without decomposing: fewer, bigger ops run faster.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")  # torch-internal
+        ep = ep.run_decompositions({})
     header, storages = _serialize(ep, name, sig, leaves, in_spec)
     return Exported(ep, header, storages)
 
@@ -254,6 +260,8 @@ def _node(node):
     if target is operator.getitem and isinstance(node.args[0], torch.fx.Node) and _is_multi(node.args[0]):
         return None  # folded into the producer's outputs
     if isinstance(target, torch._ops.OpOverload):
+        if target._schema.is_mutable:
+            raise ArtifactError(f"node {node.name!r}: {target} mutates its inputs; kwexport saves pure inference programs")
         op = f"{target._schema.name}.{target._overloadname}"
     elif target in _PY_OPERATORS:
         op = f"operator::{_PY_OPERATORS[target]}"

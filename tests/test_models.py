@@ -1,0 +1,212 @@
+"""Real models through export -> save -> load -> call, equal to eager."""
+
+import collections
+
+import pytest
+import torch
+from torch import nn
+from torch.export import Dim
+
+import kwexport
+from conftest import assert_same, reversed_kwargs
+
+
+class KwargsMLP(nn.Module):
+    """*args, keyword-only args, a defaulted kwarg and **kwargs holding nested dicts and lists."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.hidden = nn.Sequential(nn.ReLU(), nn.Linear(16, 16), nn.GELU())
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x, *extra, scale, bias=None, temperature=1.0, **cfg):
+        h = self.inp(x + sum(extra))
+        h = self.hidden(h * scale)
+        if bias is not None:
+            h = h + bias
+        h = h + cfg["shift"]["a"] * cfg["shift"]["b"][0] - cfg["shift"]["b"][1]
+        return {"logits": self.out(h) / temperature, "hidden": [h, h.mean(-1)]}
+
+
+def mlp_inputs(batch=5):
+    args = (torch.randn(batch, 8), torch.randn(batch, 8))
+    kwargs = {
+        "scale": torch.randn(16),
+        "bias": torch.randn(16),
+        "shift": {"a": torch.randn(16), "b": [torch.randn(16), torch.randn(16)]},
+    }
+    return args, kwargs
+
+
+def test_kwargs_mlp(roundtrip):
+    torch.manual_seed(0)
+    m = KwargsMLP().eval()
+    args, kwargs = mlp_inputs()
+    prog = roundtrip(m, args, kwargs)
+    want = m(*args, **kwargs)
+    assert_same(prog(*args, **kwargs), want)
+    assert_same(prog(*args, **reversed_kwargs(kwargs)), want)
+    args2, kwargs2 = mlp_inputs()
+    kwargs2["shift"] = {"b": kwargs2["shift"]["b"], "a": kwargs2["shift"]["a"]}  # keys reordered
+    assert_same(prog(*args2, **kwargs2), m(*args2, **kwargs2))
+
+
+def test_small_mlp(roundtrip):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3)).eval()
+    x = torch.randn(4, 10)
+    prog = roundtrip(m, (x,))
+    for _ in range(3):
+        x = torch.randn(4, 10)
+        assert_same(prog(x), m(x))
+    assert_same(prog(input=x), m(x))
+
+
+class Encoder(nn.Module):
+    def __init__(self, d=32, layers=3):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d, nhead=4, dim_feedforward=64, batch_first=True, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+    def forward(self, src, *, mask):
+        return self.enc(src, src_key_padding_mask=mask)
+
+
+def test_transformer_encoder_with_keyword_only_mask(roundtrip):
+    torch.manual_seed(0)
+    m = Encoder().eval()
+    src = torch.randn(2, 7, 32)
+    mask = torch.zeros(2, 7, dtype=torch.bool)
+    mask[1, 5:] = True
+    with torch.no_grad():
+        prog = roundtrip(m, (src,), {"mask": mask})
+        src2 = torch.randn(2, 7, 32)
+        assert_same(prog(src2, mask=mask), m(src2, mask=mask))
+        assert_same(prog(mask=mask, src=src2), m(src2, mask=mask))
+    with pytest.raises(kwexport.SignatureError, match=r"missing 1 required keyword-only argument: 'mask'"):
+        prog(src2)
+    with pytest.raises(kwexport.InputError, match=r"mask: expected dtype torch.bool, got torch.float32"):
+        prog(src2, mask=mask.float())
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
+        )
+
+    def forward(self, images):
+        return self.body(images)
+
+
+def test_conv_net_with_batch_norm(roundtrip):
+    torch.manual_seed(0)
+    m = ConvNet()
+    m.train()
+    for _ in range(3):  # non-trivial running statistics
+        m(torch.randn(8, 3, 16, 16))
+    m.eval()
+    x = torch.randn(2, 3, 16, 16)
+    prog = roundtrip(m, (x,))
+    x2 = torch.randn(2, 3, 16, 16)
+    assert_same(prog(x2), m(x2))
+
+
+def test_training_mode_batch_norm_is_refused(tmp_path):
+    m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train()
+    with pytest.raises(kwexport.ArtifactError, match=r"mutates a buffer"):
+        kwexport.export(m, (torch.randn(3, 4),))
+
+
+def test_linear_and_tied_weights(roundtrip):
+    m = nn.Linear(64, 64)
+    prog = roundtrip(m, (torch.randn(2, 64),))
+    x = torch.randn(2, 64)
+    assert_same(prog(x), m(x))
+    # The same weights twice stay one storage in the file.
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8, bias=False)
+            self.b = nn.Linear(8, 8, bias=False)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    t = Tied()
+    ex = kwexport.export(t, (torch.randn(2, 8),))
+    assert len(ex._header["weights"]["storages"]) == 1
+    prog = roundtrip(t, (torch.randn(2, 8),))
+    x = torch.randn(2, 8)
+    assert_same(prog(x), t(x))
+
+
+def double_then_add(x, y):
+    return x * 2 + y.sum(-1, keepdim=True)
+
+
+def test_dynamic_shapes_with_shared_dim(roundtrip):
+    batch = Dim("batch", min=2, max=64)
+    prog = roundtrip(double_then_add, (torch.randn(4, 3), torch.randn(4, 5)),
+                     dynamic_shapes={"x": {0: batch}, "y": {0: batch}})
+    for n in (2, 7, 64):
+        x, y = torch.randn(n, 3), torch.randn(n, 5)
+        assert_same(prog(x, y), double_then_add(x, y))
+    with pytest.raises(kwexport.InputError, match=r"^x: dimension 0 is s\d+ with s\d+ in \[2, 64\], got 65$"):
+        prog(torch.randn(65, 3), torch.randn(65, 5))
+    with pytest.raises(kwexport.InputError, match=r"^x: dimension 0 is s\d+ with s\d+ in \[2, 64\], got 1$"):
+        prog(torch.randn(1, 3), torch.randn(1, 5))
+    with pytest.raises(kwexport.InputError, match=r"^y: dimension 0 is s\d+ = 6, since s\d+ = 6 from x dimension 0, got 5$"):
+        prog(torch.randn(6, 3), torch.randn(5, 5))
+    with pytest.raises(kwexport.InputError, match=r"^y: dimension 1 must be 5 \(static at export\), got 4"):
+        prog(torch.randn(6, 3), torch.randn(6, 4))
+
+
+def test_dynamic_shapes_in_nested_kwargs(roundtrip):
+    def f(x, *, cfg):
+        return x.reshape(-1) * cfg["scale"][0].sum() + cfg["shift"].mean()
+
+    n = Dim("n", min=1, max=32)
+    dyn = {"x": {0: n}, "cfg": {"scale": [{0: n}], "shift": None}}
+    prog = roundtrip(f, (torch.randn(3, 2),), {"cfg": {"scale": [torch.randn(3)], "shift": torch.randn(4)}},
+                     dynamic_shapes=dyn)
+    for k in (1, 5, 32):
+        x, cfg = torch.randn(k, 2), {"shift": torch.randn(4), "scale": [torch.randn(k)]}
+        assert_same(prog(x, cfg=cfg), f(x, cfg=cfg))
+    with pytest.raises(kwexport.InputError, match=r"^cfg\['scale'\]\[0\]: dimension 0 is s\d+ = 5, since s\d+ = 5 from x dimension 0, got 4$"):
+        prog(torch.randn(5, 2), cfg={"shift": torch.randn(4), "scale": [torch.randn(4)]})
+
+
+def test_derived_dim(roundtrip):
+    def f(x, y):
+        return x[1:] + y
+
+    d = Dim("d", min=2, max=20)
+    prog = roundtrip(f, (torch.randn(5), torch.randn(4)), dynamic_shapes={"x": {0: d + 1}, "y": {0: d}})
+    for k in (2, 9):
+        x, y = torch.randn(k + 1), torch.randn(k)
+        assert_same(prog(x, y), f(x, y))
+    with pytest.raises(kwexport.InputError, match=r"^y: dimension 0 is \w+ = 4, since \w+ = 4 from x dimension 0, got 7$"):
+        prog(torch.randn(5), torch.randn(7))
+
+
+Pair = collections.namedtuple("Pair", ["first", "second"])
+
+
+def test_output_structure_is_rebuilt(roundtrip):
+    def f(x, *, pair):
+        return {"z": Pair(x + pair.first, [pair.second, (x,)]), "a": x.shape[0], "b": None}
+
+    x, pair = torch.randn(3), Pair(torch.randn(3), torch.randn(2))
+    prog = roundtrip(f, (x,), {"pair": pair})
+    got = prog(x, pair=pair)
+    assert_same(got, f(x, pair=pair))
+    assert isinstance(got["z"], Pair)  # the class itself, as its module is loaded
+    assert list(got) == ["z", "a", "b"]
+    with pytest.raises(kwexport.InputError, match=r"^pair: expected a Pair\(first, second\), got a tuple of 2 items$"):
+        prog(x, pair=(pair.first, pair.second))
