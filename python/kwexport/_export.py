@@ -80,6 +80,7 @@ def export(f, args, kwargs=None, *, dynamic_shapes=None) -> Exported:
         raise TypeError(f"expected an nn.Module or a function, got {type(f).__name__}")
 
     sig = inspect.signature(target)
+    sig_json = _signature_json(name, sig)  # before tracing: an unsaveable default fails fast
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as e:
@@ -109,7 +110,7 @@ def export(f, args, kwargs=None, *, dynamic_shapes=None) -> Exported:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")  # torch-internal
         ep = ep.run_decompositions({})
-    header, storages = _serialize(ep, name, sig, leaves, in_spec)
+    header, storages = _serialize(ep, sig_json, leaves, in_spec)
     return Exported(ep, header, storages)
 
 
@@ -170,7 +171,7 @@ def _match_shapes(value, spec, path) -> list:
 # ------------------------------------------------------------------------------ serialize
 
 
-def _serialize(ep, name, sig, leaves, in_spec):
+def _serialize(ep, sig_json, leaves, in_spec):
     gs = ep.graph_signature
     InputKind = torch.export.graph_signature.InputKind
     OutputKind = torch.export.graph_signature.OutputKind
@@ -238,7 +239,7 @@ def _serialize(ep, name, sig, leaves, in_spec):
             "torch": torch.__version__,
             "python": ".".join(map(str, sys.version_info[:3])),
         },
-        "signature": _signature_json(name, sig),
+        "signature": sig_json,
         "inputs": {"spec": _treespec(in_spec, "inputs"), "leaves": leaf_specs},
         "outputs": _treespec(ep.call_spec.out_spec, "outputs"),
         "symbols": symbols,
