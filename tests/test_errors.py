@@ -155,8 +155,9 @@ def test_version_error_for_newer_major(saved):
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda h: h["graph"]["nodes"][0].update(op="mylib::evil.default"), r"graph.nodes\[0\] \(mylib::evil.default\): op namespace \"mylib\" is not allowed"),
-    (lambda h: h["graph"]["nodes"][0].update(op="aten::no_such_op.default"), r"graph.nodes\[0\] \(aten::no_such_op.default\): op not found in the running torch"),
+    (lambda h: h["ops"][0].update(name="mylib::evil.default"), r"ops\[0\] \(mylib::evil.default\): op namespace \"mylib\" is not allowed"),
+    (lambda h: h["ops"][0].update(name="aten::no_such_op.default"), r"ops\[0\] \(aten::no_such_op.default\): op not found in the running torch"),
+    (lambda h: h["graph"]["nodes"][0].update(op=5), r"graph.nodes\[0\]: op 5 is not in the op table \(1 ops\)"),
     (lambda h: h["graph"]["nodes"][0]["args"].append({"int": 1}) or h["graph"]["nodes"][0]["args"].append({"int": 1}), r"graph.nodes\[0\] \(aten::linear.default\): 5 positional arguments, but the op takes 3"),
     (lambda h: h["graph"]["nodes"][0]["args"].__setitem__(0, {"ref": "nope"}), r"value \"nope\" is used before it is defined"),
     (lambda h: h["weights"]["tensors"]["weight"].update(shape=[200, 3]), r"weights.tensors\[\"weight\"\]: needs 2400 bytes of storage 0 but it has 24"),

@@ -205,6 +205,7 @@ def _serialize(ep, sig_json, leaves, in_spec):
             raise ArtifactError(f"graph output {spec.arg.name!r}: the program {what}; kwexport saves pure inference programs")
 
     leaf_specs = [None] * len(leaves)
+    ops = _OpTable()
     nodes = []
     outputs = None
     for node in ep.graph.nodes:
@@ -213,7 +214,7 @@ def _serialize(ep, sig_json, leaves, in_spec):
                 i = user_placeholders[node.name]
                 leaf_specs[i] = _leaf_spec(node.meta.get("val"), leaves[i], i)
         elif node.op == "call_function":
-            encoded = _node(node)
+            encoded = _node(node, ops)
             if encoded is not None:
                 nodes.append(encoded)
         elif node.op == "output":
@@ -243,6 +244,7 @@ def _serialize(ep, sig_json, leaves, in_spec):
         "inputs": {"spec": _treespec(in_spec, "inputs"), "leaves": leaf_specs},
         "outputs": _treespec(ep.call_spec.out_spec, "outputs"),
         "symbols": symbols,
+        "ops": ops.entries,
         "graph": {"inputs": graph_inputs, "nodes": nodes, "outputs": outputs},
         "weights": {"storages": storage_table, "tensors": tensor_table},
     }
@@ -256,16 +258,29 @@ def _is_inf(v) -> bool:
         return True
 
 
-def _node(node):
+class _OpTable:
+    """Each op once, with its schema in this torch, so a later torch can spot drift."""
+
+    def __init__(self):
+        self.entries, self._index = [], {}
+
+    def add(self, name: str, schema) -> int:
+        if name not in self._index:
+            self._index[name] = len(self.entries)
+            self.entries.append({"name": name, "schema": schema})
+        return self._index[name]
+
+
+def _node(node, ops):
     target = node.target
     if target is operator.getitem and isinstance(node.args[0], torch.fx.Node) and _is_multi(node.args[0]):
         return None  # folded into the producer's outputs
     if isinstance(target, torch._ops.OpOverload):
         if target._schema.is_mutable:
             raise ArtifactError(f"node {node.name!r}: {target} mutates its inputs; kwexport saves pure inference programs")
-        op = f"{target._schema.name}.{target._overloadname}"
+        op, schema = f"{target._schema.name}.{target._overloadname}", str(target._schema)
     elif target in _PY_OPERATORS:
-        op = f"operator::{_PY_OPERATORS[target]}"
+        op, schema = f"operator::{_PY_OPERATORS[target]}", None
     else:
         raise ArtifactError(f"node {node.name!r}: unsupported call target {target!r}")
     where = f"node {node.name!r} ({op})"
@@ -281,7 +296,7 @@ def _node(node):
     else:
         outputs = {"one": node.name}
     return {
-        "op": op,
+        "op": ops.add(op, schema),
         "args": [_arg(a, where) for a in node.args],
         "kwargs": {k: _arg(v, where) for k, v in node.kwargs.items()},
         "outputs": outputs,
@@ -503,6 +518,15 @@ def save(ex: Exported, path, *, extra_files=None) -> None:
     _write_atomic(os.fspath(path), prefix, data_start, chunks)
 
 
+def _file_mode(path: str) -> int:
+    try:
+        return os.stat(path).st_mode & 0o777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def _write_atomic(path: str, prefix: bytes, data_start: int, chunks) -> None:
     """Temp file in the same folder, fsync, rename: readers see the old file or the new one."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -515,6 +539,7 @@ def _write_atomic(path: str, prefix: bytes, data_start: int, chunks) -> None:
                 f.write(buf)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, _file_mode(path))  # mkstemp makes 0600; give what open() would
         os.replace(tmp, path)
     except BaseException:
         try:

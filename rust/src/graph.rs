@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use crate::artifact;
 use crate::error::Result;
-use crate::schema::{Arg, Graph, InputSource, Outputs};
+use crate::schema::{Arg, Graph, InputSource, OpEntry, Outputs};
 
 /// A parsed op name such as `aten::add.Tensor`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -72,7 +72,9 @@ pub enum OutPlan {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepPlan {
-    pub op: OpName,
+    /// Index into the document's `ops` table.
+    pub op: usize,
+    pub op_name: OpName,
     pub args: Vec<ArgPlan>,
     pub kwargs: Vec<(String, ArgPlan)>,
     pub outputs: OutPlan,
@@ -90,7 +92,21 @@ pub struct GraphPlan {
 }
 
 /// Validates `graph` against the number of user leaves and the weight names.
-pub fn plan<'g>(graph: &'g Graph, n_leaves: usize, has_weight: impl Fn(&str) -> bool) -> Result<GraphPlan> {
+/// Parses every entry of the op table.
+pub fn op_names(ops: &[OpEntry]) -> Result<Vec<OpName>> {
+    let mut seen = std::collections::HashSet::new();
+    ops.iter()
+        .enumerate()
+        .map(|(i, e)| {
+            if !seen.insert(e.name.as_str()) {
+                return Err(artifact!("ops[{i}] ({}): listed twice", e.name));
+            }
+            OpName::parse(&e.name).ok_or_else(|| artifact!("ops[{i}] ({:?}): malformed op name", e.name))
+        })
+        .collect()
+}
+
+pub fn plan<'g>(graph: &'g Graph, ops: &[OpName], n_leaves: usize, has_weight: impl Fn(&str) -> bool) -> Result<GraphPlan> {
     let mut defs: HashMap<&'g str, ValueRef> = HashMap::new();
     let mut n_slots = 0;
     let mut user_inputs = Vec::new();
@@ -123,8 +139,11 @@ pub fn plan<'g>(graph: &'g Graph, n_leaves: usize, has_weight: impl Fn(&str) -> 
 
     let mut steps = Vec::with_capacity(graph.nodes.len());
     for (i, node) in graph.nodes.iter().enumerate() {
-        let what = format!("graph.nodes[{i}] ({})", node.op);
-        let op = OpName::parse(&node.op).ok_or_else(|| artifact!("{what}: malformed op name"))?;
+        let op_name = ops
+            .get(node.op)
+            .cloned()
+            .ok_or_else(|| artifact!("graph.nodes[{i}]: op {} is not in the op table ({} ops)", node.op, ops.len()))?;
+        let what = format!("graph.nodes[{i}] ({op_name})");
         let args = node.args.iter().map(|a| resolve(a, &defs, &what)).collect::<Result<Vec<_>>>()?;
         let kwargs = node
             .kwargs
@@ -146,7 +165,7 @@ pub fn plan<'g>(graph: &'g Graph, n_leaves: usize, has_weight: impl Fn(&str) -> 
                 names.iter().map(|n| n.as_deref().map(&mut define).transpose()).collect::<Result<_>>()?,
             ),
         };
-        steps.push(StepPlan { op, args, kwargs, outputs, free: Vec::new() });
+        steps.push(StepPlan { op: node.op, op_name, args, kwargs, outputs, free: Vec::new() });
     }
 
     let outputs = graph
@@ -217,8 +236,11 @@ mod tests {
     fn input(name: &str, source: InputSource) -> GraphInput {
         GraphInput { name: name.into(), source }
     }
-    fn node(op: &str, args: Vec<Arg>, out: &str) -> Node {
-        Node { op: op.into(), args, kwargs: Default::default(), outputs: Outputs::One(out.into()) }
+    fn node(op: usize, args: Vec<Arg>, out: &str) -> Node {
+        Node { op, args, kwargs: Default::default(), outputs: Outputs::One(out.into()) }
+    }
+    fn ops() -> Vec<OpName> {
+        ["aten::mul.Tensor", "aten::add.Tensor", "aten::neg.default"].iter().map(|o| OpName::parse(o).unwrap()).collect()
     }
     fn r(n: &str) -> Arg {
         Arg::Ref(n.into())
@@ -229,13 +251,13 @@ mod tests {
         let g = Graph {
             inputs: vec![input("w", InputSource::Weight("fc.weight".into())), input("x", InputSource::User(0))],
             nodes: vec![
-                node("aten::mul.Tensor", vec![r("x"), r("w")], "a"),
-                node("aten::add.Tensor", vec![r("a"), Arg::List(vec![r("x")])], "b"),
-                node("aten::neg.default", vec![r("b")], "unused"),
+                node(0, vec![r("x"), r("w")], "a"),
+                node(1, vec![r("a"), Arg::List(vec![r("x")])], "b"),
+                node(2, vec![r("b")], "unused"),
             ],
             outputs: vec![r("b")],
         };
-        let p = plan(&g, 1, |w| w == "fc.weight").unwrap();
+        let p = plan(&g, &ops(), 1, |w| w == "fc.weight").unwrap();
         assert_eq!(p.user_inputs, vec![(0, 0)]);
         assert_eq!(p.steps[0].args[1], ArgPlan::Value(ValueRef::Weight("fc.weight".into())));
         assert_eq!(p.steps[0].free, Vec::<usize>::new());
@@ -246,17 +268,19 @@ mod tests {
 
     #[test]
     fn rejects_bad_graphs() {
-        let err = |g: Graph| plan(&g, 1, |_| false).unwrap_err().to_string();
-        let g = Graph { inputs: vec![input("x", InputSource::User(0))], nodes: vec![node("aten::neg.default", vec![r("y")], "y")], outputs: vec![] };
+        let err = |g: Graph| plan(&g, &ops(), 1, |_| false).unwrap_err().to_string();
+        let g = Graph { inputs: vec![input("x", InputSource::User(0))], nodes: vec![node(2, vec![r("y")], "y")], outputs: vec![] };
         assert!(err(g).contains("used before it is defined"));
-        let g = Graph { inputs: vec![input("x", InputSource::User(0))], nodes: vec![node("aten::neg.default", vec![r("x")], "x")], outputs: vec![] };
+        let g = Graph { inputs: vec![input("x", InputSource::User(0))], nodes: vec![node(2, vec![r("x")], "x")], outputs: vec![] };
         assert!(err(g).contains("defined twice"));
         let g = Graph { inputs: vec![input("x", InputSource::User(3))], nodes: vec![], outputs: vec![] };
         assert!(err(g).contains("out of range"));
         let g = Graph { inputs: vec![input("w", InputSource::Weight("nope".into()))], nodes: vec![], outputs: vec![] };
         assert!(err(g).contains("not in weights.tensors"));
-        let g = Graph { inputs: vec![], nodes: vec![node("aten add", vec![], "a")], outputs: vec![] };
-        assert!(err(g).contains("malformed op name"));
+        let g = Graph { inputs: vec![], nodes: vec![node(7, vec![], "a")], outputs: vec![] };
+        assert!(err(g).contains("op 7 is not in the op table"));
+        let table = [OpEntry { name: "aten add".into(), schema: None }];
+        assert!(op_names(&table).unwrap_err().to_string().contains("malformed op name"));
     }
 
     #[test]

@@ -8,6 +8,7 @@
 //! - `signature`  binding a call to the saved signature, as CPython does
 //! - `checks`     per-leaf input checks: dtype, device, shape, symbols, constants
 //! - `graph`      graph validation into value slots, with last-use frees
+//! - `opschema`   op-schema drift between torch versions, and op upgraders
 //! - `weights`    the storage table and zero-copy tensors over the mapped file
 //! - `plan`       the execution plan: ops resolved once, run as a flat loop
 //! - `program`    the `Program` Python class: load and call
@@ -18,6 +19,7 @@ pub mod container;
 pub mod dtype;
 pub mod error;
 pub mod graph;
+pub mod opschema;
 pub mod plan;
 pub mod program;
 pub mod schema;
@@ -46,6 +48,8 @@ fn _rt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InputError", c.input.bind(py))?;
     m.add("FORMAT_VERSION", (upgrade::CURRENT.major, upgrade::CURRENT.minor))?;
     m.add("OLDEST_FORMAT_VERSION", (upgrade::OLDEST.major, upgrade::OLDEST.minor))?;
+    let released: Vec<(u32, u32)> = upgrade::released().iter().map(|v| (v.major, v.minor)).collect();
+    m.add("RELEASED_FORMAT_VERSIONS", released)?;
     m.add_class::<program::Program>()?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     Ok(())

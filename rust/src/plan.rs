@@ -12,7 +12,8 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use crate::artifact;
 use crate::error::{Error, Result};
 use crate::graph::{ArgPlan, GraphPlan, OpName, OutPlan, ValueRef};
-use crate::schema::{Arg, Constant};
+use crate::opschema::{self, Drift};
+use crate::schema::{Arg, Constant, Document};
 
 /// Op namespaces a file may use without the caller's say-so.
 pub const DEFAULT_NAMESPACES: &[&str] = &["aten", "prims"];
@@ -47,29 +48,72 @@ pub struct Plan {
     outputs: Vec<ArgT>,
 }
 
-/// Resolves ops, weights and literals. The outer `PyResult` is an unexpected Python
-/// failure; the inner `Result` says the file is at fault.
+/// Resolves every op in the table and checks each recorded schema against the running
+/// torch, applying op upgraders to `doc`'s nodes where one is registered. Returns the op
+/// objects (indexed like `doc.ops`) and notes on compatible drift.
+pub fn resolve_ops(py: Python<'_>, torch: &Bound<'_, PyModule>, doc: &mut Document) -> PyResult<Result<(Vec<Py<PyAny>>, Vec<String>)>> {
+    let names = match crate::graph::op_names(&doc.ops) {
+        Ok(n) => n,
+        Err(e) => return Ok(Err(e)),
+    };
+    let version: String = torch.getattr("__version__")?.str()?.to_string();
+    let mut resolved = Vec::with_capacity(names.len());
+    let mut notes = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        let what = format!("ops[{i}] ({name})");
+        let op = match resolve_op(py, torch, name, &what)? {
+            Ok(op) => op,
+            Err(e) => return Ok(Err(e)),
+        };
+        let current = match op.bind(py).getattr("_schema") {
+            Ok(s) => Some(s.str()?.to_string()),
+            Err(_) => None,
+        };
+        if let (Some(recorded), Some(current)) = (doc.ops[i].schema.clone(), current) {
+            match opschema::compare(&recorded, &current) {
+                Drift::Identical => {}
+                Drift::Compatible(added) => notes.push(format!(
+                    "{name}: the running torch {version} adds argument(s) {}; their defaults apply",
+                    added.join(", ")
+                )),
+                Drift::Incompatible => match opschema::find_upgrader(&name.to_string(), &recorded) {
+                    Some(u) => {
+                        for node in doc.graph.nodes.iter_mut().filter(|n| n.op == i) {
+                            if let Err(e) = (u.rewrite)(node) {
+                                return Ok(Err(artifact!("{what}: op upgrader {}: {e}", u.name)));
+                            }
+                        }
+                        doc.ops[i].schema = Some(current);
+                        notes.push(format!("{name}: op upgrader {} rewrote its nodes for torch {version}", u.name));
+                    }
+                    None => {
+                        return Ok(Err(artifact!(
+                            "{what}: the op's schema changed incompatibly and no op upgrader is registered: \
+                             saved with torch {} as `{recorded}`, the running torch {version} has `{current}`",
+                            doc.producer.torch
+                        )))
+                    }
+                },
+            }
+        }
+        resolved.push(op);
+    }
+    Ok(Ok((resolved, notes)))
+}
+
+/// Resolves weights and literals and checks each node against its op's schema. The outer
+/// `PyResult` is an unexpected Python failure; the inner `Result` says the file is at fault.
 pub fn build(
     py: Python<'_>,
     torch: &Bound<'_, PyModule>,
     graph: &GraphPlan,
+    ops: &[Py<PyAny>],
     weights: &BTreeMap<String, Py<PyAny>>,
 ) -> PyResult<Result<Plan>> {
-    let mut ops: BTreeMap<String, Py<PyAny>> = BTreeMap::new();
     let mut steps = Vec::with_capacity(graph.steps.len());
     for (i, step) in graph.steps.iter().enumerate() {
-        let what = format!("graph.nodes[{i}] ({})", step.op);
-        let key = step.op.to_string();
-        let op = match ops.get(&key) {
-            Some(op) => op.clone_ref(py),
-            None => match resolve_op(py, torch, &step.op, &what)? {
-                Ok(op) => {
-                    ops.insert(key, op.clone_ref(py));
-                    op
-                }
-                Err(e) => return Ok(Err(e)),
-            },
-        };
+        let what = format!("graph.nodes[{i}] ({})", step.op_name);
+        let op = ops[step.op].clone_ref(py);
         if let Err(e) = check_schema(py, &op, step, &what)? {
             return Ok(Err(e));
         }
@@ -85,6 +129,7 @@ pub fn build(
                 Err(e) => return Ok(Err(e)),
             }
         }
+        // OpOverload.__call__ is a Python frame around `_op`, the C++ callable: skip it.
         let callable = op.bind(py).getattr("_op").map(Bound::unbind).unwrap_or(op);
         steps.push(Step { op: callable, args, kwargs, outputs: step.outputs.clone(), free: step.free.clone() });
     }

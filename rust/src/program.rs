@@ -58,6 +58,8 @@ pub struct Program {
     upgraded_from: FormatVersion,
     upgraders: Vec<&'static str>,
     producer: Py<PyDict>,
+    /// What loading noticed and handled: compatible op-schema drift, op upgraders run.
+    notes: Vec<String>,
     signature_obj: PyOnceLock<Py<PyAny>>,
 }
 
@@ -73,8 +75,8 @@ struct Validated {
     upgraders: Vec<&'static str>,
 }
 
-/// Parses and validates a whole file's bytes. Pure: fuzzable and testable without Python.
-pub fn validate_file(bytes: &[u8]) -> Result<(container::Layout, Document, Vec<&'static str>, FormatVersion)> {
+/// Parses a whole file's bytes: container, header JSON, upgraders, typed document.
+pub fn parse_file(bytes: &[u8]) -> Result<(container::Layout, Document, Vec<&'static str>, FormatVersion)> {
     let layout = container::parse_layout(bytes)?;
     let header: serde_json::Value = serde_json::from_slice(&bytes[layout.header.clone()])
         .map_err(|e| artifact!("header: invalid JSON: {e}"))?;
@@ -83,8 +85,21 @@ pub fn validate_file(bytes: &[u8]) -> Result<(container::Layout, Document, Vec<&
     Ok((layout, doc, up.applied, up.from))
 }
 
-fn validate(bytes: &[u8]) -> Result<(container::Layout, Validated)> {
-    let (layout, doc, upgraders, upgraded_from) = validate_file(bytes)?;
+/// Parses and validates a whole file's bytes without Python: fuzzable and testable.
+pub fn validate_file(bytes: &[u8]) -> Result<()> {
+    let (layout, doc, upgraders, from) = parse_file(bytes)?;
+    check_document(doc, &layout, bytes, upgraders, from).map(|_| ())
+}
+
+/// Every cross-field rule of a parsed document.
+fn check_document(
+    doc: Document,
+    layout: &container::Layout,
+    bytes: &[u8],
+    upgraders: Vec<&'static str>,
+    upgraded_from: FormatVersion,
+) -> Result<Validated> {
+    let layout = layout.clone();
     let sig = Signature::new(&doc.signature)?;
     let n_leaves = treespec::validate(&doc.inputs.spec, "inputs.spec")?;
     if n_leaves != doc.inputs.leaves.len() {
@@ -105,7 +120,8 @@ fn validate(bytes: &[u8]) -> Result<(container::Layout, Validated)> {
         }
     }
     let weights = weights::validate(&doc.weights, &layout)?;
-    let graph = graph::plan(&doc.graph, n_leaves, |w| weights.contains_key(w))?;
+    let ops = graph::op_names(&doc.ops)?;
+    let graph = graph::plan(&doc.graph, &ops, n_leaves, |w| weights.contains_key(w))?;
     let mut extra_spans = Vec::new();
     for (name, f) in &doc.extra_files {
         let what = format!("extra_files[{name:?}]");
@@ -116,7 +132,7 @@ fn validate(bytes: &[u8]) -> Result<(container::Layout, Validated)> {
         }
         extra_spans.push(range);
     }
-    Ok((layout, Validated { doc, sig, symbols, graph, weights, leaf_paths, upgraded_from, upgraders }))
+    Ok(Validated { doc, sig, symbols, graph, weights, leaf_paths, upgraded_from, upgraders })
 }
 
 fn check_extra_name(name: &str, what: &str) -> Result<()> {
@@ -209,12 +225,15 @@ pub fn load(py: Python<'_>, path: &str) -> PyResult<Program> {
     // SAFETY: a private, copy-on-write map. Another process truncating the file under us
     // would fault, as with any mapped file; kwexport writes files by rename, never in place.
     let map = Arc::new(unsafe { MmapOptions::new().map_copy(&file)? });
-    let (layout, v) = validate(&map)?;
-
+    let (layout, mut doc, upgraders, from) = parse_file(&map)?;
     let torch = py.import("torch")?;
+    // Op upgraders may rewrite nodes, so ops are resolved before the graph is checked.
+    let (ops, notes) = plan::resolve_ops(py, &torch, &mut doc)??;
+    let v = check_document(doc, &layout, &map, upgraders, from)?;
+
     let data = Bound::new(py, MappedData::new(map.clone(), &layout))?;
     let weights = weights::materialize(py, &torch, data, &v.doc.weights, &v.weights)?;
-    let plan = plan::build(py, &torch, &v.graph, &weights)??;
+    let plan = plan::build(py, &torch, &v.graph, &ops, &weights)??;
 
     let mut leaf_checks = Vec::with_capacity(v.doc.inputs.leaves.len());
     for (i, leaf) in v.doc.inputs.leaves.iter().enumerate() {
@@ -279,6 +298,7 @@ pub fn load(py: Python<'_>, path: &str) -> PyResult<Program> {
         upgraded_from: v.upgraded_from,
         upgraders: v.upgraders,
         producer: producer.unbind(),
+        notes,
         sig: v.sig,
         signature_obj: PyOnceLock::new(),
     })
@@ -452,6 +472,12 @@ impl Program {
     #[getter]
     fn producer(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
         Ok(self.producer.bind(py).copy()?.unbind())
+    }
+
+    /// What loading noticed and handled, such as op-schema drift in a newer torch.
+    #[getter]
+    fn load_notes(&self) -> Vec<String> {
+        self.notes.clone()
     }
 
     #[getter]

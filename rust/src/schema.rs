@@ -30,6 +30,8 @@ pub struct Document {
     pub outputs: TreeSpec,
     #[serde(default)]
     pub symbols: Vec<Symbol>,
+    /// Every op the graph calls, once (format 2.0 on).
+    pub ops: Vec<OpEntry>,
     pub graph: Graph,
     pub weights: Weights,
     #[serde(default)]
@@ -237,9 +239,20 @@ pub enum InputSource {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OpEntry {
+    /// Qualified op name, `namespace::name.overload`, e.g. `aten::add.Tensor`, or
+    /// `operator::mul` for the Python operators graphs apply to symbolic sizes.
+    pub name: String,
+    /// The op's schema in the torch that wrote the file (`str(op._schema)`); `None` when
+    /// unknown (files upgraded from format 1.0) or for Python operators.
+    #[serde(default)]
+    pub schema: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Node {
-    /// Qualified op name, `namespace::name.overload`, e.g. `aten::add.Tensor`.
-    pub op: String,
+    /// Index into `ops`.
+    pub op: usize,
     #[serde(default)]
     pub args: Vec<Arg>,
     #[serde(default)]

@@ -12,7 +12,7 @@ use serde_json::Value;
 use crate::error::{Error, Result};
 use crate::schema::FormatVersion;
 
-pub const CURRENT: FormatVersion = FormatVersion { major: 1, minor: 0 };
+pub const CURRENT: FormatVersion = FormatVersion { major: 2, minor: 0 };
 /// The oldest version this runtime reads.
 pub const OLDEST: FormatVersion = FormatVersion { major: 1, minor: 0 };
 
@@ -24,7 +24,45 @@ pub struct Upgrader {
 }
 
 /// The registered upgraders, oldest first.
-pub const UPGRADERS: &[Upgrader] = &[];
+pub const UPGRADERS: &[Upgrader] = &[Upgrader {
+    from: FormatVersion { major: 1, minor: 0 },
+    to: FormatVersion { major: 2, minor: 0 },
+    name: "v1_to_v2_op_table",
+    apply: v1_to_v2_op_table,
+}];
+
+/// 1.0 named each node's op inline; 2.0 lists each op once in `ops`, with the schema it
+/// had when saved (unknown for upgraded files), and nodes refer to it by index.
+fn v1_to_v2_op_table(mut doc: Value) -> Result<Value> {
+    let bad = |what: &str| Error::Artifact(format!("graph.nodes: {what}"));
+    let mut ops: Vec<String> = Vec::new();
+    let nodes = doc
+        .pointer_mut("/graph/nodes")
+        .and_then(Value::as_array_mut)
+        .ok_or_else(|| bad("missing or not a list"))?;
+    for (i, node) in nodes.iter_mut().enumerate() {
+        let op = node
+            .get("op")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad(&format!("[{i}].op: expected an op name")))?
+            .to_owned();
+        let index = ops.iter().position(|o| *o == op).unwrap_or_else(|| {
+            ops.push(op);
+            ops.len() - 1
+        });
+        node["op"] = Value::from(index);
+    }
+    let table: Vec<Value> = ops.into_iter().map(|name| serde_json::json!({"name": name, "schema": null})).collect();
+    doc["ops"] = Value::from(table);
+    doc["format_version"] = serde_json::json!({"major": 2, "minor": 0});
+    Ok(doc)
+}
+
+/// Every format version this runtime reads, oldest first: where the chain starts, and
+/// where each upgrader lands. Each has golden files under `tests/golden/`.
+pub fn released() -> Vec<FormatVersion> {
+    std::iter::once(OLDEST).chain(UPGRADERS.iter().map(|u| u.to)).collect()
+}
 
 /// The outcome of bringing a document to the current version.
 #[derive(Debug, Clone, PartialEq)]
@@ -99,12 +137,58 @@ mod tests {
         validate_chain(UPGRADERS, OLDEST, CURRENT).unwrap();
     }
 
+    fn noop(v: Value) -> Result<Value> {
+        Ok(v)
+    }
+    const fn v(major: u32, minor: u32) -> FormatVersion {
+        FormatVersion { major, minor }
+    }
+    const fn up(from: FormatVersion, to: FormatVersion, name: &'static str) -> Upgrader {
+        Upgrader { from, to, name, apply: noop }
+    }
+
+    #[test]
+    fn chain_validator_catches_gaps_and_duplicates() {
+        let gap = [up(v(1, 0), v(2, 0), "a"), up(v(3, 0), v(4, 0), "b")];
+        assert_eq!(validate_chain(&gap, v(1, 0), v(4, 0)).unwrap_err(), "gap: no upgrader from 2.0 (next is b, from 3.0)");
+        let dup = [up(v(1, 0), v(2, 0), "a"), up(v(1, 0), v(2, 0), "a2")];
+        assert!(validate_chain(&dup, v(1, 0), v(2, 0)).unwrap_err().contains("duplicate"));
+        let short = [up(v(1, 0), v(2, 0), "a")];
+        assert!(validate_chain(&short, v(1, 0), v(3, 0)).unwrap_err().contains("not at the current version 3.0"));
+        let back = [up(v(2, 0), v(1, 0), "z")];
+        assert!(validate_chain(&back, v(2, 0), v(2, 0)).unwrap_err().contains("backwards"));
+    }
+
+    #[test]
+    fn each_upgrader_output_parses_as_the_next_version() {
+        // A minimal but complete 1.0 document: one node, used twice.
+        let v1 = json!({
+            "format_version": {"major": 1, "minor": 0},
+            "producer": {"kwexport": "0.1.0", "torch": "2.13.0"},
+            "signature": {"name": "f", "params": [{"name": "x", "kind": "positional_or_keyword"}]},
+            "inputs": {"spec": {"type": "tuple", "children": [{"type": "tuple", "children": [{"type": "leaf"}]}, {"type": "dict", "entries": []}]},
+                       "leaves": [{"tensor": {"dtype": "float32", "device": "cpu", "shape": [{"static": 2}]}}]},
+            "outputs": {"type": "leaf"},
+            "graph": {"inputs": [{"name": "x", "source": {"user": 0}}],
+                      "nodes": [{"op": "aten::neg.default", "args": [{"ref": "x"}], "outputs": {"one": "a"}},
+                                {"op": "aten::neg.default", "args": [{"ref": "a"}], "outputs": {"one": "b"}}],
+                      "outputs": [{"ref": "b"}]},
+            "weights": {"storages": [], "tensors": {}}
+        });
+        let up = upgrade(v1).unwrap();
+        assert_eq!(up.applied, vec!["v1_to_v2_op_table"]);
+        let doc: crate::schema::Document = serde_json::from_value(up.document).unwrap();
+        assert_eq!(doc.format_version, CURRENT);
+        assert_eq!(doc.ops, vec![crate::schema::OpEntry { name: "aten::neg.default".into(), schema: None }]);
+        assert_eq!((doc.graph.nodes[0].op, doc.graph.nodes[1].op), (0, 0));
+    }
+
     #[test]
     fn refuses_newer_major() {
         let e = upgrade(json!({"format_version": {"major": 9, "minor": 0}})).unwrap_err();
         assert_eq!(
             e,
-            Error::Version("file format 9.0 is newer than this runtime, which reads 1.0 to 1.x: upgrade kwexport".into())
+            Error::Version("file format 9.0 is newer than this runtime, which reads 1.0 to 2.x: upgrade kwexport".into())
         );
     }
 

@@ -1,0 +1,72 @@
+"""Writes golden artifacts for the current format version into tests/golden/<major.minor>/.
+
+Run once per released format version, with the kwexport that writes it, and commit the
+output: `python tests/golden/make_golden.py`. Existing versions are never rewritten.
+Each case is `<name>.kwx` plus `<name>.json` holding calls and their expected outputs,
+encoded without pickle (see `tensor_codec.py`).
+"""
+
+import json
+import pathlib
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import kwexport  # noqa: E402
+from tensor_codec import encode  # noqa: E402
+
+
+def nested_kwargs(x, y, *, cfg, scale=2.0, **extra):
+    return {"out": x * scale + cfg["shift"][0] - extra["bias"], "pair": (y.sum(-1), x.shape[0])}
+
+
+class TinyMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x, *, mask=None):
+        h = torch.relu(self.norm(self.fc1(x)))
+        return self.fc2(h) if mask is None else self.fc2(h) * mask
+
+
+def dynamic(x, y):
+    return torch.cat([x, y], dim=0).softmax(-1)
+
+
+def cases():
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)
+    torch.manual_seed(0)
+    mlp = TinyMLP().eval()
+    d = torch.export.Dim("d", min=2, max=16)
+    yield "nested_kwargs", nested_kwargs, (r(2, 3), r(2, 4)), {"cfg": {"shift": [r(3)]}, "bias": r(3)}, None, [
+        ((r(2, 3), r(2, 4)), {"bias": r(3), "cfg": {"shift": [r(3)]}}),
+    ]
+    yield "tiny_mlp", mlp, (r(4, 6),), {"mask": r(3)}, None, [((r(4, 6),), {"mask": r(3)})]
+    yield "dynamic", dynamic, (r(3, 5), r(3, 5)), {}, {"x": {0: d}, "y": {0: d}}, [
+        ((r(2, 5), r(2, 5)), {}),
+        ((r(9, 5), r(9, 5)), {}),
+    ]
+
+
+def main():
+    major, minor = kwexport.FORMAT_VERSION
+    out = pathlib.Path(__file__).parent / f"{major}.{minor}"
+    if out.exists():
+        sys.exit(f"{out} exists: golden files of a released version are never rewritten")
+    out.mkdir()
+    for name, f, args, kwargs, dyn, calls in cases():
+        kwexport.save(kwexport.export(f, args, kwargs, dynamic_shapes=dyn), out / f"{name}.kwx",
+                      extra_files={"golden.txt": f"{name} at format {major}.{minor}"})
+        with torch.no_grad():
+            record = [{"args": encode(a), "kwargs": encode(k), "expected": encode(f(*a, **k))} for a, k in calls]
+        (out / f"{name}.json").write_text(json.dumps({"calls": record}, indent=1) + "\n")
+        print("wrote", out / name)
+
+
+if __name__ == "__main__":
+    main()
