@@ -37,6 +37,23 @@ fn load(py: Python<'_>, path: std::path::PathBuf) -> PyResult<program::Program> 
     program::load(py, path)
 }
 
+/// Validates a file without running anything and describes it, for the command line:
+/// a dict with the header (as JSON, brought to the current format), the file's own format
+/// version, the upgraders that ran, each input leaf's path and the data section's offset.
+#[pyfunction]
+fn describe(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
+    let bytes = std::fs::read(&path)?;
+    let d = py.detach(|| program::describe_file(&bytes))?;
+    let out = pyo3::types::PyDict::new(py);
+    let header = serde_json::to_string(&d.document).map_err(|e| error::Error::Artifact(format!("header: {e}")))?;
+    out.set_item("header", header)?;
+    out.set_item("file_format_version", (d.file_format_version.major, d.file_format_version.minor))?;
+    out.set_item("upgraders", d.upgraders)?;
+    out.set_item("leaf_paths", d.leaf_paths)?;
+    out.set_item("data_offset", d.data.start)?;
+    Ok(out)
+}
+
 #[pymodule]
 fn _rt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -52,5 +69,6 @@ fn _rt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RELEASED_FORMAT_VERSIONS", released)?;
     m.add_class::<program::Program>()?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add_function(wrap_pyfunction!(describe, m)?)?;
     Ok(())
 }

@@ -87,8 +87,29 @@ pub fn parse_file(bytes: &[u8]) -> Result<(container::Layout, Document, Vec<&'st
 
 /// Parses and validates a whole file's bytes without Python: fuzzable and testable.
 pub fn validate_file(bytes: &[u8]) -> Result<()> {
+    describe_file(bytes).map(|_| ())
+}
+
+/// What `kwexport inspect` and `kwexport upgrade` need: the validated document at the
+/// current version, where it came from, every input leaf's path, and the data section.
+pub struct Description {
+    pub document: Document,
+    pub file_format_version: FormatVersion,
+    pub upgraders: Vec<&'static str>,
+    pub leaf_paths: Vec<String>,
+    pub data: std::ops::Range<usize>,
+}
+
+pub fn describe_file(bytes: &[u8]) -> Result<Description> {
     let (layout, doc, upgraders, from) = parse_file(bytes)?;
-    check_document(doc, &layout, bytes, upgraders, from).map(|_| ())
+    let v = check_document(doc, &layout, bytes, upgraders, from)?;
+    Ok(Description {
+        document: v.doc,
+        file_format_version: v.upgraded_from,
+        upgraders: v.upgraders,
+        leaf_paths: v.leaf_paths,
+        data: layout.data,
+    })
 }
 
 /// Every cross-field rule of a parsed document.
