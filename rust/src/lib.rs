@@ -57,6 +57,9 @@ fn describe(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Bound<'_, pyo3
 #[pymodule]
 fn _rt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    // A broken upgrader chain is a build defect: refuse to import rather than misread files.
+    upgrade::validate_chain(upgrade::UPGRADERS, upgrade::OLDEST, upgrade::CURRENT)
+        .map_err(|e| pyo3::exceptions::PyImportError::new_err(format!("kwexport: invalid upgrader chain: {e}")))?;
     let c = error::classes(py);
     m.add("KwexportError", c.base.bind(py))?;
     m.add("ArtifactError", c.artifact.bind(py))?;
