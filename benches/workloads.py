@@ -1,0 +1,97 @@
+"""The benchmark workloads: each returns (callable, args, kwargs, dynamic_shapes).
+
+Shapes cover what production calls: a 2-op function with a keyword-only argument; an MLP
+taking *args, keyword-only args, a defaulted kwarg and **kwargs with nested dicts and lists;
+a 6-layer transformer encoder (d=256) with a keyword mask; a conv net with batch norm and
+~10 MB of weights; a 256-layer tiny MLP (~1000 graph nodes).
+"""
+
+import torch
+from torch import nn
+
+
+def two_op(x, *, scale):
+    return x * scale + 1.0
+
+
+class KwargsMLP(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.hidden = nn.Linear(d, d)
+        self.out = nn.Linear(d, 8)
+
+    def forward(self, x, *extra, scale, bias=None, temperature=1.0, **cfg):
+        h = torch.relu(self.inp(x + extra[0]))
+        h = self.hidden(h * scale)
+        if bias is not None:
+            h = h + bias
+        h = h + cfg["shift"]["a"] * cfg["shift"]["b"][0] - cfg["shift"]["b"][1]
+        return {"logits": self.out(h) / temperature, "hidden": h}
+
+
+class Encoder(nn.Module):
+    def __init__(self, d=256, layers=6):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d, nhead=8, dim_feedforward=4 * d, batch_first=True, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+    def forward(self, src, *, mask):
+        return self.enc(src, src_key_padding_mask=mask)
+
+
+class ConvNet(nn.Module):
+    """~10 MB of float32 weights."""
+
+    def __init__(self):
+        super().__init__()
+        chans = [3, 64, 128, 256, 256]
+        layers = []
+        for a, b in zip(chans, chans[1:]):
+            layers += [nn.Conv2d(a, b, 3, padding=1), nn.BatchNorm2d(b), nn.ReLU(), nn.MaxPool2d(2)]
+        self.body = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(256, 1000))
+
+    def forward(self, images):
+        return self.body(images)
+
+
+class DeepMLP(nn.Module):
+    """256 residual layers of 4 ops each: ~1000 graph nodes on tiny tensors."""
+
+    def __init__(self, depth=256, d=16):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + torch.relu(layer(x)) * 0.5
+        return x
+
+
+def build(name):
+    torch.manual_seed(0)
+    if name == "two_op":
+        return two_op, (torch.randn(8),), {"scale": torch.randn(8)}
+    if name == "kwargs_mlp":
+        args = (torch.randn(4, 32), torch.randn(4, 32))
+        kwargs = {"scale": torch.randn(32), "bias": torch.randn(32),
+                  "shift": {"a": torch.randn(32), "b": [torch.randn(32), torch.randn(32)]}}
+        return KwargsMLP().eval(), args, kwargs
+    if name == "transformer":
+        mask = torch.zeros(2, 32, dtype=torch.bool)
+        mask[1, 24:] = True
+        return Encoder().eval(), (torch.randn(2, 32, 256),), {"mask": mask}
+    if name == "convnet":
+        m = ConvNet().eval()
+        with torch.no_grad():
+            for mod in m.modules():
+                if isinstance(mod, nn.BatchNorm2d):
+                    mod.running_mean.uniform_(-0.1, 0.1)
+                    mod.running_var.uniform_(0.5, 1.5)
+        return m, (torch.randn(1, 3, 32, 32),), {}
+    if name == "deep_mlp":
+        return DeepMLP().eval(), (torch.randn(4, 16),), {}
+    raise KeyError(name)
+
+
+NAMES = ["two_op", "kwargs_mlp", "transformer", "convnet", "deep_mlp"]
