@@ -143,7 +143,8 @@ pub fn plan<'g>(graph: &'g Graph, ops: &[OpName], n_leaves: usize, has_weight: i
             .get(node.op)
             .cloned()
             .ok_or_else(|| artifact!("graph.nodes[{i}]: op {} is not in the op table ({} ops)", node.op, ops.len()))?;
-        let what = format!("graph.nodes[{i}] ({op_name})");
+        // Only formatted on error: this loop runs once per node of every load.
+        let what = || format!("graph.nodes[{i}] ({op_name})");
         let args = node.args.iter().map(|a| resolve(a, &defs, &what)).collect::<Result<Vec<_>>>()?;
         let kwargs = node
             .kwargs
@@ -153,7 +154,7 @@ pub fn plan<'g>(graph: &'g Graph, ops: &[OpName], n_leaves: usize, has_weight: i
         let mut define = |name: &'g str| -> Result<usize> {
             let slot = n_slots;
             if defs.insert(name, ValueRef::Slot(slot)).is_some() {
-                return Err(artifact!("{what}: value {name:?} defined twice"));
+                return Err(artifact!("{}: value {name:?} defined twice", what()));
             }
             n_slots += 1;
             Ok(slot)
@@ -171,7 +172,7 @@ pub fn plan<'g>(graph: &'g Graph, ops: &[OpName], n_leaves: usize, has_weight: i
     let outputs = graph
         .outputs
         .iter()
-        .map(|a| resolve(a, &defs, "graph.outputs"))
+        .map(|a| resolve(a, &defs, &|| "graph.outputs".to_owned()))
         .collect::<Result<Vec<_>>>()?;
 
     // Last reader of each slot; outputs are read "after" every step, so never freed early.
@@ -208,13 +209,11 @@ pub fn plan<'g>(graph: &'g Graph, ops: &[OpName], n_leaves: usize, has_weight: i
     Ok(GraphPlan { n_slots, user_inputs, steps, outputs })
 }
 
-fn resolve(arg: &Arg, defs: &HashMap<&str, ValueRef>, what: &str) -> Result<ArgPlan> {
+fn resolve(arg: &Arg, defs: &HashMap<&str, ValueRef>, what: &dyn Fn() -> String) -> Result<ArgPlan> {
     Ok(match arg {
-        Arg::Ref(name) => ArgPlan::Value(
-            defs.get(name.as_str())
-                .cloned()
-                .ok_or_else(|| artifact!("{what}: value {name:?} is used before it is defined (or never defined)"))?,
-        ),
+        Arg::Ref(name) => ArgPlan::Value(defs.get(name.as_str()).cloned().ok_or_else(|| {
+            artifact!("{}: value {name:?} is used before it is defined (or never defined)", what())
+        })?),
         Arg::List(items) => ArgPlan::List(items.iter().map(|a| resolve(a, defs, what)).collect::<Result<_>>()?),
         literal => ArgPlan::Literal(literal.clone()),
     })

@@ -112,7 +112,7 @@ pub fn build(
 ) -> PyResult<Result<Plan>> {
     let mut steps = Vec::with_capacity(graph.steps.len());
     for (i, step) in graph.steps.iter().enumerate() {
-        let what = format!("graph.nodes[{i}] ({})", step.op_name);
+        let what = format!("graph.nodes[{i}] ({})", step.op_name); // cheap beside the Python work below
         let op = ops[step.op].clone_ref(py);
         if let Err(e) = check_schema(py, &op, step, &what)? {
             return Ok(Err(e));

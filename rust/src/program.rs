@@ -428,6 +428,27 @@ impl Program {
         self.outputs.unflatten(py, &mut flat.into_iter())
     }
 
+    /// Runs the graph on already-flat leaves with no binding, no checks and no rebuilding:
+    /// the floor that benchmarks measure the call path's overhead against.
+    fn _run_flat<'py>(&self, leaves: Vec<Bound<'py, PyAny>>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let py = match leaves.first() {
+            Some(l) => l.py(),
+            None => return Err(pyo3::exceptions::PyValueError::new_err("no leaves")),
+        };
+        if leaves.len() != self.leaf_checks.len() {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!("expected {} leaves", self.leaf_checks.len())));
+        }
+        self.plan.run(py, &leaves)
+    }
+
+    /// Binds and flattens a call to its leaves, checked, without running the graph.
+    #[pyo3(signature = (*args, **kwargs))]
+    fn _flatten<'py>(&self, args: &Bound<'py, PyTuple>, kwargs: Option<&Bound<'py, PyDict>>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let leaves = self.flatten(args, kwargs)?;
+        self.check(&leaves, self.tensor_type.bind(args.py()))?;
+        Ok(leaves)
+    }
+
     /// The original signature, for `inspect.signature(program)`.
     #[getter]
     fn __signature__(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
