@@ -45,11 +45,11 @@ class ConvNet(nn.Module):
 
     def __init__(self):
         super().__init__()
-        chans = [3, 64, 128, 256, 256]
+        chans = [3, 64, 128, 256, 512]
         layers = []
         for a, b in zip(chans, chans[1:]):
             layers += [nn.Conv2d(a, b, 3, padding=1), nn.BatchNorm2d(b), nn.ReLU(), nn.MaxPool2d(2)]
-        self.body = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(256, 1000))
+        self.body = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 1500))
 
     def forward(self, images):
         return self.body(images)

@@ -210,3 +210,31 @@ def test_output_structure_is_rebuilt(roundtrip):
     assert list(got) == ["z", "a", "b"]
     with pytest.raises(kwexport.InputError, match=r"^pair: expected a Pair\(first, second\), got a tuple of 2 items$"):
         prog(x, pair=(pair.first, pair.second))
+
+
+def test_in_place_ops_on_intermediates_run_as_traced(roundtrip):
+    def f(x, mask):
+        h = x * 2
+        h.masked_fill_(mask, 0.0)  # on a fresh intermediate: safe to run in place
+        return h.relu_()
+
+    x, mask = torch.randn(4, 3), torch.rand(4, 3) > 0.5
+    prog = roundtrip(f, (x, mask))
+    for _ in range(2):  # the input is never written, so calls stay repeatable
+        x2 = torch.randn(4, 3)
+        before = x2.clone()
+        assert_same(prog(x2, mask), f(x2.clone(), mask))
+        assert torch.equal(x2, before)
+
+
+def test_in_place_ops_on_inputs_are_refused():
+    def f(x):
+        y = x.view(-1)
+        y.add_(1)  # writes to the caller's tensor through a view
+        return x * 2
+
+    with pytest.raises(kwexport.ArtifactError) as e:
+        kwexport.export(f, (torch.zeros(2, 2),))
+    assert str(e.value) == (
+        "graph output 'view_1': the program has a USER_INPUT_MUTATION output; kwexport saves pure inference programs"
+    )

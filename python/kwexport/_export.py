@@ -105,13 +105,42 @@ def export(f, args, kwargs=None, *, dynamic_shapes=None) -> Exported:
     finally:
         del module.forward
 
-    # Functionalize (in-place ops on intermediates become pure; buffer updates become
-    # outputs, which _serialize refuses) without decomposing: fewer, bigger ops run faster.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")  # torch-internal
-        ep = ep.run_decompositions({})
+    # torch.export's graph runs as-is when its in-place ops only touch the call's own fresh
+    # intermediates. Otherwise functionalize: buffer updates become outputs (refused below),
+    # in-place ops on inputs become copies. Not by default: functionalizing also turns every
+    # `contiguous` and `reshape` into a copy, a third slower on a transformer here.
+    if _mutates_inputs(ep):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")  # torch-internal
+            ep = ep.run_decompositions({})
     header, storages = _serialize(ep, sig_json, leaves, in_spec)
     return Exported(ep, header, storages)
+
+
+def _mutates_inputs(ep) -> bool:
+    """Whether an in-place op writes to a placeholder (input or weight) or a view of one."""
+    for node in ep.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if not target._schema.is_mutable:
+            continue
+        for i, arg in enumerate(target._schema.arguments):
+            written = arg.alias_info is not None and arg.alias_info.is_write
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            root = _view_root(value)
+            if written and isinstance(root, torch.fx.Node) and root.op == "placeholder":
+                return True
+    return False
+
+
+def _view_root(value):
+    """Follows views (ops whose first return aliases their first argument) back to their base."""
+    while (isinstance(value, torch.fx.Node) and value.op == "call_function"
+           and isinstance(value.target, torch._ops.OpOverload) and value.target._schema.returns
+           and value.target._schema.returns[0].alias_info is not None and value.args):
+        value = value.args[0]
+    return value
 
 
 class _FunctionModule(torch.nn.Module):
@@ -276,8 +305,6 @@ def _node(node, ops):
     if target is operator.getitem and isinstance(node.args[0], torch.fx.Node) and _is_multi(node.args[0]):
         return None  # folded into the producer's outputs
     if isinstance(target, torch._ops.OpOverload):
-        if target._schema.is_mutable:
-            raise ArtifactError(f"node {node.name!r}: {target} mutates its inputs; kwexport saves pure inference programs")
         op, schema = f"{target._schema.name}.{target._overloadname}", str(target._schema)
     elif target in _PY_OPERATORS:
         op, schema = f"operator::{_PY_OPERATORS[target]}", None

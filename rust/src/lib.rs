@@ -54,6 +54,31 @@ fn describe(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Bound<'_, pyo3
     Ok(out)
 }
 
+/// The binder alone, for property tests against `inspect.Signature.bind`: binds a call
+/// with `n_args` positionals and these keyword names to a signature given as its JSON.
+/// Returns, per parameter, `("positional", i)`, `("keyword", name)`, `("default",)`,
+/// `("var_positional", start, stop)` or `("var_keyword", [names])`.
+#[pyfunction]
+fn _bind<'py>(py: Python<'py>, signature_json: &str, n_args: usize, keywords: Vec<String>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    use pyo3::IntoPyObjectExt;
+    use signature::{Bound as B, Source};
+    let raw: schema::Signature =
+        serde_json::from_str(signature_json).map_err(|e| error::Error::Artifact(format!("signature: {e}")))?;
+    let sig = signature::Signature::new(&raw)?;
+    sig.bind(n_args, &keywords)?
+        .into_iter()
+        .map(|b| match b {
+            B::One(Source::Positional(i)) => ("positional", i).into_bound_py_any(py),
+            B::One(Source::Keyword(k)) => ("keyword", keywords[k].clone()).into_bound_py_any(py),
+            B::One(Source::Default) => ("default",).into_bound_py_any(py),
+            B::VarPositional(r) => ("var_positional", r.start, r.end).into_bound_py_any(py),
+            B::VarKeyword(ks) => {
+                ("var_keyword", ks.into_iter().map(|k| keywords[k].clone()).collect::<Vec<_>>()).into_bound_py_any(py)
+            }
+        })
+        .collect()
+}
+
 #[pymodule]
 fn _rt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -73,5 +98,6 @@ fn _rt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<program::Program>()?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(describe, m)?)?;
+    m.add_function(wrap_pyfunction!(_bind, m)?)?;
     Ok(())
 }
