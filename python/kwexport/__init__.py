@@ -40,12 +40,17 @@ __all__ = [
 ]
 
 
-def load(path) -> Program:
+def load(path, *, allow_ops=()) -> Program:
     """Load a kwexport file. Parses and validates everything before returning; never
-    unpickles, evaluates or imports anything named in the file."""
+    unpickles, evaluates or imports anything named in the file.
+
+    Only ops of torch's built-in namespaces (aten, prims) load by default; ``allow_ops``
+    admits custom ones, e.g. ``["mylib::*"]`` or ``["mylib::scale.default"]``, which must
+    already be registered (kwexport never loads libraries for a file).
+    """
     import os
 
-    return _load(os.fspath(path))
+    return _load(os.fspath(path), allow_ops=list(allow_ops))
 
 
 def export(f, args, kwargs=None, *, dynamic_shapes=None):

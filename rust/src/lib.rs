@@ -30,11 +30,14 @@ pub mod weights;
 
 use pyo3::prelude::*;
 
-/// Loads a kwexport file and returns a callable `Program`.
+/// Loads a kwexport file and returns a callable `Program`. `allow_ops` names custom op
+/// namespaces or ops (`"mylib::*"`) the file may call beyond torch's own.
 #[pyfunction]
-fn load(py: Python<'_>, path: std::path::PathBuf) -> PyResult<program::Program> {
+#[pyo3(signature = (path, *, allow_ops = Vec::new()))]
+fn load(py: Python<'_>, path: std::path::PathBuf, allow_ops: Vec<String>) -> PyResult<program::Program> {
     let path = path.to_str().ok_or_else(|| pyo3::exceptions::PyValueError::new_err("path is not valid UTF-8"))?;
-    program::load(py, path)
+    let allow = plan::AllowOps::parse(&allow_ops).map_err(pyo3::exceptions::PyValueError::new_err)?;
+    program::load(py, path, &allow)
 }
 
 /// Validates a file without running anything and describes it, for the command line:

@@ -51,7 +51,12 @@ pub struct Plan {
 /// Resolves every op in the table and checks each recorded schema against the running
 /// torch, applying op upgraders to `doc`'s nodes where one is registered. Returns the op
 /// objects (indexed like `doc.ops`) and notes on compatible drift.
-pub fn resolve_ops(py: Python<'_>, torch: &Bound<'_, PyModule>, doc: &mut Document) -> PyResult<Result<(Vec<Py<PyAny>>, Vec<String>)>> {
+pub fn resolve_ops(
+    py: Python<'_>,
+    torch: &Bound<'_, PyModule>,
+    doc: &mut Document,
+    allow: &AllowOps,
+) -> PyResult<Result<(Vec<Py<PyAny>>, Vec<String>)>> {
     let names = match crate::graph::op_names(&doc.ops) {
         Ok(n) => n,
         Err(e) => return Ok(Err(e)),
@@ -61,7 +66,7 @@ pub fn resolve_ops(py: Python<'_>, torch: &Bound<'_, PyModule>, doc: &mut Docume
     let mut notes = Vec::new();
     for (i, name) in names.iter().enumerate() {
         let what = format!("ops[{i}] ({name})");
-        let op = match resolve_op(py, torch, name, &what)? {
+        let op = match resolve_op(py, torch, name, allow, &what)? {
             Ok(op) => op,
             Err(e) => return Ok(Err(e)),
         };
@@ -140,15 +145,54 @@ pub fn build(
     Ok(Ok(Plan { n_slots: graph.n_slots, user_inputs: graph.user_inputs.clone(), steps, outputs }))
 }
 
-fn resolve_op(py: Python<'_>, torch: &Bound<'_, PyModule>, op: &OpName, what: &str) -> PyResult<Result<Py<PyAny>>> {
+/// Ops the caller allows beyond torch's built-in namespaces: `ns::*`, `ns::name` (every
+/// overload) or `ns::name.overload`.
+#[derive(Debug, Default, Clone)]
+pub struct AllowOps(Vec<(String, Option<String>, Option<String>)>);
+
+impl AllowOps {
+    pub fn parse(patterns: &[String]) -> std::result::Result<Self, String> {
+        let mut out = Vec::new();
+        for p in patterns {
+            let bad = || format!("allow_ops: {p:?} is not of the form 'namespace::*', 'namespace::op' or 'namespace::op.overload'");
+            let (ns, rest) = p.split_once("::").ok_or_else(bad)?;
+            let entry = if rest == "*" {
+                (ns.to_owned(), None, None)
+            } else {
+                let op = OpName::parse(p).ok_or_else(bad)?;
+                (op.namespace, Some(op.name), op.overload)
+            };
+            if OpName::parse(&format!("{}::x", entry.0)).is_none() {
+                return Err(bad());
+            }
+            out.push(entry);
+        }
+        Ok(AllowOps(out))
+    }
+
+    fn allows(&self, op: &OpName) -> bool {
+        DEFAULT_NAMESPACES.contains(&op.namespace.as_str())
+            || self.0.iter().any(|(ns, name, overload)| {
+                *ns == op.namespace
+                    && name.as_ref().is_none_or(|n| *n == op.name)
+                    && overload.as_ref().is_none_or(|o| Some(o) == op.overload.as_ref())
+            })
+    }
+}
+
+fn resolve_op(py: Python<'_>, torch: &Bound<'_, PyModule>, op: &OpName, allow: &AllowOps, what: &str) -> PyResult<Result<Py<PyAny>>> {
     if op.namespace == "operator" {
         if op.overload.is_some() || !PY_OPERATORS.contains(&op.name.as_str()) {
             return Ok(Err(artifact!("{what}: operator.{} is not an allowed Python operator", op.name)));
         }
         return Ok(Ok(py.import("operator")?.getattr(op.name.as_str())?.unbind()));
     }
-    if !DEFAULT_NAMESPACES.contains(&op.namespace.as_str()) {
-        return Ok(Err(artifact!("{what}: op namespace {:?} is not allowed", op.namespace)));
+    if !allow.allows(op) {
+        return Ok(Err(artifact!(
+            "{what}: op namespace {:?} is not allowed (pass allow_ops=[\"{}::*\"] to load it, once its library is registered)",
+            op.namespace,
+            op.namespace
+        )));
     }
     let Some(overload) = &op.overload else {
         return Ok(Err(artifact!("{what}: a torch op needs an overload name, e.g. {}.default", op)));
@@ -161,7 +205,7 @@ fn resolve_op(py: Python<'_>, torch: &Bound<'_, PyModule>, op: &OpName, what: &s
         .and_then(|packet| packet.getattr(overload.as_str()));
     Ok(found
         .map(Bound::unbind)
-        .map_err(|_| artifact!("{what}: op not found in the running torch {version}")))
+        .map_err(|_| artifact!("{what}: op not found in the running torch {version} (custom ops must be registered before loading)")))
 }
 
 /// The node's arguments must fit the op's schema: no more positionals than it takes, only

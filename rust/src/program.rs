@@ -237,7 +237,7 @@ fn leaf_paths(spec: &TreeSpec, root: &str, path: &mut Vec<String>, out: &mut Vec
 }
 
 /// Loads and validates a file. Nothing is returned unless everything checks out.
-pub fn load(py: Python<'_>, path: &str) -> PyResult<Program> {
+pub fn load(py: Python<'_>, path: &str, allow: &plan::AllowOps) -> PyResult<Program> {
     let file = File::open(path)?;
     let len = file.metadata()?.len();
     if len == 0 {
@@ -249,7 +249,7 @@ pub fn load(py: Python<'_>, path: &str) -> PyResult<Program> {
     let (layout, mut doc, upgraders, from) = parse_file(&map)?;
     let torch = py.import("torch")?;
     // Op upgraders may rewrite nodes, so ops are resolved before the graph is checked.
-    let (ops, notes) = plan::resolve_ops(py, &torch, &mut doc)??;
+    let (ops, notes) = plan::resolve_ops(py, &torch, &mut doc, allow)??;
     let v = check_document(doc, &layout, &map, upgraders, from)?;
 
     let data = Bound::new(py, MappedData::new(map.clone(), &layout))?;
