@@ -7,6 +7,7 @@ import sys
 import textwrap
 import threading
 
+import pytest
 import torch
 
 import kwexport
@@ -132,3 +133,38 @@ def test_loading_from_threads(tmp_path):
     x = torch.randn(1, 3)
     for p in progs:
         assert torch.allclose(p(x), m(x))
+
+
+def test_pickles_by_reference(tmp_path):
+    import pickle
+
+    m = torch.nn.Linear(256, 256)  # 256 KB of weights
+    path = tmp_path / "m.kwx"
+    kwexport.save(kwexport.export(m, (torch.ones(1, 256),)), path)
+    prog = kwexport.load(path)
+    blob = pickle.dumps(prog)
+    assert len(blob) < 1000  # the path and a hash, not the weights
+    again = pickle.loads(blob)
+    x = torch.randn(1, 256)
+    assert torch.equal(again(x), prog(x))
+    # A file that changed since: refused on arrival.
+    kwexport.save(kwexport.export(torch.nn.Linear(256, 256), (torch.ones(1, 256),)), path)
+    with pytest.raises(kwexport.ArtifactError, match=r"changed since the program was pickled"):
+        pickle.loads(blob)
+
+
+def test_spawn_pool_workers_map_the_same_file(tmp_path):
+    import multiprocessing
+
+    import pool_worker
+
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+    path = tmp_path / "m.kwx"
+    kwexport.save(kwexport.export(m, (torch.ones(2, 8),)), path)
+    prog = kwexport.load(path)
+    inputs = [torch.randn(2, 8) for _ in range(8)]
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        results = pool.map(pool_worker.call, [(prog, x) for x in inputs])
+    assert len({pid for pid, _ in results}) > 1
+    for (_, got), x in zip(results, inputs):
+        assert torch.allclose(got, m(x))

@@ -37,7 +37,22 @@ use pyo3::prelude::*;
 fn load(py: Python<'_>, path: std::path::PathBuf, allow_ops: Vec<String>) -> PyResult<program::Program> {
     let path = path.to_str().ok_or_else(|| pyo3::exceptions::PyValueError::new_err("path is not valid UTF-8"))?;
     let allow = plan::AllowOps::parse(&allow_ops).map_err(pyo3::exceptions::PyValueError::new_err)?;
-    program::load(py, path, &allow)
+    program::load(py, path, &allow, allow_ops)
+}
+
+/// Unpickles a `Program`: loads `path` and checks that its content hash is `digest`.
+#[pyfunction]
+fn _load_verified(py: Python<'_>, path: std::path::PathBuf, digest: &str, allow_ops: Vec<String>) -> PyResult<program::Program> {
+    let prog = load(py, path.clone(), allow_ops)?;
+    if prog.digest(py) != digest {
+        return Err(error::Error::Artifact(format!(
+            "file: {} changed since the program was pickled (sha256 {}, expected {digest})",
+            path.display(),
+            prog.digest(py)
+        ))
+        .into());
+    }
+    Ok(prog)
 }
 
 /// Validates a file without running anything and describes it, for the command line:
@@ -102,5 +117,6 @@ fn _rt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(describe, m)?)?;
     m.add_function(wrap_pyfunction!(_bind, m)?)?;
+    m.add_function(wrap_pyfunction!(_load_verified, m)?)?;
     Ok(())
 }

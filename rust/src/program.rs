@@ -60,6 +60,10 @@ pub struct Program {
     producer: Py<PyDict>,
     /// What loading noticed and handled: compatible op-schema drift, op upgraders run.
     notes: Vec<String>,
+    /// The mapped file, kept for its content hash when the program is pickled.
+    map: Arc<memmap2::MmapMut>,
+    allow_ops: Vec<String>,
+    digest: PyOnceLock<String>,
     signature_obj: PyOnceLock<Py<PyAny>>,
 }
 
@@ -237,7 +241,7 @@ fn leaf_paths(spec: &TreeSpec, root: &str, path: &mut Vec<String>, out: &mut Vec
 }
 
 /// Loads and validates a file. Nothing is returned unless everything checks out.
-pub fn load(py: Python<'_>, path: &str, allow: &plan::AllowOps) -> PyResult<Program> {
+pub fn load(py: Python<'_>, path: &str, allow: &plan::AllowOps, allow_ops: Vec<String>) -> PyResult<Program> {
     let file = File::open(path)?;
     let len = file.metadata()?.len();
     if len == 0 {
@@ -320,12 +324,26 @@ pub fn load(py: Python<'_>, path: &str, allow: &plan::AllowOps) -> PyResult<Prog
         upgraders: v.upgraders,
         producer: producer.unbind(),
         notes,
+        map,
+        allow_ops,
+        digest: PyOnceLock::new(),
         sig: v.sig,
         signature_obj: PyOnceLock::new(),
     })
 }
 
+/// SHA-256 of a whole file's bytes, as hex.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
 impl Program {
+    /// The content hash of the file as loaded (computed on first use: only pickling needs it).
+    pub fn digest(&self, py: Python<'_>) -> &str {
+        self.digest.get_or_init(py, || py.detach(|| sha256_hex(&self.map)))
+    }
+
     /// Binds and flattens a call into the graph's user leaves, checking structure.
     fn flatten<'py>(&self, args: &Bound<'py, PyTuple>, kwargs: Option<&Bound<'py, PyDict>>) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let mut kw: Vec<(Bound<'py, PyString>, Bound<'py, PyAny>)> = Vec::new();
@@ -426,6 +444,13 @@ impl Program {
         self.check(&leaves, self.tensor_type.bind(py))?;
         let flat = self.plan.run(py, &leaves)?;
         self.outputs.unflatten(py, &mut flat.into_iter())
+    }
+
+    /// Pickles by reference: the path and the file's content hash, never the weights. The
+    /// receiving process maps the same file and checks the hash.
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, (String, String, Vec<String>))> {
+        let load = py.import("kwexport._rt")?.getattr("_load_verified")?;
+        Ok((load, (self.path.clone(), self.digest(py).to_owned(), self.allow_ops.clone())))
     }
 
     /// Runs the graph on already-flat leaves with no binding, no checks and no rebuilding:
