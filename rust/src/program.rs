@@ -82,8 +82,9 @@ struct Validated {
 /// Parses a whole file's bytes: container, header JSON, upgraders, typed document.
 pub fn parse_file(bytes: &[u8]) -> Result<(container::Layout, Document, Vec<&'static str>, FormatVersion)> {
     let layout = container::parse_layout(bytes)?;
-    let header: serde_json::Value = serde_json::from_slice(&bytes[layout.header.clone()])
-        .map_err(|e| artifact!("header: invalid JSON: {e}"))?;
+    let header = &bytes[layout.header.clone()];
+    crate::schema::check_unique_keys(header).map_err(|e| artifact!("header: invalid JSON: {e}"))?;
+    let header: serde_json::Value = serde_json::from_slice(header).map_err(|e| artifact!("header: invalid JSON: {e}"))?;
     let up = upgrade::upgrade(header)?;
     let doc: Document = serde_json::from_value(up.document).map_err(|e| artifact!("header: {e}"))?;
     Ok((layout, doc, up.applied, up.from))

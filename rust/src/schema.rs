@@ -9,6 +9,58 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+/// Checks that no JSON object in `bytes` repeats a key. serde_json keeps the last of two
+/// equal keys silently, so a file could show one reader one entry and another the other;
+/// kwexport refuses such files. One pass, no allocation beyond each object's key set.
+pub fn check_unique_keys(bytes: &[u8]) -> Result<(), serde_json::Error> {
+    struct Unique;
+    impl<'de> Deserialize<'de> for Unique {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_any(UniqueVisitor)
+        }
+    }
+    struct UniqueVisitor;
+    impl<'de> serde::de::Visitor<'de> for UniqueVisitor {
+        type Value = Unique;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("any JSON value")
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<Unique, E> {
+            Ok(Unique)
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<Unique, E> {
+            Ok(Unique)
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<Unique, E> {
+            Ok(Unique)
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<Unique, E> {
+            Ok(Unique)
+        }
+        fn visit_str<E>(self, _: &str) -> Result<Unique, E> {
+            Ok(Unique)
+        }
+        fn visit_unit<E>(self) -> Result<Unique, E> {
+            Ok(Unique)
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Unique, A::Error> {
+            while seq.next_element::<Unique>()?.is_some() {}
+            Ok(Unique)
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Unique, A::Error> {
+            let mut keys = std::collections::HashSet::new();
+            while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                if !keys.insert(key.clone()) {
+                    return Err(serde::de::Error::custom(format!("duplicate key {key:?}")));
+                }
+                map.next_value::<Unique>()?;
+            }
+            Ok(Unique)
+        }
+    }
+    serde_json::from_slice::<Unique>(bytes).map(|_| ())
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct FormatVersion {
     pub major: u32,
@@ -326,4 +378,26 @@ pub enum Encoding {
     Bytes,
     /// Saved from `str`; read back as `str`.
     Utf8,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn duplicate_keys_are_refused_at_any_depth() {
+        assert!(check_unique_keys(br#"{"a": [{"b": 1, "c": {"d": 2}}], "e": "x"}"#).is_ok());
+        let err = check_unique_keys(br#"{"a": [{"b": 1, "b": 2}]}"#).unwrap_err().to_string();
+        assert!(err.contains("duplicate key \"b\""), "{err}");
+        assert!(check_unique_keys(br#"{"k\u0061": 1, "ka": 2}"#).is_err()); // escapes too
+    }
+
+    #[test]
+    fn floats_carry_inf_and_nan() {
+        let v: Vec<Float> = serde_json::from_str(r#"[1.5, "inf", "-inf", "nan"]"#).unwrap();
+        assert_eq!(v[0].0, 1.5);
+        assert!(v[1].0.is_infinite() && v[2].0 < 0.0 && v[3].0.is_nan());
+        assert_eq!(serde_json::to_string(&v).unwrap(), r#"[1.5,"inf","-inf","nan"]"#);
+        assert!(serde_json::from_str::<Float>(r#""1e999x""#).is_err());
+    }
 }

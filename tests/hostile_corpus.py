@@ -1,0 +1,127 @@
+"""Generates hostile kwexport files from a real one: each a way a file can lie or break.
+
+    python tests/hostile_corpus.py REAL.kwx OUT_DIR
+
+`generate` returns `{file name: the exception class loading must raise}`; test_hostile.py
+loads every file and checks exactly that class, never a crash, hang or other error.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+import struct
+import sys
+
+import kwexport
+
+ARTIFACT, VERSION = kwexport.ArtifactError, kwexport.VersionError
+
+
+def split(raw: bytes):
+    n = struct.unpack("<Q", raw[8:16])[0]
+    header = json.loads(raw[16:16 + n])
+    data_start = (16 + n + 63) // 64 * 64
+    return header, raw[data_start:]
+
+
+def build(header_bytes: bytes, data: bytes) -> bytes:
+    prefix = b"KWEXPORT" + struct.pack("<Q", len(header_bytes)) + header_bytes
+    return prefix + b"\0" * ((-len(prefix)) % 64) + data
+
+
+def header_cases(h: dict):
+    """(name, mutate(header) -> header or raw header bytes, expected class)."""
+    node0 = lambda d: d["graph"]["nodes"][0]  # noqa: E731
+    first_weight = lambda d: next(iter(d["weights"]["tensors"].values()))  # noqa: E731
+
+    def nest(depth, leaf=None):
+        spec = leaf or {"type": "leaf"}
+        for _ in range(depth):
+            spec = {"type": "list", "children": [spec]}
+        return spec
+
+    yield "newer_major", lambda d: d.update(format_version={"major": 999, "minor": 0}), VERSION
+    yield "older_than_supported", lambda d: d.update(format_version={"major": 0, "minor": 1}), VERSION
+    yield "version_not_numbers", lambda d: d.update(format_version={"major": "2", "minor": 0}), ARTIFACT
+    yield "missing_graph", lambda d: d.pop("graph"), ARTIFACT
+    yield "weight_out_of_bounds", lambda d: d["weights"]["storages"][0].update(offset=1 << 40), ARTIFACT
+    yield "weight_offset_overflows", lambda d: d["weights"]["storages"][0].update(offset=2**64 - 64, nbytes=128), ARTIFACT
+    yield "weight_misaligned", lambda d: d["weights"]["storages"][0].update(offset=3), ARTIFACT
+    yield "weights_overlap", lambda d: d["weights"]["storages"].append(dict(d["weights"]["storages"][0])), ARTIFACT
+    yield "weight_shape_too_big", lambda d: first_weight(d).update(shape=[10**6, 10**6], strides=[10**6, 1]), ARTIFACT
+    yield "weight_dims_overflow", lambda d: first_weight(d).update(shape=[2**62, 4], strides=[2**62, 1]), ARTIFACT
+    yield "weight_negative_dim", lambda d: first_weight(d).update(shape=[-1, 3]), ARTIFACT
+    yield "weight_rank_mismatch", lambda d: first_weight(d).update(strides=[1]), ARTIFACT
+    yield "weight_bad_dtype", lambda d: first_weight(d).update(dtype="object"), ARTIFACT
+    yield "weight_missing_storage", lambda d: first_weight(d).update(storage=99), ARTIFACT
+    yield "weight_missing", lambda d: d["weights"]["tensors"].clear(), ARTIFACT
+    yield "graph_cycle", lambda d: node0(d)["args"].__setitem__(0, {"ref": d["graph"]["outputs"][0]["ref"]}), ARTIFACT
+    yield "graph_dangling_ref", lambda d: node0(d)["args"].__setitem__(0, {"ref": "ghost"}), ARTIFACT
+    yield "graph_defined_twice", lambda d: d["graph"]["nodes"].append(copy.deepcopy(node0(d))), ARTIFACT
+    yield "graph_op_index_out_of_range", lambda d: node0(d).update(op=10**9), ARTIFACT
+    yield "graph_user_leaf_out_of_range", lambda d: d["graph"]["inputs"][-1]["source"].update(user=7), ARTIFACT
+    yield "op_not_allowed", lambda d: d["ops"][0].update(name="os::system.default"), ARTIFACT
+    yield "op_injection", lambda d: d["ops"][0].update(name="aten::__import__('os').system"), ARTIFACT
+    yield "python_operator_not_allowed", lambda d: d["ops"][0].update(name="operator::attrgetter"), ARTIFACT
+    yield "op_wrong_arity", lambda d: node0(d)["args"].extend([{"int": 1}] * 9), ARTIFACT
+    yield "op_unknown_kwarg", lambda d: node0(d)["kwargs"].update(evil={"int": 1}), ARTIFACT
+    yield "bad_layout_literal", lambda d: node0(d)["args"].__setitem__(1, {"layout": "__class__"}), ARTIFACT
+    yield "leaf_count_lies", lambda d: d["inputs"]["leaves"].append(d["inputs"]["leaves"][0]), ARTIFACT
+    yield "output_count_lies", lambda d: d["graph"]["outputs"].append(d["graph"]["outputs"][0]), ARTIFACT
+    yield "treespec_too_deep", lambda d: d.update(outputs=nest(100)), ARTIFACT
+    yield "treespec_unknown_type", lambda d: d.update(outputs={"type": "set", "children": []}), ARTIFACT
+    yield "namedtuple_lies", lambda d: d.update(outputs={"type": "namedtuple", "name": "P", "fields": ["a", "b"], "children": [{"type": "leaf"}]}), ARTIFACT
+    yield "input_root_malformed", lambda d: d["inputs"].update(spec={"type": "list", "children": [{"type": "leaf"}]}), ARTIFACT
+    yield "dim_negative", lambda d: d["inputs"]["leaves"][0]["tensor"]["shape"].__setitem__(0, {"static": -5}), ARTIFACT
+    yield "dim_unknown_symbol", lambda d: d["inputs"]["leaves"][0]["tensor"]["shape"].__setitem__(0, {"symbolic": {"symbol": "zz", "coeff": 1, "offset": 0}}), ARTIFACT
+    yield "symbol_bad_range", lambda d: d.update(symbols=[{"name": "s0", "min": 10, "max": 2}]), ARTIFACT
+    yield "signature_duplicate_param", lambda d: d["signature"]["params"].append(dict(d["signature"]["params"][0])), ARTIFACT
+    yield "signature_bad_kind_order", lambda d: d["signature"]["params"].insert(0, {"name": "kwonly", "kind": "keyword_only"}), ARTIFACT
+    yield "extra_file_traversal", lambda d: d.update(extra_files={"../../etc/passwd": {"offset": 0, "nbytes": 1, "encoding": "bytes"}}), ARTIFACT
+    yield "extra_file_absolute", lambda d: d.update(extra_files={"/etc/passwd": {"offset": 0, "nbytes": 1, "encoding": "bytes"}}), ARTIFACT
+    yield "extra_file_out_of_bounds", lambda d: d.update(extra_files={"x": {"offset": 0, "nbytes": 1 << 50, "encoding": "bytes"}}), ARTIFACT
+    yield "extra_file_not_utf8", lambda d: d.update(extra_files={"x": {"offset": 0, "nbytes": 64, "encoding": "utf8"}}), ARTIFACT
+    yield "float_not_a_number", lambda d: node0(d)["args"].__setitem__(1, {"float": "1e999x"}), ARTIFACT
+    yield "int_too_big", lambda d: node0(d)["args"].__setitem__(1, {"int": 2**70}), ARTIFACT
+    yield "duplicate_weight_entry", lambda d: json.dumps(d, separators=(",", ":")).replace('"tensors":{', '"tensors":{"weight":{"dtype":"float32","shape":[1],"strides":[1],"storage":0},', 1).encode(), ARTIFACT
+    yield "duplicate_top_level_field", lambda d: json.dumps(d)[:-1].encode() + b',"graph":{}}', ARTIFACT
+    yield "json_nesting_bomb", lambda d: b'{"format_version":{"major":2,"minor":0},"x":' + b"[" * 100000 + b"]" * 100000 + b"}", ARTIFACT
+    yield "header_not_utf8", lambda d: json.dumps(d).encode().replace(b'"producer"', b'"prod\xff\xfeer"', 1), ARTIFACT
+    yield "header_not_json", lambda d: b"not json at all", ARTIFACT
+    yield "header_empty", lambda d: b"", ARTIFACT
+
+
+def generate(src, out) -> dict[str, type]:
+    src, out = pathlib.Path(src), pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = src.read_bytes()
+    header, data = split(raw)
+    expected = {}
+
+    def write(name, content, cls):
+        (out / f"{name}.kwx").write_bytes(content)
+        expected[f"{name}.kwx"] = cls
+
+    for name, mutate, cls in header_cases(header):
+        h = copy.deepcopy(header)
+        result = mutate(h)
+        blob = result if isinstance(result, bytes) else json.dumps(h).encode()
+        write(name, build(blob, data), cls)
+
+    n = struct.unpack("<Q", raw[8:16])[0]
+    write("empty", b"", ARTIFACT)
+    write("magic_only", b"KWEXPORT", ARTIFACT)
+    write("wrong_magic", b"PK\x03\x04" + raw[4:], ARTIFACT)
+    write("truncated_header", raw[: 16 + n // 2], ARTIFACT)
+    write("truncated_data", raw[: len(raw) - 8], ARTIFACT)
+    write("header_length_huge", raw[:8] + struct.pack("<Q", 2**63) + raw[16:], ARTIFACT)
+    write("header_length_past_end", raw[:8] + struct.pack("<Q", len(raw)) + raw[16:], ARTIFACT)
+    write("nonzero_padding", raw[: 16 + n] + b"\x01" + raw[17 + n:], ARTIFACT)
+    return expected
+
+
+if __name__ == "__main__":
+    for name, cls in generate(sys.argv[1], sys.argv[2]).items():
+        print(f"{name}: {cls.__name__}")
