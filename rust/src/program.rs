@@ -251,11 +251,12 @@ pub fn load(py: Python<'_>, path: &str, allow: &plan::AllowOps, allow_ops: Vec<S
     // SAFETY: a private, copy-on-write map. Another process truncating the file under us
     // would fault, as with any mapped file; kwexport writes files by rename, never in place.
     let map = Arc::new(unsafe { MmapOptions::new().map_copy(&file)? });
-    let (layout, mut doc, upgraders, from) = parse_file(&map)?;
+    // Parsing and checking touch no Python object: other threads run meanwhile.
+    let (layout, mut doc, upgraders, from) = py.detach(|| parse_file(&map))?;
     let torch = py.import("torch")?;
     // Op upgraders may rewrite nodes, so ops are resolved before the graph is checked.
     let (ops, notes) = plan::resolve_ops(py, &torch, &mut doc, allow)??;
-    let v = check_document(doc, &layout, &map, upgraders, from)?;
+    let v = py.detach(|| check_document(doc, &layout, &map, upgraders, from))?;
 
     let data = Bound::new(py, MappedData::new(map.clone(), &layout))?;
     let weights = weights::materialize(py, &torch, data, &v.doc.weights, &v.weights)?;
