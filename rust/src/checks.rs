@@ -24,23 +24,30 @@ pub enum DimCheck {
     Symbolic { symbol: usize, coeff: i64, offset: i64 },
 }
 
-/// Values of the symbols seen so far in one call, and where each was first seen.
-pub struct SymbolValues {
-    values: Vec<Option<(i64, usize, usize)>>,
+/// The checks of one call: the program's symbols and leaf paths, and the value each symbol
+/// took so far in this call (with the leaf and dim where it was first seen).
+pub struct Checker<'a> {
+    symbols: &'a [Symbol],
+    leaf_paths: &'a [String],
+    seen: Vec<Option<(i64, usize, usize)>>,
 }
 
-impl SymbolValues {
-    pub fn new(n: usize) -> Self {
-        SymbolValues { values: vec![None; n] }
+impl<'a> Checker<'a> {
+    pub fn new(symbols: &'a [Symbol], leaf_paths: &'a [String]) -> Self {
+        Checker { symbols, leaf_paths, seen: vec![None; symbols.len()] }
+    }
+
+    /// Checks the sizes of leaf `leaf`.
+    pub fn shape(&mut self, dims: &[DimCheck], shape: &[i64], leaf: usize) -> Result<()> {
+        check_shape(dims, shape, self.symbols, &mut self.seen, leaf, self.leaf_paths)
     }
 }
 
-/// Checks one tensor's sizes. `leaf` and `leaf_paths` name inputs in messages.
-pub fn check_shape(
+fn check_shape(
     dims: &[DimCheck],
     shape: &[i64],
     symbols: &[Symbol],
-    seen: &mut SymbolValues,
+    seen: &mut [Option<(i64, usize, usize)>],
     leaf: usize,
     leaf_paths: &[String],
 ) -> Result<()> {
@@ -64,7 +71,7 @@ pub fn check_shape(
             DimCheck::Symbolic { symbol, coeff, offset } => {
                 let sym = &symbols[symbol];
                 let expr = render(&sym.name, coeff, offset);
-                if let Some((value, at_leaf, at_dim)) = seen.values[symbol] {
+                if let Some((value, at_leaf, at_dim)) = seen[symbol] {
                     let want = coeff * value + offset;
                     if want != size {
                         return Err(Error::Input(format!(
@@ -91,7 +98,7 @@ pub fn check_shape(
                         sym.name
                     )));
                 }
-                seen.values[symbol] = Some((value, leaf, i));
+                seen[symbol] = Some((value, leaf, i));
             }
         }
     }
@@ -179,16 +186,9 @@ impl LeafCheck {
         }))
     }
 
-    pub fn check(
-        &self,
-        obj: &Bound<'_, PyAny>,
-        tensor_type: &Bound<'_, PyAny>,
-        symbols: &[Symbol],
-        seen: &mut SymbolValues,
-        leaf: usize,
-        leaf_paths: &[String],
-    ) -> Result<()> {
-        let path = &leaf_paths[leaf];
+    /// Checks `obj`, leaf `leaf` of a call.
+    pub fn check(&self, obj: &Bound<'_, PyAny>, tensor_type: &Bound<'_, PyAny>, leaf: usize, checker: &mut Checker<'_>) -> Result<()> {
+        let path = &checker.leaf_paths[leaf];
         let py_err = |e: PyErr| Error::Input(format!("{path}: {e}"));
         match self {
             LeafCheck::Tensor { dtype, dtype_name, device, device_name, dims } => {
@@ -207,7 +207,7 @@ impl LeafCheck {
                     return Err(Error::Input(format!("{path}: expected a tensor on {device_name}, got one on {got}")));
                 }
                 let shape: Vec<i64> = obj.getattr(pyo3::intern!(obj.py(), "shape")).and_then(|s| s.extract()).map_err(py_err)?;
-                check_shape(dims, &shape, symbols, seen, leaf, leaf_paths)
+                checker.shape(dims, &shape, leaf)
             }
             LeafCheck::Constant { value, repr } => {
                 let value = value.bind(obj.py());
@@ -233,9 +233,10 @@ mod tests {
 
     fn run(dims: &[DimCheck], shapes: &[&[i64]]) -> Result<()> {
         let paths: Vec<String> = (0..shapes.len()).map(|i| format!("x{i}")).collect();
-        let mut seen = SymbolValues::new(2);
+        let symbols = syms();
+        let mut checker = Checker::new(&symbols, &paths);
         for (i, s) in shapes.iter().enumerate() {
-            check_shape(dims, s, &syms(), &mut seen, i, &paths)?;
+            checker.shape(dims, s, i)?;
         }
         Ok(())
     }

@@ -11,7 +11,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyString, PyTuple};
 
 use crate::artifact;
-use crate::checks::{self, LeafCheck, Symbol, SymbolValues};
+use crate::checks::{self, Checker, LeafCheck, Symbol};
 use crate::container;
 use crate::error::{Error, Result};
 use crate::graph;
@@ -429,9 +429,9 @@ impl Program {
     }
 
     fn check(&self, leaves: &[Bound<'_, PyAny>], tensor_type: &Bound<'_, PyAny>) -> Result<()> {
-        let mut seen = SymbolValues::new(self.symbols.len());
+        let mut checker = Checker::new(&self.symbols, &self.leaf_paths);
         for (i, (leaf, check)) in leaves.iter().zip(&self.leaf_checks).enumerate() {
-            check.check(leaf, tensor_type, &self.symbols, &mut seen, i, &self.leaf_paths)?;
+            check.check(leaf, tensor_type, i, &mut checker)?;
         }
         Ok(())
     }
