@@ -56,7 +56,7 @@ pub fn resolve_ops(
     torch: &Bound<'_, PyModule>,
     doc: &mut Document,
     allow: &AllowOps,
-) -> PyResult<Result<(Vec<Py<PyAny>>, Vec<String>)>> {
+) -> PyResult<Result<(Vec<ResolvedOp>, Vec<String>)>> {
     let names = match crate::graph::op_names(&doc.ops) {
         Ok(n) => n,
         Err(e) => return Ok(Err(e)),
@@ -66,14 +66,12 @@ pub fn resolve_ops(
     let mut notes = Vec::new();
     for (i, name) in names.iter().enumerate() {
         let what = format!("ops[{i}] ({name})");
-        let op = match resolve_op(py, torch, name, allow, &what)? {
+        let op = match resolve_op(py, torch, name, allow, &version, &what)? {
             Ok(op) => op,
             Err(e) => return Ok(Err(e)),
         };
-        let current = match op.bind(py).getattr("_schema") {
-            Ok(s) => Some(s.str()?.to_string()),
-            Err(_) => None,
-        };
+        let schema = op.bind(py).getattr("_schema").ok(); // Python operators have none
+        let current = schema.as_ref().map(|s| s.str().map(|s| s.to_string())).transpose()?;
         if let (Some(recorded), Some(current)) = (doc.ops[i].schema.clone(), current) {
             match opschema::compare(&recorded, &current) {
                 Drift::Identical => {}
@@ -101,9 +99,75 @@ pub fn resolve_ops(
                 },
             }
         }
-        resolved.push(op);
+        let signature = schema.map(|s| OpSignature::read(&s)).transpose()?;
+        // OpOverload.__call__ is a Python frame around `_op`, the C++ callable: skip it.
+        let callable = op.bind(py).getattr("_op").map(Bound::unbind).unwrap_or(op);
+        resolved.push(ResolvedOp { callable, signature });
     }
     Ok(Ok((resolved, notes)))
+}
+
+/// An op from the table, resolved once per load however many nodes call it.
+pub struct ResolvedOp {
+    callable: Py<PyAny>,
+    signature: Option<OpSignature>,
+}
+
+/// What node checks need of an op's schema, read from Python once.
+struct OpSignature {
+    /// `(name, keyword-only, has a default)` per argument.
+    params: Vec<(String, bool, bool)>,
+    n_returns: usize,
+    returns_list: bool,
+}
+
+impl OpSignature {
+    fn read(schema: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let mut params = Vec::new();
+        for a in schema.getattr("arguments")?.try_iter()? {
+            let a = a?;
+            let name: String = a.getattr("name")?.extract()?;
+            let kwarg_only: bool = a.getattr("kwarg_only")?.extract()?;
+            let has_default: bool = a.call_method0("has_default_value")?.extract()?;
+            params.push((name, kwarg_only, has_default));
+        }
+        let returns = schema.getattr("returns")?;
+        let n_returns = returns.len()?;
+        let returns_list = n_returns == 1 && returns.get_item(0)?.getattr("type")?.str()?.to_string().ends_with("[]");
+        Ok(OpSignature { params, n_returns, returns_list })
+    }
+
+    /// The node's arguments must fit: no more positionals than the op takes, only names it
+    /// has, every argument without a default given, and the right number of returns.
+    fn check(&self, step: &crate::graph::StepPlan, what: &str) -> Result<()> {
+        let n_positional = self.params.iter().filter(|p| !p.1).count();
+        if step.args.len() > n_positional {
+            return Err(artifact!("{what}: {} positional arguments, but the op takes {n_positional}", step.args.len()));
+        }
+        for (name, _) in &step.kwargs {
+            match self.params.iter().position(|p| &p.0 == name) {
+                None => return Err(artifact!("{what}: the op has no argument {name:?}")),
+                Some(i) if i < step.args.len() => {
+                    return Err(artifact!("{what}: argument {name:?} given by position and by name"))
+                }
+                _ => {}
+            }
+        }
+        for (i, (name, _, has_default)) in self.params.iter().enumerate() {
+            if !has_default && i >= step.args.len() && !step.kwargs.iter().any(|(k, _)| k == name) {
+                return Err(artifact!("{what}: required argument {name:?} is missing"));
+            }
+        }
+        let ok = match &step.outputs {
+            OutPlan::None => true,
+            OutPlan::One(_) => self.n_returns == 1,
+            OutPlan::Many(slots) => self.returns_list || slots.len() <= self.n_returns,
+        };
+        if !ok {
+            return Err(artifact!("{what}: outputs do not match the op's {} returns", self.n_returns));
+        }
+        Ok(())
+    }
 }
 
 /// Resolves weights and literals and checks each node against its op's schema. The outer
@@ -112,14 +176,14 @@ pub fn build(
     py: Python<'_>,
     torch: &Bound<'_, PyModule>,
     graph: &GraphPlan,
-    ops: &[Py<PyAny>],
+    ops: &[ResolvedOp],
     weights: &BTreeMap<String, Py<PyAny>>,
 ) -> PyResult<Result<Plan>> {
     let mut steps = Vec::with_capacity(graph.steps.len());
     for (i, step) in graph.steps.iter().enumerate() {
         let what = format!("graph.nodes[{i}] ({})", step.op_name); // cheap beside the Python work below
-        let op = ops[step.op].clone_ref(py);
-        if let Err(e) = check_schema(py, &op, step, &what)? {
+        let op = &ops[step.op];
+        if let Some(Err(e)) = op.signature.as_ref().map(|sig| sig.check(step, &what)) {
             return Ok(Err(e));
         }
         let convert = |a: &ArgPlan| arg(py, torch, a, weights, &what);
@@ -134,9 +198,7 @@ pub fn build(
                 Err(e) => return Ok(Err(e)),
             }
         }
-        // OpOverload.__call__ is a Python frame around `_op`, the C++ callable: skip it.
-        let callable = op.bind(py).getattr("_op").map(Bound::unbind).unwrap_or(op);
-        steps.push(Step { op: callable, args, kwargs, outputs: step.outputs.clone(), free: step.free.clone() });
+        steps.push(Step { op: op.callable.clone_ref(py), args, kwargs, outputs: step.outputs.clone(), free: step.free.clone() });
     }
     let outputs = match graph.outputs.iter().map(|a| arg(py, torch, a, weights, "graph.outputs")).collect::<PyResult<Result<Vec<_>>>>()? {
         Ok(o) => o,
@@ -180,7 +242,14 @@ impl AllowOps {
     }
 }
 
-fn resolve_op(py: Python<'_>, torch: &Bound<'_, PyModule>, op: &OpName, allow: &AllowOps, what: &str) -> PyResult<Result<Py<PyAny>>> {
+fn resolve_op(
+    py: Python<'_>,
+    torch: &Bound<'_, PyModule>,
+    op: &OpName,
+    allow: &AllowOps,
+    version: &str,
+    what: &str,
+) -> PyResult<Result<Py<PyAny>>> {
     if op.namespace == "operator" {
         if op.overload.is_some() || !PY_OPERATORS.contains(&op.name.as_str()) {
             return Ok(Err(artifact!("{what}: operator.{} is not an allowed Python operator", op.name)));
@@ -197,7 +266,6 @@ fn resolve_op(py: Python<'_>, torch: &Bound<'_, PyModule>, op: &OpName, allow: &
     let Some(overload) = &op.overload else {
         return Ok(Err(artifact!("{what}: a torch op needs an overload name, e.g. {}.default", op)));
     };
-    let version: String = torch.getattr("__version__")?.str()?.to_string();
     let found = torch
         .getattr("ops")?
         .getattr(op.namespace.as_str())
@@ -206,52 +274,6 @@ fn resolve_op(py: Python<'_>, torch: &Bound<'_, PyModule>, op: &OpName, allow: &
     Ok(found
         .map(Bound::unbind)
         .map_err(|_| artifact!("{what}: op not found in the running torch {version} (custom ops must be registered before loading)")))
-}
-
-/// The node's arguments must fit the op's schema: no more positionals than it takes, only
-/// names it has, every argument without a default given, and the right number of returns.
-fn check_schema(py: Python<'_>, op: &Py<PyAny>, step: &crate::graph::StepPlan, what: &str) -> PyResult<Result<()>> {
-    let Ok(schema) = op.bind(py).getattr("_schema") else {
-        return Ok(Ok(())); // a Python operator: no schema to fit
-    };
-    let mut params = Vec::new();
-    for a in schema.getattr("arguments")?.try_iter()? {
-        let a = a?;
-        let name: String = a.getattr("name")?.extract()?;
-        let kwarg_only: bool = a.getattr("kwarg_only")?.extract()?;
-        let has_default: bool = a.call_method0("has_default_value")?.extract()?;
-        params.push((name, kwarg_only, has_default));
-    }
-    let n_positional = params.iter().filter(|p| !p.1).count();
-    if step.args.len() > n_positional {
-        return Ok(Err(artifact!("{what}: {} positional arguments, but the op takes {n_positional}", step.args.len())));
-    }
-    for (name, _) in &step.kwargs {
-        match params.iter().position(|p| &p.0 == name) {
-            None => return Ok(Err(artifact!("{what}: the op has no argument {name:?}"))),
-            Some(i) if i < step.args.len() => {
-                return Ok(Err(artifact!("{what}: argument {name:?} given by position and by name")))
-            }
-            _ => {}
-        }
-    }
-    for (i, (name, _, has_default)) in params.iter().enumerate() {
-        if !has_default && i >= step.args.len() && !step.kwargs.iter().any(|(k, _)| k == name) {
-            return Ok(Err(artifact!("{what}: required argument {name:?} is missing")));
-        }
-    }
-    let returns = schema.getattr("returns")?;
-    let n_returns = returns.len()?;
-    let returns_list = n_returns == 1 && returns.get_item(0)?.getattr("type")?.str()?.to_string().ends_with("[]");
-    let ok = match &step.outputs {
-        OutPlan::None => true,
-        OutPlan::One(_) => n_returns == 1,
-        OutPlan::Many(slots) => returns_list || slots.len() <= n_returns,
-    };
-    if !ok {
-        return Ok(Err(artifact!("{what}: outputs do not match the op's {n_returns} returns")));
-    }
-    Ok(Ok(()))
 }
 
 fn arg(

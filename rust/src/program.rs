@@ -18,7 +18,7 @@ use crate::graph;
 use crate::plan::{self, Plan};
 use crate::schema::{Document, Encoding, FormatVersion, Key, ParamKind, TreeSpec};
 use crate::signature::{Bound as Binding, Signature, Source};
-use crate::treespec::{self, Compiled};
+use crate::treespec::{self, Compiled, PathElem};
 use crate::upgrade;
 use crate::weights::{self, MappedData};
 
@@ -393,7 +393,9 @@ impl Program {
             let name = &self.sig.params[vp].name;
             for (j, spec) in self.top.var_positional.iter().enumerate() {
                 let item = args.get_item(self.sig.n_positional() + j)?;
-                spec.flatten(&item, &format!("{name}[{j}]"), &mut path, &mut leaves)?;
+                path.push(PathElem::Index(j));
+                spec.flatten(&item, name, &mut path, &mut leaves)?;
+                path.pop();
             }
         }
         if var_kw.len() != self.top.extra_names.len() {
