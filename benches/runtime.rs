@@ -48,7 +48,11 @@ fn parse_and_validate(c: &mut Criterion) {
 }
 
 fn bind(c: &mut Criterion) {
-    let p = |name: &str, kind, default: bool| Param { name: name.into(), kind, default: default.then_some(Constant::Int(1)) };
+    let p = |name: &str, kind, default: bool| Param {
+        name: name.into(),
+        kind,
+        default: default.then_some(Constant::Int(1)),
+    };
     let sig = Signature::new(&RawSignature {
         name: "forward".into(),
         params: vec![

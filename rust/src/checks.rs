@@ -83,16 +83,18 @@ fn check_shape(
                 }
                 let value = (size - offset) / coeff;
                 if coeff * value + offset != size {
-                    return Err(Error::Input(format!(
-                        "{path}: dimension {i} is {expr}, which cannot be {size}"
-                    )));
+                    return Err(Error::Input(format!("{path}: dimension {i} is {expr}, which cannot be {size}")));
                 }
                 if value < sym.min || sym.max.is_some_and(|m| value > m) {
                     let range = match sym.max {
                         Some(m) => format!("[{}, {m}]", sym.min),
                         None => format!("[{}, inf)", sym.min),
                     };
-                    let got = if expr == sym.name { format!("got {size}") } else { format!("got {size}, so {} = {value}", sym.name) };
+                    let got = if expr == sym.name {
+                        format!("got {size}")
+                    } else {
+                        format!("got {size}, so {} = {value}", sym.name)
+                    };
                     return Err(Error::Input(format!(
                         "{path}: dimension {i} is {expr} with {} in {range}, {got}",
                         sym.name
@@ -156,7 +158,13 @@ pub enum LeafCheck {
 }
 
 impl LeafCheck {
-    pub fn new(py: Python<'_>, torch: &Bound<'_, PyModule>, spec: &LeafSpec, symbols: &[Symbol], what: &str) -> PyResult<Result<Self>> {
+    pub fn new(
+        py: Python<'_>,
+        torch: &Bound<'_, PyModule>,
+        spec: &LeafSpec,
+        symbols: &[Symbol],
+        what: &str,
+    ) -> PyResult<Result<Self>> {
         Ok(Ok(match spec {
             LeafSpec::Tensor(t) => {
                 let Some(dt) = DType::parse(&t.dtype) else {
@@ -187,7 +195,13 @@ impl LeafCheck {
     }
 
     /// Checks `obj`, leaf `leaf` of a call.
-    pub fn check(&self, obj: &Bound<'_, PyAny>, tensor_type: &Bound<'_, PyAny>, leaf: usize, checker: &mut Checker<'_>) -> Result<()> {
+    pub fn check(
+        &self,
+        obj: &Bound<'_, PyAny>,
+        tensor_type: &Bound<'_, PyAny>,
+        leaf: usize,
+        checker: &mut Checker<'_>,
+    ) -> Result<()> {
         let path = &checker.leaf_paths[leaf];
         let py_err = |e: PyErr| Error::Input(format!("{path}: {e}"));
         match self {
@@ -206,7 +220,8 @@ impl LeafCheck {
                 if !got.eq(device.bind(obj.py())).map_err(py_err)? {
                     return Err(Error::Input(format!("{path}: expected a tensor on {device_name}, got one on {got}")));
                 }
-                let shape: Vec<i64> = obj.getattr(pyo3::intern!(obj.py(), "shape")).and_then(|s| s.extract()).map_err(py_err)?;
+                let shape: Vec<i64> =
+                    obj.getattr(pyo3::intern!(obj.py(), "shape")).and_then(|s| s.extract()).map_err(py_err)?;
                 checker.shape(dims, &shape, leaf)
             }
             LeafCheck::Constant { value, repr } => {
@@ -260,7 +275,10 @@ mod tests {
     #[test]
     fn ranges_and_equalities() {
         let d = [B];
-        assert_eq!(run(&d, &[&[100]]).unwrap_err().to_string(), "x0: dimension 0 is batch with batch in [2, 64], got 100");
+        assert_eq!(
+            run(&d, &[&[100]]).unwrap_err().to_string(),
+            "x0: dimension 0 is batch with batch in [2, 64], got 100"
+        );
         assert_eq!(
             run(&d, &[&[8], &[5]]).unwrap_err().to_string(),
             "x1: dimension 0 is batch = 8, since batch = 8 from x0 dimension 0, got 5"

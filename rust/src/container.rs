@@ -35,9 +35,7 @@ pub fn align_up(n: u64) -> Option<u64> {
 pub fn parse_layout(bytes: &[u8]) -> Result<Layout> {
     let len = bytes.len() as u64;
     if len < PREFIX {
-        return Err(artifact!(
-            "file: truncated: {len} bytes, shorter than the 16-byte prefix (magic + header length)"
-        ));
+        return Err(artifact!("file: truncated: {len} bytes, shorter than the 16-byte prefix (magic + header length)"));
     }
     if &bytes[..8] != MAGIC {
         return Err(artifact!(
@@ -48,16 +46,11 @@ pub fn parse_layout(bytes: &[u8]) -> Result<Layout> {
     }
     let header_len = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"));
     if header_len > MAX_HEADER_BYTES {
-        return Err(artifact!(
-            "file: header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit"
-        ));
+        return Err(artifact!("file: header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit"));
     }
     let header_end = PREFIX + header_len;
     if header_end > len {
-        return Err(artifact!(
-            "file: truncated: header claims {header_len} bytes, only {} remain",
-            len - PREFIX
-        ));
+        return Err(artifact!("file: truncated: header claims {header_len} bytes, only {} remain", len - PREFIX));
     }
     // The last section may end without padding only if there is no data at all.
     let data_start = align_up(header_end).expect("bounded by MAX_HEADER_BYTES").min(len);
@@ -70,12 +63,9 @@ pub fn parse_layout(bytes: &[u8]) -> Result<Layout> {
 /// Resolves `(offset, nbytes)` relative to the data section into a range of the file.
 pub fn data_range(layout: &Layout, offset: u64, nbytes: u64, what: &str) -> Result<Range<usize>> {
     let data_len = (layout.data.end - layout.data.start) as u64;
-    let end = offset
-        .checked_add(nbytes)
-        .filter(|&end| end <= data_len)
-        .ok_or_else(|| {
-            artifact!("{what}: bytes [{offset}, {offset}+{nbytes}) lie outside the {data_len}-byte data section")
-        })?;
+    let end = offset.checked_add(nbytes).filter(|&end| end <= data_len).ok_or_else(|| {
+        artifact!("{what}: bytes [{offset}, {offset}+{nbytes}) lie outside the {data_len}-byte data section")
+    })?;
     Ok(layout.data.start + offset as usize..layout.data.start + end as usize)
 }
 

@@ -106,7 +106,12 @@ pub fn op_names(ops: &[OpEntry]) -> Result<Vec<OpName>> {
         .collect()
 }
 
-pub fn plan<'g>(graph: &'g Graph, ops: &[OpName], n_leaves: usize, has_weight: impl Fn(&str) -> bool) -> Result<GraphPlan> {
+pub fn plan<'g>(
+    graph: &'g Graph,
+    ops: &[OpName],
+    n_leaves: usize,
+    has_weight: impl Fn(&str) -> bool,
+) -> Result<GraphPlan> {
     let mut defs: HashMap<&'g str, ValueRef> = HashMap::new();
     let mut n_slots = 0;
     let mut user_inputs = Vec::new();
@@ -123,7 +128,9 @@ pub fn plan<'g>(graph: &'g Graph, ops: &[OpName], n_leaves: usize, has_weight: i
             }
             InputSource::User(leaf) => {
                 match leaf_used.get_mut(*leaf) {
-                    None => return Err(artifact!("{what}: user leaf {leaf} out of range (the input spec has {n_leaves})")),
+                    None => {
+                        return Err(artifact!("{what}: user leaf {leaf} out of range (the input spec has {n_leaves})"))
+                    }
                     Some(true) => return Err(artifact!("{what}: user leaf {leaf} bound twice")),
                     Some(used) => *used = true,
                 }
@@ -146,11 +153,8 @@ pub fn plan<'g>(graph: &'g Graph, ops: &[OpName], n_leaves: usize, has_weight: i
         // Only formatted on error: this loop runs once per node of every load.
         let what = || format!("graph.nodes[{i}] ({op_name})");
         let args = node.args.iter().map(|a| resolve(a, &defs, &what)).collect::<Result<Vec<_>>>()?;
-        let kwargs = node
-            .kwargs
-            .iter()
-            .map(|(k, a)| Ok((k.clone(), resolve(a, &defs, &what)?)))
-            .collect::<Result<Vec<_>>>()?;
+        let kwargs =
+            node.kwargs.iter().map(|(k, a)| Ok((k.clone(), resolve(a, &defs, &what)?))).collect::<Result<Vec<_>>>()?;
         let mut define = |name: &'g str| -> Result<usize> {
             let slot = n_slots;
             if defs.insert(name, ValueRef::Slot(slot)).is_some() {
@@ -162,18 +166,15 @@ pub fn plan<'g>(graph: &'g Graph, ops: &[OpName], n_leaves: usize, has_weight: i
         let outputs = match &node.outputs {
             Outputs::None(()) => OutPlan::None,
             Outputs::One(name) => OutPlan::One(Some(define(name)?)),
-            Outputs::Many(names) => OutPlan::Many(
-                names.iter().map(|n| n.as_deref().map(&mut define).transpose()).collect::<Result<_>>()?,
-            ),
+            Outputs::Many(names) => {
+                OutPlan::Many(names.iter().map(|n| n.as_deref().map(&mut define).transpose()).collect::<Result<_>>()?)
+            }
         };
         steps.push(StepPlan { op: node.op, op_name, args, kwargs, outputs, free: Vec::new() });
     }
 
-    let outputs = graph
-        .outputs
-        .iter()
-        .map(|a| resolve(a, &defs, &|| "graph.outputs".to_owned()))
-        .collect::<Result<Vec<_>>>()?;
+    let outputs =
+        graph.outputs.iter().map(|a| resolve(a, &defs, &|| "graph.outputs".to_owned())).collect::<Result<Vec<_>>>()?;
 
     // Last reader of each slot; outputs are read "after" every step, so never freed early.
     let mut last_use: Vec<Option<usize>> = vec![None; n_slots];
@@ -211,9 +212,11 @@ pub fn plan<'g>(graph: &'g Graph, ops: &[OpName], n_leaves: usize, has_weight: i
 
 fn resolve(arg: &Arg, defs: &HashMap<&str, ValueRef>, what: &dyn Fn() -> String) -> Result<ArgPlan> {
     Ok(match arg {
-        Arg::Ref(name) => ArgPlan::Value(defs.get(name.as_str()).cloned().ok_or_else(|| {
-            artifact!("{}: value {name:?} is used before it is defined (or never defined)", what())
-        })?),
+        Arg::Ref(name) => {
+            ArgPlan::Value(defs.get(name.as_str()).cloned().ok_or_else(|| {
+                artifact!("{}: value {name:?} is used before it is defined (or never defined)", what())
+            })?)
+        }
         Arg::List(items) => ArgPlan::List(items.iter().map(|a| resolve(a, defs, what)).collect::<Result<_>>()?),
         literal => ArgPlan::Literal(literal.clone()),
     })
@@ -239,7 +242,10 @@ mod tests {
         Node { op, args, kwargs: Default::default(), outputs: Outputs::One(out.into()) }
     }
     fn ops() -> Vec<OpName> {
-        ["aten::mul.Tensor", "aten::add.Tensor", "aten::neg.default"].iter().map(|o| OpName::parse(o).unwrap()).collect()
+        ["aten::mul.Tensor", "aten::add.Tensor", "aten::neg.default"]
+            .iter()
+            .map(|o| OpName::parse(o).unwrap())
+            .collect()
     }
     fn r(n: &str) -> Arg {
         Arg::Ref(n.into())
@@ -268,9 +274,17 @@ mod tests {
     #[test]
     fn rejects_bad_graphs() {
         let err = |g: Graph| plan(&g, &ops(), 1, |_| false).unwrap_err().to_string();
-        let g = Graph { inputs: vec![input("x", InputSource::User(0))], nodes: vec![node(2, vec![r("y")], "y")], outputs: vec![] };
+        let g = Graph {
+            inputs: vec![input("x", InputSource::User(0))],
+            nodes: vec![node(2, vec![r("y")], "y")],
+            outputs: vec![],
+        };
         assert!(err(g).contains("used before it is defined"));
-        let g = Graph { inputs: vec![input("x", InputSource::User(0))], nodes: vec![node(2, vec![r("x")], "x")], outputs: vec![] };
+        let g = Graph {
+            inputs: vec![input("x", InputSource::User(0))],
+            nodes: vec![node(2, vec![r("x")], "x")],
+            outputs: vec![],
+        };
         assert!(err(g).contains("defined twice"));
         let g = Graph { inputs: vec![input("x", InputSource::User(3))], nodes: vec![], outputs: vec![] };
         assert!(err(g).contains("out of range"));

@@ -42,7 +42,12 @@ fn load(py: Python<'_>, path: std::path::PathBuf, allow_ops: Vec<String>) -> PyR
 
 /// Unpickles a `Program`: loads `path` and checks that its content hash is `digest`.
 #[pyfunction]
-fn _load_verified(py: Python<'_>, path: std::path::PathBuf, digest: &str, allow_ops: Vec<String>) -> PyResult<program::Program> {
+fn _load_verified(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    digest: &str,
+    allow_ops: Vec<String>,
+) -> PyResult<program::Program> {
     let prog = load(py, path.clone(), allow_ops)?;
     if prog.digest(py) != digest {
         return Err(error::Error::Artifact(format!(
@@ -77,7 +82,12 @@ fn describe(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Bound<'_, pyo3
 /// Returns, per parameter, `("positional", i)`, `("keyword", name)`, `("default",)`,
 /// `("var_positional", start, stop)` or `("var_keyword", [names])`.
 #[pyfunction]
-fn _bind<'py>(py: Python<'py>, signature_json: &str, n_args: usize, keywords: Vec<String>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+fn _bind<'py>(
+    py: Python<'py>,
+    signature_json: &str,
+    n_args: usize,
+    keywords: Vec<String>,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
     use pyo3::IntoPyObjectExt;
     use signature::{Bound as B, Source};
     let raw: schema::Signature =

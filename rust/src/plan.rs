@@ -20,11 +20,12 @@ pub const DEFAULT_NAMESPACES: &[&str] = &["aten", "prims"];
 
 /// Python operators that graphs use on symbolic sizes (`s0 * 4`), by their `operator` name.
 const PY_OPERATORS: &[&str] = &[
-    "add", "sub", "mul", "floordiv", "truediv", "mod", "pow", "neg", "pos", "abs", "eq", "ne", "lt", "le", "gt",
-    "ge", "and_", "or_", "not_",
+    "add", "sub", "mul", "floordiv", "truediv", "mod", "pow", "neg", "pos", "abs", "eq", "ne", "lt", "le", "gt", "ge",
+    "and_", "or_", "not_",
 ];
 
-const LAYOUTS: &[&str] = &["strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn", "jagged"];
+const LAYOUTS: &[&str] =
+    &["strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn", "jagged"];
 const MEMORY_FORMATS: &[&str] = &["contiguous_format", "channels_last", "channels_last_3d", "preserve_format"];
 
 enum ArgT {
@@ -198,9 +199,20 @@ pub fn build(
                 Err(e) => return Ok(Err(e)),
             }
         }
-        steps.push(Step { op: op.callable.clone_ref(py), args, kwargs, outputs: step.outputs.clone(), free: step.free.clone() });
+        steps.push(Step {
+            op: op.callable.clone_ref(py),
+            args,
+            kwargs,
+            outputs: step.outputs.clone(),
+            free: step.free.clone(),
+        });
     }
-    let outputs = match graph.outputs.iter().map(|a| arg(py, torch, a, weights, "graph.outputs")).collect::<PyResult<Result<Vec<_>>>>()? {
+    let outputs = match graph
+        .outputs
+        .iter()
+        .map(|a| arg(py, torch, a, weights, "graph.outputs"))
+        .collect::<PyResult<Result<Vec<_>>>>()?
+    {
         Ok(o) => o,
         Err(e) => return Ok(Err(e)),
     };
@@ -216,7 +228,11 @@ impl AllowOps {
     pub fn parse(patterns: &[String]) -> std::result::Result<Self, String> {
         let mut out = Vec::new();
         for p in patterns {
-            let bad = || format!("allow_ops: {p:?} is not of the form 'namespace::*', 'namespace::op' or 'namespace::op.overload'");
+            let bad = || {
+                format!(
+                    "allow_ops: {p:?} is not of the form 'namespace::*', 'namespace::op' or 'namespace::op.overload'"
+                )
+            };
             let (ns, rest) = p.split_once("::").ok_or_else(bad)?;
             let entry = if rest == "*" {
                 (ns.to_owned(), None, None)
@@ -271,9 +287,9 @@ fn resolve_op(
         .getattr(op.namespace.as_str())
         .and_then(|ns| ns.getattr(op.name.as_str()))
         .and_then(|packet| packet.getattr(overload.as_str()));
-    Ok(found
-        .map(Bound::unbind)
-        .map_err(|_| artifact!("{what}: op not found in the running torch {version} (custom ops must be registered before loading)")))
+    Ok(found.map(Bound::unbind).map_err(|_| {
+        artifact!("{what}: op not found in the running torch {version} (custom ops must be registered before loading)")
+    }))
 }
 
 fn arg(

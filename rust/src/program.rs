@@ -84,7 +84,8 @@ pub fn parse_file(bytes: &[u8]) -> Result<(container::Layout, Document, Vec<&'st
     let layout = container::parse_layout(bytes)?;
     let header = &bytes[layout.header.clone()];
     crate::schema::check_unique_keys(header).map_err(|e| artifact!("header: invalid JSON: {e}"))?;
-    let header: serde_json::Value = serde_json::from_slice(header).map_err(|e| artifact!("header: invalid JSON: {e}"))?;
+    let header: serde_json::Value =
+        serde_json::from_slice(header).map_err(|e| artifact!("header: invalid JSON: {e}"))?;
     let up = upgrade::upgrade(header)?;
     let doc: Document = serde_json::from_value(up.document).map_err(|e| artifact!("header: {e}"))?;
     Ok((layout, doc, up.applied, up.from))
@@ -136,7 +137,10 @@ fn check_document(
     }
     let n_out = treespec::validate(&doc.outputs, "outputs")?;
     if n_out != doc.graph.outputs.len() {
-        return Err(artifact!("outputs: the spec has {n_out} leaves but the graph returns {}", doc.graph.outputs.len()));
+        return Err(artifact!(
+            "outputs: the spec has {n_out} leaves but the graph returns {}",
+            doc.graph.outputs.len()
+        ));
     }
     let leaf_paths = top_level_paths(&doc.inputs.spec, &sig)?;
     let symbols = checks::symbols(&doc.symbols)?;
@@ -217,7 +221,9 @@ fn split_root(spec: &TreeSpec) -> Result<(&[TreeSpec], &[crate::schema::DictEntr
             return Ok((args, entries));
         }
     }
-    Err(artifact!("inputs.spec: the root must be a tuple of (a tuple of positional arguments, a dict of keyword arguments)"))
+    Err(artifact!(
+        "inputs.spec: the root must be a tuple of (a tuple of positional arguments, a dict of keyword arguments)"
+    ))
 }
 
 fn leaf_paths(spec: &TreeSpec, root: &str, path: &mut Vec<String>, out: &mut Vec<String>) {
@@ -347,7 +353,11 @@ impl Program {
     }
 
     /// Binds and flattens a call into the graph's user leaves, checking structure.
-    fn flatten<'py>(&self, args: &Bound<'py, PyTuple>, kwargs: Option<&Bound<'py, PyDict>>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    fn flatten<'py>(
+        &self,
+        args: &Bound<'py, PyTuple>,
+        kwargs: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let mut kw: Vec<(Bound<'py, PyString>, Bound<'py, PyAny>)> = Vec::new();
         if let Some(kwargs) = kwargs {
             for (k, v) in kwargs.iter() {
@@ -361,7 +371,9 @@ impl Program {
             match src {
                 Source::Positional(p) => args.get_item(p).expect("bound in range"),
                 Source::Keyword(k) => kw[k].1.clone(),
-                Source::Default => self.defaults[i].as_ref().expect("bound only with a default").bind(args.py()).clone(),
+                Source::Default => {
+                    self.defaults[i].as_ref().expect("bound only with a default").bind(args.py()).clone()
+                }
             }
         };
         let mut leaves = Vec::with_capacity(self.leaf_checks.len());
@@ -399,7 +411,8 @@ impl Program {
             }
         }
         if var_kw.len() != self.top.extra_names.len() {
-            let unexpected: Vec<&str> = var_kw.iter().map(|&k| names[k]).filter(|n| !self.top.extra_names.iter().any(|e| e == n)).collect();
+            let unexpected: Vec<&str> =
+                var_kw.iter().map(|&k| names[k]).filter(|n| !self.top.extra_names.iter().any(|e| e == n)).collect();
             if let Some(n) = unexpected.first() {
                 return Err(self.extra_error(n, "unexpected keyword argument").into());
             }
@@ -442,7 +455,11 @@ impl Program {
 #[pymethods]
 impl Program {
     #[pyo3(signature = (*args, **kwargs))]
-    fn __call__<'py>(&self, args: &Bound<'py, PyTuple>, kwargs: Option<&Bound<'py, PyDict>>) -> PyResult<Bound<'py, PyAny>> {
+    fn __call__<'py>(
+        &self,
+        args: &Bound<'py, PyTuple>,
+        kwargs: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let py = args.py();
         let leaves = self.flatten(args, kwargs)?;
         self.check(&leaves, self.tensor_type.bind(py))?;
@@ -472,7 +489,11 @@ impl Program {
 
     /// Binds and flattens a call to its leaves, checked, without running the graph.
     #[pyo3(signature = (*args, **kwargs))]
-    fn _flatten<'py>(&self, args: &Bound<'py, PyTuple>, kwargs: Option<&Bound<'py, PyDict>>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    fn _flatten<'py>(
+        &self,
+        args: &Bound<'py, PyTuple>,
+        kwargs: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let leaves = self.flatten(args, kwargs)?;
         self.check(&leaves, self.tensor_type.bind(args.py()))?;
         Ok(leaves)

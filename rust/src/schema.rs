@@ -186,10 +186,18 @@ impl<'de> Deserialize<'de> for Float {
 pub enum TreeSpec {
     Leaf,
     None,
-    Tuple { children: Vec<TreeSpec> },
-    List { children: Vec<TreeSpec> },
-    Dict { entries: Vec<DictEntry> },
-    OrderedDict { entries: Vec<DictEntry> },
+    Tuple {
+        children: Vec<TreeSpec>,
+    },
+    List {
+        children: Vec<TreeSpec>,
+    },
+    Dict {
+        entries: Vec<DictEntry>,
+    },
+    OrderedDict {
+        entries: Vec<DictEntry>,
+    },
     #[serde(rename = "namedtuple")]
     NamedTuple {
         name: String,
@@ -254,7 +262,11 @@ pub struct TensorSpec {
 pub enum Dim {
     Static(i64),
     /// `coeff * symbol + offset`: a `Dim` or a derived dim such as `2 * d` or `d + 1`.
-    Symbolic { symbol: String, coeff: i64, offset: i64 },
+    Symbolic {
+        symbol: String,
+        coeff: i64,
+        offset: i64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -232,8 +232,7 @@ fn rank(k: ParamKind) -> u8 {
 
 fn is_identifier(s: &str) -> bool {
     let mut chars = s.chars();
-    matches!(chars.next(), Some(c) if c == '_' || c.is_alphabetic())
-        && chars.all(|c| c == '_' || c.is_alphanumeric())
+    matches!(chars.next(), Some(c) if c == '_' || c.is_alphabetic()) && chars.all(|c| c == '_' || c.is_alphanumeric())
 }
 
 #[cfg(test)]
@@ -291,7 +290,8 @@ mod tests {
 
     #[test]
     fn words_errors_as_cpython() {
-        let s = sig(&[("x", PositionalOrKeyword, false), ("y", PositionalOrKeyword, false), ("cfg", KeywordOnly, false)]);
+        let s =
+            sig(&[("x", PositionalOrKeyword, false), ("y", PositionalOrKeyword, false), ("cfg", KeywordOnly, false)]);
         assert_eq!(err(&s, 3, &[]), "f() takes 2 positional arguments but 3 were given");
         assert_eq!(
             err(&s, 3, &["cfg"]),
@@ -301,13 +301,11 @@ mod tests {
         assert_eq!(err(&s, 2, &["cfgg"]), "f() got an unexpected keyword argument 'cfgg'");
         assert_eq!(err(&s, 1, &["x", "cfg"]), "f() got multiple values for argument 'x'");
         assert_eq!(err(&s, 0, &["cfg"]), "f() missing 2 required positional arguments: 'x' and 'y'");
-        let s3 = sig(&[("a", PositionalOnly, false), ("b", PositionalOrKeyword, false), ("c", PositionalOrKeyword, true)]);
+        let s3 =
+            sig(&[("a", PositionalOnly, false), ("b", PositionalOrKeyword, false), ("c", PositionalOrKeyword, true)]);
         assert_eq!(err(&s3, 0, &[]), "f() missing 2 required positional arguments: 'a' and 'b'");
         assert_eq!(err(&s3, 4, &[]), "f() takes from 2 to 3 positional arguments but 4 were given");
-        assert_eq!(
-            err(&s3, 1, &["a", "b"]),
-            "f() got some positional-only arguments passed as keyword arguments: 'a'"
-        );
+        assert_eq!(err(&s3, 1, &["a", "b"]), "f() got some positional-only arguments passed as keyword arguments: 'a'");
         let one = sig(&[("x", PositionalOrKeyword, false)]);
         assert_eq!(err(&one, 2, &[]), "f() takes 1 positional argument but 2 were given");
         let none = sig(&[]);
@@ -324,7 +322,8 @@ mod tests {
         let p = |n: &str, k, d: bool| schema::Param { name: n.into(), kind: k, default: d.then_some(Constant::Int(0)) };
         assert!(bad(vec![p("a", KeywordOnly, false), p("b", PositionalOrKeyword, false)]).contains("cannot follow"));
         assert!(bad(vec![p("a", PositionalOrKeyword, false), p("a", KeywordOnly, false)]).contains("duplicate"));
-        assert!(bad(vec![p("a", PositionalOrKeyword, true), p("b", PositionalOrKeyword, false)]).contains("without a default"));
+        assert!(bad(vec![p("a", PositionalOrKeyword, true), p("b", PositionalOrKeyword, false)])
+            .contains("without a default"));
         assert!(bad(vec![p("a b", PositionalOrKeyword, false)]).contains("identifier"));
         assert!(bad(vec![p("a", VarPositional, false), p("b", VarPositional, false)]).contains("second"));
     }

@@ -133,11 +133,7 @@ impl Compiled {
         out: &mut Vec<Bound<'py, PyAny>>,
     ) -> Result<(), Error> {
         let mismatch = |expected: String, path: &[PathElem<'_>]| {
-            Error::Input(format!(
-                "{}: expected {expected}, got {}",
-                format_path(root, path),
-                describe(obj)
-            ))
+            Error::Input(format!("{}: expected {expected}, got {}", format_path(root, path), describe(obj)))
         };
         match self {
             Compiled::Leaf => out.push(obj.clone()),
@@ -151,10 +147,7 @@ impl Compiled {
                 let seq = if is_list {
                     obj.cast::<PyList>().ok().map(|l| l.as_sequence().clone())
                 } else {
-                    obj.cast::<PyTuple>()
-                        .ok()
-                        .filter(|_| !is_namedtuple(obj))
-                        .map(|t| t.as_sequence().clone())
+                    obj.cast::<PyTuple>().ok().filter(|_| !is_namedtuple(obj)).map(|t| t.as_sequence().clone())
                 };
                 let kind = if is_list { "list" } else { "tuple" };
                 let seq = seq.ok_or_else(|| mismatch(format!("a {kind} of {} items", children.len()), path))?;
@@ -170,9 +163,9 @@ impl Compiled {
                 }
             }
             Compiled::Dict { keys, children, .. } => {
-                let dict = obj.cast::<PyDict>().map_err(|_| {
-                    mismatch(format!("a dict with keys [{}]", key_list(keys)), path)
-                })?;
+                let dict = obj
+                    .cast::<PyDict>()
+                    .map_err(|_| mismatch(format!("a dict with keys [{}]", key_list(keys)), path))?;
                 if dict.len() != keys.len() {
                     return Err(dict_key_mismatch(root, path, dict, keys));
                 }
@@ -249,13 +242,15 @@ fn key_list(keys: &[(Py<PyAny>, String)]) -> String {
     keys.iter().map(|(_, l)| l.as_str()).collect::<Vec<_>>().join(", ")
 }
 
-fn dict_key_mismatch(root: &str, path: &[PathElem<'_>], dict: &Bound<'_, PyDict>, keys: &[(Py<PyAny>, String)]) -> Error {
+fn dict_key_mismatch(
+    root: &str,
+    path: &[PathElem<'_>],
+    dict: &Bound<'_, PyDict>,
+    keys: &[(Py<PyAny>, String)],
+) -> Error {
     let py = dict.py();
-    let missing: Vec<&str> = keys
-        .iter()
-        .filter(|(k, _)| !dict.contains(k.bind(py)).unwrap_or(false))
-        .map(|(_, l)| l.as_str())
-        .collect();
+    let missing: Vec<&str> =
+        keys.iter().filter(|(k, _)| !dict.contains(k.bind(py)).unwrap_or(false)).map(|(_, l)| l.as_str()).collect();
     let extra: Vec<String> = dict
         .keys()
         .iter()
@@ -315,10 +310,7 @@ fn namedtuple_type(py: Python<'_>, name: &str, module: &str, fields: &[String]) 
     if !module.is_empty() {
         kwargs.set_item("module", module)?;
     }
-    let ty = py
-        .import("collections")?
-        .getattr("namedtuple")?
-        .call((name, fields.to_vec()), Some(&kwargs))?;
+    let ty = py.import("collections")?.getattr("namedtuple")?.call((name, fields.to_vec()), Some(&kwargs))?;
     Ok(ty.cast_into::<PyType>()?.unbind())
 }
 
@@ -354,10 +346,7 @@ mod tests {
                 DictEntry { key: Key::Str("a".into()), value: leaf() },
             ],
         };
-        assert_eq!(
-            validate(&dup, "outputs").unwrap_err(),
-            Error::Artifact("outputs: duplicate dict key 'a'".into())
-        );
+        assert_eq!(validate(&dup, "outputs").unwrap_err(), Error::Artifact("outputs: duplicate dict key 'a'".into()));
         let nt = TreeSpec::NamedTuple {
             name: "P".into(),
             module: String::new(),

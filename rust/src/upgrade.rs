@@ -36,10 +36,8 @@ pub const UPGRADERS: &[Upgrader] = &[Upgrader {
 fn v1_to_v2_op_table(mut doc: Value) -> Result<Value> {
     let bad = |what: &str| Error::Artifact(format!("graph.nodes: {what}"));
     let mut ops: Vec<String> = Vec::new();
-    let nodes = doc
-        .pointer_mut("/graph/nodes")
-        .and_then(Value::as_array_mut)
-        .ok_or_else(|| bad("missing or not a list"))?;
+    let nodes =
+        doc.pointer_mut("/graph/nodes").and_then(Value::as_array_mut).ok_or_else(|| bad("missing or not a list"))?;
     for (i, node) in nodes.iter_mut().enumerate() {
         let op = node
             .get("op")
@@ -73,11 +71,8 @@ pub struct Upgraded {
 }
 
 pub fn read_version(doc: &Value) -> Result<FormatVersion> {
-    let v = doc
-        .get("format_version")
-        .ok_or_else(|| Error::Artifact("header: missing format_version".into()))?;
-    serde_json::from_value(v.clone())
-        .map_err(|e| Error::Artifact(format!("header.format_version: {e}")))
+    let v = doc.get("format_version").ok_or_else(|| Error::Artifact("header: missing format_version".into()))?;
+    serde_json::from_value(v.clone()).map_err(|e| Error::Artifact(format!("header.format_version: {e}")))
 }
 
 /// Checks that `upgraders` form one contiguous chain from `oldest` to `current`.
@@ -86,7 +81,10 @@ pub fn validate_chain(upgraders: &[Upgrader], oldest: FormatVersion, current: Fo
     for u in upgraders {
         if u.from != at {
             return Err(if u.from < at {
-                format!("upgrader {} starts at {}, which an earlier upgrader already covers (duplicate)", u.name, u.from)
+                format!(
+                    "upgrader {} starts at {}, which an earlier upgrader already covers (duplicate)",
+                    u.name, u.from
+                )
             } else {
                 format!("gap: no upgrader from {at} (next is {}, from {})", u.name, u.from)
             });
@@ -107,7 +105,8 @@ pub fn upgrade(mut doc: Value) -> Result<Upgraded> {
     let from = read_version(&doc)?;
     if from.major > CURRENT.major {
         return Err(Error::Version(format!(
-            "file format {from} is newer than this runtime, which reads {OLDEST} to {}.x: upgrade kwexport", CURRENT.major
+            "file format {from} is newer than this runtime, which reads {OLDEST} to {}.x: upgrade kwexport",
+            CURRENT.major
         )));
     }
     if from < OLDEST {
@@ -150,7 +149,10 @@ mod tests {
     #[test]
     fn chain_validator_catches_gaps_and_duplicates() {
         let gap = [up(v(1, 0), v(2, 0), "a"), up(v(3, 0), v(4, 0), "b")];
-        assert_eq!(validate_chain(&gap, v(1, 0), v(4, 0)).unwrap_err(), "gap: no upgrader from 2.0 (next is b, from 3.0)");
+        assert_eq!(
+            validate_chain(&gap, v(1, 0), v(4, 0)).unwrap_err(),
+            "gap: no upgrader from 2.0 (next is b, from 3.0)"
+        );
         let dup = [up(v(1, 0), v(2, 0), "a"), up(v(1, 0), v(2, 0), "a2")];
         assert!(validate_chain(&dup, v(1, 0), v(2, 0)).unwrap_err().contains("duplicate"));
         let short = [up(v(1, 0), v(2, 0), "a")];
@@ -188,7 +190,9 @@ mod tests {
         let e = upgrade(json!({"format_version": {"major": 9, "minor": 0}})).unwrap_err();
         assert_eq!(
             e,
-            Error::Version("file format 9.0 is newer than this runtime, which reads 1.0 to 2.x: upgrade kwexport".into())
+            Error::Version(
+                "file format 9.0 is newer than this runtime, which reads 1.0 to 2.x: upgrade kwexport".into()
+            )
         );
     }
 

@@ -16,7 +16,7 @@ use crate::artifact;
 use crate::container::{self, Layout, ALIGN};
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::schema::{Weights, WeightTensor};
+use crate::schema::{WeightTensor, Weights};
 
 /// A weight tensor that passed validation.
 #[derive(Debug, Clone, PartialEq)]
@@ -46,25 +46,25 @@ pub fn validate(weights: &Weights, layout: &Layout) -> Result<BTreeMap<String, C
             return Err(artifact!("weights.storages[{a}] and weights.storages[{b}] overlap"));
         }
     }
-    weights
-        .tensors
-        .iter()
-        .map(|(name, t)| Ok((name.clone(), check_tensor(name, t, weights)?)))
-        .collect()
+    weights.tensors.iter().map(|(name, t)| Ok((name.clone(), check_tensor(name, t, weights)?))).collect()
 }
 
 fn check_tensor(name: &str, t: &WeightTensor, weights: &Weights) -> Result<Checked> {
     let what = format!("weights.tensors[{name:?}]");
     let dtype = DType::parse(&t.dtype).ok_or_else(|| artifact!("{what}: unsupported dtype {:?}", t.dtype))?;
-    let storage = weights
-        .storages
-        .get(t.storage)
-        .ok_or_else(|| artifact!("{what}: storage {} does not exist ({} storages)", t.storage, weights.storages.len()))?;
+    let storage = weights.storages.get(t.storage).ok_or_else(|| {
+        artifact!("{what}: storage {} does not exist ({} storages)", t.storage, weights.storages.len())
+    })?;
     if t.shape.len() != t.strides.len() {
         return Err(artifact!("{what}: {} dims in shape but {} strides", t.shape.len(), t.strides.len()));
     }
     if storage.nbytes % dtype.itemsize != 0 {
-        return Err(artifact!("{what}: storage {} of {} bytes is not a whole number of {} elements", t.storage, storage.nbytes, dtype.name));
+        return Err(artifact!(
+            "{what}: storage {} of {} bytes is not a whole number of {} elements",
+            t.storage,
+            storage.nbytes,
+            dtype.name
+        ));
     }
     if t.shape.iter().any(|&d| d < 0) || t.strides.iter().any(|&s| s < 0) || t.storage_offset < 0 {
         return Err(artifact!("{what}: negative size, stride or offset"));
@@ -83,11 +83,7 @@ fn check_tensor(name: &str, t: &WeightTensor, weights: &Weights) -> Result<Check
     };
     let needed = extent.checked_mul(dtype.itemsize).ok_or_else(overflow)?;
     if needed > storage.nbytes {
-        return Err(artifact!(
-            "{what}: needs {needed} bytes of storage {} but it has {}",
-            t.storage,
-            storage.nbytes
-        ));
+        return Err(artifact!("{what}: needs {needed} bytes of storage {} but it has {}", t.storage, storage.nbytes));
     }
     Ok(Checked {
         dtype,
