@@ -4,16 +4,17 @@ import torch
 import kwexport
 
 
-@pytest.fixture
-def roundtrip(tmp_path):
-    """export -> save -> load, returning the loaded Program."""
+@pytest.fixture(params=["abi", "python"])
+def roundtrip(tmp_path, request):
+    """export -> save -> load, returning the loaded Program: once with every node the stable
+    C ABI covers run through it, once with every node through torch's Python ops."""
     counter = iter(range(10**6))
 
     def go(f, args, kwargs=None, *, dynamic_shapes=None, extra_files=None):
         ex = kwexport.export(f, args, kwargs, dynamic_shapes=dynamic_shapes)
         path = tmp_path / f"p{next(counter)}.kwx"
         kwexport.save(ex, path, extra_files=extra_files)
-        return kwexport.load(path)
+        return kwexport.load(path, dispatch=request.param)
 
     return go
 

@@ -40,17 +40,23 @@ __all__ = [
 ]
 
 
-def load(path, *, allow_ops=()) -> Program:
+def load(path, *, allow_ops=(), dispatch="auto") -> Program:
     """Load a kwexport file. Parses and validates everything before returning; never
     unpickles, evaluates or imports anything named in the file.
 
     Only ops of torch's built-in namespaces (aten, prims) load by default; ``allow_ops``
     admits custom ones, e.g. ``["mylib::*"]`` or ``["mylib::scale.default"]``, which must
     already be registered (kwexport never loads libraries for a file).
+
+    ``dispatch="auto"`` runs each node through torch's stable C ABI where it covers the
+    node and saves more than converting values around it costs (no Python; long stretches
+    release the GIL), and through torch's Python op objects otherwise; ``"abi"`` uses the
+    C ABI for every node it covers; ``"python"`` uses the Python op objects throughout.
+    Results are identical; ``Program.dispatch`` counts the nodes on each path.
     """
     import os
 
-    return _load(os.fspath(path), allow_ops=list(allow_ops))
+    return _load(os.fspath(path), allow_ops=list(allow_ops), dispatch=dispatch)
 
 
 def export(f, args, kwargs=None, *, dynamic_shapes=None):

@@ -7,7 +7,7 @@ pub struct DType {
     pub itemsize: u64,
 }
 
-const ALL: &[DType] = &[
+pub const ALL: &[DType] = &[
     DType { name: "float64", itemsize: 8 },
     DType { name: "float32", itemsize: 4 },
     DType { name: "float16", itemsize: 2 },

@@ -11,11 +11,15 @@
 //! - `opschema`   op-schema drift between torch versions, and op upgraders
 //! - `weights`    the storage table and zero-copy tensors over the mapped file
 //! - `plan`       the execution plan: ops resolved once, run as a flat loop
+//! - `abi`        torch's stable C ABI, resolved at run time from the loaded libtorch
+//! - `dispatch`   nodes compiled for that ABI and run without Python
 //! - `program`    the `Program` Python class: load and call
 //! - `error`      the error taxonomy and its Python exception classes
 
+pub mod abi;
 pub mod checks;
 pub mod container;
+pub mod dispatch;
 pub mod dtype;
 pub mod error;
 pub mod graph;
@@ -31,13 +35,23 @@ pub mod weights;
 use pyo3::prelude::*;
 
 /// Loads a kwexport file and returns a callable `Program`. `allow_ops` names custom op
-/// namespaces or ops (`"mylib::*"`) the file may call beyond torch's own.
+/// namespaces or ops (`"mylib::*"`) the file may call beyond torch's own. `dispatch` is
+/// `"auto"` (torch's stable C ABI where it covers a node and pays off), `"abi"` (wherever it
+/// covers a node) or `"python"` (torch's Python op objects throughout).
 #[pyfunction]
-#[pyo3(signature = (path, *, allow_ops = Vec::new()))]
-fn load(py: Python<'_>, path: std::path::PathBuf, allow_ops: Vec<String>) -> PyResult<program::Program> {
+#[pyo3(signature = (path, *, allow_ops = Vec::new(), dispatch = "auto"))]
+fn load(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    allow_ops: Vec<String>,
+    dispatch: &str,
+) -> PyResult<program::Program> {
     let path = path.to_str().ok_or_else(|| pyo3::exceptions::PyValueError::new_err("path is not valid UTF-8"))?;
     let allow = plan::AllowOps::parse(&allow_ops).map_err(pyo3::exceptions::PyValueError::new_err)?;
-    program::load(py, path, &allow, allow_ops)
+    let dispatch = plan::Dispatch::parse(dispatch).ok_or_else(|| {
+        pyo3::exceptions::PyValueError::new_err(format!("dispatch must be 'auto', 'abi' or 'python', not '{dispatch}'"))
+    })?;
+    program::load(py, path, &allow, allow_ops, dispatch)
 }
 
 /// Unpickles a `Program`: loads `path` and checks that its content hash is `digest`.
@@ -47,8 +61,9 @@ fn _load_verified(
     path: std::path::PathBuf,
     digest: &str,
     allow_ops: Vec<String>,
+    dispatch: &str,
 ) -> PyResult<program::Program> {
-    let prog = load(py, path.clone(), allow_ops)?;
+    let prog = load(py, path.clone(), allow_ops, dispatch)?;
     if prog.digest(py) != digest {
         return Err(error::Error::Artifact(format!(
             "file: {} changed since the program was pickled (sha256 {}, expected {digest})",

@@ -63,6 +63,7 @@ pub struct Program {
     /// The mapped file, kept for its content hash when the program is pickled.
     map: Arc<memmap2::MmapMut>,
     allow_ops: Vec<String>,
+    dispatch: plan::Dispatch,
     digest: PyOnceLock<String>,
     signature_obj: PyOnceLock<Py<PyAny>>,
 }
@@ -248,7 +249,13 @@ fn leaf_paths(spec: &TreeSpec, root: &str, path: &mut Vec<String>, out: &mut Vec
 }
 
 /// Loads and validates a file. Nothing is returned unless everything checks out.
-pub fn load(py: Python<'_>, path: &str, allow: &plan::AllowOps, allow_ops: Vec<String>) -> PyResult<Program> {
+pub fn load(
+    py: Python<'_>,
+    path: &str,
+    allow: &plan::AllowOps,
+    allow_ops: Vec<String>,
+    dispatch: plan::Dispatch,
+) -> PyResult<Program> {
     let file = File::open(path)?;
     let len = file.metadata()?.len();
     if len == 0 {
@@ -266,7 +273,7 @@ pub fn load(py: Python<'_>, path: &str, allow: &plan::AllowOps, allow_ops: Vec<S
 
     let data = Bound::new(py, MappedData::new(map.clone(), &layout))?;
     let weights = weights::materialize(py, &torch, data, &v.doc.weights, &v.weights)?;
-    let plan = plan::build(py, &torch, &v.graph, &ops, &weights)??;
+    let plan = plan::build(py, &torch, &v.graph, &ops, &weights, dispatch)??;
 
     let mut leaf_checks = Vec::with_capacity(v.doc.inputs.leaves.len());
     for (i, leaf) in v.doc.inputs.leaves.iter().enumerate() {
@@ -334,6 +341,7 @@ pub fn load(py: Python<'_>, path: &str, allow: &plan::AllowOps, allow_ops: Vec<S
         notes,
         map,
         allow_ops,
+        dispatch,
         digest: PyOnceLock::new(),
         sig: v.sig,
         signature_obj: PyOnceLock::new(),
@@ -469,9 +477,12 @@ impl Program {
 
     /// Pickles by reference: the path and the file's content hash, never the weights. The
     /// receiving process maps the same file and checks the hash.
-    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, (String, String, Vec<String>))> {
+    fn __reduce__<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Bound<'py, PyAny>, (String, String, Vec<String>, &'static str))> {
         let load = py.import("kwexport._rt")?.getattr("_load_verified")?;
-        Ok((load, (self.path.clone(), self.digest(py).to_owned(), self.allow_ops.clone())))
+        Ok((load, (self.path.clone(), self.digest(py).to_owned(), self.allow_ops.clone(), self.dispatch.name())))
     }
 
     /// Runs the graph on already-flat leaves with no binding, no checks and no rebuilding:
@@ -564,6 +575,16 @@ impl Program {
     #[getter]
     fn producer(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
         Ok(self.producer.bind(py).copy()?.unbind())
+    }
+
+    /// How many graph nodes run on each path: `{"stable_abi": n, "python": m}`. Nodes the
+    /// stable C ABI covers run without Python; the rest through torch's Python op objects.
+    #[getter]
+    fn dispatch<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("stable_abi", self.plan.counts.0)?;
+        d.set_item("python", self.plan.counts.1)?;
+        Ok(d)
     }
 
     /// What loading noticed and handled, such as op-schema drift in a newer torch.

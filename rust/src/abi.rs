@@ -1,0 +1,397 @@
+//! torch's stable C ABI (`torch/csrc/stable/c/shim.h`), resolved at run time from the
+//! libtorch that the running `torch` module has already loaded.
+//!
+//! kwexport is not built against torch headers: the symbols are looked up by name in
+//! `libtorch_cpu.so`, opened with `RTLD_NOLOAD` so that nothing new is ever loaded (the path
+//! comes from the imported `torch` module, never from a file). If any symbol is missing (a
+//! torch older than 2.10), the ABI is unavailable and every node runs through Python.
+
+use std::ffi::{c_char, c_void, CStr};
+use std::sync::OnceLock;
+
+use libloading::os::unix::Library;
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+/// One slot of a dispatcher stack; what it holds depends on the schema type.
+pub type StableIValue = u64;
+type Raw = *mut c_void;
+type Status = i32; // AOTITorchError: 0 is success
+
+/// The functions kwexport calls, with the codes torch uses for enum-like arguments.
+pub struct Abi {
+    call_dispatcher: unsafe extern "C" fn(*const c_char, *const c_char, *mut StableIValue, u64) -> Status,
+    new_tensor_handle: unsafe extern "C" fn(Raw, *mut Raw) -> Status,
+    delete_tensor: unsafe extern "C" fn(Raw) -> Status,
+    new_list: unsafe extern "C" fn(usize, *mut Raw) -> Status,
+    list_push_back: unsafe extern "C" fn(Raw, StableIValue) -> Status,
+    list_size: unsafe extern "C" fn(Raw, *mut usize) -> Status,
+    list_get_item: unsafe extern "C" fn(Raw, usize, *mut StableIValue) -> Status,
+    delete_list: unsafe extern "C" fn(Raw) -> Status,
+    new_stable_ivalue: unsafe extern "C" fn(*mut *mut StableIValue) -> Status,
+    delete_stable_ivalue: unsafe extern "C" fn(*mut StableIValue) -> Status,
+    new_string: unsafe extern "C" fn(*const c_char, usize, *mut Raw) -> Status,
+    delete_string: unsafe extern "C" fn(Raw) -> Status,
+    parse_device: unsafe extern "C" fn(*const c_char, *mut u32, *mut i32) -> Status,
+    exception_what: unsafe extern "C" fn() -> *const c_char,
+    /// `(name, code)` for dtypes, layouts and memory formats, named as in `torch`.
+    dtypes: Vec<(&'static str, i32)>,
+    layouts: Vec<(&'static str, i32)>,
+    memory_formats: Vec<(&'static str, i32)>,
+    /// The running torch's `TORCH_ABI_VERSION`: stacks are built for its schemas.
+    version: u64,
+    /// `torch._C._aoti`'s conversions: a tensor to a new handle; handles to tensors.
+    to_handle: Py<PyAny>,
+    to_tensors: Py<PyAny>,
+    _lib: Library,
+}
+
+use crate::dtype::ALL as DTYPES;
+use crate::plan::{LAYOUTS, MEMORY_FORMATS};
+
+static ABI: OnceLock<Option<Abi>> = OnceLock::new();
+
+impl Abi {
+    /// The ABI of the running torch, resolved on first use; `None` where it is unavailable.
+    pub fn get(py: Python<'_>) -> Option<&'static Abi> {
+        if let Some(abi) = ABI.get() {
+            return abi.as_ref();
+        }
+        let abi = Abi::open(py).ok().flatten();
+        ABI.get_or_init(|| abi).as_ref()
+    }
+
+    fn open(py: Python<'_>) -> PyResult<Option<Abi>> {
+        let torch = py.import("torch")?;
+        let dir: std::path::PathBuf =
+            py.import("os.path")?.call_method1("dirname", (torch.getattr("__file__")?,))?.extract()?;
+        let (major, minor): (u64, u64) = {
+            let v = torch.getattr("__version__")?.str()?.to_string();
+            let mut parts = v.split(['.', '+', 'a', 'b', 'r']).map(|p| p.parse::<u64>().ok());
+            match (parts.next().flatten(), parts.next().flatten()) {
+                (Some(a), Some(b)) => (a, b),
+                _ => return Ok(None),
+            }
+        };
+        let path = dir.join("lib").join("libtorch_cpu.so");
+        // SAFETY: RTLD_NOLOAD only returns a library the process has already loaded (torch's
+        // own), so no initialiser runs.
+        let lib = match unsafe { Library::open(Some(&path), libc::RTLD_NOW | libc::RTLD_NOLOAD) } {
+            Ok(lib) => lib,
+            Err(_) => return Ok(None),
+        };
+        // SAFETY: each symbol is declared in torch's stable shim headers with this signature.
+        unsafe fn sym<T: Copy>(lib: &Library, name: &str) -> Option<T> {
+            lib.get::<T>(name.as_bytes()).ok().map(|s| *s)
+        }
+        let code = |name: String| -> Option<i32> {
+            // SAFETY: `aoti_torch_<kind>_<name>()` takes nothing and returns the code.
+            unsafe { sym::<unsafe extern "C" fn() -> i32>(&lib, &name).map(|f| f()) }
+        };
+        let dtypes = DTYPES
+            .iter()
+            .map(|d| Some((d.name, code(format!("aoti_torch_dtype_{}", d.name))?)))
+            .collect::<Option<Vec<_>>>();
+        let layouts =
+            LAYOUTS.iter().map(|l| Some((*l, code(format!("aoti_torch_layout_{l}"))?))).collect::<Option<Vec<_>>>();
+        let memory_formats = MEMORY_FORMATS
+            .iter()
+            .map(|m| Some((*m, code(format!("aoti_torch_memory_format_{m}"))?)))
+            .collect::<Option<Vec<_>>>();
+        let (Some(dtypes), Some(layouts), Some(memory_formats)) = (dtypes, layouts, memory_formats) else {
+            return Ok(None);
+        };
+        // The conversions between Python tensors and handles must exist too.
+        let Ok(aoti) = py.import("torch._C._aoti") else {
+            return Ok(None);
+        };
+        let (Ok(to_handle), Ok(to_tensors)) = (
+            aoti.getattr("unsafe_alloc_void_ptr_from_tensor"),
+            aoti.getattr("alloc_tensors_by_stealing_from_void_ptrs"),
+        ) else {
+            return Ok(None);
+        };
+        if major < 2 || (major == 2 && minor < 10) {
+            return Ok(None);
+        }
+        // SAFETY: as for `sym` above.
+        Ok(unsafe {
+            (|| {
+                Some(Abi {
+                    call_dispatcher: sym(&lib, "torch_call_dispatcher")?,
+                    new_tensor_handle: sym(&lib, "aoti_torch_new_tensor_handle")?,
+                    delete_tensor: sym(&lib, "aoti_torch_delete_tensor_object")?,
+                    new_list: sym(&lib, "torch_new_list_reserve_size")?,
+                    list_push_back: sym(&lib, "torch_list_push_back")?,
+                    list_size: sym(&lib, "torch_list_size")?,
+                    list_get_item: sym(&lib, "torch_list_get_item")?,
+                    delete_list: sym(&lib, "torch_delete_list")?,
+                    new_stable_ivalue: sym(&lib, "torch_new_stable_ivalue")?,
+                    delete_stable_ivalue: sym(&lib, "torch_delete_stable_ivalue")?,
+                    new_string: sym(&lib, "torch_new_string_handle")?,
+                    delete_string: sym(&lib, "torch_delete_string")?,
+                    parse_device: sym(&lib, "torch_parse_device_string")?,
+                    exception_what: sym(&lib, "torch_exception_get_what_without_backtrace")?,
+                    dtypes,
+                    layouts,
+                    memory_formats,
+                    version: (major << 56) | (minor << 48),
+                    to_handle: to_handle.unbind(),
+                    to_tensors: to_tensors.unbind(),
+                    _lib: lib,
+                })
+            })()
+        })
+    }
+
+    pub fn dtype_code(&self, name: &str) -> Option<i32> {
+        self.dtypes.iter().find(|(n, _)| *n == name).map(|(_, c)| *c)
+    }
+
+    pub fn layout_code(&self, name: &str) -> Option<i32> {
+        self.layouts.iter().find(|(n, _)| *n == name).map(|(_, c)| *c)
+    }
+
+    pub fn memory_format_code(&self, name: &str) -> Option<i32> {
+        self.memory_formats.iter().find(|(n, _)| *n == name).map(|(_, c)| *c)
+    }
+
+    /// A device string as the dispatcher's packed form: index in the low 32 bits, type above.
+    pub fn device_bits(&self, device: &str) -> Option<StableIValue> {
+        let s = std::ffi::CString::new(device).ok()?;
+        let (mut ty, mut index) = (0u32, 0i32);
+        // SAFETY: valid C string and out-pointers.
+        let status = unsafe { (self.parse_device)(s.as_ptr(), &mut ty, &mut index) };
+        (status == 0).then(|| ((ty as u8 as i8 as i64 as u64) << 32) | (index as u32 as u64))
+    }
+
+    /// Calls `op`.`overload` (`""` for `default`) on `stack`, which holds the arguments on
+    /// entry (their owned parts are consumed) and the returns on success.
+    ///
+    /// # Safety
+    /// `stack` must hold one correctly encoded value per schema argument and have room for
+    /// every return.
+    pub unsafe fn call(&self, op: &CStr, overload: &CStr, stack: &mut [StableIValue]) -> Result<(), String> {
+        if (self.call_dispatcher)(op.as_ptr(), overload.as_ptr(), stack.as_mut_ptr(), self.version) == 0 {
+            Ok(())
+        } else {
+            Err(self.last_error())
+        }
+    }
+
+    fn last_error(&self) -> String {
+        // SAFETY: a thread-local string owned by torch, valid until the next exception.
+        let what = unsafe { (self.exception_what)() };
+        if what.is_null() {
+            "torch reported an error with no message".to_owned()
+        } else {
+            // SAFETY: non-null, NUL-terminated.
+            unsafe { CStr::from_ptr(what) }.to_string_lossy().into_owned()
+        }
+    }
+
+    fn check(&self, status: Status) -> Result<(), String> {
+        if status == 0 {
+            Ok(())
+        } else {
+            Err(self.last_error())
+        }
+    }
+
+    /// A new owning handle to the same tensor (a reference-count bump).
+    pub fn share(&self, t: &Tensor) -> Result<StableIValue, String> {
+        let mut out: Raw = std::ptr::null_mut();
+        // SAFETY: `t` is a live handle.
+        self.check(unsafe { (self.new_tensor_handle)(t.0, &mut out) })?;
+        Ok(out as StableIValue)
+    }
+
+    /// Takes ownership of a tensor handle returned on a stack.
+    pub fn adopt(&self, bits: StableIValue) -> Tensor {
+        Tensor(bits as Raw, self.delete_tensor)
+    }
+
+    pub fn new_list(&self, items: &[StableIValue]) -> Result<StableIValue, String> {
+        let mut list: Raw = std::ptr::null_mut();
+        // SAFETY: out-pointer; then pushes onto the list just made.
+        unsafe {
+            self.check((self.new_list)(items.len(), &mut list))?;
+            for &item in items {
+                if let Err(e) = self.check((self.list_push_back)(list, item)) {
+                    (self.delete_list)(list);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(list as StableIValue)
+    }
+
+    /// The items of a list returned on a stack; the list itself is freed, its items are
+    /// the caller's.
+    ///
+    /// # Safety
+    /// `bits` must be an owned list handle.
+    pub unsafe fn take_list(&self, bits: StableIValue) -> Result<Vec<StableIValue>, String> {
+        let list = bits as Raw;
+        let mut n = 0usize;
+        self.check((self.list_size)(list, &mut n))?;
+        let mut items = vec![0; n];
+        for (i, item) in items.iter_mut().enumerate() {
+            self.check((self.list_get_item)(list, i, item))?;
+        }
+        self.check((self.delete_list)(list))?;
+        Ok(items)
+    }
+
+    /// `Some(value)` for an optional argument: a heap cell the dispatcher frees.
+    pub fn boxed(&self, value: StableIValue) -> Result<StableIValue, String> {
+        let mut cell: *mut StableIValue = std::ptr::null_mut();
+        // SAFETY: out-pointer, then a write to the cell torch allocated.
+        unsafe {
+            self.check((self.new_stable_ivalue)(&mut cell))?;
+            *cell = value;
+        }
+        Ok(cell as StableIValue)
+    }
+
+    pub fn new_string(&self, s: &str) -> Result<StableIValue, String> {
+        let mut out: Raw = std::ptr::null_mut();
+        // SAFETY: pointer and length of a live byte slice.
+        self.check(unsafe { (self.new_string)(s.as_ptr().cast(), s.len(), &mut out) })?;
+        Ok(out as StableIValue)
+    }
+
+    /// Frees the owned parts of an encoded value that never reached the dispatcher.
+    ///
+    /// # Safety
+    /// `bits` must have been encoded for `ty` and not yet consumed.
+    pub unsafe fn release(&self, ty: &Ty, bits: StableIValue) {
+        match ty {
+            Ty::Tensor => {
+                (self.delete_tensor)(bits as Raw);
+            }
+            Ty::Str => {
+                (self.delete_string)(bits as Raw);
+            }
+            Ty::Optional(inner) if bits != 0 => {
+                let cell = bits as *mut StableIValue;
+                self.release(inner, *cell);
+                (self.delete_stable_ivalue)(cell);
+            }
+            Ty::List(inner) => {
+                if let Ok(items) = self.take_list(bits) {
+                    for item in items {
+                        self.release(inner, item);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// An owning handle to a Python tensor.
+    pub fn handle_of(&self, t: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+        let cap = self.to_handle.bind(t.py()).call1((t,))?;
+        // SAFETY: torch's capsule is unnamed and holds a new `at::Tensor*`.
+        let ptr = unsafe { pyo3::ffi::PyCapsule_GetPointer(cap.as_ptr(), std::ptr::null()) };
+        if ptr.is_null() {
+            return Err(PyErr::fetch(t.py()));
+        }
+        Ok(Tensor(ptr, self.delete_tensor))
+    }
+
+    /// Python tensors for handles, in one call; torch takes the handles over. A tensor that
+    /// already has a Python object gets that same object back.
+    pub fn tensors_of<'py>(&self, py: Python<'py>, handles: Vec<Tensor>) -> PyResult<Bound<'py, PyList>> {
+        let mut capsules = Vec::with_capacity(handles.len());
+        for h in handles {
+            // SAFETY: an unnamed capsule with no destructor, as torch expects; the handle's
+            // ownership passes to torch's stealing call. (The list form deletes each handle
+            // it reads; the one-tensor form in torch 2.13 copies and leaks it.)
+            let cap = unsafe { pyo3::ffi::PyCapsule_New(h.into_raw(), std::ptr::null(), None) };
+            capsules.push(unsafe { Bound::from_owned_ptr_or_err(py, cap)? });
+        }
+        Ok(self.to_tensors.bind(py).call1((capsules,))?.cast_into::<PyList>()?)
+    }
+}
+
+/// An owning `AtenTensorHandle`, deleted on drop. Deleting needs no GIL.
+pub struct Tensor(Raw, unsafe extern "C" fn(Raw) -> Status);
+
+// SAFETY: an `at::Tensor*`; its reference count is atomic and kwexport never mutates
+// through it, so sharing across threads is sound.
+unsafe impl Send for Tensor {}
+unsafe impl Sync for Tensor {}
+
+impl Tensor {
+    fn into_raw(self) -> Raw {
+        let raw = self.0;
+        std::mem::forget(self);
+        raw
+    }
+}
+
+impl Drop for Tensor {
+    fn drop(&mut self) {
+        // SAFETY: an owned handle, deleted once.
+        unsafe { (self.1)(self.0) };
+    }
+}
+
+/// A schema type the dispatcher can convert (`torch/csrc/shim_common.cpp`, `to_ivalue`).
+/// Anything else (`Scalar`, `Generator`, ...) keeps a node on the Python path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ty {
+    Tensor,
+    Int,
+    Float,
+    Bool,
+    Str,
+    ScalarType,
+    Layout,
+    MemoryFormat,
+    Device,
+    Optional(Box<Ty>),
+    List(Box<Ty>),
+}
+
+impl Ty {
+    /// Parses a schema type as `str(argument.real_type)` prints it: `Tensor`,
+    /// `Optional[ScalarType]`, `List[Optional[Tensor]]`, ...
+    pub fn parse(s: &str) -> Option<Ty> {
+        if let Some(inner) = s.strip_prefix("Optional[").and_then(|r| r.strip_suffix(']')) {
+            return Some(Ty::Optional(Box::new(Ty::parse(inner)?)));
+        }
+        if let Some(inner) = s.strip_prefix("List[").and_then(|r| r.strip_suffix(']')) {
+            return Some(Ty::List(Box::new(Ty::parse(inner)?)));
+        }
+        Some(match s {
+            "Tensor" => Ty::Tensor,
+            "int" | "SymInt" => Ty::Int,
+            "float" => Ty::Float,
+            "bool" => Ty::Bool,
+            "str" => Ty::Str,
+            "ScalarType" => Ty::ScalarType,
+            "Layout" => Ty::Layout,
+            "MemoryFormat" => Ty::MemoryFormat,
+            "Device" => Ty::Device,
+            _ => return None,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Ty;
+
+    #[test]
+    fn parses_schema_types() {
+        assert_eq!(Ty::parse("Tensor"), Some(Ty::Tensor));
+        assert_eq!(Ty::parse("Optional[ScalarType]"), Some(Ty::Optional(Box::new(Ty::ScalarType))));
+        assert_eq!(Ty::parse("List[Optional[Tensor]]"), Some(Ty::List(Box::new(Ty::Optional(Box::new(Ty::Tensor))))));
+        assert_eq!(Ty::parse("SymInt"), Some(Ty::Int));
+        for unsupported in ["number", "Generator", "Optional[number]", "List[number]", "Optional[", "Dimname"] {
+            assert_eq!(Ty::parse(unsupported), None, "{unsupported}");
+        }
+    }
+}

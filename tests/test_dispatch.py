@@ -1,0 +1,215 @@
+"""The two ways a node runs: torch's stable C ABI and torch's Python op objects. Every model
+gives bitwise-identical results both ways (and equal to eager), whichever mix of paths the
+plan chooses."""
+
+import gc
+import sys
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.export import Dim
+
+import kwexport
+from conftest import assert_same
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent.parent / "benches"))
+import workloads  # noqa: E402
+
+MODES = ["auto", "abi", "python"]
+
+
+def load_all(tmp_path, f, args, kwargs=None, **export_kw):
+    path = tmp_path / "m.kwx"
+    kwexport.save(kwexport.export(f, args, kwargs, **export_kw), path)
+    return {mode: kwexport.load(path, dispatch=mode) for mode in MODES}
+
+
+def assert_bitwise(got, want):
+    assert type(got) is type(want)
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride()
+        assert torch.equal(got, want) or (got.isnan() == want.isnan()).all()
+    elif isinstance(want, dict):
+        assert list(got) == list(want)
+        for k in want:
+            assert_bitwise(got[k], want[k])
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_bitwise(g, w)
+    else:
+        assert got == want
+
+
+def check_paths(progs, f, args, kwargs=None):
+    kwargs = kwargs or {}
+    with torch.no_grad():
+        want = f(*args, **kwargs)
+        outs = {mode: p(*args, **kwargs) for mode, p in progs.items()}
+    for out in outs.values():
+        assert_same(out, want)
+    assert_bitwise(outs["abi"], outs["python"])
+    assert_bitwise(outs["auto"], outs["python"])
+
+
+@pytest.mark.parametrize("name", workloads.NAMES)
+def test_benchmark_workloads_agree_on_every_path(tmp_path, name):
+    f, args, kwargs = workloads.build(name)
+    progs = load_all(tmp_path, f, args, kwargs)
+    check_paths(progs, f, args, kwargs)
+    assert progs["python"].dispatch == {"stable_abi": 0, "python": len_nodes(progs["python"])}
+    assert progs["abi"].dispatch["stable_abi"] > 0
+
+
+def len_nodes(prog):
+    return sum(prog.dispatch.values())
+
+
+class Zoo(nn.Module):
+    """Argument kinds the C path encodes: optional tensors, int and float lists, strings,
+    dtypes, bools, numbers wrapped as tensors; list and tuple returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(12)
+        self.conv = nn.Conv1d(3, 4, 3, padding=1)
+
+    def forward(self, x, idx, *, mode: str = "tanh"):
+        a, b, c = torch.split(x, 4, dim=-1)                     # list return
+        h = F.gelu(self.norm(x), approximate=mode)              # str, optional tensors, 3 returns
+        h = h.to(torch.float64).sum(-1, keepdim=True)           # dtype, int list, bool
+        y = torch.cat([a * 2, b / 3, c - 1.5], dim=-1)          # tensor list, wrapped numbers
+        y = y.index_select(-1, idx).clamp(min=-1.0)             # optional number
+        z = self.conv(x.view(2, 3, 12)).flatten()               # int lists with defaults
+        m = torch.max(x, dim=0)                                 # (values, indices) tuple return
+        return y, h, z, m.values, m.indices, (x > 0).sum()      # bool tensor, int64 reduction
+
+
+def test_argument_kinds_agree(tmp_path):
+    torch.manual_seed(0)
+    m = Zoo().eval()
+    args = (torch.randn(6, 12), torch.tensor([0, 5, 11, 3]))
+    progs = load_all(tmp_path, m, args, {"mode": "tanh"})
+    check_paths(progs, m, args, {"mode": "tanh"})
+    assert progs["abi"].dispatch["stable_abi"] >= 10
+
+
+def test_int_and_bool_tensors_keep_torch_type_promotion(tmp_path):
+    # A Python number passed where an op takes a tensor promotes like the number: int32 * 0.5
+    # is float32, not float64; bool + 1 is int64; int16 * 3 stays int16.
+    def f(i, b, s):
+        return i * 0.5, b + 1, s * 3, (i > 2) & True
+
+    args = (torch.arange(5, dtype=torch.int32), torch.tensor([True, False]), torch.arange(3, dtype=torch.int16))
+    progs = load_all(tmp_path, f, args)
+    check_paths(progs, f, args)
+    out = progs["abi"](*args)
+    assert [t.dtype for t in out] == [torch.float32, torch.int64, torch.int16, torch.bool]
+
+
+def test_symbolic_sizes_cross_the_c_path(tmp_path):
+    # sym_size results are ints that flow into view's size list: native ints on the C path.
+    class M(nn.Module):
+        def forward(self, x):
+            return x.view(x.shape[0] * 2, -1).relu() + 1
+
+    x = torch.randn(4, 6)
+    progs = load_all(tmp_path, M(), (x,), dynamic_shapes={"x": {0: Dim("b", min=2, max=64)}})
+    for b in (2, 7, 64):
+        x = torch.randn(b, 6)
+        check_paths(progs, M(), (x,))
+
+
+def test_dispatch_counts_and_modes(tmp_path):
+    def f(x):
+        for _ in range(10):
+            x = torch.relu(x)
+        return x
+
+    progs = load_all(tmp_path, f, (torch.randn(3),))
+    assert progs["abi"].dispatch == {"stable_abi": 10, "python": 0}
+    assert progs["auto"].dispatch == {"stable_abi": 10, "python": 0}
+    assert progs["python"].dispatch == {"stable_abi": 0, "python": 10}
+    with pytest.raises(ValueError, match="dispatch must be 'auto', 'abi' or 'python', not 'fast'"):
+        kwexport.load(tmp_path / "m.kwx", dispatch="fast")
+
+
+def test_auto_keeps_a_lone_c_node_between_python_nodes_on_python(tmp_path):
+    # add.Tensor takes a Scalar (alpha), which the stable ABI cannot pass: it runs in Python.
+    # A single mul between adds would cost more to convert than it saves.
+    def f(x, y):
+        return ((x + y) * y) + x
+
+    progs = load_all(tmp_path, f, (torch.randn(3), torch.randn(3)))
+    assert progs["abi"].dispatch == {"stable_abi": 1, "python": 2}
+    assert progs["auto"].dispatch == {"stable_abi": 0, "python": 3}
+    check_paths(progs, f, (torch.randn(3), torch.randn(3)))
+
+
+def test_op_errors_on_the_c_path_name_the_op(tmp_path):
+    def f(x, idx):
+        return x.index_select(0, idx)
+
+    progs = load_all(tmp_path, f, (torch.randn(4), torch.tensor([1, 2])))
+    bad = (torch.randn(4), torch.tensor([1, 9]))
+    with pytest.raises(RuntimeError, match=r"aten::index_select: .*out of range"):
+        progs["abi"](*bad)
+    with pytest.raises(IndexError, match="out of range"):
+        progs["python"](*bad)
+    assert torch.equal(progs["abi"](torch.arange(4.0), torch.tensor([3, 0])), torch.tensor([3.0, 0.0]))
+
+
+def test_autograd_records_through_the_c_path(tmp_path):
+    # The dispatcher runs autograd as the Python ops do: gradients flow to inputs.
+    def f(x, w):
+        return (torch.relu(x) * w).sum(-1)
+
+    progs = load_all(tmp_path, f, (torch.randn(3, 4), torch.randn(4)))
+    grads = {}
+    for mode, p in progs.items():
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        w = torch.ones(4, requires_grad=True)
+        p(x, w).sum().backward()
+        grads[mode] = (x.grad, w.grad)
+    for mode in MODES:
+        assert torch.equal(grads[mode][0], grads["python"][0]) and torch.equal(grads[mode][1], grads["python"][1])
+
+
+def test_no_tensor_or_handle_leaks(tmp_path):
+    f, args, kwargs = workloads.build("kwargs_mlp")
+    prog = load_all(tmp_path, f, args, kwargs)["abi"]
+    with torch.no_grad():
+        for _ in range(50):
+            prog(*args, **kwargs)
+        gc.collect()
+        before = len(gc.get_objects())
+        for _ in range(500):
+            prog(*args, **kwargs)
+        gc.collect()
+    assert len(gc.get_objects()) - before < 50
+
+
+def test_threads_share_one_program_on_the_c_path(tmp_path):
+    f, args, kwargs = workloads.build("convnet")
+    prog = load_all(tmp_path, f, args, kwargs)["abi"]
+    with torch.no_grad():
+        want = prog(*args, **kwargs)
+    errors = []
+
+    def work():
+        try:
+            with torch.no_grad():
+                for _ in range(5):
+                    assert torch.equal(prog(*args, **kwargs), want)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
