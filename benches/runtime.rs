@@ -1,14 +1,20 @@
-//! Criterion benches for the runtime's pure parts and, with libpython, its call path.
+//! Criterion benches for the runtime's pure parts and, with libpython embedded, its call
+//! path and per-node dispatch.
 //!
-//!     cargo bench --bench runtime
+//!     PYO3_PYTHON=.venv/bin/python cargo bench --bench runtime
 //!
-//! The Python benches need torch importable: run with `PYTHONPATH=.venv/lib/python3.X/site-packages`
-//! (they are skipped, with a note, when torch can't be imported).
+//! The Python benches import torch and kwexport's exporter from `.venv` and `python/`
+//! (after `bash scripts/setup.sh`); without them they are skipped with a note.
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use kwexport::program::validate_file;
+use std::path::{Path, PathBuf};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kwexport::plan::{AllowOps, Dispatch};
+use kwexport::program::{load, validate_file, Program};
 use kwexport::schema::{Constant, Param, ParamKind, Signature as RawSignature};
 use kwexport::signature::Signature;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
 use serde_json::json;
 
 /// A valid file whose graph is a chain of `n` neg nodes on one input.
@@ -68,5 +74,93 @@ fn bind(c: &mut Criterion) {
     c.bench_function("bind/kwargs_mlp", |b| b.iter(|| sig.bind(2, &["scale", "bias", "shift"]).unwrap()));
 }
 
-criterion_group!(benches, parse_and_validate, bind);
+/// Embedded Python with the project's venv and exporter importable; `None` (and a note) if
+/// torch can't be imported.
+fn python_ready(py: Python<'_>) -> Option<()> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let sys = py.import("sys").ok()?;
+    let path = sys.getattr("path").ok()?;
+    let version: (u8, u8) = sys.getattr("version_info").ok()?.extract::<(u8, u8, u8, String, u8)>().ok().map(|v| (v.0, v.1))?;
+    let site = root.join(format!(".venv/lib/python{}.{}/site-packages", version.0, version.1));
+    for p in [site, root.join("python"), root.join("benches")] {
+        path.call_method1("insert", (0, p.to_str()?)).ok()?;
+    }
+    match py.import("torch") {
+        Ok(torch) => {
+            torch.call_method1("set_num_threads", (1,)).ok()?;
+            Some(())
+        }
+        Err(e) => {
+            eprintln!("skipping the Python benches: cannot import torch ({e}); run scripts/setup.sh");
+            None
+        }
+    }
+}
+
+/// Exports `code`'s `f(*args, **kwargs)` to a file in `dir` and returns the path, args and kwargs.
+fn export<'py>(py: Python<'py>, dir: &Path, name: &str, code: &str) -> PyResult<(PathBuf, Bound<'py, PyTuple>, Bound<'py, PyDict>)> {
+    let ns = PyDict::new(py);
+    let code = std::ffi::CString::new(code).unwrap();
+    py.run(&code, Some(&ns), Some(&ns))?;
+    let path = dir.join(format!("{name}.kwx"));
+    let kwexport = py.import("kwexport")?;
+    let get = |k: &str| ns.as_any().get_item(k);
+    let ex = kwexport.call_method1("export", (get("f")?, get("args")?, get("kwargs")?))?;
+    kwexport.call_method1("save", (ex, &path))?;
+    Ok((path, get("args")?.cast_into()?, get("kwargs")?.cast_into()?))
+}
+
+fn load_as(py: Python<'_>, path: &Path, dispatch: Dispatch) -> PyResult<Program> {
+    load(py, path.to_str().unwrap(), &AllowOps::default(), Vec::new(), dispatch)
+}
+
+/// Binding the call to the signature, flattening it against the treespec and checking
+/// every leaf: the whole call path but the graph.
+fn bind_flatten_check(c: &mut Criterion) {
+    Python::initialize();
+    Python::attach(|py| {
+        python_ready(py)?;
+        let dir = tempdir();
+        let mut group = c.benchmark_group("bind_flatten_check");
+        for name in ["two_op", "kwargs_mlp", "deep_mlp"] {
+            let code = format!("import workloads\nf, args, kwargs = workloads.build({name:?})\n");
+            let (path, args, kwargs) = export(py, &dir, name, &code).expect("export");
+            let prog = load_as(py, &path, Dispatch::Auto).expect("load");
+            group.bench_function(name, |b| b.iter(|| prog._flatten(&args, Some(&kwargs)).unwrap()));
+        }
+        group.finish();
+        Some(())
+    });
+}
+
+/// One node's cost on each path: a chain of 256 `relu`s on a small tensor, run on flat
+/// leaves (no binding or checks), reported per node.
+fn per_node_dispatch(c: &mut Criterion) {
+    Python::initialize();
+    Python::attach(|py| {
+        python_ready(py)?;
+        let dir = tempdir();
+        let code = "import torch\n\
+                    def f(x):\n    for _ in range(256):\n        x = torch.relu(x)\n    return x\n\
+                    args, kwargs = (torch.randn(4, 16),), {}\n";
+        let (path, args, _) = export(py, &dir, "relu_chain", code).expect("export");
+        let mut group = c.benchmark_group("dispatch_per_node");
+        group.throughput(Throughput::Elements(256));
+        for (label, dispatch) in [("stable_abi", Dispatch::Abi), ("python_op", Dispatch::Python)] {
+            let prog = load_as(py, &path, dispatch).expect("load");
+            let leaves: Vec<Bound<'_, PyAny>> = args.iter().collect();
+            group.bench_function(label, |b| b.iter(|| prog._run_flat(leaves.clone()).unwrap()));
+        }
+        group.finish();
+        Some(())
+    });
+}
+
+fn tempdir() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kwexport-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+criterion_group!(benches, parse_and_validate, bind, bind_flatten_check, per_node_dispatch);
 criterion_main!(benches);

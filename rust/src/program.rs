@@ -487,7 +487,7 @@ impl Program {
 
     /// Runs the graph on already-flat leaves with no binding, no checks and no rebuilding:
     /// the floor that benchmarks measure the call path's overhead against.
-    fn _run_flat<'py>(&self, leaves: Vec<Bound<'py, PyAny>>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    pub fn _run_flat<'py>(&self, leaves: Vec<Bound<'py, PyAny>>) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let py = match leaves.first() {
             Some(l) => l.py(),
             None => return Err(pyo3::exceptions::PyValueError::new_err("no leaves")),
@@ -500,7 +500,7 @@ impl Program {
 
     /// Binds and flattens a call to its leaves, checked, without running the graph.
     #[pyo3(signature = (*args, **kwargs))]
-    fn _flatten<'py>(
+    pub fn _flatten<'py>(
         &self,
         args: &Bound<'py, PyTuple>,
         kwargs: Option<&Bound<'py, PyDict>>,
