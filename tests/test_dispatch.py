@@ -213,3 +213,17 @@ def test_threads_share_one_program_on_the_c_path(tmp_path):
     for t in threads:
         t.join()
     assert not errors
+
+
+def test_sizes_used_as_tensor_arguments(tmp_path):
+    # `x * x.shape[0]` with a dynamic dim passes a symbolic int where mul takes a tensor:
+    # Python ops wrap it; the stable ABI can't, so that node stays on Python.
+    class M(nn.Module):
+        def forward(self, x):
+            return (x * x.shape[0]).relu() + x.shape[1]
+
+    x = torch.randn(4, 6)
+    progs = load_all(tmp_path, M(), (x,), dynamic_shapes={"x": {0: Dim("b", min=2, max=64), 1: Dim("c", min=2, max=9)}})
+    for shape in [(2, 3), (5, 9), (64, 2)]:
+        check_paths(progs, M(), (torch.randn(*shape),))
+    assert progs["abi"].dispatch["python"] >= 1

@@ -62,11 +62,14 @@ pub struct AbiStep {
 impl AbiStep {
     /// Compiles a node whose arguments are already matched to the schema (`bound[i]` is
     /// the value for parameter `i`: given, or its default). `None` if the ABI can't run it.
+    /// `is_tensor(slot)` says whether a slot always holds a tensor (else a number): the
+    /// dispatcher can't take a number where the schema wants a tensor, as Python ops can.
     pub fn compile(
         abi: &Abi,
         op: &AbiOp,
         step: &StepPlan,
         bound: &[&ArgPlan],
+        is_tensor: &dyn Fn(usize) -> bool,
         consts: &mut dyn Consts,
     ) -> Option<AbiStep> {
         let returns = op.returns.clone()?;
@@ -86,7 +89,7 @@ impl AbiStep {
         let mut args = Vec::with_capacity(bound.len());
         for ((ty, writes), value) in op.params.iter().zip(bound) {
             let ty = ty.clone()?;
-            let enc = encode_arg(abi, &ty, *writes, value, consts)?;
+            let enc = encode_arg(abi, &ty, *writes, value, is_tensor, consts)?;
             args.push((ty, enc));
         }
         Some(AbiStep {
@@ -183,15 +186,23 @@ impl AbiStep {
     }
 }
 
-fn encode_arg(abi: &Abi, ty: &Ty, writes: bool, value: &ArgPlan, consts: &mut dyn Consts) -> Option<Enc> {
+fn encode_arg(
+    abi: &Abi,
+    ty: &Ty,
+    writes: bool,
+    value: &ArgPlan,
+    is_tensor: &dyn Fn(usize) -> bool,
+    consts: &mut dyn Consts,
+) -> Option<Enc> {
     Some(match (ty, value) {
         (Ty::Optional(_), ArgPlan::Literal(Arg::None(()))) => Enc::Bits(0),
-        (Ty::Optional(inner), v) => Enc::Some(Box::new(encode_arg(abi, inner, writes, v, consts)?)),
-        (Ty::List(inner), ArgPlan::List(items)) => {
-            Enc::List(items.iter().map(|i| encode_arg(abi, inner, writes, i, consts)).collect::<Option<_>>()?)
-        }
+        (Ty::Optional(inner), v) => Enc::Some(Box::new(encode_arg(abi, inner, writes, v, is_tensor, consts)?)),
+        (Ty::List(inner), ArgPlan::List(items)) => Enc::List(
+            items.iter().map(|i| encode_arg(abi, inner, writes, i, is_tensor, consts)).collect::<Option<_>>()?,
+        ),
         (Ty::List(_), _) => return None,
-        (Ty::Tensor | Ty::Int | Ty::Float | Ty::Bool, ArgPlan::Value(ValueRef::Slot(s))) => Enc::Slot(*s),
+        (Ty::Tensor, ArgPlan::Value(ValueRef::Slot(s))) if is_tensor(*s) => Enc::Slot(*s),
+        (Ty::Int | Ty::Float | Ty::Bool, ArgPlan::Value(ValueRef::Slot(s))) if !is_tensor(*s) => Enc::Slot(*s),
         (Ty::Tensor, ArgPlan::Value(ValueRef::Weight(w))) => Enc::Const(consts.weight(w)),
         // A constant the op writes to would leak one call's changes into the next.
         (Ty::Tensor, ArgPlan::Literal(lit)) if !writes => Enc::Const(consts.number(lit)?),

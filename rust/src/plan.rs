@@ -446,6 +446,7 @@ pub fn build(
     graph: &GraphPlan,
     ops: &[ResolvedOp],
     weights: &BTreeMap<String, Py<PyAny>>,
+    leaf_is_tensor: &[bool],
     dispatch: Dispatch,
 ) -> PyResult<Result<Plan>> {
     let abi = match dispatch {
@@ -454,6 +455,31 @@ pub fn build(
     };
     let mut consts =
         ConstTable { py, torch, weights, tensors: Vec::new(), weight_index: HashMap::new(), numbers: Vec::new() };
+    // Which slots always hold tensors: tensor user leaves, and node outputs whose schema
+    // return is a tensor. (Python operators on sizes return numbers.)
+    let mut tensor_slot = vec![false; graph.n_slots];
+    for &(slot, leaf) in &graph.user_inputs {
+        tensor_slot[slot] = leaf_is_tensor.get(leaf).copied().unwrap_or(false);
+    }
+    for step in &graph.steps {
+        let returns = ops[step.op].signature.as_ref().and_then(|s| s.abi.returns.as_deref()).unwrap_or(&[]);
+        let tensors: Vec<bool> = match returns {
+            [Ty::List(inner)] => vec![**inner == Ty::Tensor; out_slots_len(&step.outputs)],
+            _ => returns.iter().map(|r| *r == Ty::Tensor).collect(),
+        };
+        match &step.outputs {
+            OutPlan::None => {}
+            OutPlan::One(slot) => slot.iter().for_each(|&s| tensor_slot[s] = tensors.first() == Some(&true)),
+            OutPlan::Many(slots) => {
+                for (i, slot) in slots.iter().enumerate() {
+                    if let Some(s) = slot {
+                        tensor_slot[*s] = tensors.get(i) == Some(&true);
+                    }
+                }
+            }
+        }
+    }
+    let is_tensor = |s: usize| tensor_slot[s];
     let mut compiled = Vec::with_capacity(graph.steps.len());
     for (i, step) in graph.steps.iter().enumerate() {
         let op = &ops[step.op];
@@ -464,7 +490,7 @@ pub fn build(
         }
         compiled.push(abi.zip(op.signature.as_ref()).and_then(|(abi, sig)| {
             let bound = sig.bind(step)?;
-            AbiStep::compile(abi, &sig.abi, step, &bound, &mut consts)
+            AbiStep::compile(abi, &sig.abi, step, &bound, &is_tensor, &mut consts)
         }));
     }
     if dispatch == Dispatch::Auto {
@@ -671,6 +697,14 @@ fn segment(graph: &GraphPlan, execs: Vec<Exec>) -> (Vec<Segment>, Vec<usize>) {
         }
     }
     (segments, outputs_to_py)
+}
+
+fn out_slots_len(o: &OutPlan) -> usize {
+    match o {
+        OutPlan::None => 0,
+        OutPlan::One(_) => 1,
+        OutPlan::Many(slots) => slots.len(),
+    }
 }
 
 fn out_slots(o: &OutPlan) -> Vec<usize> {

@@ -16,7 +16,7 @@ use crate::container;
 use crate::error::{Error, Result};
 use crate::graph;
 use crate::plan::{self, Plan};
-use crate::schema::{Document, Encoding, FormatVersion, Key, ParamKind, TreeSpec};
+use crate::schema::{Document, Encoding, FormatVersion, Key, LeafSpec, ParamKind, TreeSpec};
 use crate::signature::{Bound as Binding, Signature, Source};
 use crate::treespec::{self, Compiled, PathElem};
 use crate::upgrade;
@@ -273,7 +273,8 @@ pub fn load(
 
     let data = Bound::new(py, MappedData::new(map.clone(), &layout))?;
     let weights = weights::materialize(py, &torch, data, &v.doc.weights, &v.weights)?;
-    let plan = plan::build(py, &torch, &v.graph, &ops, &weights, dispatch)??;
+    let leaf_is_tensor: Vec<bool> = v.doc.inputs.leaves.iter().map(|l| matches!(l, LeafSpec::Tensor(_))).collect();
+    let plan = plan::build(py, &torch, &v.graph, &ops, &weights, &leaf_is_tensor, dispatch)??;
 
     let mut leaf_checks = Vec::with_capacity(v.doc.inputs.leaves.len());
     for (i, leaf) in v.doc.inputs.leaves.iter().enumerate() {
