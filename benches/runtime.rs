@@ -80,7 +80,8 @@ fn python_ready(py: Python<'_>) -> Option<()> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let sys = py.import("sys").ok()?;
     let path = sys.getattr("path").ok()?;
-    let version: (u8, u8) = sys.getattr("version_info").ok()?.extract::<(u8, u8, u8, String, u8)>().ok().map(|v| (v.0, v.1))?;
+    let version: (u8, u8) =
+        sys.getattr("version_info").ok()?.extract::<(u8, u8, u8, String, u8)>().ok().map(|v| (v.0, v.1))?;
     let site = root.join(format!(".venv/lib/python{}.{}/site-packages", version.0, version.1));
     for p in [site, root.join("python"), root.join("benches")] {
         path.call_method1("insert", (0, p.to_str()?)).ok()?;
@@ -98,7 +99,12 @@ fn python_ready(py: Python<'_>) -> Option<()> {
 }
 
 /// Exports `code`'s `f(*args, **kwargs)` to a file in `dir` and returns the path, args and kwargs.
-fn export<'py>(py: Python<'py>, dir: &Path, name: &str, code: &str) -> PyResult<(PathBuf, Bound<'py, PyTuple>, Bound<'py, PyDict>)> {
+fn export<'py>(
+    py: Python<'py>,
+    dir: &Path,
+    name: &str,
+    code: &str,
+) -> PyResult<(PathBuf, Bound<'py, PyTuple>, Bound<'py, PyDict>)> {
     let ns = PyDict::new(py);
     let code = std::ffi::CString::new(code).unwrap();
     py.run(&code, Some(&ns), Some(&ns))?;

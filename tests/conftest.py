@@ -1,3 +1,5 @@
+import threading
+
 import pytest
 import torch
 
@@ -19,24 +21,48 @@ def roundtrip(tmp_path, request):
     return go
 
 
-def assert_same(got, want):
-    """Equal values in the same structure: container types, dict key order, namedtuple types."""
+def assert_same(got, want, *, bitwise=False):
+    """Equal values in the same structure: container types, dict key order, namedtuple types.
+    Tensors are close, or with ``bitwise`` identical to the bit (NaNs alike) with the same strides."""
     assert type(got).__name__ == type(want).__name__, (type(got), type(want))
     if isinstance(want, torch.Tensor):
         assert got.dtype == want.dtype and got.shape == want.shape
-        torch.testing.assert_close(got, want)
+        if bitwise:
+            assert got.stride() == want.stride()
+            assert torch.equal(got, want) or torch.equal(got.isnan(), want.isnan())
+        else:
+            torch.testing.assert_close(got, want)
     elif isinstance(want, dict):
         assert list(got) == list(want)
         for k in want:
-            assert_same(got[k], want[k])
+            assert_same(got[k], want[k], bitwise=bitwise)
     elif isinstance(want, (tuple, list)):
         assert len(got) == len(want)
         if hasattr(want, "_fields"):
             assert got._fields == want._fields
         for g, w in zip(got, want):
-            assert_same(g, w)
+            assert_same(g, w, bitwise=bitwise)
     else:
         assert got == want
+
+
+def in_threads(work, n):
+    """Runs `work()` on `n` threads at once and re-raises the first error any of them hit."""
+    errors = []
+
+    def guarded():
+        try:
+            work()
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def reversed_kwargs(kwargs):

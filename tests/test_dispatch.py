@@ -4,7 +4,6 @@ plan chooses."""
 
 import gc
 import sys
-import threading
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from torch import nn
 from torch.export import Dim
 
 import kwexport
-from conftest import assert_same
+from conftest import assert_same, in_threads
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent.parent / "benches"))
 import workloads  # noqa: E402
@@ -27,23 +26,6 @@ def load_all(tmp_path, f, args, kwargs=None, **export_kw):
     return {mode: kwexport.load(path, dispatch=mode) for mode in MODES}
 
 
-def assert_bitwise(got, want):
-    assert type(got) is type(want)
-    if isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride()
-        assert torch.equal(got, want) or (got.isnan() == want.isnan()).all()
-    elif isinstance(want, dict):
-        assert list(got) == list(want)
-        for k in want:
-            assert_bitwise(got[k], want[k])
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want)
-        for g, w in zip(got, want):
-            assert_bitwise(g, w)
-    else:
-        assert got == want
-
-
 def check_paths(progs, f, args, kwargs=None):
     kwargs = kwargs or {}
     with torch.no_grad():
@@ -51,8 +33,8 @@ def check_paths(progs, f, args, kwargs=None):
         outs = {mode: p(*args, **kwargs) for mode, p in progs.items()}
     for out in outs.values():
         assert_same(out, want)
-    assert_bitwise(outs["abi"], outs["python"])
-    assert_bitwise(outs["auto"], outs["python"])
+    assert_same(outs["abi"], outs["python"], bitwise=True)
+    assert_same(outs["auto"], outs["python"], bitwise=True)
 
 
 @pytest.mark.parametrize("name", workloads.NAMES)
@@ -197,22 +179,13 @@ def test_threads_share_one_program_on_the_c_path(tmp_path):
     prog = load_all(tmp_path, f, args, kwargs)["abi"]
     with torch.no_grad():
         want = prog(*args, **kwargs)
-    errors = []
 
     def work():
-        try:
-            with torch.no_grad():
-                for _ in range(5):
-                    assert torch.equal(prog(*args, **kwargs), want)
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
+        with torch.no_grad():
+            for _ in range(5):
+                assert torch.equal(prog(*args, **kwargs), want)
 
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    in_threads(work, 4)
 
 
 def test_sizes_used_as_tensor_arguments(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kwexport
-from conftest import assert_same
+from conftest import assert_same, in_threads
 
 
 def signature_zoo(a, b=2, /, c=3.5, *rest, d, e="x", f=None, **kw):
@@ -116,20 +116,9 @@ def test_loading_from_threads(tmp_path):
     path = tmp_path / "m.kwx"
     m = torch.nn.Linear(3, 3)
     kwexport.save(kwexport.export(m, (torch.ones(1, 3),)), path)
-    progs, errors = [], []
-
-    def work():
-        try:
-            progs.append(kwexport.load(path))
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=work) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors and len(progs) == 8
+    progs = []
+    in_threads(lambda: progs.append(kwexport.load(path)), 8)
+    assert len(progs) == 8
     x = torch.randn(1, 3)
     for p in progs:
         assert torch.allclose(p(x), m(x))

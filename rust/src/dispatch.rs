@@ -116,12 +116,8 @@ impl AbiStep {
     }
 
     /// Every slot the node defines.
-    pub fn writes(&self) -> Vec<usize> {
-        match &self.outputs {
-            OutPlan::None => Vec::new(),
-            OutPlan::One(s) => s.iter().copied().collect(),
-            OutPlan::Many(slots) => slots.iter().flatten().copied().collect(),
-        }
+    pub fn writes(&self) -> impl Iterator<Item = usize> + '_ {
+        self.outputs.defined().map(|(_, s)| s)
     }
 
     /// Runs the node. `stack` is scratch space reused across nodes.

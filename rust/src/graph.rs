@@ -70,6 +70,18 @@ pub enum OutPlan {
     Many(Vec<Option<usize>>),
 }
 
+impl OutPlan {
+    /// `(return position, slot)` for each output someone reads.
+    pub fn defined(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let slots: &[Option<usize>] = match self {
+            OutPlan::None => &[],
+            OutPlan::One(s) => std::slice::from_ref(s),
+            OutPlan::Many(slots) => slots,
+        };
+        slots.iter().enumerate().filter_map(|(i, s)| s.map(|s| (i, s)))
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepPlan {
     /// Index into the document's `ops` table.
@@ -80,6 +92,13 @@ pub struct StepPlan {
     pub outputs: OutPlan,
     /// Slots read for the last time by this step.
     pub free: Vec<usize>,
+}
+
+impl StepPlan {
+    /// Calls `f` with each slot the step reads.
+    pub fn visit_reads(&self, f: &mut impl FnMut(usize)) {
+        self.args.iter().chain(self.kwargs.iter().map(|(_, a)| a)).for_each(|a| visit_slots(a, f));
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -179,9 +198,7 @@ pub fn plan<'g>(
     // Last reader of each slot; outputs are read "after" every step, so never freed early.
     let mut last_use: Vec<Option<usize>> = vec![None; n_slots];
     for (s, step) in steps.iter().enumerate() {
-        for a in step.args.iter().chain(step.kwargs.iter().map(|(_, a)| a)) {
-            visit_slots(a, &mut |slot| last_use[slot] = Some(s));
-        }
+        step.visit_reads(&mut |slot| last_use[slot] = Some(s));
     }
     let mut is_output = vec![false; n_slots];
     for a in &outputs {

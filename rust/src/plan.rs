@@ -23,7 +23,7 @@ use crate::abi::{self, Abi, Ty};
 use crate::artifact;
 use crate::dispatch::{AbiOp, AbiStep, Consts, Native};
 use crate::error::{Error, Result};
-use crate::graph::{ArgPlan, GraphPlan, OpName, OutPlan, StepPlan, ValueRef};
+use crate::graph::{visit_slots, ArgPlan, GraphPlan, OpName, OutPlan, StepPlan, ValueRef};
 use crate::opschema::{self, Drift};
 use crate::schema::{Arg, Constant, Document, Float};
 
@@ -247,23 +247,27 @@ impl OpSignature {
 
     /// The node's arguments must fit: no more positionals than the op takes, only names it
     /// has, every argument without a default given, and the right number of returns.
-    fn check(&self, step: &StepPlan, what: &str) -> Result<()> {
+    fn check(&self, step: &StepPlan, what: impl Fn() -> String) -> Result<()> {
         let n_positional = self.params.iter().filter(|p| !p.kwarg_only).count();
         if step.args.len() > n_positional {
-            return Err(artifact!("{what}: {} positional arguments, but the op takes {n_positional}", step.args.len()));
+            return Err(artifact!(
+                "{}: {} positional arguments, but the op takes {n_positional}",
+                what(),
+                step.args.len()
+            ));
         }
         for (name, _) in &step.kwargs {
             match self.params.iter().position(|p| &p.name == name) {
-                None => return Err(artifact!("{what}: the op has no argument {name:?}")),
+                None => return Err(artifact!("{}: the op has no argument {name:?}", what())),
                 Some(i) if i < step.args.len() => {
-                    return Err(artifact!("{what}: argument {name:?} given by position and by name"))
+                    return Err(artifact!("{}: argument {name:?} given by position and by name", what()))
                 }
                 _ => {}
             }
         }
         for (i, p) in self.params.iter().enumerate() {
             if p.default.is_none() && i >= step.args.len() && !step.kwargs.iter().any(|(k, _)| *k == p.name) {
-                return Err(artifact!("{what}: required argument {:?} is missing", p.name));
+                return Err(artifact!("{}: required argument {:?} is missing", what(), p.name));
             }
         }
         let ok = match &step.outputs {
@@ -272,7 +276,7 @@ impl OpSignature {
             OutPlan::Many(slots) => self.returns_list || slots.len() <= self.n_returns,
         };
         if !ok {
-            return Err(artifact!("{what}: outputs do not match the op's {} returns", self.n_returns));
+            return Err(artifact!("{}: outputs do not match the op's {} returns", what(), self.n_returns));
         }
         Ok(())
     }
@@ -350,20 +354,18 @@ struct ConstTable<'a, 'py> {
     /// Tensors C steps read, by index; handles are made for all of them at the end.
     tensors: Vec<Py<PyAny>>,
     weight_index: HashMap<String, usize>,
-    /// Wrapped numbers by literal, with their index in `tensors` once a C step uses them.
-    numbers: Vec<(Arg, Option<Py<PyAny>>, Option<usize>)>,
+    /// Wrapped numbers by `number_key`, with their index in `tensors` once a C step uses them.
+    numbers: Vec<((u8, u64), Option<Py<PyAny>>, Option<usize>)>,
 }
 
 impl ConstTable<'_, '_> {
     fn wrapped(&mut self, lit: &Arg) -> Option<(usize, Py<PyAny>)> {
-        if !matches!(lit, Arg::Int(_) | Arg::Float(_) | Arg::Bool(_)) {
-            return None;
-        }
-        let i = match self.numbers.iter().position(|(a, _, _)| a == lit && same_kind(a, lit)) {
+        let key = number_key(lit)?;
+        let i = match self.numbers.iter().position(|(k, _, _)| *k == key) {
             Some(i) => i,
             None => {
                 let t = wrapped_number(self.py, self.torch, lit).ok().flatten();
-                self.numbers.push((lit.clone(), t, None));
+                self.numbers.push((key, t, None));
                 self.numbers.len() - 1
             }
         };
@@ -371,9 +373,14 @@ impl ConstTable<'_, '_> {
     }
 }
 
-fn same_kind(a: &Arg, b: &Arg) -> bool {
-    std::mem::discriminant(a) == std::mem::discriminant(b)
-        && !matches!((a, b), (Arg::Float(x), Arg::Float(y)) if x.0.to_bits() != y.0.to_bits())
+/// A number literal's kind and bits: `1`, `1.0`, `-0.0` and `True` wrap differently.
+fn number_key(lit: &Arg) -> Option<(u8, u64)> {
+    match lit {
+        Arg::Int(i) => Some((0, *i as u64)),
+        Arg::Float(f) => Some((1, f.0.to_bits())),
+        Arg::Bool(b) => Some((2, *b as u64)),
+        _ => None,
+    }
 }
 
 impl Consts for ConstTable<'_, '_> {
@@ -463,20 +470,11 @@ pub fn build(
     }
     for step in &graph.steps {
         let returns = ops[step.op].signature.as_ref().and_then(|s| s.abi.returns.as_deref()).unwrap_or(&[]);
-        let tensors: Vec<bool> = match returns {
-            [Ty::List(inner)] => vec![**inner == Ty::Tensor; out_slots_len(&step.outputs)],
-            _ => returns.iter().map(|r| *r == Ty::Tensor).collect(),
-        };
-        match &step.outputs {
-            OutPlan::None => {}
-            OutPlan::One(slot) => slot.iter().for_each(|&s| tensor_slot[s] = tensors.first() == Some(&true)),
-            OutPlan::Many(slots) => {
-                for (i, slot) in slots.iter().enumerate() {
-                    if let Some(s) = slot {
-                        tensor_slot[*s] = tensors.get(i) == Some(&true);
-                    }
-                }
-            }
+        for (i, s) in step.outputs.defined() {
+            tensor_slot[s] = match returns {
+                [Ty::List(inner)] => **inner == Ty::Tensor,
+                _ => returns.get(i) == Some(&Ty::Tensor),
+            };
         }
     }
     let is_tensor = |s: usize| tensor_slot[s];
@@ -484,7 +482,7 @@ pub fn build(
     for (i, step) in graph.steps.iter().enumerate() {
         let op = &ops[step.op];
         if let Some(sig) = &op.signature {
-            if let Err(e) = sig.check(step, &format!("graph.nodes[{i}] ({})", step.op_name)) {
+            if let Err(e) = sig.check(step, || format!("graph.nodes[{i}] ({})", step.op_name)) {
                 return Ok(Err(e));
             }
         }
@@ -551,19 +549,12 @@ const SWITCH: usize = 1;
 /// Sends a run of C-capable nodes back to Python where converting values into and out of
 /// it would cost more than it saves: a lone `mul` between two Python `add`s, say.
 fn keep_profitable(compiled: &mut [Option<AbiStep>], graph: &GraphPlan) {
-    let reads = |step: &StepPlan| {
-        let mut out = Vec::new();
-        step.args.iter().chain(step.kwargs.iter().map(|(_, a)| a)).for_each(|a| visit_plan_slots(a, &mut out));
-        out
-    };
     // The last step that reads each slot; the outputs read "after" every step.
     let mut last_read = vec![None; graph.n_slots];
     for (i, step) in graph.steps.iter().enumerate() {
-        reads(step).into_iter().for_each(|s| last_read[s] = Some(i));
+        step.visit_reads(&mut |s| last_read[s] = Some(i));
     }
-    let mut outs = Vec::new();
-    graph.outputs.iter().for_each(|a| visit_plan_slots(a, &mut outs));
-    outs.into_iter().for_each(|s| last_read[s] = Some(usize::MAX));
+    graph.outputs.iter().for_each(|a| visit_slots(a, &mut |s| last_read[s] = Some(usize::MAX)));
 
     let mut start = 0;
     while start < compiled.len() {
@@ -575,12 +566,12 @@ fn keep_profitable(compiled: &mut [Option<AbiStep>], graph: &GraphPlan) {
         let mut defined = std::collections::HashSet::new();
         let (mut to_native, mut to_py) = (std::collections::HashSet::new(), 0);
         for step in &graph.steps[start..end] {
-            for s in reads(step) {
+            step.visit_reads(&mut |s| {
                 if !defined.contains(&s) {
                     to_native.insert(s);
                 }
-            }
-            defined.extend(out_slots(&step.outputs));
+            });
+            defined.extend(step.outputs.defined().map(|(_, s)| s));
         }
         for &s in &defined {
             if last_read[s].is_some_and(|r| r >= end) {
@@ -648,7 +639,7 @@ fn segment(graph: &GraphPlan, execs: Vec<Exec>) -> (Vec<Segment>, Vec<usize>) {
                         to_py.push(s);
                     }
                 }
-                for s in out_slots(&step.outputs) {
+                for (_, s) in step.outputs.defined() {
                     (has_py[s], has_native[s]) = (true, false);
                 }
                 for &s in &step.free {
@@ -688,7 +679,7 @@ fn segment(graph: &GraphPlan, execs: Vec<Exec>) -> (Vec<Segment>, Vec<usize>) {
         }
     }
     reads.clear();
-    graph.outputs.iter().for_each(|a| visit_plan_slots(a, &mut reads));
+    graph.outputs.iter().for_each(|a| visit_slots(a, &mut |s| reads.push(s)));
     let mut outputs_to_py = Vec::new();
     for &s in &reads {
         if !has_py[s] {
@@ -699,35 +690,11 @@ fn segment(graph: &GraphPlan, execs: Vec<Exec>) -> (Vec<Segment>, Vec<usize>) {
     (segments, outputs_to_py)
 }
 
-fn out_slots_len(o: &OutPlan) -> usize {
-    match o {
-        OutPlan::None => 0,
-        OutPlan::One(_) => 1,
-        OutPlan::Many(slots) => slots.len(),
-    }
-}
-
-fn out_slots(o: &OutPlan) -> Vec<usize> {
-    match o {
-        OutPlan::None => Vec::new(),
-        OutPlan::One(s) => s.iter().copied().collect(),
-        OutPlan::Many(slots) => slots.iter().flatten().copied().collect(),
-    }
-}
-
 fn slots_of(a: &ArgT, out: &mut Vec<usize>) {
     match a {
         ArgT::Slot(s) => out.push(*s),
         ArgT::Const(_) => {}
         ArgT::List(items) => items.iter().for_each(|i| slots_of(i, out)),
-    }
-}
-
-fn visit_plan_slots(a: &ArgPlan, out: &mut Vec<usize>) {
-    match a {
-        ArgPlan::Value(ValueRef::Slot(s)) => out.push(*s),
-        ArgPlan::List(items) => items.iter().for_each(|i| visit_plan_slots(i, out)),
-        _ => {}
     }
 }
 
