@@ -1,25 +1,27 @@
-//! Graph validation: turns the parsed graph into a slot-based form, once, at load.
+//! Graph validation: turns the parsed graph into a [`SlotGraph`], once, at load.
 //!
 //! Every value is defined exactly once and before its first use (so the graph is acyclic by
-//! construction), every weight and user leaf it names exists, and each slot knows the step
+//! construction), every weight and user leaf it names exists, and each slot knows the node
 //! after which nothing reads it, so the interpreter frees values at their last use.
 
 use std::collections::HashMap;
 
-use crate::artifact;
-use crate::error::Result;
+use crate::error::{Error, GraphProblem, Result};
 use crate::schema::{Arg, Graph, InputSource, OpEntry, Outputs};
 
 /// A parsed op name such as `aten::add.Tensor`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct OpName {
+    /// `aten`, `prims`, `operator`, or a custom library's namespace.
     pub namespace: String,
+    /// The op's name within it.
     pub name: String,
     /// `None` for plain Python callables such as `operator::mul`.
     pub overload: Option<String>,
 }
 
 impl OpName {
+    /// Parses `namespace::name[.overload]`; `None` unless every part is an identifier.
     pub fn parse(s: &str) -> Option<OpName> {
         let (ns, rest) = s.split_once("::")?;
         let (name, overload) = match rest.split_once('.') {
@@ -56,61 +58,75 @@ pub enum ValueRef {
 
 /// An argument with its references resolved.
 #[derive(Debug, Clone, PartialEq)]
-pub enum ArgPlan {
+pub enum SlotArg {
+    /// A graph value.
     Value(ValueRef),
     /// A literal (anything but `Ref` and `List`).
     Literal(Arg),
-    List(Vec<ArgPlan>),
+    /// A list of these.
+    List(Vec<SlotArg>),
 }
 
+/// The slots a node's returns go to; `None` where no one reads a return.
 #[derive(Debug, Clone, PartialEq)]
-pub enum OutPlan {
+pub enum SlotOutputs {
+    /// The node binds nothing.
     None,
+    /// Its one return.
     One(Option<usize>),
+    /// Each return of a tuple- or list-returning op.
     Many(Vec<Option<usize>>),
 }
 
-impl OutPlan {
+impl SlotOutputs {
     /// `(return position, slot)` for each output someone reads.
     pub fn defined(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
         let slots: &[Option<usize>] = match self {
-            OutPlan::None => &[],
-            OutPlan::One(s) => std::slice::from_ref(s),
-            OutPlan::Many(slots) => slots,
+            SlotOutputs::None => &[],
+            SlotOutputs::One(s) => std::slice::from_ref(s),
+            SlotOutputs::Many(slots) => slots,
         };
         slots.iter().enumerate().filter_map(|(i, s)| s.map(|s| (i, s)))
     }
 }
 
+/// A node with its values resolved to slots.
 #[derive(Debug, Clone, PartialEq)]
-pub struct StepPlan {
+pub struct SlotNode {
     /// Index into the document's `ops` table.
     pub op: usize,
+    /// That op's name.
     pub op_name: OpName,
-    pub args: Vec<ArgPlan>,
-    pub kwargs: Vec<(String, ArgPlan)>,
-    pub outputs: OutPlan,
-    /// Slots read for the last time by this step.
+    /// Positional arguments.
+    pub args: Vec<SlotArg>,
+    /// Keyword arguments, in the file's (sorted) order.
+    pub kwargs: Vec<(String, SlotArg)>,
+    /// Where its returns go.
+    pub outputs: SlotOutputs,
+    /// Slots read for the last time by this node.
     pub free: Vec<usize>,
 }
 
-impl StepPlan {
-    /// Calls `f` with each slot the step reads.
+impl SlotNode {
+    /// Calls `f` with each slot the node reads.
     pub fn visit_reads(&self, f: &mut impl FnMut(usize)) {
         self.args.iter().chain(self.kwargs.iter().map(|(_, a)| a)).for_each(|a| visit_slots(a, f));
     }
 }
 
+/// A validated graph whose values live in numbered slots.
 #[derive(Debug, Clone, PartialEq)]
-pub struct GraphPlan {
+pub struct SlotGraph {
+    /// How many slots a run needs.
     pub n_slots: usize,
     /// `(slot, user leaf index)` for each user input the graph reads.
     pub user_inputs: Vec<(usize, usize)>,
-    pub steps: Vec<StepPlan>,
-    pub outputs: Vec<ArgPlan>,
+    /// The nodes, in execution order.
+    pub nodes: Vec<SlotNode>,
+    /// The flat outputs.
+    pub outputs: Vec<SlotArg>,
 }
 
-/// Validates `graph` against the number of user leaves and the weight names.
 /// Parses every entry of the op table.
 pub fn op_names(ops: &[OpEntry]) -> Result<Vec<OpName>> {
     let mut seen = std::collections::HashSet::new();
@@ -118,39 +134,38 @@ pub fn op_names(ops: &[OpEntry]) -> Result<Vec<OpName>> {
         .enumerate()
         .map(|(i, e)| {
             if !seen.insert(e.name.as_str()) {
-                return Err(artifact!("ops[{i}] ({}): listed twice", e.name));
+                return Err(Error::DuplicateOp { index: i, name: e.name.clone() });
             }
-            OpName::parse(&e.name).ok_or_else(|| artifact!("ops[{i}] ({:?}): malformed op name", e.name))
+            OpName::parse(&e.name).ok_or_else(|| Error::MalformedOpName { index: i, name: e.name.clone() })
         })
         .collect()
 }
 
-pub fn plan<'g>(
+/// Validates `graph` against the op table, the number of user leaves and the weight names.
+pub fn validate<'g>(
     graph: &'g Graph,
     ops: &[OpName],
     n_leaves: usize,
     has_weight: impl Fn(&str) -> bool,
-) -> Result<GraphPlan> {
+) -> Result<SlotGraph> {
     let mut defs: HashMap<&'g str, ValueRef> = HashMap::new();
     let mut n_slots = 0;
     let mut user_inputs = Vec::new();
     let mut leaf_used = vec![false; n_leaves];
 
     for (i, input) in graph.inputs.iter().enumerate() {
-        let what = format!("graph.inputs[{i}] ({:?})", input.name);
+        let err = |problem| Error::Graph { at: format!("graph.inputs[{i}] ({:?})", input.name), problem };
         let value = match &input.source {
             InputSource::Weight(w) => {
                 if !has_weight(w) {
-                    return Err(artifact!("{what}: weight {w:?} is not in weights.tensors"));
+                    return Err(err(GraphProblem::UnknownWeight(w.clone())));
                 }
                 ValueRef::Weight(w.clone())
             }
             InputSource::User(leaf) => {
                 match leaf_used.get_mut(*leaf) {
-                    None => {
-                        return Err(artifact!("{what}: user leaf {leaf} out of range (the input spec has {n_leaves})"))
-                    }
-                    Some(true) => return Err(artifact!("{what}: user leaf {leaf} bound twice")),
+                    None => return Err(err(GraphProblem::LeafOutOfRange { leaf: *leaf, leaves: n_leaves })),
+                    Some(true) => return Err(err(GraphProblem::LeafBoundTwice(*leaf))),
                     Some(used) => *used = true,
                 }
                 user_inputs.push((n_slots, *leaf));
@@ -159,16 +174,16 @@ pub fn plan<'g>(
             }
         };
         if defs.insert(&input.name, value).is_some() {
-            return Err(artifact!("{what}: value defined twice"));
+            return Err(err(GraphProblem::InputDefinedTwice));
         }
     }
 
-    let mut steps = Vec::with_capacity(graph.nodes.len());
+    let mut nodes = Vec::with_capacity(graph.nodes.len());
     for (i, node) in graph.nodes.iter().enumerate() {
-        let op_name = ops
-            .get(node.op)
-            .cloned()
-            .ok_or_else(|| artifact!("graph.nodes[{i}]: op {} is not in the op table ({} ops)", node.op, ops.len()))?;
+        let op_name = ops.get(node.op).cloned().ok_or_else(|| Error::Graph {
+            at: format!("graph.nodes[{i}]"),
+            problem: GraphProblem::UnknownOp { op: node.op, ops: ops.len() },
+        })?;
         // Only formatted on error: this loop runs once per node of every load.
         let what = || format!("graph.nodes[{i}] ({op_name})");
         let args = node.args.iter().map(|a| resolve(a, &defs, &what)).collect::<Result<Vec<_>>>()?;
@@ -177,28 +192,28 @@ pub fn plan<'g>(
         let mut define = |name: &'g str| -> Result<usize> {
             let slot = n_slots;
             if defs.insert(name, ValueRef::Slot(slot)).is_some() {
-                return Err(artifact!("{}: value {name:?} defined twice", what()));
+                return Err(Error::Graph { at: what(), problem: GraphProblem::DefinedTwice(name.to_owned()) });
             }
             n_slots += 1;
             Ok(slot)
         };
         let outputs = match &node.outputs {
-            Outputs::None(()) => OutPlan::None,
-            Outputs::One(name) => OutPlan::One(Some(define(name)?)),
-            Outputs::Many(names) => {
-                OutPlan::Many(names.iter().map(|n| n.as_deref().map(&mut define).transpose()).collect::<Result<_>>()?)
-            }
+            Outputs::None(()) => SlotOutputs::None,
+            Outputs::One(name) => SlotOutputs::One(Some(define(name)?)),
+            Outputs::Many(names) => SlotOutputs::Many(
+                names.iter().map(|n| n.as_deref().map(&mut define).transpose()).collect::<Result<_>>()?,
+            ),
         };
-        steps.push(StepPlan { op: node.op, op_name, args, kwargs, outputs, free: Vec::new() });
+        nodes.push(SlotNode { op: node.op, op_name, args, kwargs, outputs, free: Vec::new() });
     }
 
     let outputs =
         graph.outputs.iter().map(|a| resolve(a, &defs, &|| "graph.outputs".to_owned())).collect::<Result<Vec<_>>>()?;
 
-    // Last reader of each slot; outputs are read "after" every step, so never freed early.
+    // Last reader of each slot; outputs are read "after" every node, so never freed early.
     let mut last_use: Vec<Option<usize>> = vec![None; n_slots];
-    for (s, step) in steps.iter().enumerate() {
-        step.visit_reads(&mut |slot| last_use[slot] = Some(s));
+    for (s, node) in nodes.iter().enumerate() {
+        node.visit_reads(&mut |slot| last_use[slot] = Some(s));
     }
     let mut is_output = vec![false; n_slots];
     for a in &outputs {
@@ -206,11 +221,11 @@ pub fn plan<'g>(
     }
     for (slot, last) in last_use.iter().enumerate() {
         if let (Some(s), false) = (last, is_output[slot]) {
-            steps[*s].free.push(slot);
+            nodes[*s].free.push(slot);
         }
     }
     // A node output no one reads is dropped right away.
-    for step in &mut steps {
+    for node in &mut nodes {
         let unread = |slot: &mut Option<usize>| {
             if let Some(s) = *slot {
                 if last_use[s].is_none() && !is_output[s] {
@@ -218,31 +233,32 @@ pub fn plan<'g>(
                 }
             }
         };
-        match &mut step.outputs {
-            OutPlan::One(slot) => unread(slot),
-            OutPlan::Many(slots) => slots.iter_mut().for_each(unread),
-            OutPlan::None => {}
+        match &mut node.outputs {
+            SlotOutputs::One(slot) => unread(slot),
+            SlotOutputs::Many(slots) => slots.iter_mut().for_each(unread),
+            SlotOutputs::None => {}
         }
     }
-    Ok(GraphPlan { n_slots, user_inputs, steps, outputs })
+    Ok(SlotGraph { n_slots, user_inputs, nodes, outputs })
 }
 
-fn resolve(arg: &Arg, defs: &HashMap<&str, ValueRef>, what: &dyn Fn() -> String) -> Result<ArgPlan> {
+fn resolve(arg: &Arg, defs: &HashMap<&str, ValueRef>, what: &dyn Fn() -> String) -> Result<SlotArg> {
     Ok(match arg {
-        Arg::Ref(name) => {
-            ArgPlan::Value(defs.get(name.as_str()).cloned().ok_or_else(|| {
-                artifact!("{}: value {name:?} is used before it is defined (or never defined)", what())
-            })?)
-        }
-        Arg::List(items) => ArgPlan::List(items.iter().map(|a| resolve(a, defs, what)).collect::<Result<_>>()?),
-        literal => ArgPlan::Literal(literal.clone()),
+        Arg::Ref(name) => SlotArg::Value(
+            defs.get(name.as_str())
+                .cloned()
+                .ok_or_else(|| Error::Graph { at: what(), problem: GraphProblem::Undefined(name.clone()) })?,
+        ),
+        Arg::List(items) => SlotArg::List(items.iter().map(|a| resolve(a, defs, what)).collect::<Result<_>>()?),
+        literal => SlotArg::Literal(literal.clone()),
     })
 }
 
-pub fn visit_slots(arg: &ArgPlan, f: &mut impl FnMut(usize)) {
+/// Calls `f` with each slot `arg` reads.
+pub fn visit_slots(arg: &SlotArg, f: &mut impl FnMut(usize)) {
     match arg {
-        ArgPlan::Value(ValueRef::Slot(s)) => f(*s),
-        ArgPlan::List(items) => items.iter().for_each(|a| visit_slots(a, f)),
+        SlotArg::Value(ValueRef::Slot(s)) => f(*s),
+        SlotArg::List(items) => items.iter().for_each(|a| visit_slots(a, f)),
         _ => {}
     }
 }
@@ -279,18 +295,18 @@ mod tests {
             ],
             outputs: vec![r("b")],
         };
-        let p = plan(&g, &ops(), 1, |w| w == "fc.weight").unwrap();
+        let p = validate(&g, &ops(), 1, |w| w == "fc.weight").unwrap();
         assert_eq!(p.user_inputs, vec![(0, 0)]);
-        assert_eq!(p.steps[0].args[1], ArgPlan::Value(ValueRef::Weight("fc.weight".into())));
-        assert_eq!(p.steps[0].free, Vec::<usize>::new());
-        assert_eq!(p.steps[1].free, vec![0, 1]); // x and a, both last read by step 1
-        assert_eq!(p.steps[2].outputs, OutPlan::One(None)); // never read
-        assert_eq!(p.steps[2].free, Vec::<usize>::new()); // b is an output
+        assert_eq!(p.nodes[0].args[1], SlotArg::Value(ValueRef::Weight("fc.weight".into())));
+        assert_eq!(p.nodes[0].free, Vec::<usize>::new());
+        assert_eq!(p.nodes[1].free, vec![0, 1]); // x and a, both last read by step 1
+        assert_eq!(p.nodes[2].outputs, SlotOutputs::One(None)); // never read
+        assert_eq!(p.nodes[2].free, Vec::<usize>::new()); // b is an output
     }
 
     #[test]
     fn rejects_bad_graphs() {
-        let err = |g: Graph| plan(&g, &ops(), 1, |_| false).unwrap_err().to_string();
+        let err = |g: Graph| validate(&g, &ops(), 1, |_| false).unwrap_err().to_string();
         let g = Graph {
             inputs: vec![input("x", InputSource::User(0))],
             nodes: vec![node(2, vec![r("y")], "y")],

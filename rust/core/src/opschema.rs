@@ -6,18 +6,20 @@
 //!   same returns): fine, and noted;
 //! - anything else: a registered op upgrader rewrites the nodes, or the file is refused.
 
-use crate::error::Result;
 use crate::schema::{Arg, Node};
 
 /// A schema string split at its top level: `name(args) -> returns`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Schema<'a> {
+    /// `namespace::name[.overload]`.
     pub name: &'a str,
     /// Each argument's declaration, `*` included, trimmed.
     pub args: Vec<&'a str>,
+    /// Everything after `->`, trimmed.
     pub returns: &'a str,
 }
 
+/// Splits a schema string; `None` if it isn't one.
 pub fn parse(schema: &str) -> Option<Schema<'_>> {
     let open = schema.find('(')?;
     let name = schema[..open].trim();
@@ -51,14 +53,18 @@ pub fn parse(schema: &str) -> Option<Schema<'_>> {
     Some(Schema { name, args, returns })
 }
 
+/// How the running torch's schema of an op relates to the recorded one.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Drift {
+    /// The same string.
     Identical,
     /// The current schema adds these trailing arguments, all with defaults.
     Compatible(Vec<String>),
+    /// Anything else: the nodes need an op upgrader.
     Incompatible,
 }
 
+/// Classifies the drift from `recorded` to `current`.
 pub fn compare(recorded: &str, current: &str) -> Drift {
     if recorded == current {
         return Drift::Identical;
@@ -83,10 +89,14 @@ pub fn compare(recorded: &str, current: &str) -> Drift {
 
 /// Rewrites nodes saved against an old schema of an op so they fit the current one.
 pub struct OpUpgrader {
+    /// Its name, reported in load notes.
     pub name: &'static str,
+    /// The op, `namespace::name.overload`.
     pub op: &'static str,
+    /// The recorded schema it applies to.
     pub old_schema: &'static str,
-    pub rewrite: fn(&mut Node) -> Result<()>,
+    /// Rewrites one node; an `Err` says why it can't.
+    pub rewrite: fn(&mut Node) -> Result<(), String>,
 }
 
 /// The registered op upgraders. `linspace` is torch's own historical case: `steps` was
@@ -114,6 +124,7 @@ pub const OP_UPGRADERS: &[OpUpgrader] = &[OpUpgrader {
     },
 }];
 
+/// The op upgrader for nodes of `op` saved against `recorded`, if one is registered.
 pub fn find_upgrader(op: &str, recorded: &str) -> Option<&'static OpUpgrader> {
     OP_UPGRADERS.iter().find(|u| u.op == op && u.old_schema == recorded)
 }

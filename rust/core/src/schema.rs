@@ -61,9 +61,12 @@ pub fn check_unique_keys(bytes: &[u8]) -> Result<(), serde_json::Error> {
     serde_json::from_slice::<Unique>(bytes).map(|_| ())
 }
 
+/// A format version: a minor bump only adds fields older readers may ignore.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct FormatVersion {
+    /// Bumped by changes older readers can't ignore.
     pub major: u32,
+    /// Bumped by additions older readers may ignore.
     pub minor: u32,
 }
 
@@ -73,61 +76,88 @@ impl std::fmt::Display for FormatVersion {
     }
 }
 
+/// The whole header.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Document {
+    /// The version this document is written in.
     pub format_version: FormatVersion,
+    /// What wrote the file.
     pub producer: Producer,
+    /// The original Python signature.
     pub signature: Signature,
+    /// How calls flatten to the graph's user leaves, and what each leaf must be.
     pub inputs: Inputs,
+    /// How the graph's outputs rebuild into the returned value.
     pub outputs: TreeSpec,
+    /// The symbolic sizes input shapes use, with their ranges.
     #[serde(default)]
     pub symbols: Vec<Symbol>,
     /// Every op the graph calls, once (format 2.0 on).
     pub ops: Vec<OpEntry>,
+    /// The computation.
     pub graph: Graph,
+    /// The weight tensors and the storages they view.
     pub weights: Weights,
+    /// Files the user saved alongside, by name.
     #[serde(default)]
     pub extra_files: BTreeMap<String, ExtraFile>,
 }
 
+/// The versions that wrote a file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Producer {
+    /// kwexport's version.
     pub kwexport: String,
+    /// torch's version.
     pub torch: String,
+    /// Python's version (empty in files that predate it).
     #[serde(default)]
     pub python: String,
 }
 
 // ---------------------------------------------------------------- signature
 
+/// A Python signature, as saved.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Signature {
     /// How the callable names itself in error messages, e.g. `kw_func` or `MLP.forward`.
     pub name: String,
+    /// The parameters, in order.
     pub params: Vec<Param>,
 }
 
+/// One parameter of a [`Signature`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Param {
+    /// Its name.
     pub name: String,
+    /// How it binds.
     pub kind: ParamKind,
+    /// Its default, if it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub default: Option<Constant>,
 }
 
+/// Python's parameter kinds (`inspect.Parameter.kind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ParamKind {
+    /// Before `/`.
     PositionalOnly,
+    /// By position or by name.
     PositionalOrKeyword,
+    /// `*args`.
     VarPositional,
+    /// After `*` or `*args`.
     KeywordOnly,
+    /// `**kwargs`.
     VarKeyword,
 }
 
 /// A Python value that JSON can carry: parameter defaults, specialized inputs, literals.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[allow(missing_docs)] // each variant is the Python type of its name
 pub enum Constant {
     None(()),
     Bool(bool),
@@ -184,40 +214,61 @@ impl<'de> Deserialize<'de> for Float {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum TreeSpec {
+    /// One value: a tensor, or a constant.
     Leaf,
+    /// `None`, which has no leaves.
     None,
+    /// A tuple of these.
     Tuple {
+        /// Its items' specs.
         children: Vec<TreeSpec>,
     },
+    /// A list of these.
     List {
+        /// Its items' specs.
         children: Vec<TreeSpec>,
     },
+    /// A dict, matched by key.
     Dict {
+        /// Its entries, in insertion order.
         entries: Vec<DictEntry>,
     },
+    /// A `collections.OrderedDict`.
     OrderedDict {
+        /// Its entries, in order.
         entries: Vec<DictEntry>,
     },
+    /// A namedtuple class's instance.
     #[serde(rename = "namedtuple")]
     NamedTuple {
+        /// The class's name.
         name: String,
+        /// The module it was defined in (never imported).
         #[serde(default)]
         module: String,
+        /// Its fields.
         fields: Vec<String>,
+        /// One spec per field.
         children: Vec<TreeSpec>,
     },
 }
 
+/// One entry of a dict spec.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DictEntry {
+    /// The key.
     pub key: Key,
+    /// The value's spec.
     pub value: TreeSpec,
 }
 
+/// A dict key a file may hold.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Key {
+    /// A `str` key.
     Str(String),
+    /// An `int` key.
     Int(i64),
 }
 
@@ -232,6 +283,7 @@ impl std::fmt::Display for Key {
 
 // ---------------------------------------------------------------- inputs
 
+/// How calls flatten, and what each leaf must be.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Inputs {
     /// Structure of `(args, kwargs)` after binding to the signature with defaults applied:
@@ -242,36 +294,50 @@ pub struct Inputs {
     pub leaves: Vec<LeafSpec>,
 }
 
+/// What one input leaf must be.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LeafSpec {
+    /// A tensor of this dtype, device and shape.
     Tensor(TensorSpec),
     /// A non-tensor input torch.export specialized: calls must pass this exact value.
     Constant(Constant),
 }
 
+/// A tensor input's dtype, device and shape.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TensorSpec {
+    /// A name of [`crate::tables::DTYPES`].
     pub dtype: String,
+    /// A torch device string.
     pub device: String,
+    /// One entry per dimension.
     pub shape: Vec<Dim>,
 }
 
+/// One dimension of an input's shape.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Dim {
+    /// This size exactly.
     Static(i64),
     /// `coeff * symbol + offset`: a `Dim` or a derived dim such as `2 * d` or `d + 1`.
     Symbolic {
+        /// The symbol's name.
         symbol: String,
+        /// Its multiplier.
         coeff: i64,
+        /// The offset added.
         offset: i64,
     },
 }
 
+/// A symbolic size and its range.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Symbol {
+    /// Its name, as torch.export named it.
     pub name: String,
+    /// Smallest value.
     pub min: i64,
     /// `None` is unbounded.
     #[serde(default)]
@@ -280,19 +346,27 @@ pub struct Symbol {
 
 // ---------------------------------------------------------------- graph
 
+/// The computation: named values, defined once each.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Graph {
+    /// Values that come from outside: weights and user leaves.
     pub inputs: Vec<GraphInput>,
+    /// Op calls, in execution order.
     pub nodes: Vec<Node>,
+    /// The flat outputs, rebuilt by `outputs`.
     pub outputs: Vec<Arg>,
 }
 
+/// A value the graph reads from outside.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GraphInput {
+    /// The value's name in the graph.
     pub name: String,
+    /// Where it comes from.
     pub source: InputSource,
 }
 
+/// Where a graph input comes from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum InputSource {
@@ -302,6 +376,7 @@ pub enum InputSource {
     User(usize),
 }
 
+/// One op the graph calls.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OpEntry {
     /// Qualified op name, `namespace::name.overload`, e.g. `aten::add.Tensor`, or
@@ -313,21 +388,28 @@ pub struct OpEntry {
     pub schema: Option<String>,
 }
 
+/// One op call.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Node {
     /// Index into `ops`.
     pub op: usize,
+    /// Positional arguments.
     #[serde(default)]
     pub args: Vec<Arg>,
+    /// Keyword arguments, by the op schema's names.
     #[serde(default)]
     pub kwargs: BTreeMap<String, Arg>,
+    /// The names it defines.
     pub outputs: Outputs,
 }
 
+/// The names a node's returns are bound to.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Outputs {
+    /// Nothing is bound.
     None(()),
+    /// The one return.
     One(String),
     /// A tuple- or list-returning op: the name bound to each position, `null` if unused.
     Many(Vec<Option<String>>),
@@ -336,7 +418,9 @@ pub enum Outputs {
 /// An op argument: a graph value, a literal, or a list of those.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[allow(missing_docs)] // literals are the Python or torch type of their name
 pub enum Arg {
+    /// A graph value, by name.
     Ref(String),
     None(()),
     Bool(bool),
@@ -352,39 +436,54 @@ pub enum Arg {
 
 // ---------------------------------------------------------------- weights & extras
 
+/// The weight table.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Weights {
+    /// Byte ranges of the data section.
     pub storages: Vec<Storage>,
+    /// Tensors viewing them, by name.
     pub tensors: BTreeMap<String, WeightTensor>,
 }
 
 /// A byte range of the data section. Offsets are relative to the data section's start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Storage {
+    /// Start, relative to the data section; a multiple of [`crate::tables::ALIGN`].
     pub offset: u64,
+    /// Length.
     pub nbytes: u64,
 }
 
+/// A weight: a strided view of one storage.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WeightTensor {
+    /// A name of [`crate::tables::DTYPES`].
     pub dtype: String,
+    /// Sizes.
     pub shape: Vec<i64>,
+    /// Strides, in elements.
     pub strides: Vec<i64>,
+    /// Index into `weights.storages`.
     pub storage: usize,
     /// In elements of `dtype`, as torch counts it.
     #[serde(default)]
     pub storage_offset: i64,
 }
 
+/// A file saved alongside the program.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ExtraFile {
+    /// Start, relative to the data section.
     pub offset: u64,
+    /// Length.
     pub nbytes: u64,
+    /// How to read it back.
     pub encoding: Encoding,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+/// How an extra file's bytes are read back.
 pub enum Encoding {
     /// Saved from `bytes`; read back as `bytes`.
     Bytes,

@@ -1,99 +1,30 @@
-//! Treespecs: how nested Python values flatten to leaves and are rebuilt from them.
-//!
-//! `validate` checks a parsed `schema::TreeSpec` once at load (shape of every node, unique
-//! keys, bounded depth) and counts its leaves. `Compiled` is the runtime form, with dict
-//! keys and namedtuple types already turned into Python objects, used by the call path to
-//! flatten inputs (dict entries by key, never by order) and rebuild outputs.
+//! Treespecs compiled for the call path: dict keys and namedtuple types turned into Python
+//! objects once at load, used to flatten a call's values into leaves (dict entries by key,
+//! never by order, checking structure as it goes) and to rebuild the outputs.
 
-use std::collections::HashSet;
-
+use kwexport_core::schema::{DictEntry, Key, TreeSpec};
+use kwexport_core::treespec::{format_path, PathElem};
+use kwexport_core::Error;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 
-use crate::artifact;
-use crate::error::{Error, Result};
-use crate::schema::{DictEntry, Key, TreeSpec};
-
-/// Deeper than any real model's inputs; shallow enough that recursion is never a risk.
-pub const MAX_DEPTH: usize = 64;
-
-/// Checks a treespec's structure and returns its number of leaves.
-pub fn validate(spec: &TreeSpec, what: &str) -> Result<usize> {
-    fn go(spec: &TreeSpec, what: &str, depth: usize) -> Result<usize> {
-        if depth > MAX_DEPTH {
-            return Err(artifact!("{what}: nested deeper than {MAX_DEPTH} levels"));
-        }
-        let sum = |children: &[TreeSpec]| -> Result<usize> {
-            children.iter().try_fold(0usize, |n, c| Ok(n + go(c, what, depth + 1)?))
-        };
-        match spec {
-            TreeSpec::Leaf => Ok(1),
-            TreeSpec::None => Ok(0),
-            TreeSpec::Tuple { children } | TreeSpec::List { children } => sum(children),
-            TreeSpec::Dict { entries } | TreeSpec::OrderedDict { entries } => {
-                let mut seen = HashSet::new();
-                for e in entries {
-                    if !seen.insert(&e.key) {
-                        return Err(artifact!("{what}: duplicate dict key {}", e.key));
-                    }
-                }
-                entries.iter().try_fold(0usize, |n, e| Ok(n + go(&e.value, what, depth + 1)?))
-            }
-            TreeSpec::NamedTuple { name, fields, children, .. } => {
-                if fields.len() != children.len() {
-                    return Err(artifact!(
-                        "{what}: namedtuple {name} has {} fields but {} children",
-                        fields.len(),
-                        children.len()
-                    ));
-                }
-                let mut seen = HashSet::new();
-                if let Some(dup) = fields.iter().find(|f| !seen.insert(f.as_str())) {
-                    return Err(artifact!("{what}: namedtuple {name} repeats field {dup:?}"));
-                }
-                sum(children)
-            }
-        }
-    }
-    go(spec, what, 0)
-}
-
-/// One step of an argument path, rendered as Python would index it.
-#[derive(Debug, Clone)]
-pub enum PathElem<'a> {
-    Index(usize),
-    Key(&'a str),
-    Attr(&'a str),
-}
-
-/// Formats a path such as `cfg['shift'][0]` from a root name and its steps.
-pub fn format_path(root: &str, path: &[PathElem<'_>]) -> String {
-    let mut s = root.to_owned();
-    for p in path {
-        match p {
-            PathElem::Index(i) => s.push_str(&format!("[{i}]")),
-            PathElem::Key(k) => s.push_str(&format!("[{k}]")),
-            PathElem::Attr(a) => s.push_str(&format!(".{a}")),
-        }
-    }
-    s
-}
+use crate::errors::{RtError, RtResult};
 
 /// A treespec with its Python objects resolved, for the call path.
 #[derive(Debug)]
-pub enum Compiled {
+pub enum CompiledSpec {
     Leaf,
     None,
-    Tuple(Vec<Compiled>),
-    List(Vec<Compiled>),
-    Dict { ordered: bool, keys: Vec<(Py<PyAny>, String)>, children: Vec<Compiled> },
-    NamedTuple { ty: Py<PyType>, name: String, fields: Vec<String>, children: Vec<Compiled> },
+    Tuple(Vec<CompiledSpec>),
+    List(Vec<CompiledSpec>),
+    Dict { ordered: bool, keys: Vec<(Py<PyAny>, String)>, children: Vec<CompiledSpec> },
+    NamedTuple { ty: Py<PyType>, name: String, fields: Vec<String>, children: Vec<CompiledSpec> },
 }
 
-impl Compiled {
+impl CompiledSpec {
     pub fn new(py: Python<'_>, spec: &TreeSpec) -> PyResult<Self> {
-        let all = |c: &[TreeSpec]| c.iter().map(|c| Compiled::new(py, c)).collect::<PyResult<Vec<_>>>();
-        let dict = |entries: &[DictEntry], ordered: bool| -> PyResult<Compiled> {
+        let all = |c: &[TreeSpec]| c.iter().map(|c| CompiledSpec::new(py, c)).collect::<PyResult<Vec<_>>>();
+        let dict = |entries: &[DictEntry], ordered: bool| -> PyResult<CompiledSpec> {
             let keys = entries
                 .iter()
                 .map(|e| {
@@ -104,17 +35,17 @@ impl Compiled {
                     Ok((obj, e.key.to_string()))
                 })
                 .collect::<PyResult<Vec<_>>>()?;
-            let children = entries.iter().map(|e| Compiled::new(py, &e.value)).collect::<PyResult<_>>()?;
-            Ok(Compiled::Dict { ordered, keys, children })
+            let children = entries.iter().map(|e| CompiledSpec::new(py, &e.value)).collect::<PyResult<_>>()?;
+            Ok(CompiledSpec::Dict { ordered, keys, children })
         };
         Ok(match spec {
-            TreeSpec::Leaf => Compiled::Leaf,
-            TreeSpec::None => Compiled::None,
-            TreeSpec::Tuple { children } => Compiled::Tuple(all(children)?),
-            TreeSpec::List { children } => Compiled::List(all(children)?),
+            TreeSpec::Leaf => CompiledSpec::Leaf,
+            TreeSpec::None => CompiledSpec::None,
+            TreeSpec::Tuple { children } => CompiledSpec::Tuple(all(children)?),
+            TreeSpec::List { children } => CompiledSpec::List(all(children)?),
             TreeSpec::Dict { entries } => dict(entries, false)?,
             TreeSpec::OrderedDict { entries } => dict(entries, true)?,
-            TreeSpec::NamedTuple { name, module, fields, children } => Compiled::NamedTuple {
+            TreeSpec::NamedTuple { name, module, fields, children } => CompiledSpec::NamedTuple {
                 ty: namedtuple_type(py, name, module, fields)?,
                 name: name.clone(),
                 fields: fields.clone(),
@@ -131,19 +62,19 @@ impl Compiled {
         root: &str,
         path: &mut Vec<PathElem<'s>>,
         out: &mut Vec<Bound<'py, PyAny>>,
-    ) -> Result<(), Error> {
+    ) -> RtResult<()> {
         let mismatch = |expected: String, path: &[PathElem<'_>]| {
-            Error::Input(format!("{}: expected {expected}, got {}", format_path(root, path), describe(obj)))
+            RtError::from(Error::Mismatch { path: format_path(root, path), expected, got: describe(obj) })
         };
         match self {
-            Compiled::Leaf => out.push(obj.clone()),
-            Compiled::None => {
+            CompiledSpec::Leaf => out.push(obj.clone()),
+            CompiledSpec::None => {
                 if !obj.is_none() {
                     return Err(mismatch("None".into(), path));
                 }
             }
-            Compiled::Tuple(children) | Compiled::List(children) => {
-                let is_list = matches!(self, Compiled::List(_));
+            CompiledSpec::Tuple(children) | CompiledSpec::List(children) => {
+                let is_list = matches!(self, CompiledSpec::List(_));
                 let seq = if is_list {
                     obj.cast::<PyList>().ok().map(|l| l.as_sequence().clone())
                 } else {
@@ -156,13 +87,13 @@ impl Compiled {
                     return Err(mismatch(format!("a {kind} of {} items", children.len()), path));
                 }
                 for (i, c) in children.iter().enumerate() {
-                    let item = seq.get_item(i).map_err(|e| Error::Input(e.to_string()))?;
+                    let item = seq.get_item(i)?;
                     path.push(PathElem::Index(i));
                     c.flatten(&item, root, path, out)?;
                     path.pop();
                 }
             }
-            Compiled::Dict { keys, children, .. } => {
+            CompiledSpec::Dict { keys, children, .. } => {
                 let dict = obj
                     .cast::<PyDict>()
                     .map_err(|_| mismatch(format!("a dict with keys [{}]", key_list(keys)), path))?;
@@ -180,7 +111,7 @@ impl Compiled {
                     path.pop();
                 }
             }
-            Compiled::NamedTuple { name, fields, children, .. } => {
+            CompiledSpec::NamedTuple { name, fields, children, .. } => {
                 let ok = is_namedtuple(obj)
                     && obj.get_type().name().map(|n| n.to_string() == *name).unwrap_or(false)
                     && obj
@@ -207,19 +138,17 @@ impl Compiled {
         &self,
         py: Python<'py>,
         leaves: &mut impl Iterator<Item = Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let items = |children: &[Compiled], leaves: &mut dyn Iterator<Item = Bound<'py, PyAny>>| {
+    ) -> RtResult<Bound<'py, PyAny>> {
+        let items = |children: &[CompiledSpec], leaves: &mut dyn Iterator<Item = Bound<'py, PyAny>>| {
             let mut it = leaves;
-            children.iter().map(|c| c.unflatten(py, &mut it)).collect::<PyResult<Vec<_>>>()
+            children.iter().map(|c| c.unflatten(py, &mut it)).collect::<RtResult<Vec<_>>>()
         };
         Ok(match self {
-            Compiled::Leaf => leaves
-                .next()
-                .ok_or_else(|| pyo3::exceptions::PyRuntimeError::new_err("kwexport: output leaves ran out"))?,
-            Compiled::None => py.None().into_bound(py),
-            Compiled::Tuple(c) => PyTuple::new(py, items(c, leaves)?)?.into_any(),
-            Compiled::List(c) => PyList::new(py, items(c, leaves)?)?.into_any(),
-            Compiled::Dict { ordered, keys, children } => {
+            CompiledSpec::Leaf => leaves.next().ok_or_else(|| RtError::Internal("output leaves ran out".into()))?,
+            CompiledSpec::None => py.None().into_bound(py),
+            CompiledSpec::Tuple(c) => PyTuple::new(py, items(c, leaves)?)?.into_any(),
+            CompiledSpec::List(c) => PyList::new(py, items(c, leaves)?)?.into_any(),
+            CompiledSpec::Dict { ordered, keys, children } => {
                 let values = items(children, leaves)?;
                 let dict = PyDict::new(py);
                 for ((k, _), v) in keys.iter().zip(values) {
@@ -231,7 +160,7 @@ impl Compiled {
                     dict.into_any()
                 }
             }
-            Compiled::NamedTuple { ty, children, .. } => {
+            CompiledSpec::NamedTuple { ty, children, .. } => {
                 ty.bind(py).call1(PyTuple::new(py, items(children, leaves)?)?)?
             }
         })
@@ -247,7 +176,7 @@ fn dict_key_mismatch(
     path: &[PathElem<'_>],
     dict: &Bound<'_, PyDict>,
     keys: &[(Py<PyAny>, String)],
-) -> Error {
+) -> RtError {
     let py = dict.py();
     let missing: Vec<&str> =
         keys.iter().filter(|(k, _)| !dict.contains(k.bind(py)).unwrap_or(false)).map(|(_, l)| l.as_str()).collect();
@@ -264,12 +193,12 @@ fn dict_key_mismatch(
     if !extra.is_empty() {
         what.push(format!("unexpected key(s) {}", extra.join(", ")));
     }
-    Error::Input(format!(
-        "{}: expected a dict with keys [{}], got one with {}",
-        format_path(root, path),
-        key_list(keys),
-        what.join(" and ")
-    ))
+    Error::Mismatch {
+        path: format_path(root, path),
+        expected: format!("a dict with keys [{}]", key_list(keys)),
+        got: format!("one with {}", what.join(" and ")),
+    }
+    .into()
 }
 
 fn is_namedtuple(obj: &Bound<'_, PyAny>) -> bool {
@@ -312,62 +241,4 @@ fn namedtuple_type(py: Python<'_>, name: &str, module: &str, fields: &[String]) 
     }
     let ty = py.import("collections")?.getattr("namedtuple")?.call((name, fields.to_vec()), Some(&kwargs))?;
     Ok(ty.cast_into::<PyType>()?.unbind())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn leaf() -> TreeSpec {
-        TreeSpec::Leaf
-    }
-
-    #[test]
-    fn counts_leaves() {
-        let spec = TreeSpec::Tuple {
-            children: vec![
-                TreeSpec::List { children: vec![leaf(), TreeSpec::None, leaf()] },
-                TreeSpec::Dict {
-                    entries: vec![
-                        DictEntry { key: Key::Str("a".into()), value: leaf() },
-                        DictEntry { key: Key::Int(3), value: TreeSpec::Tuple { children: vec![] } },
-                    ],
-                },
-            ],
-        };
-        assert_eq!(validate(&spec, "inputs.spec").unwrap(), 3);
-    }
-
-    #[test]
-    fn rejects_duplicate_keys_and_lying_namedtuples() {
-        let dup = TreeSpec::Dict {
-            entries: vec![
-                DictEntry { key: Key::Str("a".into()), value: leaf() },
-                DictEntry { key: Key::Str("a".into()), value: leaf() },
-            ],
-        };
-        assert_eq!(validate(&dup, "outputs").unwrap_err(), Error::Artifact("outputs: duplicate dict key 'a'".into()));
-        let nt = TreeSpec::NamedTuple {
-            name: "P".into(),
-            module: String::new(),
-            fields: vec!["a".into()],
-            children: vec![leaf(), leaf()],
-        };
-        assert!(validate(&nt, "outputs").unwrap_err().to_string().contains("1 fields but 2 children"));
-    }
-
-    #[test]
-    fn bounds_depth() {
-        let mut spec = leaf();
-        for _ in 0..(MAX_DEPTH + 2) {
-            spec = TreeSpec::List { children: vec![spec] };
-        }
-        assert!(validate(&spec, "inputs.spec").unwrap_err().to_string().contains("deeper than"));
-    }
-
-    #[test]
-    fn formats_paths() {
-        let p = [PathElem::Key("'shift'"), PathElem::Index(0), PathElem::Attr("x")];
-        assert_eq!(format_path("cfg", &p), "cfg['shift'][0].x");
-    }
 }

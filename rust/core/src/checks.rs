@@ -1,27 +1,36 @@
-//! Input checks: every leaf of a call against what was exported, before anything runs.
-//!
-//! The shape logic (static sizes, symbol ranges, dims shared between inputs, derived dims
-//! such as `2 * d`) is pure; `LeafCheck::check` applies it to a Python object.
+//! Input checks: the shape of every tensor leaf of a call against what was exported,
+//! before anything runs: static sizes, symbol ranges, dims shared between inputs, derived
+//! dims such as `2 * d`. The runtime reads each leaf's dtype, device and shape from Python
+//! and hands the shape to a [`Checker`].
 
-use pyo3::prelude::*;
+use crate::error::{Error, Result, ShapeProblem};
+use crate::schema::{self, Dim};
 
-use crate::artifact;
-use crate::dtype::DType;
-use crate::error::{Error, Result};
-use crate::schema::{self, Dim, LeafSpec};
-use crate::treespec::describe;
-
+/// A validated symbolic size: unique name, non-empty range.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Symbol {
+    /// Its name, as torch.export named it.
     pub name: String,
+    /// Smallest value.
     pub min: i64,
+    /// Largest value; `None` if unbounded.
     pub max: Option<i64>,
 }
 
+/// What one dimension of an input must be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DimCheck {
+    /// This size.
     Static(i64),
-    Symbolic { symbol: usize, coeff: i64, offset: i64 },
+    /// `coeff * symbols[symbol] + offset`.
+    Symbolic {
+        /// Index into the program's symbols.
+        symbol: usize,
+        /// Multiplier, positive.
+        coeff: i64,
+        /// Offset.
+        offset: i64,
+    },
 }
 
 /// The checks of one call: the program's symbols and leaf paths, and the value each symbol
@@ -33,8 +42,14 @@ pub struct Checker<'a> {
 }
 
 impl<'a> Checker<'a> {
+    /// A checker for one call.
     pub fn new(symbols: &'a [Symbol], leaf_paths: &'a [String]) -> Self {
         Checker { symbols, leaf_paths, seen: vec![None; symbols.len()] }
+    }
+
+    /// The path of leaf `leaf`, for messages.
+    pub fn leaf_path(&self, leaf: usize) -> &str {
+        &self.leaf_paths[leaf]
     }
 
     /// Checks the sizes of leaf `leaf`.
@@ -52,20 +67,14 @@ fn check_shape(
     leaf_paths: &[String],
 ) -> Result<()> {
     let path = &leaf_paths[leaf];
+    let err = |problem| Error::Shape { path: path.clone(), problem };
     if dims.len() != shape.len() {
-        return Err(Error::Input(format!(
-            "{path}: expected a tensor with {} dimension{}, got {} (shape {shape:?})",
-            dims.len(),
-            if dims.len() == 1 { "" } else { "s" },
-            shape.len()
-        )));
+        return Err(err(ShapeProblem::Rank { expected: dims.len(), shape: shape.to_vec() }));
     }
     for (i, (dim, &size)) in dims.iter().zip(shape).enumerate() {
         match *dim {
             DimCheck::Static(n) if n != size => {
-                return Err(Error::Input(format!(
-                    "{path}: dimension {i} must be {n} (static at export), got {size} (shape {shape:?})"
-                )));
+                return Err(err(ShapeProblem::Static { dim: i, expected: n, size, shape: shape.to_vec() }));
             }
             DimCheck::Static(_) => {}
             DimCheck::Symbolic { symbol, coeff, offset } => {
@@ -74,16 +83,22 @@ fn check_shape(
                 if let Some((value, at_leaf, at_dim)) = seen[symbol] {
                     let want = coeff * value + offset;
                     if want != size {
-                        return Err(Error::Input(format!(
-                            "{path}: dimension {i} is {expr} = {want}, since {} = {value} from {} dimension {at_dim}, got {size}",
-                            sym.name, leaf_paths[at_leaf]
-                        )));
+                        return Err(err(ShapeProblem::Inconsistent {
+                            dim: i,
+                            expr,
+                            want,
+                            symbol: sym.name.clone(),
+                            value,
+                            from_path: leaf_paths[at_leaf].clone(),
+                            from_dim: at_dim,
+                            size,
+                        }));
                     }
                     continue;
                 }
                 let value = (size - offset) / coeff;
                 if coeff * value + offset != size {
-                    return Err(Error::Input(format!("{path}: dimension {i} is {expr}, which cannot be {size}")));
+                    return Err(err(ShapeProblem::Unreachable { dim: i, expr, size }));
                 }
                 if value < sym.min || sym.max.is_some_and(|m| value > m) {
                     let range = match sym.max {
@@ -95,10 +110,7 @@ fn check_shape(
                     } else {
                         format!("got {size}, so {} = {value}", sym.name)
                     };
-                    return Err(Error::Input(format!(
-                        "{path}: dimension {i} is {expr} with {} in {range}, {got}",
-                        sym.name
-                    )));
+                    return Err(err(ShapeProblem::OutOfRange { dim: i, expr, symbol: sym.name.clone(), range, got }));
                 }
                 seen[symbol] = Some((value, leaf, i));
             }
@@ -107,7 +119,8 @@ fn check_shape(
     Ok(())
 }
 
-fn render(name: &str, coeff: i64, offset: i64) -> String {
+/// `coeff*name + offset` as kwexport prints it: `s0`, `2*s0`, `s0 - 1`.
+pub fn render(name: &str, coeff: i64, offset: i64) -> String {
     let base = if coeff == 1 { name.to_owned() } else { format!("{coeff}*{name}") };
     match offset {
         0 => base,
@@ -116,126 +129,48 @@ fn render(name: &str, coeff: i64, offset: i64) -> String {
     }
 }
 
+/// Validates the symbol table.
 pub fn symbols(raw: &[schema::Symbol]) -> Result<Vec<Symbol>> {
     let mut out: Vec<Symbol> = Vec::with_capacity(raw.len());
     for (i, s) in raw.iter().enumerate() {
         if out.iter().any(|o| o.name == s.name) {
-            return Err(artifact!("symbols[{i}]: duplicate symbol {:?}", s.name));
+            return Err(Error::DuplicateSymbol { index: i, name: s.name.clone() });
         }
         if s.min < 0 || s.max.is_some_and(|m| m < s.min) {
-            return Err(artifact!("symbols[{i}] ({}): invalid range [{}, {:?}]", s.name, s.min, s.max));
+            return Err(Error::SymbolRange { index: i, name: s.name.clone(), min: s.min, max: s.max });
         }
         out.push(Symbol { name: s.name.clone(), min: s.min, max: s.max });
     }
     Ok(out)
 }
 
+/// Validates an input leaf's shape against the symbol table; `what` names the leaf.
 pub fn dims(shape: &[Dim], symbols: &[Symbol], what: &str) -> Result<Vec<DimCheck>> {
     shape
         .iter()
         .enumerate()
         .map(|(i, d)| match d {
             Dim::Static(n) if *n >= 0 => Ok(DimCheck::Static(*n)),
-            Dim::Static(n) => Err(artifact!("{what}.shape[{i}]: negative size {n}")),
+            Dim::Static(n) => Err(Error::NegativeSize { entry: what.to_owned(), dim: i, size: *n }),
             Dim::Symbolic { symbol, coeff, offset } => {
-                let idx = symbols
-                    .iter()
-                    .position(|s| &s.name == symbol)
-                    .ok_or_else(|| artifact!("{what}.shape[{i}]: unknown symbol {symbol:?}"))?;
+                let idx = symbols.iter().position(|s| &s.name == symbol).ok_or_else(|| Error::UnknownSymbol {
+                    entry: what.to_owned(),
+                    dim: i,
+                    symbol: symbol.clone(),
+                })?;
                 if *coeff <= 0 || coeff.checked_mul(1 << 32).is_none() || offset.abs() > (1 << 40) {
-                    return Err(artifact!("{what}.shape[{i}]: unsupported expression {coeff}*{symbol} + {offset}"));
+                    return Err(Error::DimExpression {
+                        entry: what.to_owned(),
+                        dim: i,
+                        coeff: *coeff,
+                        symbol: symbol.clone(),
+                        offset: *offset,
+                    });
                 }
                 Ok(DimCheck::Symbolic { symbol: idx, coeff: *coeff, offset: *offset })
             }
         })
         .collect()
-}
-
-/// A leaf's check with its Python objects resolved at load.
-pub enum LeafCheck {
-    Tensor { dtype: Py<PyAny>, dtype_name: &'static str, device: Py<PyAny>, device_name: String, dims: Vec<DimCheck> },
-    Constant { value: Py<PyAny>, repr: String },
-}
-
-impl LeafCheck {
-    pub fn new(
-        py: Python<'_>,
-        torch: &Bound<'_, PyModule>,
-        spec: &LeafSpec,
-        symbols: &[Symbol],
-        what: &str,
-    ) -> PyResult<Result<Self>> {
-        Ok(Ok(match spec {
-            LeafSpec::Tensor(t) => {
-                let Some(dt) = DType::parse(&t.dtype) else {
-                    return Ok(Err(artifact!("{what}: unsupported dtype {:?}", t.dtype)));
-                };
-                let dims = match dims(&t.shape, symbols, what) {
-                    Ok(d) => d,
-                    Err(e) => return Ok(Err(e)),
-                };
-                let device = match torch.getattr("device")?.call1((t.device.as_str(),)) {
-                    Ok(d) => d,
-                    Err(_) => return Ok(Err(artifact!("{what}: invalid device {:?}", t.device))),
-                };
-                LeafCheck::Tensor {
-                    dtype: torch.getattr(dt.name)?.unbind(),
-                    dtype_name: dt.name,
-                    device_name: device.str()?.to_string(),
-                    device: device.unbind(),
-                    dims,
-                }
-            }
-            LeafSpec::Constant(c) => {
-                let value = crate::plan::constant_to_py(py, c)?;
-                let repr = value.bind(py).repr()?.to_string();
-                LeafCheck::Constant { value, repr }
-            }
-        }))
-    }
-
-    /// Checks `obj`, leaf `leaf` of a call.
-    pub fn check(
-        &self,
-        obj: &Bound<'_, PyAny>,
-        tensor_type: &Bound<'_, PyAny>,
-        leaf: usize,
-        checker: &mut Checker<'_>,
-    ) -> Result<()> {
-        let path = &checker.leaf_paths[leaf];
-        let py_err = |e: PyErr| Error::Input(format!("{path}: {e}"));
-        match self {
-            LeafCheck::Tensor { dtype, dtype_name, device, device_name, dims } => {
-                if !obj.is_instance(tensor_type).unwrap_or(false) {
-                    return Err(Error::Input(format!(
-                        "{path}: expected a tensor of dtype torch.{dtype_name}, got {}",
-                        describe(obj)
-                    )));
-                }
-                let got = obj.getattr(pyo3::intern!(obj.py(), "dtype")).map_err(py_err)?;
-                if !got.is(dtype.bind(obj.py())) {
-                    return Err(Error::Input(format!("{path}: expected dtype torch.{dtype_name}, got {got}")));
-                }
-                let got = obj.getattr(pyo3::intern!(obj.py(), "device")).map_err(py_err)?;
-                if !got.eq(device.bind(obj.py())).map_err(py_err)? {
-                    return Err(Error::Input(format!("{path}: expected a tensor on {device_name}, got one on {got}")));
-                }
-                let shape: Vec<i64> =
-                    obj.getattr(pyo3::intern!(obj.py(), "shape")).and_then(|s| s.extract()).map_err(py_err)?;
-                checker.shape(dims, &shape, leaf)
-            }
-            LeafCheck::Constant { value, repr } => {
-                let value = value.bind(obj.py());
-                let same = obj.get_type().is(value.get_type()) && obj.eq(value).unwrap_or(false);
-                if same {
-                    Ok(())
-                } else {
-                    let got = obj.repr().map(|r| r.to_string()).unwrap_or_else(|_| describe(obj));
-                    Err(Error::Input(format!("{path}: expected {repr} (specialized at export), got {got}")))
-                }
-            }
-        }
-    }
 }
 
 #[cfg(test)]

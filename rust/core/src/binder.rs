@@ -6,21 +6,16 @@
 
 use std::collections::HashMap;
 
-use crate::artifact;
-use crate::error::{Error, Result};
-use crate::schema::{self, Constant, ParamKind};
+use crate::error::{BindProblem, Error, ParamProblem, Result};
+use crate::schema::{Param, ParamKind, Signature};
 
+/// A signature that obeys Python's rules (checked once at load by [`Binder::new`]), ready
+/// to bind calls.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Param {
+pub struct Binder {
+    /// How the callable names itself in messages.
     pub name: String,
-    pub kind: ParamKind,
-    pub default: Option<Constant>,
-}
-
-/// A signature that obeys Python's rules (checked once at load by `Signature::new`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Signature {
-    pub name: String,
+    /// The parameters, in order.
     pub params: Vec<Param>,
     /// Parameters that can be filled by position: positional-only and positional-or-keyword.
     n_positional: usize,
@@ -32,14 +27,18 @@ pub struct Signature {
 /// Where a named parameter's value comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Source {
+    /// The call's positional argument at this index.
     Positional(usize),
+    /// The call's keyword argument at this index (of the keyword names passed to `bind`).
     Keyword(usize),
+    /// The parameter's default.
     Default,
 }
 
-/// The result of binding: one entry per parameter, in signature order.
+/// Where one parameter's value comes from; `bind` returns one per parameter, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Bound {
+pub enum Binding {
+    /// A named parameter's value.
     One(Source),
     /// `*args`: these positional arguments, in order.
     VarPositional(std::ops::Range<usize>),
@@ -47,22 +46,23 @@ pub enum Bound {
     VarKeyword(Vec<usize>),
 }
 
-impl Signature {
-    pub fn new(sig: &schema::Signature) -> Result<Self> {
+impl Binder {
+    /// Checks `sig` against Python's rules for a `def`.
+    pub fn new(sig: &Signature) -> Result<Self> {
         let mut by_name = HashMap::new();
         let mut last_kind = ParamKind::PositionalOnly;
         let (mut var_positional, mut var_keyword, mut n_positional) = (None, None, 0);
         let mut seen_default = false;
         for (i, p) in sig.params.iter().enumerate() {
-            let what = format!("signature.params[{i}] ({:?})", p.name);
+            let invalid = |problem| Error::InvalidParam { index: i, name: p.name.clone(), problem };
             if !is_identifier(&p.name) {
-                return Err(artifact!("{what}: not a Python identifier"));
+                return Err(invalid(ParamProblem::NotIdentifier));
             }
             if by_name.insert(p.name.clone(), i).is_some() {
-                return Err(artifact!("{what}: duplicate parameter name"));
+                return Err(invalid(ParamProblem::DuplicateName));
             }
             if rank(p.kind) < rank(last_kind) {
-                return Err(artifact!("{what}: a {:?} parameter cannot follow a {:?} one", p.kind, last_kind));
+                return Err(invalid(ParamProblem::Order { kind: p.kind, after: last_kind }));
             }
             last_kind = p.kind;
             match p.kind {
@@ -71,28 +71,24 @@ impl Signature {
                     if p.default.is_some() {
                         seen_default = true;
                     } else if seen_default {
-                        return Err(artifact!("{what}: a parameter without a default follows one with a default"));
+                        return Err(invalid(ParamProblem::DefaultOrder));
                     }
                 }
                 ParamKind::VarPositional | ParamKind::VarKeyword => {
                     if p.default.is_some() {
-                        return Err(artifact!("{what}: a variadic parameter cannot have a default"));
+                        return Err(invalid(ParamProblem::VariadicDefault));
                     }
                     let slot = if p.kind == ParamKind::VarPositional { &mut var_positional } else { &mut var_keyword };
                     if slot.replace(i).is_some() {
-                        return Err(artifact!("{what}: a second {:?} parameter", p.kind));
+                        return Err(invalid(ParamProblem::SecondVariadic { kind: p.kind }));
                     }
                 }
                 ParamKind::KeywordOnly => {}
             }
         }
-        Ok(Signature {
+        Ok(Binder {
             name: sig.name.clone(),
-            params: sig
-                .params
-                .iter()
-                .map(|p| Param { name: p.name.clone(), kind: p.kind, default: p.default.clone() })
-                .collect(),
+            params: sig.params.clone(),
             n_positional,
             var_positional,
             var_keyword,
@@ -100,18 +96,21 @@ impl Signature {
         })
     }
 
+    /// How many parameters can be filled by position.
     pub fn n_positional(&self) -> usize {
         self.n_positional
     }
+    /// The index of `*args`, if there is one.
     pub fn var_positional(&self) -> Option<usize> {
         self.var_positional
     }
+    /// The index of `**kwargs`, if there is one.
     pub fn var_keyword(&self) -> Option<usize> {
         self.var_keyword
     }
 
     /// Binds a call with `n_args` positional arguments and the given keyword names.
-    pub fn bind<S: AsRef<str>>(&self, n_args: usize, keywords: &[S]) -> Result<Vec<Bound>> {
+    pub fn bind<S: AsRef<str>>(&self, n_args: usize, keywords: &[S]) -> Result<Vec<Binding>> {
         let mut bound: Vec<Option<Source>> = vec![None; self.params.len()];
         let mut var_kw = Vec::new();
 
@@ -128,7 +127,7 @@ impl Signature {
             match self.by_name.get(name).map(|&i| (i, self.params[i].kind)) {
                 Some((i, ParamKind::PositionalOrKeyword | ParamKind::KeywordOnly)) => {
                     if bound[i].is_some() {
-                        return Err(self.err(format!("got multiple values for argument '{name}'")));
+                        return Err(self.err(BindProblem::MultipleValues(name.to_owned())));
                     }
                     bound[i] = Some(Source::Keyword(k));
                 }
@@ -136,35 +135,32 @@ impl Signature {
                     if self.var_keyword.is_some() {
                         var_kw.push(k);
                     } else if matches!(found, Some((_, ParamKind::PositionalOnly))) {
-                        posonly_as_kw.push(name);
+                        posonly_as_kw.push(name.to_owned());
                     } else {
-                        return Err(self.err(format!("got an unexpected keyword argument '{name}'")));
+                        return Err(self.err(BindProblem::UnexpectedKeyword(name.to_owned())));
                     }
                 }
             }
         }
         if !posonly_as_kw.is_empty() {
-            return Err(self.err(format!(
-                "got some positional-only arguments passed as keyword arguments: '{}'",
-                posonly_as_kw.join(", ")
-            )));
+            return Err(self.err(BindProblem::PositionalOnlyByName(posonly_as_kw)));
         }
 
-        let missing = |kind: fn(ParamKind) -> bool, bound: &[Option<Source>]| -> Vec<&str> {
+        let missing = |kind: fn(ParamKind) -> bool, bound: &[Option<Source>]| -> Vec<String> {
             self.params
                 .iter()
                 .zip(bound)
                 .filter(|(p, b)| kind(p.kind) && b.is_none() && p.default.is_none())
-                .map(|(p, _)| p.name.as_str())
+                .map(|(p, _)| p.name.clone())
                 .collect()
         };
         let positional = missing(|k| matches!(k, ParamKind::PositionalOnly | ParamKind::PositionalOrKeyword), &bound);
         if !positional.is_empty() {
-            return Err(self.missing(&positional, "positional"));
+            return Err(self.err(BindProblem::Missing { kind: "positional", names: positional }));
         }
         let keyword_only = missing(|k| k == ParamKind::KeywordOnly, &bound);
         if !keyword_only.is_empty() {
-            return Err(self.missing(&keyword_only, "keyword-only"));
+            return Err(self.err(BindProblem::Missing { kind: "keyword-only", names: keyword_only }));
         }
 
         Ok(self
@@ -172,51 +168,29 @@ impl Signature {
             .iter()
             .zip(bound)
             .map(|(p, b)| match p.kind {
-                ParamKind::VarPositional => Bound::VarPositional(self.n_positional.min(n_args)..n_args),
-                ParamKind::VarKeyword => Bound::VarKeyword(std::mem::take(&mut var_kw)),
-                _ => Bound::One(b.unwrap_or(Source::Default)),
+                ParamKind::VarPositional => Binding::VarPositional(self.n_positional.min(n_args)..n_args),
+                ParamKind::VarKeyword => Binding::VarKeyword(std::mem::take(&mut var_kw)),
+                _ => Binding::One(b.unwrap_or(Source::Default)),
             })
             .collect())
     }
 
-    fn err(&self, msg: String) -> Error {
-        Error::Signature(format!("{}() {msg}", self.name))
-    }
-
-    fn missing(&self, names: &[&str], kind: &str) -> Error {
-        let quoted: Vec<String> = names.iter().map(|n| format!("'{n}'")).collect();
-        let list = match quoted.as_slice() {
-            [one] => one.clone(),
-            [a, b] => format!("{a} and {b}"),
-            [init @ .., last] => format!("{}, and {last}", init.join(", ")),
-            [] => unreachable!("called with at least one name"),
-        };
-        let s = if names.len() == 1 { "" } else { "s" };
-        self.err(format!("missing {} required {kind} argument{s}: {list}", names.len()))
+    fn err(&self, problem: BindProblem) -> Error {
+        Error::Bind { function: self.name.clone(), problem }
     }
 
     fn too_many_positional<S: AsRef<str>>(&self, given: usize, keywords: &[S]) -> Error {
         let max = self.n_positional;
-        let required = self.params[..max].iter().filter(|p| p.default.is_none()).count();
-        let takes = if required < max {
-            format!("from {required} to {max} positional arguments")
-        } else {
-            format!("{max} positional argument{}", if max == 1 { "" } else { "s" })
-        };
-        let kw_only_given = keywords
+        let keyword_only_given = keywords
             .iter()
             .filter(|k| self.by_name.get(k.as_ref()).is_some_and(|&i| self.params[i].kind == ParamKind::KeywordOnly))
             .count();
-        let given_s = if kw_only_given > 0 {
-            let p = if given == 1 { "" } else { "s" };
-            let k = if kw_only_given == 1 { "" } else { "s" };
-            format!("{given} positional argument{p} (and {kw_only_given} keyword-only argument{k}) were")
-        } else if given == 1 {
-            "1 was".to_owned()
-        } else {
-            format!("{given} were")
-        };
-        self.err(format!("takes {takes} but {given_s} given"))
+        self.err(BindProblem::TooManyPositional {
+            required: self.params[..max].iter().filter(|p| p.default.is_none()).count(),
+            max,
+            given,
+            keyword_only_given,
+        })
     }
 }
 
@@ -238,24 +212,25 @@ fn is_identifier(s: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::schema::Constant;
+    use crate::ErrorKind;
     use ParamKind::*;
 
-    fn sig(params: &[(&str, ParamKind, bool)]) -> Signature {
-        Signature::new(&schema::Signature {
+    fn sig(params: &[(&str, ParamKind, bool)]) -> Binder {
+        Binder::new(&Signature {
             name: "f".into(),
             params: params
                 .iter()
-                .map(|&(n, k, d)| schema::Param { name: n.into(), kind: k, default: d.then_some(Constant::Int(1)) })
+                .map(|&(n, k, d)| Param { name: n.into(), kind: k, default: d.then_some(Constant::Int(1)) })
                 .collect(),
         })
         .unwrap()
     }
 
-    fn err(s: &Signature, n: usize, kw: &[&str]) -> String {
-        match s.bind(n, kw).unwrap_err() {
-            Error::Signature(m) => m,
-            other => panic!("expected a SignatureError, got {other:?}"),
-        }
+    fn err(s: &Binder, n: usize, kw: &[&str]) -> String {
+        let e = s.bind(n, kw).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Signature, "{e:?}");
+        e.to_string()
     }
 
     #[test]
@@ -273,19 +248,19 @@ mod tests {
         assert_eq!(
             b,
             vec![
-                Bound::One(Source::Positional(0)),
-                Bound::One(Source::Positional(1)),
-                Bound::One(Source::Positional(2)),
-                Bound::VarPositional(3..4),
-                Bound::One(Source::Keyword(0)),
-                Bound::One(Source::Default),
-                Bound::VarKeyword(vec![1]),
+                Binding::One(Source::Positional(0)),
+                Binding::One(Source::Positional(1)),
+                Binding::One(Source::Positional(2)),
+                Binding::VarPositional(3..4),
+                Binding::One(Source::Keyword(0)),
+                Binding::One(Source::Default),
+                Binding::VarKeyword(vec![1]),
             ]
         );
         // Positional-or-keyword by name; a positional-only name goes to **kw when there is one.
         let b = s.bind(1, &["a", "b", "k"]).unwrap();
-        assert_eq!(b[1], Bound::One(Source::Keyword(1)));
-        assert_eq!(b[6], Bound::VarKeyword(vec![0]));
+        assert_eq!(b[1], Binding::One(Source::Keyword(1)));
+        assert_eq!(b[6], Binding::VarKeyword(vec![0]));
     }
 
     #[test]
@@ -316,10 +291,8 @@ mod tests {
 
     #[test]
     fn rejects_invalid_signatures() {
-        let bad = |params: Vec<schema::Param>| {
-            Signature::new(&schema::Signature { name: "f".into(), params }).unwrap_err().to_string()
-        };
-        let p = |n: &str, k, d: bool| schema::Param { name: n.into(), kind: k, default: d.then_some(Constant::Int(0)) };
+        let bad = |params: Vec<Param>| Binder::new(&Signature { name: "f".into(), params }).unwrap_err().to_string();
+        let p = |n: &str, k, d: bool| Param { name: n.into(), kind: k, default: d.then_some(Constant::Int(0)) };
         assert!(bad(vec![p("a", KeywordOnly, false), p("b", PositionalOrKeyword, false)]).contains("cannot follow"));
         assert!(bad(vec![p("a", PositionalOrKeyword, false), p("a", KeywordOnly, false)]).contains("duplicate"));
         assert!(bad(vec![p("a", PositionalOrKeyword, true), p("b", PositionalOrKeyword, false)])

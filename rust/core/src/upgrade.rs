@@ -12,15 +12,21 @@ use serde_json::Value;
 use crate::error::{Error, Result};
 use crate::schema::FormatVersion;
 
+/// The version kwexport writes.
 pub const CURRENT: FormatVersion = FormatVersion { major: 2, minor: 0 };
 /// The oldest version this runtime reads.
 pub const OLDEST: FormatVersion = FormatVersion { major: 1, minor: 0 };
 
+/// Brings a document from one version to the next.
 pub struct Upgrader {
+    /// The version it reads.
     pub from: FormatVersion,
+    /// The version it writes.
     pub to: FormatVersion,
+    /// Its name, reported when it runs.
     pub name: &'static str,
-    pub apply: fn(Value) -> Result<Value>,
+    /// The rewrite; an `Err` says what in the document it cannot bring forward.
+    pub apply: fn(Value) -> Result<Value, String>,
 }
 
 /// The registered upgraders, oldest first.
@@ -33,8 +39,8 @@ pub const UPGRADERS: &[Upgrader] = &[Upgrader {
 
 /// 1.0 named each node's op inline; 2.0 lists each op once in `ops`, with the schema it
 /// had when saved (unknown for upgraded files), and nodes refer to it by index.
-fn v1_to_v2_op_table(mut doc: Value) -> Result<Value> {
-    let bad = |what: &str| Error::Artifact(format!("graph.nodes: {what}"));
+fn v1_to_v2_op_table(mut doc: Value) -> Result<Value, String> {
+    let bad = |what: &str| format!("graph.nodes: {what}");
     let mut ops: Vec<String> = Vec::new();
     let nodes =
         doc.pointer_mut("/graph/nodes").and_then(Value::as_array_mut).ok_or_else(|| bad("missing or not a list"))?;
@@ -65,14 +71,18 @@ pub fn released() -> Vec<FormatVersion> {
 /// The outcome of bringing a document to the current version.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Upgraded {
+    /// The document at the current version.
     pub document: Value,
+    /// The version it was in.
     pub from: FormatVersion,
+    /// The upgraders that ran, in order.
     pub applied: Vec<&'static str>,
 }
 
+/// The `format_version` of an untyped document.
 pub fn read_version(doc: &Value) -> Result<FormatVersion> {
-    let v = doc.get("format_version").ok_or_else(|| Error::Artifact("header: missing format_version".into()))?;
-    serde_json::from_value(v.clone()).map_err(|e| Error::Artifact(format!("header.format_version: {e}")))
+    let v = doc.get("format_version").ok_or(Error::MissingFormatVersion)?;
+    serde_json::from_value(v.clone()).map_err(|e| Error::InvalidFormatVersion { message: e.to_string() })
 }
 
 /// Checks that `upgraders` form one contiguous chain from `oldest` to `current`.
@@ -104,21 +114,16 @@ pub fn validate_chain(upgraders: &[Upgrader], oldest: FormatVersion, current: Fo
 pub fn upgrade(mut doc: Value) -> Result<Upgraded> {
     let from = read_version(&doc)?;
     if from.major > CURRENT.major {
-        return Err(Error::Version(format!(
-            "file format {from} is newer than this runtime, which reads {OLDEST} to {}.x: upgrade kwexport",
-            CURRENT.major
-        )));
+        return Err(Error::TooNew { found: from, oldest: OLDEST, current: CURRENT });
     }
     if from < OLDEST {
-        return Err(Error::Version(format!(
-            "file format {from} is older than the oldest this runtime reads ({OLDEST})"
-        )));
+        return Err(Error::TooOld { found: from, oldest: OLDEST });
     }
     let mut applied = Vec::new();
     let mut at = from;
     for u in UPGRADERS {
         if u.from == at {
-            doc = (u.apply)(doc).map_err(|e| Error::Artifact(format!("upgrader {}: {e}", u.name)))?;
+            doc = (u.apply)(doc).map_err(|problem| Error::Upgrade { upgrader: u.name, problem })?;
             at = u.to;
             applied.push(u.name);
         }
@@ -136,7 +141,7 @@ mod tests {
         validate_chain(UPGRADERS, OLDEST, CURRENT).unwrap();
     }
 
-    fn noop(v: Value) -> Result<Value> {
+    fn noop(v: Value) -> Result<Value, String> {
         Ok(v)
     }
     const fn v(major: u32, minor: u32) -> FormatVersion {
@@ -188,11 +193,10 @@ mod tests {
     #[test]
     fn refuses_newer_major() {
         let e = upgrade(json!({"format_version": {"major": 9, "minor": 0}})).unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::Version);
         assert_eq!(
-            e,
-            Error::Version(
-                "file format 9.0 is newer than this runtime, which reads 1.0 to 2.x: upgrade kwexport".into()
-            )
+            e.to_string(),
+            "file format 9.0 is newer than this runtime, which reads 1.0 to 2.x: upgrade kwexport"
         );
     }
 

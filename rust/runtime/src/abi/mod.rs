@@ -1,17 +1,37 @@
 //! torch's stable C ABI (`torch/csrc/stable/c/shim.h`), resolved at run time from the
-//! libtorch that the running `torch` module has already loaded.
+//! libtorch that the running `torch` module has already loaded: the last stage, which the
+//! others build on. It depends on nothing of the runtime's, only on the core's tables.
 //!
 //! kwexport is not built against torch headers: the symbols are looked up by name in
 //! `libtorch_cpu.so`, opened with `RTLD_NOLOAD` so that nothing new is ever loaded (the path
 //! comes from the imported `torch` module, never from a file). If any symbol is missing (a
 //! torch older than 2.10), the ABI is unavailable and every node runs through Python.
+//!
+//! - `types`   the schema types the dispatcher converts
+//! - `encode`  values on the C path: how arguments are encoded and returns decoded
+
+pub mod encode;
+pub mod types;
 
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::OnceLock;
 
+use kwexport_core::tables::{DTYPES, LAYOUTS, MEMORY_FORMATS};
 use libloading::os::unix::Library;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
+
+pub use types::Ty;
+
+/// A failure on the C path: torch's message, or a broken kwexport invariant. The run loop
+/// adds the op's name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CError {
+    /// torch raised; its message without the backtrace.
+    Torch(String),
+    /// A value of the wrong kind reached a node: a bug in kwexport.
+    Internal(String),
+}
 
 /// One slot of a dispatcher stack; what it holds depends on the schema type.
 pub type StableIValue = u64;
@@ -45,9 +65,6 @@ pub struct Abi {
     to_tensors: Py<PyAny>,
     _lib: Library,
 }
-
-use crate::dtype::ALL as DTYPES;
-use crate::plan::{LAYOUTS, MEMORY_FORMATS};
 
 static ABI: OnceLock<Option<Abi>> = OnceLock::new();
 
@@ -144,14 +161,17 @@ impl Abi {
         })
     }
 
+    /// torch's code for a dtype of the core's table.
     pub fn dtype_code(&self, name: &str) -> Option<i32> {
         self.dtypes.iter().find(|(n, _)| *n == name).map(|(_, c)| *c)
     }
 
+    /// torch's code for a layout of the core's table.
     pub fn layout_code(&self, name: &str) -> Option<i32> {
         self.layouts.iter().find(|(n, _)| *n == name).map(|(_, c)| *c)
     }
 
+    /// torch's code for a memory format of the core's table.
     pub fn memory_format_code(&self, name: &str) -> Option<i32> {
         self.memory_formats.iter().find(|(n, _)| *n == name).map(|(_, c)| *c)
     }
@@ -171,26 +191,22 @@ impl Abi {
     /// # Safety
     /// `stack` must hold one correctly encoded value per schema argument and have room for
     /// every return.
-    pub unsafe fn call(&self, op: &CStr, overload: &CStr, stack: &mut [StableIValue]) -> Result<(), String> {
-        if (self.call_dispatcher)(op.as_ptr(), overload.as_ptr(), stack.as_mut_ptr(), self.version) == 0 {
-            Ok(())
-        } else {
-            Err(self.last_error())
-        }
+    pub unsafe fn call(&self, op: &CStr, overload: &CStr, stack: &mut [StableIValue]) -> Result<(), CError> {
+        self.check((self.call_dispatcher)(op.as_ptr(), overload.as_ptr(), stack.as_mut_ptr(), self.version))
     }
 
-    fn last_error(&self) -> String {
+    fn last_error(&self) -> CError {
         // SAFETY: a thread-local string owned by torch, valid until the next exception.
         let what = unsafe { (self.exception_what)() };
-        if what.is_null() {
+        CError::Torch(if what.is_null() {
             "torch reported an error with no message".to_owned()
         } else {
             // SAFETY: non-null, NUL-terminated.
             unsafe { CStr::from_ptr(what) }.to_string_lossy().into_owned()
-        }
+        })
     }
 
-    fn check(&self, status: Status) -> Result<(), String> {
+    fn check(&self, status: Status) -> Result<(), CError> {
         if status == 0 {
             Ok(())
         } else {
@@ -199,7 +215,7 @@ impl Abi {
     }
 
     /// A new owning handle to the same tensor (a reference-count bump).
-    pub fn share(&self, t: &Tensor) -> Result<StableIValue, String> {
+    pub fn share(&self, t: &Tensor) -> Result<StableIValue, CError> {
         let mut out: Raw = std::ptr::null_mut();
         // SAFETY: `t` is a live handle.
         self.check(unsafe { (self.new_tensor_handle)(t.0, &mut out) })?;
@@ -211,7 +227,7 @@ impl Abi {
         Tensor(bits as Raw, self.delete_tensor)
     }
 
-    pub fn new_list(&self, items: &[StableIValue]) -> Result<StableIValue, String> {
+    pub fn new_list(&self, items: &[StableIValue]) -> Result<StableIValue, CError> {
         let mut list: Raw = std::ptr::null_mut();
         // SAFETY: out-pointer; then pushes onto the list just made.
         unsafe {
@@ -231,7 +247,7 @@ impl Abi {
     ///
     /// # Safety
     /// `bits` must be an owned list handle.
-    pub unsafe fn take_list(&self, bits: StableIValue) -> Result<Vec<StableIValue>, String> {
+    pub unsafe fn take_list(&self, bits: StableIValue) -> Result<Vec<StableIValue>, CError> {
         let list = bits as Raw;
         let mut n = 0usize;
         self.check((self.list_size)(list, &mut n))?;
@@ -244,7 +260,7 @@ impl Abi {
     }
 
     /// `Some(value)` for an optional argument: a heap cell the dispatcher frees.
-    pub fn boxed(&self, value: StableIValue) -> Result<StableIValue, String> {
+    pub fn boxed(&self, value: StableIValue) -> Result<StableIValue, CError> {
         let mut cell: *mut StableIValue = std::ptr::null_mut();
         // SAFETY: out-pointer, then a write to the cell torch allocated.
         unsafe {
@@ -254,7 +270,7 @@ impl Abi {
         Ok(cell as StableIValue)
     }
 
-    pub fn new_string(&self, s: &str) -> Result<StableIValue, String> {
+    pub fn new_string(&self, s: &str) -> Result<StableIValue, CError> {
         let mut out: Raw = std::ptr::null_mut();
         // SAFETY: pointer and length of a live byte slice.
         self.check(unsafe { (self.new_string)(s.as_ptr().cast(), s.len(), &mut out) })?;
@@ -323,6 +339,12 @@ pub struct Tensor(Raw, unsafe extern "C" fn(Raw) -> Status);
 unsafe impl Send for Tensor {}
 unsafe impl Sync for Tensor {}
 
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor({:p})", self.0)
+    }
+}
+
 impl Tensor {
     fn into_raw(self) -> Raw {
         let raw = self.0;
@@ -335,63 +357,5 @@ impl Drop for Tensor {
     fn drop(&mut self) {
         // SAFETY: an owned handle, deleted once.
         unsafe { (self.1)(self.0) };
-    }
-}
-
-/// A schema type the dispatcher can convert (`torch/csrc/shim_common.cpp`, `to_ivalue`).
-/// Anything else (`Scalar`, `Generator`, ...) keeps a node on the Python path.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Ty {
-    Tensor,
-    Int,
-    Float,
-    Bool,
-    Str,
-    ScalarType,
-    Layout,
-    MemoryFormat,
-    Device,
-    Optional(Box<Ty>),
-    List(Box<Ty>),
-}
-
-impl Ty {
-    /// Parses a schema type as `str(argument.real_type)` prints it: `Tensor`,
-    /// `Optional[ScalarType]`, `List[Optional[Tensor]]`, ...
-    pub fn parse(s: &str) -> Option<Ty> {
-        if let Some(inner) = s.strip_prefix("Optional[").and_then(|r| r.strip_suffix(']')) {
-            return Some(Ty::Optional(Box::new(Ty::parse(inner)?)));
-        }
-        if let Some(inner) = s.strip_prefix("List[").and_then(|r| r.strip_suffix(']')) {
-            return Some(Ty::List(Box::new(Ty::parse(inner)?)));
-        }
-        Some(match s {
-            "Tensor" => Ty::Tensor,
-            "int" | "SymInt" => Ty::Int,
-            "float" => Ty::Float,
-            "bool" => Ty::Bool,
-            "str" => Ty::Str,
-            "ScalarType" => Ty::ScalarType,
-            "Layout" => Ty::Layout,
-            "MemoryFormat" => Ty::MemoryFormat,
-            "Device" => Ty::Device,
-            _ => return None,
-        })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Ty;
-
-    #[test]
-    fn parses_schema_types() {
-        assert_eq!(Ty::parse("Tensor"), Some(Ty::Tensor));
-        assert_eq!(Ty::parse("Optional[ScalarType]"), Some(Ty::Optional(Box::new(Ty::ScalarType))));
-        assert_eq!(Ty::parse("List[Optional[Tensor]]"), Some(Ty::List(Box::new(Ty::Optional(Box::new(Ty::Tensor))))));
-        assert_eq!(Ty::parse("SymInt"), Some(Ty::Int));
-        for unsupported in ["number", "Generator", "Optional[number]", "List[number]", "Optional[", "Dimname"] {
-            assert_eq!(Ty::parse(unsupported), None, "{unsupported}");
-        }
     }
 }

@@ -1,0 +1,278 @@
+//! A whole file, opened: the container split, the header parsed and brought to the current
+//! version, then every cross-field rule checked once. What comes out is an [`Artifact`]
+//! that the runtime can trust without re-checking on the call path.
+
+use std::collections::BTreeMap;
+
+use crate::binder::Binder;
+use crate::checks::{self, DimCheck, Symbol};
+use crate::container::{self, Layout};
+use crate::error::{Error, InputRootProblem, Result};
+use crate::graph::{self, OpName, SlotGraph};
+use crate::schema::{self, DictEntry, Document, Encoding, FormatVersion, Key, LeafSpec, ParamKind, TreeSpec};
+use crate::treespec;
+use crate::upgrade;
+use crate::weights::{self, CheckedWeight};
+
+/// A file's header parsed and upgraded, not yet validated. The runtime stops here to let
+/// op upgraders rewrite nodes for the running torch before validation.
+#[derive(Debug, Clone)]
+pub struct Parsed {
+    /// Where the header and data sections lie.
+    pub layout: Layout,
+    /// The header, at the current format version.
+    pub document: Document,
+    /// The version the file was written in.
+    pub file_format_version: FormatVersion,
+    /// The upgraders that brought it to the current version, in order.
+    pub upgraders: Vec<&'static str>,
+}
+
+/// A file that passed every check.
+#[derive(Debug, Clone)]
+pub struct Artifact {
+    /// Where the header and data sections lie.
+    pub layout: Layout,
+    /// The header, at the current format version.
+    pub document: Document,
+    /// The version the file was written in.
+    pub file_format_version: FormatVersion,
+    /// The upgraders that brought it to the current version.
+    pub upgraders: Vec<&'static str>,
+    /// The signature, ready to bind calls.
+    pub binder: Binder,
+    /// The symbol table.
+    pub symbols: Vec<Symbol>,
+    /// Each input leaf's path, as a caller would write it: `cfg['shift'][0]`.
+    pub leaf_paths: Vec<String>,
+    /// Each input leaf's shape checks; `None` for constant leaves.
+    pub leaf_dims: Vec<Option<Vec<DimCheck>>>,
+    /// The op table's names.
+    pub ops: Vec<OpName>,
+    /// The graph, in slots.
+    pub graph: SlotGraph,
+    /// Every weight, checked against its storage.
+    pub weights: BTreeMap<String, CheckedWeight>,
+}
+
+/// Parses a whole file's bytes: container, header JSON, upgraders, typed document.
+pub fn parse(bytes: &[u8]) -> Result<Parsed> {
+    let layout = container::parse_layout(bytes)?;
+    let header = &bytes[layout.header.clone()];
+    let invalid = |e: serde_json::Error| Error::InvalidJson { message: e.to_string() };
+    schema::check_unique_keys(header).map_err(invalid)?;
+    let header: serde_json::Value = serde_json::from_slice(header).map_err(invalid)?;
+    let up = upgrade::upgrade(header)?;
+    let document: Document =
+        serde_json::from_value(up.document).map_err(|e| Error::Schema { message: e.to_string() })?;
+    Ok(Parsed { layout, document, file_format_version: up.from, upgraders: up.applied })
+}
+
+/// Parses and validates a whole file's bytes.
+pub fn open(bytes: &[u8]) -> Result<Artifact> {
+    parse(bytes)?.validate(bytes)
+}
+
+impl Parsed {
+    /// Checks every cross-field rule; `bytes` is the whole file (extra files are read from it).
+    pub fn validate(self, bytes: &[u8]) -> Result<Artifact> {
+        let Parsed { layout, document: doc, file_format_version, upgraders } = self;
+        let binder = Binder::new(&doc.signature)?;
+        let n_leaves = treespec::validate(&doc.inputs.spec, "inputs.spec")?;
+        if n_leaves != doc.inputs.leaves.len() {
+            return Err(Error::InputLeafCount { spec: n_leaves, described: doc.inputs.leaves.len() });
+        }
+        let n_out = treespec::validate(&doc.outputs, "outputs")?;
+        if n_out != doc.graph.outputs.len() {
+            return Err(Error::OutputLeafCount { spec: n_out, returned: doc.graph.outputs.len() });
+        }
+        let leaf_paths = input_leaf_paths(&doc.inputs.spec, &binder)?;
+        let symbols = checks::symbols(&doc.symbols)?;
+        let leaf_dims = doc
+            .inputs
+            .leaves
+            .iter()
+            .enumerate()
+            .map(|(i, leaf)| match leaf {
+                LeafSpec::Tensor(t) => {
+                    let what = format!("inputs.leaves[{i}]");
+                    if crate::tables::DType::parse(&t.dtype).is_none() {
+                        return Err(Error::UnsupportedDtype { entry: what, dtype: t.dtype.clone() });
+                    }
+                    checks::dims(&t.shape, &symbols, &what).map(Some)
+                }
+                LeafSpec::Constant(_) => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let weights = weights::validate(&doc.weights, &layout)?;
+        let ops = graph::op_names(&doc.ops)?;
+        let graph = graph::validate(&doc.graph, &ops, n_leaves, |w| weights.contains_key(w))?;
+        for (name, f) in &doc.extra_files {
+            let entry = format!("extra_files[{name:?}]");
+            if !crate::tables::is_safe_extra_name(name) {
+                return Err(Error::UnsafeExtraName { entry });
+            }
+            let range = container::data_range(&layout, f.offset, f.nbytes, &entry)?;
+            if f.encoding == Encoding::Utf8 && std::str::from_utf8(&bytes[range]).is_err() {
+                return Err(Error::NotUtf8 { entry });
+            }
+        }
+        Ok(Artifact {
+            layout,
+            document: doc,
+            file_format_version,
+            upgraders,
+            binder,
+            symbols,
+            leaf_paths,
+            leaf_dims,
+            ops,
+            graph,
+            weights,
+        })
+    }
+}
+
+/// The input spec's root: `(args, kwargs)` as `(a tuple of positional entries, a dict of
+/// keyword entries)`.
+pub fn split_root(spec: &TreeSpec) -> Result<(&[TreeSpec], &[DictEntry])> {
+    if let TreeSpec::Tuple { children } = spec {
+        if let [TreeSpec::Tuple { children: args }, TreeSpec::Dict { entries }] = children.as_slice() {
+            return Ok((args, entries));
+        }
+    }
+    Err(Error::InputRoot(InputRootProblem::Shape))
+}
+
+/// Checks the root `(args, kwargs)` against the signature and names every leaf's path.
+fn input_leaf_paths(spec: &TreeSpec, binder: &Binder) -> Result<Vec<String>> {
+    let bad = |p| Err(Error::InputRoot(p));
+    let (args, kwargs) = split_root(spec)?;
+    let mut paths = Vec::new();
+    let n_pos = binder.n_positional();
+    if args.len() < n_pos {
+        return bad(InputRootProblem::TooFewPositional { entries: args.len(), params: n_pos });
+    }
+    if args.len() > n_pos && binder.var_positional().is_none() {
+        return bad(InputRootProblem::ExtraPositional);
+    }
+    for (i, child) in args.iter().enumerate() {
+        let root = match binder.var_positional() {
+            Some(vp) if i >= n_pos => format!("{}[{}]", binder.params[vp].name, i - n_pos),
+            _ => binder.params[i].name.clone(),
+        };
+        treespec::leaf_paths(child, &root, &mut paths);
+    }
+    for p in binder.params.iter().filter(|p| p.kind == ParamKind::KeywordOnly) {
+        if !kwargs.iter().any(|e| e.key == Key::Str(p.name.clone())) {
+            return bad(InputRootProblem::MissingKeyword(p.name.clone()));
+        }
+    }
+    for e in kwargs {
+        let Key::Str(name) = &e.key else {
+            return bad(InputRootProblem::NonStringKeyword(e.key.to_string()));
+        };
+        let is_kw_only = binder.params.iter().any(|p| &p.name == name && p.kind == ParamKind::KeywordOnly);
+        if !is_kw_only && binder.var_keyword().is_none() {
+            return bad(InputRootProblem::UnknownKeyword(name.clone()));
+        }
+        treespec::leaf_paths(&e.value, name, &mut paths);
+    }
+    Ok(paths)
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// A valid 2.0 file: `f(x, *, scale)` with one weight and one extra file.
+    pub(crate) fn file(mutate: impl FnOnce(&mut serde_json::Value)) -> Vec<u8> {
+        let mut header = json!({
+            "format_version": {"major": 2, "minor": 0},
+            "producer": {"kwexport": "0.1.0", "torch": "2.13.0", "python": "3.11.7"},
+            "signature": {"name": "f", "params": [
+                {"name": "x", "kind": "positional_or_keyword"},
+                {"name": "scale", "kind": "keyword_only", "default": {"float": 0.5}}]},
+            "inputs": {"spec": {"type": "tuple", "children": [
+                            {"type": "tuple", "children": [{"type": "leaf"}]},
+                            {"type": "dict", "entries": [{"key": {"str": "scale"}, "value": {"type": "leaf"}}]}]},
+                       "leaves": [{"tensor": {"dtype": "float32", "device": "cpu",
+                                              "shape": [{"symbolic": {"symbol": "s0", "coeff": 1, "offset": 0}}, {"static": 2}]}},
+                                  {"constant": {"float": 0.5}}]},
+            "outputs": {"type": "leaf"},
+            "symbols": [{"name": "s0", "min": 2, "max": 8}],
+            "ops": [{"name": "aten::mul.Tensor", "schema": null}],
+            "graph": {"inputs": [{"name": "w", "source": {"weight": "w"}}, {"name": "x", "source": {"user": 0}}],
+                      "nodes": [{"op": 0, "args": [{"ref": "x"}, {"ref": "w"}], "outputs": {"one": "y"}}],
+                      "outputs": [{"ref": "y"}]},
+            "weights": {"storages": [{"offset": 0, "nbytes": 8}],
+                        "tensors": {"w": {"dtype": "float32", "shape": [2], "strides": [1], "storage": 0}}},
+            "extra_files": {"notes.txt": {"offset": 64, "nbytes": 2, "encoding": "utf8"}}
+        });
+        mutate(&mut header);
+        let blob = serde_json::to_vec(&header).unwrap();
+        let mut f = crate::tables::MAGIC.to_vec();
+        f.extend((blob.len() as u64).to_le_bytes());
+        f.extend(blob);
+        f.resize(f.len().div_ceil(64) * 64, 0);
+        f.extend([0u8; 64]);
+        f.extend(b"hi");
+        f
+    }
+
+    #[test]
+    fn opens_a_valid_file() {
+        let a = open(&file(|_| {})).unwrap();
+        assert_eq!(a.leaf_paths, ["x", "scale"]);
+        assert_eq!(a.leaf_dims[0].as_ref().unwrap().len(), 2);
+        assert!(a.leaf_dims[1].is_none());
+        assert_eq!(a.graph.nodes.len(), 1);
+        assert_eq!(a.weights["w"].shape, [2]);
+    }
+
+    #[test]
+    fn refuses_cross_field_errors() {
+        let err = |m: fn(&mut serde_json::Value)| open(&file(m)).unwrap_err().to_string();
+        assert_eq!(
+            err(|h| h["inputs"]["leaves"].as_array_mut().unwrap().push(json!({"constant": {"int": 1}}))),
+            "inputs: the spec has 2 leaves but inputs.leaves describes 3"
+        );
+        assert_eq!(
+            err(|h| {
+                h["inputs"]["spec"]["children"][1]["entries"] = json!([]);
+                h["inputs"]["leaves"].as_array_mut().unwrap().pop();
+            }),
+            "inputs.spec: keyword-only parameter \"scale\" has no entry"
+        );
+        assert_eq!(
+            err(|h| h["inputs"]["leaves"][0]["tensor"]["dtype"] = json!("float8")),
+            "inputs.leaves[0]: unsupported dtype \"float8\""
+        );
+        assert_eq!(
+            err(|h| h["extra_files"]["../x"] = json!({"offset": 0, "nbytes": 1, "encoding": "bytes"})),
+            "extra_files[\"../x\"]: unsafe extra-file name"
+        );
+        assert_eq!(
+            err(|h| h["extra_files"]["notes.txt"]["nbytes"] = json!(9)),
+            "extra_files[\"notes.txt\"]: bytes [64, 64+9) lie outside the 66-byte data section"
+        );
+        assert_eq!(
+            err(|h| h["graph"]["outputs"] = json!([])),
+            "outputs: the spec has 1 leaves but the graph returns 0"
+        );
+        assert_eq!(
+            err(|h| h["inputs"]["spec"] = json!({"type": "list", "children": [{"type": "leaf"}, {"type": "leaf"}]})),
+            "inputs.spec: the root must be a tuple of (a tuple of positional arguments, a dict of keyword arguments)"
+        );
+    }
+
+    #[test]
+    fn reports_json_and_schema_errors() {
+        let mut f = file(|_| {});
+        f[16] = b'!';
+        assert!(open(&f).unwrap_err().to_string().starts_with("header: invalid JSON: "));
+        let e = open(&file(|h| h["graph"]["nodes"][0]["op"] = json!("zero"))).unwrap_err();
+        assert!(matches!(e, Error::Schema { .. }), "{e:?}");
+    }
+}

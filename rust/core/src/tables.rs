@@ -1,0 +1,95 @@
+//! The format's tables: the one place each is written down. The Python package reads them
+//! from `kwexport._rt` rather than repeating them.
+
+/// The first 8 bytes of every kwexport file.
+pub const MAGIC: &[u8; 8] = b"KWEXPORT";
+/// The data section and every storage and extra file in it start on this boundary.
+pub const ALIGN: u64 = 64;
+/// The magic and the header length before the header.
+pub const PREFIX_LEN: u64 = 16;
+/// A header past this is not a model description but an attack or a corrupt length.
+pub const MAX_HEADER_BYTES: u64 = 256 << 20;
+
+/// A tensor element type a file may name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DType {
+    /// The name in the file, which is also the attribute on the `torch` module.
+    pub name: &'static str,
+    /// Bytes per element.
+    pub itemsize: u64,
+}
+
+/// Every element type a file may name; anything else is refused.
+pub const DTYPES: &[DType] = &[
+    DType { name: "float64", itemsize: 8 },
+    DType { name: "float32", itemsize: 4 },
+    DType { name: "float16", itemsize: 2 },
+    DType { name: "bfloat16", itemsize: 2 },
+    DType { name: "complex128", itemsize: 16 },
+    DType { name: "complex64", itemsize: 8 },
+    DType { name: "int64", itemsize: 8 },
+    DType { name: "int32", itemsize: 4 },
+    DType { name: "int16", itemsize: 2 },
+    DType { name: "int8", itemsize: 1 },
+    DType { name: "uint8", itemsize: 1 },
+    DType { name: "bool", itemsize: 1 },
+];
+
+impl DType {
+    /// The element type of this name, if a file may use it.
+    pub fn parse(name: &str) -> Option<DType> {
+        DTYPES.iter().copied().find(|d| d.name == name)
+    }
+}
+
+/// Tensor layouts a literal may name, as attributes of `torch`.
+pub const LAYOUTS: &[&str] =
+    &["strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn", "jagged"];
+
+/// Memory formats a literal may name, as attributes of `torch`.
+pub const MEMORY_FORMATS: &[&str] = &["contiguous_format", "channels_last", "channels_last_3d", "preserve_format"];
+
+/// Python operators graphs apply to symbolic sizes (`s0 * 4`), by their `operator` name;
+/// a file names them `operator::<name>`.
+pub const PY_OPERATORS: &[&str] = &[
+    "add", "sub", "mul", "floordiv", "truediv", "mod", "pow", "neg", "pos", "abs", "eq", "ne", "lt", "le", "gt", "ge",
+    "and_", "or_", "not_",
+];
+
+/// Op namespaces a file may use without the caller's say-so.
+pub const DEFAULT_NAMESPACES: &[&str] = &["aten", "prims"];
+
+/// The longest extra-file name, in bytes.
+pub const MAX_EXTRA_NAME_BYTES: usize = 255;
+
+/// Whether `name` may name an extra file: a relative path without empty, `.` or `..` parts,
+/// backslashes or NULs, so that no reader that unpacks extra files can write outside a folder.
+pub fn is_safe_extra_name(name: &str) -> bool {
+    !(name.is_empty()
+        || name.len() > MAX_EXTRA_NAME_BYTES
+        || name.starts_with('/')
+        || name.contains('\\')
+        || name.contains('\0')
+        || name.split('/').any(|part| part.is_empty() || part == "." || part == ".."))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extra_file_names_must_be_plain() {
+        for bad in ["", "/etc/passwd", "../x", "a/../../b", "a//b", "a\\b", "a\0b", "./a", &"x".repeat(256)] {
+            assert!(!is_safe_extra_name(bad), "{bad:?} accepted");
+        }
+        for good in ["notes.txt", "meta/config.json", "..hidden"] {
+            assert!(is_safe_extra_name(good), "{good:?} refused");
+        }
+    }
+
+    #[test]
+    fn dtypes_parse_by_name() {
+        assert_eq!(DType::parse("bfloat16").map(|d| d.itemsize), Some(2));
+        assert_eq!(DType::parse("float8_e4m3fn"), None);
+    }
+}

@@ -1,0 +1,256 @@
+//! Stage 3, exec: runs a plan on a call's flat leaves. Python segments call torch's op
+//! objects; C segments build dispatcher stacks from their encodings, releasing the GIL when
+//! they ran long enough last time to be worth it; values cross between the two forms in one
+//! batched call each way, where the plan said.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use kwexport_core::graph::SlotOutputs;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyTuple};
+
+use crate::abi::encode::{build, decode, Native};
+use crate::abi::{self, Abi, CError, StableIValue, Ty};
+use crate::errors::{RtError, RtResult};
+use crate::plan::{CStep, Plan, PyArg, PyStep, Segment};
+
+/// C segments that took at least this long last time run with the GIL released. Shorter ones
+/// keep it: with several threads, handing the GIL over costs more than a few small ops.
+const RELEASE_GIL_AFTER_NS: u64 = 20_000;
+
+impl Plan {
+    /// Runs the graph on the flat user leaves and returns the flat outputs.
+    pub fn run<'py>(&self, py: Python<'py>, leaves: &[Bound<'py, PyAny>]) -> RtResult<Vec<Bound<'py, PyAny>>> {
+        let mut pys: Vec<Option<Bound<'py, PyAny>>> = vec![None; self.n_slots];
+        let mut natives: Vec<Option<Native>> = Vec::new();
+        natives.resize_with(self.n_slots, || None);
+        for &(slot, leaf) in &self.user_inputs {
+            pys[slot] = Some(leaves[leaf].clone());
+        }
+        for segment in &self.segments {
+            match segment {
+                Segment::Python { to_py, steps } => {
+                    self.to_py(py, to_py, &natives, &mut pys)?;
+                    for step in steps {
+                        run_python(py, step, &mut pys, &mut natives)?;
+                    }
+                }
+                Segment::C { to_native, steps, free_py, last_ns } => {
+                    let abi = self.abi.ok_or_else(|| RtError::Internal("a C segment without the ABI".into()))?;
+                    self.to_native(py, abi, to_native, &pys, &mut natives)?;
+                    let consts = &self.consts;
+                    let natives = &mut natives;
+                    let mut run = move || {
+                        let mut stack = Vec::with_capacity(16);
+                        steps.iter().try_for_each(|s| s.run(abi, natives, consts, &mut stack))
+                    };
+                    let started = Instant::now();
+                    let result =
+                        if last_ns.load(Ordering::Relaxed) >= RELEASE_GIL_AFTER_NS { py.detach(run) } else { run() };
+                    last_ns.store(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    result?;
+                    for &s in free_py {
+                        pys[s] = None;
+                    }
+                }
+            }
+        }
+        self.to_py(py, &self.outputs_to_py, &natives, &mut pys)?;
+        self.outputs.iter().map(|a| value(py, a, &pys)).collect()
+    }
+
+    /// Python values for native ones: numbers directly, tensors in one call to torch.
+    fn to_py<'py>(
+        &self,
+        py: Python<'py>,
+        slots: &[usize],
+        natives: &[Option<Native>],
+        pys: &mut [Option<Bound<'py, PyAny>>],
+    ) -> RtResult<()> {
+        let mut tensors = Vec::new();
+        for &s in slots {
+            pys[s] = Some(match &natives[s] {
+                Some(Native::Tensor(t)) => {
+                    let abi = self.abi.ok_or_else(|| RtError::Internal("a native tensor without the ABI".into()))?;
+                    let handle = abi.share(t).map_err(|e| c_error("converting an output to Python", e))?;
+                    tensors.push((s, abi.adopt(handle)));
+                    continue;
+                }
+                Some(Native::Int(i)) => i.into_pyobject(py)?.into_any(),
+                Some(Native::Float(f)) => f.into_pyobject(py)?.into_any(),
+                Some(Native::Bool(b)) => PyBool::new(py, *b).to_owned().into_any(),
+                None => return Err(read_after_free(s)),
+            });
+        }
+        if let (Some(abi), false) = (self.abi, tensors.is_empty()) {
+            let (targets, handles): (Vec<usize>, Vec<abi::Tensor>) = tensors.into_iter().unzip();
+            for (s, t) in targets.into_iter().zip(abi.tensors_of(py, handles)?.iter()) {
+                pys[s] = Some(t);
+            }
+        }
+        Ok(())
+    }
+
+    /// Native values for Python ones: numbers directly, tensors in one call to torch.
+    fn to_native(
+        &self,
+        py: Python<'_>,
+        abi: &Abi,
+        slots: &[usize],
+        pys: &[Option<Bound<'_, PyAny>>],
+        natives: &mut [Option<Native>],
+    ) -> RtResult<()> {
+        let tensor_type = self.tensor_type.bind(py);
+        let mut tensors = Vec::new();
+        for &s in slots {
+            let v = pys[s].as_ref().ok_or_else(|| read_after_free(s))?;
+            natives[s] = Some(if v.is_instance(tensor_type)? {
+                tensors.push((s, v.clone()));
+                continue;
+            } else if let Ok(b) = v.cast::<PyBool>() {
+                Native::Bool(b.is_true())
+            } else if v.is_instance_of::<PyInt>() {
+                Native::Int(v.extract()?)
+            } else if v.is_instance_of::<PyFloat>() {
+                Native::Float(v.extract()?)
+            } else {
+                return Err(RtError::Internal(format!(
+                    "slot {s} holds a {} where the C path needs a tensor or a number",
+                    v.get_type().name()?
+                )));
+            });
+        }
+        for (s, t) in tensors {
+            natives[s] = Some(Native::Tensor(abi.handle_of(&t)?));
+        }
+        Ok(())
+    }
+}
+
+fn read_after_free(slot: usize) -> RtError {
+    RtError::Internal(format!("slot {slot} read after free"))
+}
+
+fn c_error(op: &str, e: CError) -> RtError {
+    match e {
+        CError::Torch(message) => RtError::Op { op: op.to_owned(), message },
+        CError::Internal(what) => RtError::Internal(format!("{op}: {what}")),
+    }
+}
+
+impl CStep {
+    /// Runs the node. `stack` is scratch space reused across nodes.
+    fn run(
+        &self,
+        abi: &Abi,
+        slots: &mut [Option<Native>],
+        consts: &[abi::Tensor],
+        stack: &mut Vec<StableIValue>,
+    ) -> RtResult<()> {
+        self.call(abi, slots, consts, stack).map_err(|e| c_error(&self.op_name(), e))
+    }
+
+    fn call(
+        &self,
+        abi: &Abi,
+        slots: &mut [Option<Native>],
+        consts: &[abi::Tensor],
+        stack: &mut Vec<StableIValue>,
+    ) -> Result<(), CError> {
+        stack.clear();
+        for (ty, enc) in &self.args {
+            match build(abi, ty, enc, slots, consts) {
+                Ok(v) => stack.push(v),
+                Err(e) => {
+                    for ((ty, _), &v) in self.args.iter().zip(stack.iter()) {
+                        // SAFETY: built for `ty` just above, never handed to torch.
+                        unsafe { abi.release(ty, v) };
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        stack.resize(stack.len().max(self.returns.len()), 0);
+        // SAFETY: one value per schema argument, encoded for its type; room for the returns.
+        unsafe { abi.call(&self.name.0, &self.name.1, stack) }?;
+        let returned = &stack[..self.returns.len()];
+        match &self.outputs {
+            SlotOutputs::One(Some(s)) => slots[*s] = decode(abi, &self.returns[0], returned[0]),
+            SlotOutputs::None | SlotOutputs::One(None) => {
+                for (ty, &v) in self.returns.iter().zip(returned) {
+                    // SAFETY: an owned return no one reads.
+                    unsafe { abi.release(ty, v) };
+                }
+            }
+            SlotOutputs::Many(targets) => {
+                let values: Vec<Option<Native>> = if let [Ty::List(inner)] = self.returns.as_slice() {
+                    // SAFETY: the dispatcher returned an owned list for a list return.
+                    unsafe { abi.take_list(returned[0])? }.into_iter().map(|item| decode(abi, inner, item)).collect()
+                } else {
+                    self.returns.iter().zip(returned).map(|(ty, &v)| decode(abi, ty, v)).collect()
+                };
+                // Values without a target drop here, which frees their tensors.
+                for (value, target) in values.into_iter().zip(targets.iter().chain(std::iter::repeat(&None))) {
+                    if let Some(s) = target {
+                        slots[*s] = value;
+                    }
+                }
+            }
+        }
+        for &s in &self.free {
+            slots[s] = None;
+        }
+        Ok(())
+    }
+}
+
+fn run_python<'py>(
+    py: Python<'py>,
+    step: &PyStep,
+    pys: &mut [Option<Bound<'py, PyAny>>],
+    natives: &mut [Option<Native>],
+) -> RtResult<()> {
+    let args = step.args.iter().map(|a| value(py, a, pys)).collect::<RtResult<Vec<_>>>()?;
+    let args = PyTuple::new(py, args)?;
+    let result = if step.kwargs.is_empty() {
+        step.op.bind(py).call1(args)?
+    } else {
+        let kwargs = PyDict::new(py);
+        for (k, a) in &step.kwargs {
+            kwargs.set_item(k.bind(py), value(py, a, pys)?)?;
+        }
+        step.op.bind(py).call(args, Some(&kwargs))?
+    };
+    match &step.outputs {
+        SlotOutputs::None => {}
+        SlotOutputs::One(slot) => {
+            if let Some(s) = slot {
+                pys[*s] = Some(result);
+            }
+        }
+        SlotOutputs::Many(out) => {
+            for (i, slot) in out.iter().enumerate() {
+                if let Some(s) = slot {
+                    pys[*s] = Some(result.get_item(i)?);
+                }
+            }
+        }
+    }
+    for &s in &step.free {
+        pys[s] = None;
+        natives[s] = None;
+    }
+    Ok(())
+}
+
+fn value<'py>(py: Python<'py>, a: &PyArg, slots: &[Option<Bound<'py, PyAny>>]) -> RtResult<Bound<'py, PyAny>> {
+    match a {
+        PyArg::Slot(s) => slots[*s].clone().ok_or_else(|| read_after_free(*s)),
+        PyArg::Const(c) => Ok(c.bind(py).clone()),
+        PyArg::List(items) => {
+            let items = items.iter().map(|i| value(py, i, slots)).collect::<RtResult<Vec<_>>>()?;
+            Ok(PyList::new(py, items)?.into_any())
+        }
+    }
+}

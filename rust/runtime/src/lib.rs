@@ -1,0 +1,179 @@
+//! kwexport's runtime, the Python extension `kwexport._rt`, on top of `kwexport-core` (the
+//! file format and its validation). Loading runs through four stages, each importing only
+//! the ones before it:
+//!
+//! - `ops`    stage 1: the op allow-list, resolving ops in the running torch, schema drift,
+//!            and what later stages need of each op's schema
+//! - `plan`   stage 2: the graph compiled once per load: constants, the path of each node,
+//!            the cost model, segments
+//! - `exec`   stage 3: the run loop and the conversions between the paths
+//! - `abi`    torch's stable C ABI, its types and encodings: the layer the stages build on,
+//!            depending only on the core's tables
+//!
+//! The call path around them: `tree` (compiled treespecs: flatten inputs, rebuild outputs),
+//! `checks` (input checks on Python values), `constants` (the file's constants as Python
+//! objects), `weights` (zero-copy tensors over the mapped file), `program` (the `Program`
+//! class: load and call) and `errors` (one error type, and the Python exception classes).
+
+pub mod abi;
+pub mod checks;
+pub mod constants;
+pub mod errors;
+pub mod exec;
+pub mod ops;
+pub mod plan;
+pub mod program;
+pub mod tree;
+pub mod weights;
+
+use kwexport_core::tables;
+use kwexport_core::{upgrade, Error};
+use pyo3::exceptions::{PyImportError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::errors::{IntoPyErr, RtError, RtResult};
+
+/// Loads a kwexport file and returns a callable `Program`. `allow_ops` names custom op
+/// namespaces or ops (`"mylib::*"`) the file may call beyond torch's own. `dispatch` is
+/// `"auto"` (torch's stable C ABI where it covers a node and pays off), `"abi"` (wherever it
+/// covers a node) or `"python"` (torch's Python op objects throughout).
+#[pyfunction]
+#[pyo3(signature = (path, *, allow_ops = Vec::new(), dispatch = "auto"))]
+fn load(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    allow_ops: Vec<String>,
+    dispatch: &str,
+) -> PyResult<program::Program> {
+    let path = path.to_str().ok_or_else(|| PyValueError::new_err("path is not valid UTF-8"))?;
+    let allow = ops::AllowOps::parse(&allow_ops).map_err(PyValueError::new_err)?;
+    let dispatch = plan::Dispatch::parse(dispatch).ok_or_else(|| {
+        PyValueError::new_err(format!("dispatch must be 'auto', 'abi' or 'python', not '{dispatch}'"))
+    })?;
+    Ok(program::load(py, path, &allow, allow_ops, dispatch)?)
+}
+
+/// Unpickles a `Program`: loads `path` and checks that its content hash is `digest`.
+#[pyfunction]
+fn _load_verified(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    digest: &str,
+    allow_ops: Vec<String>,
+    dispatch: &str,
+) -> PyResult<program::Program> {
+    let prog = load(py, path.clone(), allow_ops, dispatch)?;
+    if prog.digest(py) != digest {
+        let found = prog.digest(py).to_owned();
+        let path = path.display().to_string();
+        return Err(Error::FileChanged { path, found, expected: digest.to_owned() }.into_py_err());
+    }
+    Ok(prog)
+}
+
+/// Validates a file without running anything and describes it, for the command line: a
+/// dict with `description` (what `kwexport inspect` prints, as JSON), `header` (the header
+/// as JSON, brought to the current format), `file_format_version`, `upgraders` and
+/// `data_offset`.
+#[pyfunction]
+fn describe(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
+    let bytes = std::fs::read(&path)?;
+    let a = py.detach(|| kwexport_core::open(&bytes)).map_err(IntoPyErr::into_py_err)?;
+    let internal = |e: serde_json::Error| RtError::Internal(format!("describe: {e}"));
+    let out = pyo3::types::PyDict::new(py);
+    out.set_item("description", serde_json::to_string(&a.describe()).map_err(internal)?)?;
+    out.set_item("header", serde_json::to_string(&a.document).map_err(internal)?)?;
+    out.set_item("file_format_version", (a.file_format_version.major, a.file_format_version.minor))?;
+    out.set_item("upgraders", a.upgraders.clone())?;
+    out.set_item("data_offset", a.layout.data.start)?;
+    Ok(out)
+}
+
+/// Checks an extra-file name against the format's rule; raises `ArtifactError` if unsafe.
+#[pyfunction]
+fn check_extra_name(name: &str) -> PyResult<()> {
+    if tables::is_safe_extra_name(name) {
+        Ok(())
+    } else {
+        Err(Error::UnsafeExtraName { entry: format!("extra_files[{name:?}]") }.into_py_err())
+    }
+}
+
+/// The 16-byte prefix and header of a file, padded to where its data section starts.
+#[pyfunction]
+fn container_head<'py>(py: Python<'py>, header: &[u8]) -> RtResult<Bound<'py, PyBytes>> {
+    let mut out = Vec::with_capacity(header.len() + 2 * tables::ALIGN as usize);
+    out.extend_from_slice(tables::MAGIC);
+    out.extend_from_slice(&(header.len() as u64).to_le_bytes());
+    out.extend_from_slice(header);
+    let end = kwexport_core::container::align_up(out.len() as u64)
+        .ok_or_else(|| RtError::Internal("header length overflows".into()))?;
+    out.resize(end as usize, 0);
+    Ok(PyBytes::new(py, &out))
+}
+
+/// The binder alone, for property tests against Python's own binding: binds a call with
+/// `n_args` positionals and these keyword names to a signature given as its JSON. Returns,
+/// per parameter, `("positional", i)`, `("keyword", name)`, `("default",)`,
+/// `("var_positional", start, stop)` or `("var_keyword", [names])`.
+#[pyfunction]
+fn _bind<'py>(
+    py: Python<'py>,
+    signature_json: &str,
+    n_args: usize,
+    keywords: Vec<String>,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    use kwexport_core::binder::{Binder, Binding, Source};
+    use pyo3::IntoPyObjectExt;
+    let raw: kwexport_core::schema::Signature = serde_json::from_str(signature_json)
+        .map_err(|e| Error::Schema { message: format!("signature: {e}") }.into_py_err())?;
+    let binder = Binder::new(&raw).map_err(IntoPyErr::into_py_err)?;
+    binder
+        .bind(n_args, &keywords)
+        .map_err(IntoPyErr::into_py_err)?
+        .into_iter()
+        .map(|b| match b {
+            Binding::One(Source::Positional(i)) => ("positional", i).into_bound_py_any(py),
+            Binding::One(Source::Keyword(k)) => ("keyword", keywords[k].clone()).into_bound_py_any(py),
+            Binding::One(Source::Default) => ("default",).into_bound_py_any(py),
+            Binding::VarPositional(r) => ("var_positional", r.start, r.end).into_bound_py_any(py),
+            Binding::VarKeyword(ks) => {
+                ("var_keyword", ks.into_iter().map(|k| keywords[k].clone()).collect::<Vec<_>>()).into_bound_py_any(py)
+            }
+        })
+        .collect()
+}
+
+#[pymodule]
+fn _rt(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    // A broken upgrader chain is a build defect: refuse to import rather than misread files.
+    upgrade::validate_chain(upgrade::UPGRADERS, upgrade::OLDEST, upgrade::CURRENT)
+        .map_err(|e| PyImportError::new_err(format!("kwexport: invalid upgrader chain: {e}")))?;
+    let c = errors::classes(py);
+    m.add("KwexportError", c.base.bind(py))?;
+    m.add("ArtifactError", c.artifact.bind(py))?;
+    m.add("VersionError", c.version.bind(py))?;
+    m.add("SignatureError", c.signature.bind(py))?;
+    m.add("InputError", c.input.bind(py))?;
+    m.add("FORMAT_VERSION", (upgrade::CURRENT.major, upgrade::CURRENT.minor))?;
+    m.add("OLDEST_FORMAT_VERSION", (upgrade::OLDEST.major, upgrade::OLDEST.minor))?;
+    let released: Vec<(u32, u32)> = upgrade::released().iter().map(|v| (v.major, v.minor)).collect();
+    m.add("RELEASED_FORMAT_VERSIONS", released)?;
+    // The format's tables, for the Python exporter: one source of truth.
+    m.add("MAGIC", PyBytes::new(py, tables::MAGIC))?;
+    m.add("ALIGN", tables::ALIGN)?;
+    m.add("DTYPES", tables::DTYPES.iter().map(|d| (d.name, d.itemsize)).collect::<Vec<_>>())?;
+    m.add("PY_OPERATORS", tables::PY_OPERATORS.to_vec())?;
+    m.add("LAYOUTS", tables::LAYOUTS.to_vec())?;
+    m.add("MEMORY_FORMATS", tables::MEMORY_FORMATS.to_vec())?;
+    m.add_class::<program::Program>()?;
+    m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add_function(wrap_pyfunction!(describe, m)?)?;
+    m.add_function(wrap_pyfunction!(check_extra_name, m)?)?;
+    m.add_function(wrap_pyfunction!(container_head, m)?)?;
+    m.add_function(wrap_pyfunction!(_bind, m)?)?;
+    m.add_function(wrap_pyfunction!(_load_verified, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,183 @@
+//! The objects nodes read that are made once per load: weights, literals, and numbers
+//! wrapped as torch wraps a number passed where an op takes a tensor.
+
+use std::collections::{BTreeMap, HashMap};
+
+use kwexport_core::graph::{SlotArg, SlotNode, ValueRef};
+use kwexport_core::schema::Arg;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyList, PyString, PyTuple};
+
+use super::{PyArg, PyStep};
+use crate::abi::encode::Consts;
+use crate::constants::literal_to_py;
+use crate::errors::RtResult;
+use crate::ops::{ResolvedOp, SchemaArg};
+
+/// Constant objects for the plan, each made once per load.
+pub(super) struct ConstTable<'a, 'py> {
+    py: Python<'py>,
+    torch: &'a Bound<'py, PyModule>,
+    weights: &'a BTreeMap<String, Py<PyAny>>,
+    /// Tensors C steps read, by index; handles are made for all of them at the end.
+    tensors: Vec<Py<PyAny>>,
+    weight_index: HashMap<String, usize>,
+    /// Wrapped numbers by `number_key`, with their index in `tensors` once a C step uses them.
+    numbers: Vec<((u8, u64), Option<Py<PyAny>>, Option<usize>)>,
+}
+
+impl<'a, 'py> ConstTable<'a, 'py> {
+    pub(super) fn new(
+        py: Python<'py>,
+        torch: &'a Bound<'py, PyModule>,
+        weights: &'a BTreeMap<String, Py<PyAny>>,
+    ) -> Self {
+        ConstTable { py, torch, weights, tensors: Vec::new(), weight_index: HashMap::new(), numbers: Vec::new() }
+    }
+
+    /// The tensors C steps read, in the order their encodings name them.
+    pub(super) fn tensors(&self) -> &[Py<PyAny>] {
+        &self.tensors
+    }
+
+    fn wrapped(&mut self, lit: &Arg) -> Option<(usize, Py<PyAny>)> {
+        let key = number_key(lit)?;
+        let i = match self.numbers.iter().position(|(k, _, _)| *k == key) {
+            Some(i) => i,
+            None => {
+                let t = wrapped_number(self.py, self.torch, lit).ok().flatten();
+                self.numbers.push((key, t, None));
+                self.numbers.len() - 1
+            }
+        };
+        self.numbers[i].1.as_ref().map(|t| (i, t.clone_ref(self.py)))
+    }
+
+    /// A node for the Python path; `index` names it for errors.
+    pub(super) fn py_step(&mut self, node: &SlotNode, op: &ResolvedOp, index: usize) -> RtResult<PyStep> {
+        let entry = format!("graph.nodes[{index}] ({})", node.op_name);
+        let schema = op.schema.as_ref();
+        let args = node
+            .args
+            .iter()
+            .enumerate()
+            .map(|(position, a)| self.py_arg(a, schema.and_then(|s| s.arg(Some(position), None)), &entry))
+            .collect::<RtResult<Vec<_>>>()?;
+        let kwargs = node
+            .kwargs
+            .iter()
+            .map(|(name, a)| {
+                let value = self.py_arg(a, schema.and_then(|s| s.arg(None, Some(name))), &entry)?;
+                Ok((PyString::intern(self.py, name).unbind(), value))
+            })
+            .collect::<RtResult<Vec<_>>>()?;
+        Ok(PyStep {
+            op: op.callable.clone_ref(self.py),
+            args,
+            kwargs,
+            outputs: node.outputs.clone(),
+            free: node.free.clone(),
+        })
+    }
+
+    /// An argument for the Python path, for the schema argument `param` where known.
+    pub(super) fn py_arg(&mut self, a: &SlotArg, param: Option<&SchemaArg>, entry: &str) -> RtResult<PyArg> {
+        let py = self.py;
+        Ok(match a {
+            SlotArg::Value(ValueRef::Slot(s)) => PyArg::Slot(*s),
+            SlotArg::Value(ValueRef::Weight(w)) => PyArg::Const(self.weights[w].clone_ref(py)),
+            SlotArg::Literal(lit) => {
+                // A number where the op takes a tensor: wrap it once here, as torch would on
+                // every call.
+                match param.is_some_and(SchemaArg::takes_tensor).then(|| self.wrapped(lit)).flatten() {
+                    Some((_, wrapped)) => PyArg::Const(wrapped),
+                    None => PyArg::Const(literal_to_py(py, self.torch, lit, entry)?),
+                }
+            }
+            SlotArg::List(items) => {
+                let out = items.iter().map(|i| self.py_arg(i, None, entry)).collect::<RtResult<Vec<_>>>()?;
+                // A list of constants is built once, here, rather than on every call.
+                if out.iter().all(|a| matches!(a, PyArg::Const(_))) {
+                    let consts = out.iter().map(|a| match a {
+                        PyArg::Const(c) => c.bind(py).clone(),
+                        _ => unreachable!("all constants"),
+                    });
+                    PyArg::Const(PyList::new(py, consts)?.into_any().unbind())
+                } else {
+                    PyArg::List(out)
+                }
+            }
+        })
+    }
+}
+
+/// A number literal's kind and bits: `1`, `1.0`, `-0.0` and `True` wrap differently.
+fn number_key(lit: &Arg) -> Option<(u8, u64)> {
+    match lit {
+        Arg::Int(i) => Some((0, *i as u64)),
+        Arg::Float(f) => Some((1, f.0.to_bits())),
+        Arg::Bool(b) => Some((2, *b as u64)),
+        _ => None,
+    }
+}
+
+impl Consts for ConstTable<'_, '_> {
+    fn weight(&mut self, name: &str) -> usize {
+        if let Some(&i) = self.weight_index.get(name) {
+            return i;
+        }
+        self.tensors.push(self.weights[name].clone_ref(self.py));
+        self.weight_index.insert(name.to_owned(), self.tensors.len() - 1);
+        self.tensors.len() - 1
+    }
+
+    fn number(&mut self, lit: &Arg) -> Option<usize> {
+        let (i, t) = self.wrapped(lit)?;
+        if let Some(at) = self.numbers[i].2 {
+            return Some(at);
+        }
+        self.tensors.push(t);
+        self.numbers[i].2 = Some(self.tensors.len() - 1);
+        self.numbers[i].2
+    }
+}
+
+/// A number as torch passes it to a `Tensor` argument: a 0-dim "wrapped number" tensor,
+/// which type promotion treats like the scalar it came from (`int32_tensor * 0.5` is
+/// float32, not float64). torch has no public constructor for one, so it is taken from
+/// autograd's record of a multiplication by the number, then checked to promote exactly as
+/// the number does; `None` if anything differs, and the node keeps the plain number.
+fn wrapped_number<'py>(py: Python<'py>, torch: &Bound<'py, PyModule>, lit: &Arg) -> PyResult<Option<Py<PyAny>>> {
+    let value = match lit {
+        Arg::Int(i) => i.into_pyobject(py)?.into_any(),
+        Arg::Float(f) => f.0.into_pyobject(py)?.into_any(),
+        Arg::Bool(b) => PyBool::new(py, *b).to_owned().into_any(),
+        _ => return Ok(None),
+    };
+    let c = torch.getattr("_C")?;
+    let was_enabled = torch.call_method0("is_grad_enabled")?;
+    c.call_method1("_set_grad_enabled", (true,))?;
+    let taken = (|| -> PyResult<Bound<'py, PyAny>> {
+        let kw = PyDict::new(py);
+        kw.set_item("requires_grad", true)?;
+        let probe = torch.call_method("zeros", (PyTuple::empty(py),), Some(&kw))?;
+        probe.call_method1("mul", (&value,))?.getattr("grad_fn")?.getattr("_saved_other")
+    })();
+    c.call_method1("_set_grad_enabled", (was_enabled,))?;
+    let Ok(wrapped) = taken else { return Ok(None) };
+    let promotes_alike = |dtype: &str, shape: Vec<usize>| -> PyResult<bool> {
+        let kw = PyDict::new(py);
+        kw.set_item("dtype", torch.getattr(dtype)?)?;
+        let t = torch.call_method("zeros", (shape,), Some(&kw))?;
+        let a = torch.call_method1("result_type", (&t, &wrapped))?;
+        let b = torch.call_method1("result_type", (&t, &value))?;
+        a.eq(b)
+    };
+    let same = wrapped.getattr("dim")?.call0()?.extract::<usize>()? == 0
+        && wrapped.call_method0("item")?.eq(&value)?
+        && wrapped.getattr("requires_grad")?.extract::<bool>().map(|r| !r)?
+        && promotes_alike("int32", vec![])?
+        && promotes_alike("bool", vec![2])?
+        && promotes_alike("float16", vec![])?;
+    Ok(same.then(|| wrapped.unbind()))
+}

@@ -1,0 +1,60 @@
+//! Nodes compiled for torch's stable C ABI: each argument encoded once against its schema
+//! type. A node whose op, arguments or returns the ABI can't pass stays on Python.
+
+use kwexport_core::graph::{SlotArg, SlotNode, SlotOutputs};
+
+use super::CStep;
+use crate::abi::encode::{self, Consts};
+use crate::abi::{Abi, Ty};
+use crate::ops::OpSchema;
+
+impl CStep {
+    /// Compiles a node whose arguments are already matched to the schema (`bound[i]` is the
+    /// value for argument `i`: given, or its default). `None` if the ABI can't run it.
+    /// `is_tensor(slot)` says whether a slot always holds a tensor (else a number).
+    pub(super) fn compile(
+        abi: &Abi,
+        op: &OpSchema,
+        node: &SlotNode,
+        bound: &[&SlotArg],
+        is_tensor: &dyn Fn(usize) -> bool,
+        consts: &mut dyn Consts,
+    ) -> Option<CStep> {
+        let returns = op.c_returns.clone()?;
+        let outputs_fit = match &node.outputs {
+            SlotOutputs::None => true,
+            SlotOutputs::One(_) => returns.len() == 1 && returns[0] != Ty::List(Box::new(Ty::Tensor)),
+            SlotOutputs::Many(slots) => {
+                returns == [Ty::List(Box::new(Ty::Tensor))]
+                    || (slots.len() <= returns.len() && !returns.iter().any(|r| matches!(r, Ty::List(_))))
+            }
+        };
+        if !outputs_fit
+            || returns.iter().any(|r| !matches!(r, Ty::Tensor | Ty::Int | Ty::Float | Ty::Bool | Ty::List(_)))
+        {
+            return None;
+        }
+        let mut args = Vec::with_capacity(bound.len());
+        for (param, value) in op.args.iter().zip(bound) {
+            let ty = param.ty.clone()?;
+            let enc = encode::encode(abi, &ty, param.writes, value, is_tensor, consts)?;
+            args.push((ty, enc));
+        }
+        Some(CStep { name: op.c_name.clone(), args, returns, outputs: node.outputs.clone(), free: node.free.clone() })
+    }
+
+    /// Calls `f` with each slot the node reads.
+    pub(crate) fn visit_reads(&self, f: &mut impl FnMut(usize)) {
+        self.args.iter().for_each(|(_, e)| e.visit_slots(f));
+    }
+
+    /// `aten::add.Tensor`, as errors name the op.
+    pub(crate) fn op_name(&self) -> String {
+        let (op, overload) = (self.name.0.to_string_lossy(), self.name.1.to_string_lossy());
+        if overload.is_empty() {
+            op.into_owned()
+        } else {
+            format!("{op}.{overload}")
+        }
+    }
+}

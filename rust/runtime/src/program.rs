@@ -1,0 +1,442 @@
+//! `Program`: a loaded artifact, the top of the runtime. Loading parses and validates the
+//! file (core), resolves its ops (ops), builds the plan (plan) and compiles the input specs
+//! and checks, before anything is returned; calling binds (core's binder), flattens (tree),
+//! checks (checks), runs (exec) and rebuilds the outputs (tree).
+
+use std::fs::File;
+use std::sync::Arc;
+
+use kwexport_core::binder::{Binder, Binding, Source};
+use kwexport_core::checks::{Checker, Symbol};
+use kwexport_core::container;
+use kwexport_core::schema::{Encoding, FormatVersion, Key, LeafSpec, ParamKind, TreeSpec};
+use kwexport_core::treespec::PathElem;
+use kwexport_core::Error;
+use memmap2::MmapOptions;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyDict, PyString, PyTuple};
+
+use crate::checks::LeafCheck;
+use crate::constants::constant_to_py;
+use crate::errors::{RtError, RtResult};
+use crate::ops::{self, AllowOps};
+use crate::plan::{self, Dispatch, Plan};
+use crate::tree::CompiledSpec;
+use crate::weights::{self, MappedData};
+
+/// Where a top-level keyword entry of the input spec gets its value.
+enum KwTarget {
+    /// A keyword-only parameter, by index.
+    Param(usize),
+    /// An entry of `**kwargs`, by name.
+    Extra(String),
+}
+
+/// The input spec's root, `(args, kwargs)`, split by parameter.
+struct TopLevel {
+    /// One spec per positional parameter, in order.
+    positional: Vec<CompiledSpec>,
+    /// One spec per `*args` item seen at export.
+    var_positional: Vec<CompiledSpec>,
+    keywords: Vec<(KwTarget, CompiledSpec)>,
+    /// The `**kwargs` names seen at export, for messages.
+    extra_names: Vec<String>,
+}
+
+#[pyclass(frozen, module = "kwexport", name = "Program")]
+pub struct Program {
+    path: String,
+    binder: Binder,
+    defaults: Vec<Option<Py<PyAny>>>,
+    top: TopLevel,
+    leaf_checks: Vec<LeafCheck>,
+    leaf_paths: Vec<String>,
+    symbols: Vec<Symbol>,
+    plan: Plan,
+    outputs: CompiledSpec,
+    tensor_type: Py<PyAny>,
+    extra_files: Py<PyDict>,
+    format_version: FormatVersion,
+    upgraded_from: FormatVersion,
+    upgraders: Vec<&'static str>,
+    producer: Py<PyDict>,
+    /// What loading noticed and handled: compatible op-schema drift, op upgraders run.
+    notes: Vec<String>,
+    /// The mapped file, kept for its content hash when the program is pickled.
+    map: Arc<memmap2::MmapMut>,
+    allow_ops: Vec<String>,
+    dispatch: Dispatch,
+    digest: PyOnceLock<String>,
+    signature_obj: PyOnceLock<Py<PyAny>>,
+}
+
+/// Loads and validates a file. Nothing is returned unless everything checks out.
+pub fn load(
+    py: Python<'_>,
+    path: &str,
+    allow: &AllowOps,
+    allow_ops: Vec<String>,
+    dispatch: Dispatch,
+) -> RtResult<Program> {
+    let file = File::open(path)?;
+    if file.metadata()?.len() == 0 {
+        return Err(Error::EmptyFile.into()); // nothing to map
+    }
+    // SAFETY: a private, copy-on-write map. Another process truncating the file under us
+    // would fault, as with any mapped file; kwexport writes files by rename, never in place.
+    let map = Arc::new(unsafe { MmapOptions::new().map_copy(&file)? });
+    // Parsing and checking touch no Python object: other threads run meanwhile.
+    let mut parsed = py.detach(|| kwexport_core::parse(&map))?;
+    let torch = py.import("torch")?;
+    // Op upgraders may rewrite nodes, so ops are resolved before the graph is checked.
+    let (ops, notes) = ops::resolve_ops(py, &torch, &mut parsed.document, allow)?;
+    let a = py.detach(|| parsed.validate(&map))?;
+    let doc = &a.document;
+
+    let data = Bound::new(py, MappedData::new(map.clone(), &a.layout))?;
+    let weights = weights::materialize(py, &torch, data, &doc.weights, &a.weights)?;
+    let leaf_is_tensor: Vec<bool> = doc.inputs.leaves.iter().map(|l| matches!(l, LeafSpec::Tensor(_))).collect();
+    let plan = plan::build(py, &torch, &a.graph, &ops, &weights, &leaf_is_tensor, dispatch)?;
+
+    let leaf_checks = doc
+        .inputs
+        .leaves
+        .iter()
+        .zip(&a.leaf_dims)
+        .enumerate()
+        .map(|(i, (leaf, dims))| LeafCheck::new(py, &torch, leaf, dims.as_ref(), i))
+        .collect::<RtResult<Vec<_>>>()?;
+    let defaults = a
+        .binder
+        .params
+        .iter()
+        .map(|p| p.default.as_ref().map(|d| constant_to_py(py, d)).transpose())
+        .collect::<PyResult<Vec<_>>>()?;
+
+    let (args, kwargs) = kwexport_core::artifact::split_root(&doc.inputs.spec)?;
+    let n_pos = a.binder.n_positional();
+    let compile_all = |specs: &[TreeSpec]| specs.iter().map(|s| CompiledSpec::new(py, s)).collect::<PyResult<Vec<_>>>();
+    let mut keywords = Vec::with_capacity(kwargs.len());
+    let mut extra_names = Vec::new();
+    for e in kwargs {
+        let Key::Str(name) = &e.key else {
+            return Err(RtError::Internal("a non-string keyword entry passed validation".into()));
+        };
+        let target = match a.binder.params.iter().position(|p| &p.name == name && p.kind == ParamKind::KeywordOnly) {
+            Some(i) => KwTarget::Param(i),
+            None => {
+                extra_names.push(name.clone());
+                KwTarget::Extra(name.clone())
+            }
+        };
+        keywords.push((target, CompiledSpec::new(py, &e.value)?));
+    }
+    let top = TopLevel {
+        positional: compile_all(&args[..n_pos])?,
+        var_positional: compile_all(&args[n_pos..])?,
+        keywords,
+        extra_names,
+    };
+
+    let extra_files = PyDict::new(py);
+    for (name, f) in &doc.extra_files {
+        let bytes = &map[container::data_range(&a.layout, f.offset, f.nbytes, name)?];
+        match f.encoding {
+            Encoding::Bytes => extra_files.set_item(name, PyBytes::new(py, bytes))?,
+            Encoding::Utf8 => extra_files.set_item(
+                name,
+                std::str::from_utf8(bytes).map_err(|_| RtError::Internal(format!("{name}: validated as UTF-8")))?,
+            )?,
+        }
+    }
+    let producer = PyDict::new(py);
+    producer.set_item("kwexport", &doc.producer.kwexport)?;
+    producer.set_item("torch", &doc.producer.torch)?;
+    producer.set_item("python", &doc.producer.python)?;
+
+    Ok(Program {
+        path: path.to_owned(),
+        defaults,
+        top,
+        leaf_checks,
+        plan,
+        outputs: CompiledSpec::new(py, &doc.outputs)?,
+        tensor_type: torch.getattr("Tensor")?.unbind(),
+        extra_files: extra_files.unbind(),
+        format_version: doc.format_version,
+        producer: producer.unbind(),
+        notes,
+        map,
+        allow_ops,
+        dispatch,
+        digest: PyOnceLock::new(),
+        signature_obj: PyOnceLock::new(),
+        upgraded_from: a.file_format_version,
+        upgraders: a.upgraders,
+        leaf_paths: a.leaf_paths,
+        symbols: a.symbols,
+        binder: a.binder,
+    })
+}
+
+/// SHA-256 of a whole file's bytes, as hex.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl Program {
+    /// The content hash of the file as loaded (computed on first use: only pickling needs it).
+    pub fn digest(&self, py: Python<'_>) -> &str {
+        self.digest.get_or_init(py, || py.detach(|| sha256_hex(&self.map)))
+    }
+
+    /// Binds and flattens a call into the graph's user leaves, checking structure.
+    fn flatten<'py>(
+        &self,
+        args: &Bound<'py, PyTuple>,
+        kwargs: Option<&Bound<'py, PyDict>>,
+    ) -> RtResult<Vec<Bound<'py, PyAny>>> {
+        let mut kw: Vec<(Bound<'py, PyString>, Bound<'py, PyAny>)> = Vec::new();
+        if let Some(kwargs) = kwargs {
+            for (k, v) in kwargs.iter() {
+                kw.push((k.cast_into::<PyString>()?, v));
+            }
+        }
+        let names = kw.iter().map(|(k, _)| k.to_str()).collect::<PyResult<Vec<_>>>()?;
+        let binding = self.binder.bind(args.len(), &names)?;
+
+        let fetch = |i: usize, src: Source| -> RtResult<Bound<'py, PyAny>> {
+            Ok(match src {
+                Source::Positional(p) => args.get_item(p)?,
+                Source::Keyword(k) => kw[k].1.clone(),
+                Source::Default => self.defaults[i]
+                    .as_ref()
+                    .ok_or_else(|| RtError::Internal(format!("parameter {i} bound to a default it lacks")))?
+                    .bind(args.py())
+                    .clone(),
+            })
+        };
+        let mut leaves = Vec::with_capacity(self.leaf_checks.len());
+        let mut path = Vec::new();
+        let mut var_kw: &[usize] = &[];
+        let mut values: Vec<Option<Bound<'py, PyAny>>> = vec![None; self.binder.params.len()];
+        for (i, b) in binding.iter().enumerate() {
+            match b {
+                Binding::One(src) => values[i] = Some(fetch(i, *src)?),
+                Binding::VarPositional(range) => {
+                    if range.len() != self.top.var_positional.len() {
+                        return Err(Error::VarPositionalCount {
+                            name: self.binder.params[i].name.clone(),
+                            expected: self.top.var_positional.len(),
+                            got: range.len(),
+                        }
+                        .into());
+                    }
+                }
+                Binding::VarKeyword(ks) => var_kw = ks,
+            }
+        }
+        let unbound = |i: usize| RtError::Internal(format!("parameter {i} left unbound"));
+        for (i, spec) in self.top.positional.iter().enumerate() {
+            let v = values[i].as_ref().ok_or_else(|| unbound(i))?;
+            spec.flatten(v, &self.binder.params[i].name, &mut path, &mut leaves)?;
+        }
+        if let Some(vp) = self.binder.var_positional() {
+            let name = &self.binder.params[vp].name;
+            for (j, spec) in self.top.var_positional.iter().enumerate() {
+                let item = args.get_item(self.binder.n_positional() + j)?;
+                path.push(PathElem::Index(j));
+                spec.flatten(&item, name, &mut path, &mut leaves)?;
+                path.pop();
+            }
+        }
+        if var_kw.len() != self.top.extra_names.len() {
+            let unexpected: Vec<&str> =
+                var_kw.iter().map(|&k| names[k]).filter(|n| !self.top.extra_names.iter().any(|e| e == n)).collect();
+            if let Some(n) = unexpected.first() {
+                return Err(self.extra_error(n, false).into());
+            }
+        }
+        for (target, spec) in &self.top.keywords {
+            match target {
+                KwTarget::Param(i) => {
+                    let v = values[*i].as_ref().ok_or_else(|| unbound(*i))?;
+                    spec.flatten(v, &self.binder.params[*i].name, &mut path, &mut leaves)?;
+                }
+                KwTarget::Extra(name) => {
+                    let v = var_kw
+                        .iter()
+                        .find(|&&k| names[k] == name)
+                        .map(|&k| &kw[k].1)
+                        .ok_or_else(|| self.extra_error(name, true))?;
+                    spec.flatten(v, name, &mut path, &mut leaves)?;
+                }
+            }
+        }
+        Ok(leaves)
+    }
+
+    fn extra_error(&self, name: &str, missing: bool) -> Error {
+        let var = self.binder.var_keyword().map(|i| self.binder.params[i].name.as_str()).unwrap_or("kwargs");
+        Error::VarKeywordEntry {
+            name: name.to_owned(),
+            missing,
+            var: var.to_owned(),
+            held: self.top.extra_names.clone(),
+        }
+    }
+
+    fn check(&self, leaves: &[Bound<'_, PyAny>], tensor_type: &Bound<'_, PyAny>) -> Result<(), Error> {
+        let mut checker = Checker::new(&self.symbols, &self.leaf_paths);
+        for (i, (leaf, check)) in leaves.iter().zip(&self.leaf_checks).enumerate() {
+            check.check(leaf, tensor_type, i, &mut checker)?;
+        }
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl Program {
+    #[pyo3(signature = (*args, **kwargs))]
+    fn __call__<'py>(
+        &self,
+        args: &Bound<'py, PyTuple>,
+        kwargs: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = args.py();
+        let leaves = self.flatten(args, kwargs)?;
+        self.check(&leaves, self.tensor_type.bind(py)).map_err(RtError::from)?;
+        let flat = self.plan.run(py, &leaves)?;
+        Ok(self.outputs.unflatten(py, &mut flat.into_iter())?)
+    }
+
+    /// Pickles by reference: the path and the file's content hash, never the weights. The
+    /// receiving process maps the same file and checks the hash.
+    fn __reduce__<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Bound<'py, PyAny>, (String, String, Vec<String>, &'static str))> {
+        let load = py.import("kwexport._rt")?.getattr("_load_verified")?;
+        Ok((load, (self.path.clone(), self.digest(py).to_owned(), self.allow_ops.clone(), self.dispatch.name())))
+    }
+
+    /// Runs the graph on already-flat leaves with no binding, no checks and no rebuilding:
+    /// the floor that benchmarks measure the call path's overhead against.
+    pub fn _run_flat<'py>(&self, leaves: Vec<Bound<'py, PyAny>>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let py = match leaves.first() {
+            Some(l) => l.py(),
+            None => return Err(pyo3::exceptions::PyValueError::new_err("no leaves")),
+        };
+        if leaves.len() != self.leaf_checks.len() {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!("expected {} leaves", self.leaf_checks.len())));
+        }
+        Ok(self.plan.run(py, &leaves)?)
+    }
+
+    /// Binds and flattens a call to its leaves, checked, without running the graph.
+    #[pyo3(signature = (*args, **kwargs))]
+    pub fn _flatten<'py>(
+        &self,
+        args: &Bound<'py, PyTuple>,
+        kwargs: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let leaves = self.flatten(args, kwargs)?;
+        self.check(&leaves, self.tensor_type.bind(args.py())).map_err(RtError::from)?;
+        Ok(leaves)
+    }
+
+    /// The original signature, for `inspect.signature(program)`.
+    #[getter]
+    fn __signature__(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.signature_obj
+            .get_or_try_init(py, || {
+                let inspect = py.import("inspect")?;
+                let parameter = inspect.getattr("Parameter")?;
+                let params = self
+                    .binder
+                    .params
+                    .iter()
+                    .zip(&self.defaults)
+                    .map(|(p, default)| {
+                        let kind = parameter.getattr(match p.kind {
+                            ParamKind::PositionalOnly => "POSITIONAL_ONLY",
+                            ParamKind::PositionalOrKeyword => "POSITIONAL_OR_KEYWORD",
+                            ParamKind::VarPositional => "VAR_POSITIONAL",
+                            ParamKind::KeywordOnly => "KEYWORD_ONLY",
+                            ParamKind::VarKeyword => "VAR_KEYWORD",
+                        })?;
+                        let kwargs = PyDict::new(py);
+                        if let Some(d) = default {
+                            kwargs.set_item("default", d.bind(py))?;
+                        }
+                        parameter.call((&p.name, kind), Some(&kwargs))
+                    })
+                    .collect::<PyResult<Vec<_>>>()?;
+                Ok(inspect.getattr("Signature")?.call1((params,))?.unbind())
+            })
+            .map(|s| s.clone_ref(py))
+    }
+
+    #[getter]
+    fn __name__(&self) -> &str {
+        &self.binder.name
+    }
+
+    /// The extra files saved with the program: `str` where a `str` was saved, else `bytes`.
+    #[getter]
+    fn extra_files(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        Ok(self.extra_files.bind(py).copy()?.unbind())
+    }
+
+    /// `(major, minor)` of the format this program is held in (always the current one).
+    #[getter]
+    fn format_version(&self) -> (u32, u32) {
+        (self.format_version.major, self.format_version.minor)
+    }
+
+    /// `(major, minor)` of the file as it was on disk, before upgraders ran.
+    #[getter]
+    fn file_format_version(&self) -> (u32, u32) {
+        (self.upgraded_from.major, self.upgraded_from.minor)
+    }
+
+    /// The names of the upgraders that brought the file to the current format.
+    #[getter]
+    fn upgraders_applied(&self) -> Vec<&'static str> {
+        self.upgraders.clone()
+    }
+
+    /// Which kwexport, torch and Python wrote the file.
+    #[getter]
+    fn producer(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        Ok(self.producer.bind(py).copy()?.unbind())
+    }
+
+    /// How many graph nodes run on each path: `{"stable_abi": n, "python": m}`. Nodes the
+    /// stable C ABI covers run without Python; the rest through torch's Python op objects.
+    #[getter]
+    fn dispatch<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("stable_abi", self.plan.counts.0)?;
+        d.set_item("python", self.plan.counts.1)?;
+        Ok(d)
+    }
+
+    /// What loading noticed and handled, such as op-schema drift in a newer torch.
+    #[getter]
+    fn load_notes(&self) -> Vec<String> {
+        self.notes.clone()
+    }
+
+    #[getter]
+    fn path(&self) -> &str {
+        &self.path
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let sig = self.__signature__(py)?.bind(py).str()?.to_string();
+        Ok(format!("<kwexport.Program {}{sig} from {:?}>", self.binder.name, self.path))
+    }
+}

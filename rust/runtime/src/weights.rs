@@ -1,0 +1,71 @@
+//! Weights as torch tensors that share memory with the mapped file: no copy, ever.
+//!
+//! The file is mapped copy-on-write (`MAP_PRIVATE`): pages stay shared between processes
+//! until written, and a write never reaches the file.
+
+use std::collections::BTreeMap;
+use std::ffi::c_int;
+use std::sync::Arc;
+
+use kwexport_core::container::Layout;
+use kwexport_core::schema::Weights;
+use kwexport_core::weights::CheckedWeight;
+use memmap2::MmapMut;
+use pyo3::prelude::*;
+
+/// The mapped data section, exposed to torch through the buffer protocol.
+#[pyclass(frozen, module = "kwexport._rt")]
+pub struct MappedData {
+    map: Arc<MmapMut>,
+    start: usize,
+    len: usize,
+}
+
+impl MappedData {
+    /// The data section of `map`.
+    pub fn new(map: Arc<MmapMut>, layout: &Layout) -> Self {
+        MappedData { map, start: layout.data.start, len: layout.data.end - layout.data.start }
+    }
+}
+
+#[pymethods]
+impl MappedData {
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut pyo3::ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        let me = slf.get();
+        // The map is private and copy-on-write, so handing out a writable view never
+        // touches the file; torch wants a writable buffer to avoid a warning.
+        let ptr = me.map.as_ptr().add(me.start) as *mut std::ffi::c_void;
+        if pyo3::ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr, me.len as isize, 0, flags) != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
+}
+
+/// Builds one torch tensor per checked weight, all views of the mapped data section.
+pub fn materialize<'py>(
+    py: Python<'py>,
+    torch: &Bound<'py, PyModule>,
+    data: Bound<'py, MappedData>,
+    weights: &Weights,
+    checked: &BTreeMap<String, CheckedWeight>,
+) -> PyResult<BTreeMap<String, Py<PyAny>>> {
+    if checked.is_empty() {
+        return Ok(BTreeMap::new());
+    }
+    let kwargs = pyo3::types::PyDict::new(py);
+    kwargs.set_item("dtype", torch.getattr("uint8")?)?;
+    let all = torch.getattr("frombuffer")?.call((data,), Some(&kwargs))?;
+    let mut out = BTreeMap::new();
+    for (name, t) in checked {
+        let s = weights.storages[t.storage];
+        let bytes = all.call_method1("narrow", (0, s.offset, s.nbytes))?;
+        let typed = bytes.call_method1("view", (torch.getattr(t.dtype.name)?,))?;
+        let base = (s.offset / t.dtype.itemsize) as i64;
+        let tensor = typed.call_method1("as_strided", (t.shape.clone(), t.strides.clone(), base + t.storage_offset))?;
+        out.insert(name.clone(), tensor.unbind());
+    }
+    Ok(out)
+}
