@@ -1,78 +1,19 @@
-//! Criterion benches for the runtime's pure parts and, with libpython embedded, its call
-//! path and per-node dispatch.
+//! Criterion benches for the runtime, with libpython embedded: the call path and per-node
+//! dispatch. (Parse + validate and binding alone are the core's: `benches/validate.rs`.)
 //!
-//!     PYO3_PYTHON=.venv/bin/python cargo bench --bench runtime
+//!     PYO3_PYTHON=.venv/bin/python cargo bench -p kwexport-runtime --bench runtime
 //!
 //! The Python benches import torch and kwexport's exporter from `.venv` and `python/`
 //! (after `bash scripts/setup.sh`); without them they are skipped with a note.
 
 use std::path::{Path, PathBuf};
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kwexport::plan::{AllowOps, Dispatch};
-use kwexport::program::{load, validate_file, Program};
-use kwexport::schema::{Constant, Param, ParamKind, Signature as RawSignature};
-use kwexport::signature::Signature;
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use kwexport_runtime::ops::AllowOps;
+use kwexport_runtime::plan::Dispatch;
+use kwexport_runtime::program::{load, Program};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
-use serde_json::json;
-
-/// A valid file whose graph is a chain of `n` neg nodes on one input.
-fn chain_file(n: usize) -> Vec<u8> {
-    let mut nodes = Vec::with_capacity(n);
-    let mut prev = "x".to_owned();
-    for i in 0..n {
-        let name = format!("v{i}");
-        nodes.push(json!({"op": 0, "args": [{"ref": prev}], "outputs": {"one": name}}));
-        prev = name;
-    }
-    let header = json!({
-        "format_version": {"major": 2, "minor": 0},
-        "producer": {"kwexport": "bench", "torch": "bench"},
-        "signature": {"name": "f", "params": [{"name": "x", "kind": "positional_or_keyword"}]},
-        "inputs": {"spec": {"type": "tuple", "children": [{"type": "tuple", "children": [{"type": "leaf"}]}, {"type": "dict", "entries": []}]},
-                   "leaves": [{"tensor": {"dtype": "float32", "device": "cpu", "shape": [{"static": 4}]}}]},
-        "outputs": {"type": "leaf"},
-        "ops": [{"name": "aten::neg.default", "schema": "aten::neg(Tensor self) -> Tensor"}],
-        "graph": {"inputs": [{"name": "x", "source": {"user": 0}}], "nodes": nodes, "outputs": [{"ref": prev}]},
-        "weights": {"storages": [], "tensors": {}}
-    });
-    let blob = serde_json::to_vec(&header).unwrap();
-    let mut file = b"KWEXPORT".to_vec();
-    file.extend((blob.len() as u64).to_le_bytes());
-    file.extend(blob);
-    file
-}
-
-fn parse_and_validate(c: &mut Criterion) {
-    let mut group = c.benchmark_group("parse_validate");
-    for n in [10, 100, 1000, 10000] {
-        let file = chain_file(n);
-        group.bench_with_input(BenchmarkId::from_parameter(n), &file, |b, f| b.iter(|| validate_file(f).unwrap()));
-    }
-    group.finish();
-}
-
-fn bind(c: &mut Criterion) {
-    let p = |name: &str, kind, default: bool| Param {
-        name: name.into(),
-        kind,
-        default: default.then_some(Constant::Int(1)),
-    };
-    let sig = Signature::new(&RawSignature {
-        name: "forward".into(),
-        params: vec![
-            p("x", ParamKind::PositionalOrKeyword, false),
-            p("extra", ParamKind::VarPositional, false),
-            p("scale", ParamKind::KeywordOnly, false),
-            p("bias", ParamKind::KeywordOnly, true),
-            p("temperature", ParamKind::KeywordOnly, true),
-            p("cfg", ParamKind::VarKeyword, false),
-        ],
-    })
-    .unwrap();
-    c.bench_function("bind/kwargs_mlp", |b| b.iter(|| sig.bind(2, &["scale", "bias", "shift"]).unwrap()));
-}
 
 /// Embedded Python with the project's venv and exporter importable; `None` (and a note) if
 /// torch can't be imported.
@@ -117,7 +58,7 @@ fn export<'py>(
 }
 
 fn load_as(py: Python<'_>, path: &Path, dispatch: Dispatch) -> PyResult<Program> {
-    load(py, path.to_str().unwrap(), &AllowOps::default(), Vec::new(), dispatch)
+    Ok(load(py, path.to_str().unwrap(), &AllowOps::default(), Vec::new(), dispatch)?)
 }
 
 /// Binding the call to the signature, flattening it against the treespec and checking
@@ -168,5 +109,5 @@ fn tempdir() -> PathBuf {
     dir
 }
 
-criterion_group!(benches, parse_and_validate, bind, bind_flatten_check, per_node_dispatch);
+criterion_group!(benches, bind_flatten_check, per_node_dispatch);
 criterion_main!(benches);

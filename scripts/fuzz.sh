@@ -6,8 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
 budget=${1:-60}
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz
+# The targets depend on kwexport-core alone: no Python is needed.
 export RUSTC_BOOTSTRAP=1
-export PYO3_PYTHON=${PYO3_PYTHON:-$(cd .. && pwd)/.venv/bin/python}
 for target in container header treespec; do
     mkdir -p "corpus/$target"
     cargo fuzz run "$target" "corpus/$target" "seeds/$target" -- -max_total_time="$budget" -max_len=65536
