@@ -166,3 +166,17 @@ def test_cli_reports_version_errors(tmp_path):
     assert out.stderr.strip() == (
         "kwexport: VersionError: file format 7.1 is newer than this runtime, which reads 1.0 to 2.x: upgrade kwexport"
     )
+
+
+def test_cli_needs_no_torch(tmp_path):
+    """inspect and upgrade read everything from the Rust core: torch is never imported."""
+    new = tmp_path / "new.kwx"
+    code = (
+        "import sys; from kwexport._cli import main;"
+        f"assert main(['upgrade', {str(GOLDEN_V1 / 'tiny_mlp.kwx')!r}, {str(new)!r}]) == 0;"
+        f"assert main(['inspect', {str(new)!r}, '--json']) == 0;"
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert kwexport.load(new).file_format_version == tuple(kwexport.FORMAT_VERSION)

@@ -6,9 +6,15 @@ it exactly like the original.
     prog = kwexport.load("model.kwx")
     out = prog(*args, **kwargs)
 
-Loading and calling live in the Rust extension (``kwexport._rt``); exporting and saving
-(``kwexport._export``) import torch.export only when used.
+Loading and calling live in the Rust extension (``kwexport._rt``). Exporting
+(``kwexport._trace``, with ``_graph``, ``_signature`` and ``_weights``) imports torch.export
+only when used; saving is ``kwexport._write``; the command line is ``kwexport._cli``.
 """
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
 
 from kwexport._rt import (
     FORMAT_VERSION,
@@ -21,6 +27,11 @@ from kwexport._rt import (
     VersionError,
 )
 from kwexport._rt import load as _load
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from kwexport._trace import Exported
 
 __version__ = "0.1.0"
 
@@ -40,7 +51,7 @@ __all__ = [
 ]
 
 
-def load(path, *, allow_ops=(), dispatch="auto") -> Program:
+def load(path: str | os.PathLike[str], *, allow_ops: Iterable[str] = (), dispatch: str = "auto") -> Program:
     """Load a kwexport file. Parses and validates everything before returning; never
     unpickles, evaluates or imports anything named in the file.
 
@@ -54,28 +65,26 @@ def load(path, *, allow_ops=(), dispatch="auto") -> Program:
     C ABI for every node it covers; ``"python"`` uses the Python op objects throughout.
     Results are identical; ``Program.dispatch`` counts the nodes on each path.
     """
-    import os
-
     return _load(os.fspath(path), allow_ops=list(allow_ops), dispatch=dispatch)
 
 
-def export(f, args, kwargs=None, *, dynamic_shapes=None):
+def export(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, *, dynamic_shapes: Any = None) -> Exported:
     """Trace ``f`` (an ``nn.Module`` or a function) with torch.export, keeping its signature."""
-    from kwexport._export import export as _export
+    from kwexport._trace import export as _export
 
     return _export(f, args, kwargs, dynamic_shapes=dynamic_shapes)
 
 
-def save(ex, path, *, extra_files=None) -> None:
+def save(ex: Exported, path: str | os.PathLike[str], *, extra_files: dict[str, str | bytes] | None = None) -> None:
     """Write ``ex`` to ``path`` as one file, atomically."""
-    from kwexport._export import save as _save
+    from kwexport._write import save as _save
 
     _save(ex, path, extra_files=extra_files)
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     if name == "Exported":
-        from kwexport._export import Exported
+        from kwexport._trace import Exported
 
         return Exported
     raise AttributeError(f"module 'kwexport' has no attribute {name!r}")

@@ -1,0 +1,87 @@
+"""The kwexport command line. Everything it reports comes from the Rust core, which opens
+and validates a file without torch; nothing here imports torch.
+
+    kwexport inspect PATH [--json]     what a file holds, validated, without running it
+    kwexport upgrade OLD NEW [--force] rewrite a file at the current format version
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from kwexport import _rt
+from kwexport._rt import FORMAT_VERSION, KwexportError
+from kwexport._write import write_atomic
+
+
+def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Everything ``inspect`` shows, as plain JSON-able data (validates the file first)."""
+    return json.loads(_rt.describe(os.fspath(path))["description"])
+
+
+def _print_text(info: dict[str, Any]) -> None:
+    v = ".".join(map(str, info["format_version"]))
+    cur = ".".join(map(str, info["current_format_version"]))
+    upgrade = f" (needs upgrading to {cur}: {', '.join(info['upgraders'])})" if info["needs_upgrade"] else " (current)"
+    print(f"format:       {v}{upgrade}")
+    prod = info["producer"]
+    print(f"written by:   kwexport {prod['kwexport']}, torch {prod['torch']}, python {prod.get('python') or '?'}")
+    print(f"signature:    {info['signature']}")
+    print("inputs:")
+    for i in info["inputs"]:
+        if i["kind"] == "tensor":
+            print(f"  {i['path']}: {i['dtype']}[{', '.join(map(str, i['shape']))}] on {i['device']}")
+        else:
+            print(f"  {i['path']}: constant {i['value']!r}")
+    print(f"graph:        {info['nodes']} nodes, {len(info['ops'])} ops")
+    for op, n in sorted(info["ops"].items(), key=lambda kv: -kv[1]):
+        print(f"  {n:5}  {op}")
+    w = info["weights"]
+    print(f"weights:      {w['tensors']} tensors, {w['bytes']:,} bytes")
+    extras = ", ".join(f"{k} ({n} bytes)" for k, n in info["extra_files"].items()) or "none"
+    print(f"extra files:  {extras}")
+
+
+def upgrade(old: str, new: str, *, force: bool = False) -> dict[str, Any]:
+    """Rewrites OLD at the current format: a new header, the data section byte for byte."""
+    if os.path.exists(new) and not force:
+        same = os.path.samefile(old, new)
+        raise FileExistsError(f"{new} exists{' (it is the input file)' if same else ''}; pass --force to overwrite it")
+    d = _rt.describe(os.fspath(old))
+    with open(old, "rb") as f:
+        f.seek(d["data_offset"])
+        data = f.read()
+    write_atomic(os.fspath(new), _rt.container_head(d["header"].encode("utf-8")), [(0, data)])
+    return {"from": list(d["file_format_version"]), "to": list(FORMAT_VERSION), "upgraders": d["upgraders"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kwexport", description="Inspect and upgrade kwexport files.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_inspect = sub.add_parser("inspect", help="describe a file without running it")
+    p_inspect.add_argument("path")
+    p_inspect.add_argument("--json", action="store_true", help="print JSON")
+    p_upgrade = sub.add_parser("upgrade", help="rewrite a file at the current format version")
+    p_upgrade.add_argument("old")
+    p_upgrade.add_argument("new")
+    p_upgrade.add_argument("--force", action="store_true", help="overwrite NEW, even if it is OLD")
+    opts = parser.parse_args(argv)
+    try:
+        if opts.command == "inspect":
+            info = describe(opts.path)
+            if opts.json:
+                print(json.dumps(info, indent=2))
+            else:
+                _print_text(info)
+        else:
+            r = upgrade(opts.old, opts.new, force=opts.force)
+            steps = ", ".join(r["upgraders"]) or "nothing to do"
+            print(f"{opts.new}: format {'.'.join(map(str, r['from']))} -> {'.'.join(map(str, r['to']))} ({steps})")
+    except (KwexportError, OSError) as e:
+        print(f"kwexport: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0

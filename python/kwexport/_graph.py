@@ -1,0 +1,237 @@
+"""Graph encoding: an ExportedProgram's graph, input leaves, symbols and input/output
+treespecs as the header's JSON. The tables it checks against (dtypes, Python operators)
+come from ``kwexport._rt``."""
+
+from __future__ import annotations
+
+import collections
+import math
+import operator
+import sys
+from typing import Any
+
+import torch
+
+import kwexport
+from kwexport._rt import DTYPES, FORMAT_VERSION, PY_OPERATORS, ArtifactError
+from kwexport._signature import _I64, constant_json
+
+DTYPE_NAMES = {getattr(torch, name): name for name, _ in DTYPES}
+_PY_OPERATORS = {getattr(operator, name): name for name in PY_OPERATORS}
+
+
+def header_json(ep, sig_json: dict[str, Any], leaves: list[Any], in_spec) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The header for ``ep``, less its weight tables, and the weights by name."""
+    gs = ep.graph_signature
+    InputKind = torch.export.graph_signature.InputKind
+    OutputKind = torch.export.graph_signature.OutputKind
+
+    weights: dict[str, torch.Tensor] = {}
+    graph_inputs = []
+    user_index = 0
+    user_placeholders = {}
+    for spec in gs.input_specs:
+        pname = spec.arg.name
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            tensor = ep.state_dict.get(spec.target)
+            if tensor is None:
+                tensor = ep.constants.get(spec.target)
+            if not isinstance(tensor, torch.Tensor):
+                raise ArtifactError(f"weight {spec.target!r}: not a tensor ({type(tensor).__name__})")
+            weights[spec.target] = tensor
+            graph_inputs.append({"name": pname, "source": {"weight": spec.target}})
+        elif spec.kind == InputKind.USER_INPUT:
+            graph_inputs.append({"name": pname, "source": {"user": user_index}})
+            user_placeholders[pname] = user_index
+            user_index += 1
+        else:
+            raise ArtifactError(f"graph input {pname!r}: unsupported input kind {spec.kind.name}")
+    if user_index != len(leaves):
+        raise AssertionError(f"kwexport: the graph has {user_index} user inputs for {len(leaves)} leaves")
+
+    for spec in gs.output_specs:
+        if spec.kind != OutputKind.USER_OUTPUT:
+            what = "mutates a buffer (call .eval() for batch norm?)" if spec.kind == OutputKind.BUFFER_MUTATION else f"has a {spec.kind.name} output"
+            raise ArtifactError(f"graph output {spec.arg.name!r}: the program {what}; kwexport saves pure inference programs")
+
+    leaf_specs = [None] * len(leaves)
+    ops = _OpTable()
+    nodes = []
+    outputs = None
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            if node.name in user_placeholders:
+                i = user_placeholders[node.name]
+                leaf_specs[i] = _leaf_spec(node.meta.get("val"), leaves[i], i)
+        elif node.op == "call_function":
+            encoded = _node(node, ops)
+            if encoded is not None:
+                nodes.append(encoded)
+        elif node.op == "output":
+            outputs = [_arg(a, "graph.outputs") for a in node.args[0]]
+        else:
+            raise ArtifactError(f"node {node.name!r}: unsupported node kind {node.op!r} (control flow and submodules are not supported)")
+
+    symbols = []
+    for sym, rng in ep.range_constraints.items():
+        if getattr(sym, "is_Symbol", False):
+            upper = rng.upper
+            symbols.append({
+                "name": str(sym),
+                "min": int(rng.lower),
+                "max": None if _is_inf(upper) else int(upper),
+            })
+
+    header = {
+        "format_version": {"major": FORMAT_VERSION[0], "minor": FORMAT_VERSION[1]},
+        "producer": {
+            "kwexport": kwexport.__version__,
+            "torch": torch.__version__,
+            "python": ".".join(map(str, sys.version_info[:3])),
+        },
+        "signature": sig_json,
+        "inputs": {"spec": _treespec(in_spec, "inputs"), "leaves": leaf_specs},
+        "outputs": _treespec(ep.call_spec.out_spec, "outputs"),
+        "symbols": symbols,
+        "ops": ops.entries,
+        "graph": {"inputs": graph_inputs, "nodes": nodes, "outputs": outputs},
+    }
+    return header, weights
+
+
+def _is_inf(v) -> bool:
+    try:
+        return math.isinf(float(v))
+    except (TypeError, ValueError, OverflowError):
+        return True
+
+
+class _OpTable:
+    """Each op once, with its schema in this torch, so a later torch can spot drift."""
+
+    def __init__(self):
+        self.entries, self._index = [], {}
+
+    def add(self, name: str, schema) -> int:
+        if name not in self._index:
+            self._index[name] = len(self.entries)
+            self.entries.append({"name": name, "schema": schema})
+        return self._index[name]
+
+
+def _node(node, ops):
+    target = node.target
+    if target is operator.getitem and isinstance(node.args[0], torch.fx.Node) and _is_multi(node.args[0]):
+        return None  # folded into the producer's outputs
+    if isinstance(target, torch._ops.OpOverload):
+        op, schema = f"{target._schema.name}.{target._overloadname}", str(target._schema)
+    elif target in _PY_OPERATORS:
+        op, schema = f"operator::{_PY_OPERATORS[target]}", None
+    else:
+        raise ArtifactError(f"node {node.name!r}: unsupported call target {target!r}")
+    where = f"node {node.name!r} ({op})"
+    if _is_multi(node):
+        names = [None] * len(node.meta["val"])
+        for user in node.users:
+            if user.target is not operator.getitem:
+                raise ArtifactError(f"{where}: a multi-output value is used whole by {user.name!r}")
+            names[user.args[1]] = user.name
+        outputs = {"many": names}
+    elif node.meta.get("val") is None and not node.users:
+        outputs = {"none": None}
+    else:
+        outputs = {"one": node.name}
+    return {
+        "op": ops.add(op, schema),
+        "args": [_arg(a, where) for a in node.args],
+        "kwargs": {k: _arg(v, where) for k, v in node.kwargs.items()},
+        "outputs": outputs,
+    }
+
+
+def _is_multi(node) -> bool:
+    return isinstance(node.meta.get("val"), (tuple, list))
+
+
+def _arg(x, where):
+    if isinstance(x, torch.fx.Node):
+        return {"ref": x.name}
+    if isinstance(x, (list, tuple)):
+        return {"list": [_arg(i, where) for i in x]}
+    if isinstance(x, torch.dtype):
+        if x not in DTYPE_NAMES:
+            raise ArtifactError(f"{where}: unsupported dtype {x}")
+        return {"dtype": DTYPE_NAMES[x]}
+    if isinstance(x, torch.device):
+        return {"device": str(x)}
+    if isinstance(x, torch.layout):
+        return {"layout": str(x).removeprefix("torch.")}
+    if isinstance(x, torch.memory_format):
+        return {"memory_format": str(x).removeprefix("torch.")}
+    try:
+        return constant_json(x, where, allow_containers=False)
+    except ArtifactError:
+        raise ArtifactError(f"{where}: can't save an argument of type {type(x).__name__}: {x!r}") from None
+
+
+def _leaf_spec(val, value, i):
+    where = f"input leaf {i}"
+    if isinstance(val, torch.Tensor):
+        if val.layout != torch.strided or val.dtype not in DTYPE_NAMES:
+            raise ArtifactError(f"{where}: unsupported tensor ({val.layout}, {val.dtype})")
+        return {"tensor": {
+            "dtype": DTYPE_NAMES[val.dtype],
+            "device": str(value.device) if isinstance(value, torch.Tensor) else str(val.device),
+            "shape": [_dim(s, where) for s in val.shape],
+        }}
+    if isinstance(value, torch.Tensor):
+        raise AssertionError(f"kwexport: {where} is a tensor but its placeholder is not")
+    return {"constant": constant_json(value, where)}
+
+
+def _dim(s, where):
+    if isinstance(s, int):
+        return {"static": s}
+    import sympy
+
+    expr = s.node.expr
+    if expr.is_Integer:
+        return {"static": int(expr)}
+    free = list(expr.free_symbols)
+    if len(free) == 1:
+        sym = free[0]
+        coeff, offset = expr.coeff(sym), expr.subs(sym, 0)
+        if coeff.is_Integer and offset.is_Integer and sympy.expand(coeff * sym + offset - expr) == 0:
+            return {"symbolic": {"symbol": str(sym), "coeff": int(coeff), "offset": int(offset)}}
+    raise ArtifactError(f"{where}: dimension {expr} is not of the form a*d + b; kwexport can't check it")
+
+
+def _treespec(spec, where):
+    if spec.is_leaf():
+        return {"type": "leaf"}
+    t = spec.type
+    kids = [_treespec(c, where) for c in spec.children()]
+    if t is tuple:
+        return {"type": "tuple", "children": kids}
+    if t is list:
+        return {"type": "list", "children": kids}
+    if t is dict or t is collections.OrderedDict:
+        entries = [{"key": _key(k, where), "value": v} for k, v in zip(spec.context, kids)]
+        return {"type": "dict" if t is dict else "ordered_dict", "entries": entries}
+    if t is type(None):
+        return {"type": "none"}
+    cls = spec.context
+    if isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields"):
+        return {"type": "namedtuple", "name": cls.__name__, "module": cls.__module__,
+                "fields": list(cls._fields), "children": kids}
+    raise ArtifactError(f"{where}: can't save a container of type {getattr(t, '__qualname__', t)!r}")
+
+
+def _key(k, where):
+    if isinstance(k, str):
+        return {"str": k}
+    if isinstance(k, int) and not isinstance(k, bool) and _I64[0] <= k <= _I64[1]:
+        return {"int": k}
+    raise ArtifactError(f"{where}: dict key {k!r} is neither a str nor an int")
+
+

@@ -1,0 +1,170 @@
+"""Tracing: ``kwexport.export`` binds the call to the original signature, maps the user's
+dynamic shapes onto flat leaves, traces with torch.export and encodes the result.
+
+The export traces a *canonical* call: the user's ``(args, kwargs)`` bound to the original
+signature with defaults applied, flattened to leaves. The traced forward takes only those
+leaves, so torch.export never sees keyword arguments (and none of its kwargs quirks); the
+saved input treespec and signature let the runtime rebuild any call into the same leaves.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import torch
+from torch.utils import _pytree as pytree
+
+from kwexport._graph import header_json
+from kwexport._rt import SignatureError
+from kwexport._signature import signature_from_json, signature_json
+from kwexport._weights import weight_tables
+
+
+class Exported:
+    """The result of :func:`kwexport.export`: the traced program, ready to :func:`save`."""
+
+    def __init__(self, exported_program, header: dict, storages: list):
+        self.exported_program = exported_program
+        self._header = header
+        self._storages = storages  # uint8 CPU tensors, one per distinct storage
+
+    @property
+    def signature(self) -> inspect.Signature:
+        return signature_from_json(self._header["signature"])
+
+    def __repr__(self) -> str:
+        return f"<kwexport.Exported {self._header['signature']['name']}{self.signature}>"
+
+
+def export(f, args, kwargs=None, *, dynamic_shapes=None) -> Exported:
+    if not isinstance(args, tuple):
+        raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+    kwargs = dict(kwargs or {})
+    if isinstance(f, torch.nn.Module):
+        module, target = f, f.forward
+        name = f"{type(f).__qualname__}.forward"
+    elif callable(f):
+        module, target = _FunctionModule(), f
+        name = getattr(f, "__qualname__", getattr(f, "__name__", "function"))
+    else:
+        raise TypeError(f"expected an nn.Module or a function, got {type(f).__name__}")
+
+    sig = inspect.signature(target)
+    sig_json = signature_json(name, sig)  # before tracing: an unsaveable default fails fast
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise SignatureError(f"{name}() {e}") from None
+    bound.apply_defaults()
+    canonical = (tuple(bound.args), dict(bound.kwargs))
+    leaves, in_spec = pytree.tree_flatten(canonical)
+    flat_shapes = _leaf_dynamic_shapes(sig, bound, dynamic_shapes, len(leaves))
+
+    def flat_forward(*flat):
+        a, k = pytree.tree_unflatten(list(flat), in_spec)
+        return target(*a, **k)
+
+    # An instance attribute shadows the class's forward for this one trace.
+    module.forward = flat_forward
+    try:
+        ep = torch.export.export(
+            module,
+            tuple(leaves),
+            dynamic_shapes={"flat": tuple(flat_shapes)} if any(s is not None for s in flat_shapes) else None,
+        )
+    finally:
+        del module.forward
+
+    # torch.export's graph runs as-is when its in-place ops only touch the call's own fresh
+    # intermediates. Otherwise functionalize: buffer updates become outputs (refused below),
+    # in-place ops on inputs become copies. Not by default: functionalizing also turns every
+    # `contiguous` and `reshape` into a copy, a third slower on a transformer here.
+    if _mutates_inputs(ep):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")  # torch-internal
+            ep = ep.run_decompositions({})
+    header, weights = header_json(ep, sig_json, leaves, in_spec)
+    storage_table, tensor_table, storages = weight_tables(weights)
+    header["weights"] = {"storages": storage_table, "tensors": tensor_table}
+    return Exported(ep, header, storages)
+
+
+def _mutates_inputs(ep) -> bool:
+    """Whether an in-place op writes to a placeholder (input or weight) or a view of one."""
+    for node in ep.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if not target._schema.is_mutable:
+            continue
+        for i, arg in enumerate(target._schema.arguments):
+            written = arg.alias_info is not None and arg.alias_info.is_write
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            root = _view_root(value)
+            if written and isinstance(root, torch.fx.Node) and root.op == "placeholder":
+                return True
+    return False
+
+
+def _view_root(value):
+    """Follows views (ops whose first return aliases their first argument) back to their base."""
+    while (isinstance(value, torch.fx.Node) and value.op == "call_function"
+           and isinstance(value.target, torch._ops.OpOverload) and value.target._schema.returns
+           and value.target._schema.returns[0].alias_info is not None and value.args):
+        value = value.args[0]
+    return value
+
+
+class _FunctionModule(torch.nn.Module):
+    """A parameterless module to trace a plain function through."""
+
+
+def _leaf_dynamic_shapes(sig, bound, dynamic_shapes, n_leaves) -> list:
+    """Turns the user's ``dynamic_shapes`` (as torch.export takes it for ``f``: a dict by
+    parameter name, or a tuple in parameter order) into one entry per flat leaf."""
+    if dynamic_shapes is None:
+        return [None] * n_leaves
+    names = list(bound.arguments)
+    if isinstance(dynamic_shapes, dict):
+        unknown = [k for k in dynamic_shapes if k not in sig.parameters]
+        var_kw = next((p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+        extra = bound.arguments.get(var_kw, {}) if var_kw else {}
+        per_param = dict(dynamic_shapes)
+        for k in unknown:  # torch also accepts **kwargs entries by their own name
+            if k not in extra:
+                raise ValueError(f"dynamic_shapes names {k!r}, which is not a parameter of the exported callable")
+            per_param.setdefault(var_kw, {})[k] = per_param.pop(k)
+    elif isinstance(dynamic_shapes, (tuple, list)):
+        if len(dynamic_shapes) > len(names):
+            raise ValueError(f"dynamic_shapes has {len(dynamic_shapes)} entries for {len(names)} parameters")
+        per_param = dict(zip(names, dynamic_shapes))
+    else:
+        raise TypeError(f"dynamic_shapes must be a dict, tuple or list, got {type(dynamic_shapes).__name__}")
+
+    flat_by_param = {}
+    for pname, value in bound.arguments.items():
+        flat_by_param[pname] = _match_shapes(value, per_param.get(pname), pname)
+    # Leaves are in (args, kwargs) order, which is parameter order with defaults applied.
+    out = [s for pname in names for s in flat_by_param[pname]]
+    if len(out) != n_leaves:
+        raise AssertionError(f"kwexport: {len(out)} dynamic-shape entries for {n_leaves} leaves")
+    return out
+
+
+def _match_shapes(value, spec, path) -> list:
+    """One dynamic-shape entry per pytree leaf of ``value``; ``spec`` mirrors its structure."""
+    n = len(pytree.tree_leaves(value))
+    if spec is None:
+        return [None] * n
+    if isinstance(value, torch.Tensor):
+        return [spec]
+    if isinstance(value, dict):
+        if not isinstance(spec, dict):
+            raise ValueError(f"dynamic_shapes[{path}]: expected a dict mirroring the input, got {type(spec).__name__}")
+        return [s for k, v in value.items() for s in _match_shapes(v, spec.get(k), f"{path}[{k!r}]")]
+    if isinstance(value, (tuple, list)):
+        if not isinstance(spec, (tuple, list)) or len(spec) != len(value):
+            raise ValueError(f"dynamic_shapes[{path}]: expected a sequence of {len(value)} entries")
+        return [s for i, (v, sp) in enumerate(zip(value, spec)) for s in _match_shapes(v, sp, f"{path}[{i}]")]
+    return [None] * n
