@@ -67,7 +67,7 @@ fn check_shape(
     leaf_paths: &[String],
 ) -> Result<()> {
     let path = &leaf_paths[leaf];
-    let err = |problem| Error::Shape { path: path.clone(), problem };
+    let err = |problem| Error::Shape { path: path.clone(), problem: Box::new(problem) };
     if dims.len() != shape.len() {
         return Err(err(ShapeProblem::Rank { expected: dims.len(), shape: shape.to_vec() }));
     }

@@ -497,8 +497,8 @@ pub enum Error {
     Shape {
         /// The argument path.
         path: String,
-        /// How the shape differs.
-        problem: ShapeProblem,
+        /// How the shape differs (boxed: the largest problem, and only on the error path).
+        problem: Box<ShapeProblem>,
     },
     /// `*args` of another length than at export.
     #[error("*{name}: expected {expected} extra positional argument(s), as exported, got {got}")]

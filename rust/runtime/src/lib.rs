@@ -2,13 +2,13 @@
 //! file format and its validation). Loading runs through four stages, each importing only
 //! the ones before it:
 //!
-//! - `ops`    stage 1: the op allow-list, resolving ops in the running torch, schema drift,
-//!            and what later stages need of each op's schema
-//! - `plan`   stage 2: the graph compiled once per load: constants, the path of each node,
-//!            the cost model, segments
-//! - `exec`   stage 3: the run loop and the conversions between the paths
-//! - `abi`    torch's stable C ABI, its types and encodings: the layer the stages build on,
-//!            depending only on the core's tables
+//! - `ops`: stage 1, the op allow-list, resolving ops in the running torch, schema drift,
+//!   and what later stages need of each op's schema
+//! - `plan`: stage 2, the graph compiled once per load: constants, the path of each node,
+//!   the cost model, segments
+//! - `exec`: stage 3, the run loop and the conversions between the paths
+//! - `abi`: torch's stable C ABI, its types and encodings: the layer the stages build on,
+//!   depending only on the core's tables (`tests/layering.rs` holds the order)
 //!
 //! The call path around them: `tree` (compiled treespecs: flatten inputs, rebuild outputs),
 //! `checks` (input checks on Python values), `constants` (the file's constants as Python

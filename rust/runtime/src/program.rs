@@ -44,6 +44,9 @@ struct TopLevel {
     extra_names: Vec<String>,
 }
 
+/// What `_load_verified` takes to unpickle a program: path, digest, allow_ops, dispatch.
+type PickledArgs = (String, String, Vec<String>, &'static str);
+
 #[pyclass(frozen, module = "kwexport", name = "Program")]
 pub struct Program {
     path: String,
@@ -314,10 +317,7 @@ impl Program {
 
     /// Pickles by reference: the path and the file's content hash, never the weights. The
     /// receiving process maps the same file and checks the hash.
-    fn __reduce__<'py>(
-        &self,
-        py: Python<'py>,
-    ) -> PyResult<(Bound<'py, PyAny>, (String, String, Vec<String>, &'static str))> {
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, PickledArgs)> {
         let load = py.import("kwexport._rt")?.getattr("_load_verified")?;
         Ok((load, (self.path.clone(), self.digest(py).to_owned(), self.allow_ops.clone(), self.dispatch.name())))
     }

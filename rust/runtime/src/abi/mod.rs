@@ -182,7 +182,7 @@ impl Abi {
         let (mut ty, mut index) = (0u32, 0i32);
         // SAFETY: valid C string and out-pointers.
         let status = unsafe { (self.parse_device)(s.as_ptr(), &mut ty, &mut index) };
-        (status == 0).then(|| ((ty as u8 as i8 as i64 as u64) << 32) | (index as u32 as u64))
+        (status == 0).then_some(((ty as u8 as i8 as i64 as u64) << 32) | (index as u32 as u64))
     }
 
     /// Calls `op`.`overload` (`""` for `default`) on `stack`, which holds the arguments on

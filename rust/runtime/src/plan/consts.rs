@@ -22,8 +22,16 @@ pub(super) struct ConstTable<'a, 'py> {
     /// Tensors C steps read, by index; handles are made for all of them at the end.
     tensors: Vec<Py<PyAny>>,
     weight_index: HashMap<String, usize>,
-    /// Wrapped numbers by `number_key`, with their index in `tensors` once a C step uses them.
-    numbers: Vec<((u8, u64), Option<Py<PyAny>>, Option<usize>)>,
+    /// Wrapped numbers, one per distinct number literal.
+    numbers: Vec<WrappedNumber>,
+}
+
+/// A number literal and its wrapped tensor (`None` if torch's wrapping couldn't be
+/// reproduced), with its index in `tensors` once a C step uses it.
+struct WrappedNumber {
+    key: (u8, u64),
+    tensor: Option<Py<PyAny>>,
+    const_index: Option<usize>,
 }
 
 impl<'a, 'py> ConstTable<'a, 'py> {
@@ -42,15 +50,15 @@ impl<'a, 'py> ConstTable<'a, 'py> {
 
     fn wrapped(&mut self, lit: &Arg) -> Option<(usize, Py<PyAny>)> {
         let key = number_key(lit)?;
-        let i = match self.numbers.iter().position(|(k, _, _)| *k == key) {
+        let i = match self.numbers.iter().position(|n| n.key == key) {
             Some(i) => i,
             None => {
-                let t = wrapped_number(self.py, self.torch, lit).ok().flatten();
-                self.numbers.push((key, t, None));
+                let tensor = wrapped_number(self.py, self.torch, lit).ok().flatten();
+                self.numbers.push(WrappedNumber { key, tensor, const_index: None });
                 self.numbers.len() - 1
             }
         };
-        self.numbers[i].1.as_ref().map(|t| (i, t.clone_ref(self.py)))
+        self.numbers[i].tensor.as_ref().map(|t| (i, t.clone_ref(self.py)))
     }
 
     /// A node for the Python path; `index` names it for errors.
@@ -133,12 +141,12 @@ impl Consts for ConstTable<'_, '_> {
 
     fn number(&mut self, lit: &Arg) -> Option<usize> {
         let (i, t) = self.wrapped(lit)?;
-        if let Some(at) = self.numbers[i].2 {
+        if let Some(at) = self.numbers[i].const_index {
             return Some(at);
         }
         self.tensors.push(t);
-        self.numbers[i].2 = Some(self.tensors.len() - 1);
-        self.numbers[i].2
+        self.numbers[i].const_index = Some(self.tensors.len() - 1);
+        self.numbers[i].const_index
     }
 }
 
