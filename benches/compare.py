@@ -27,9 +27,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import workloads  # noqa: E402
-
 import kwexport  # noqa: E402
+import workloads  # noqa: E402
 
 
 def interleaved(fns, n, rounds=5, warmup=10):
@@ -111,8 +110,12 @@ def mapped_kb(pid, path):
 def shared_pages(path, n=4):
     """Four processes load the same kwexport file and call it once; while all are alive,
     the resident pages of the file in each, and each one's proportional share of them."""
-    procs = [subprocess.Popen([sys.executable, "-c", SHARER, "kwexport", path], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SHARER, "kwexport", path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(n)
+    ]
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "ready"
@@ -120,7 +123,11 @@ def shared_pages(path, n=4):
     finally:
         for p in procs:
             p.communicate("\n")
-    return {"rss_mb": statistics.mean(r for r, _ in sizes) / 1024, "pss_mb": statistics.mean(p for _, p in sizes) / 1024, "n": n}
+    return {
+        "rss_mb": statistics.mean(r for r, _ in sizes) / 1024,
+        "pss_mb": statistics.mean(p for _, p in sizes) / 1024,
+        "n": n,
+    }
 
 
 def throughput(f, threads, seconds=1.5):
@@ -182,7 +189,11 @@ def bench(name, tmp, quick):
     torch.export.save(ep, te_path)
     try:
         with torch.no_grad():
-            traced = torch.jit.trace(mod, args, example_kwarg_inputs=kwargs or None) if kwargs else torch.jit.trace(mod, args)
+            traced = (
+                torch.jit.trace(mod, args, example_kwarg_inputs=kwargs or None)
+                if kwargs
+                else torch.jit.trace(mod, args)
+            )
         torch.jit.save(traced, js_path)
         has_ts = True
     except Exception:  # TorchScript can't trace keyword-only parameters and nested kwargs
@@ -208,18 +219,23 @@ def bench(name, tmp, quick):
     ts = torch.jit.load(js_path) if has_ts else None
     with torch.no_grad():
         leaves = prog._flatten(*args, **kwargs)
-        row.update(interleaved({
-            "call_eager": lambda: f(*args, **kwargs),
-            "call_kw": lambda: prog(*args, **kwargs),
-            "call_kw_py": lambda: prog_py(*args, **kwargs),
-            "floor_kw": lambda: prog._run_flat(leaves),
-            "call_te": lambda: gm(*args, **kwargs),
-            "call_ts": (lambda: ts(*args, **kwargs)) if has_ts else None,
-        }, n_calls))
+        row.update(
+            interleaved(
+                {
+                    "call_eager": lambda: f(*args, **kwargs),
+                    "call_kw": lambda: prog(*args, **kwargs),
+                    "call_kw_py": lambda: prog_py(*args, **kwargs),
+                    "floor_kw": lambda: prog._run_flat(leaves),
+                    "call_te": lambda: gm(*args, **kwargs),
+                    "call_ts": (lambda: ts(*args, **kwargs)) if has_ts else None,
+                },
+                n_calls,
+            )
+        )
     row["bind_kw"] = median_time(lambda: prog._flatten(*args, **kwargs), n_calls)
     secs = 0.5 if quick else 2.0
     row["thr"] = {
-        label: [throughput(lambda: fn(*args, **kwargs), k, secs) for k in (1, 2)]
+        label: [throughput(lambda fn=fn: fn(*args, **kwargs), k, secs) for k in (1, 2)]
         for label, fn in (("kwexport", prog), ("python", prog_py), ("torch.export", gm))
     }
     row["shared"] = shared_pages(kw_path) if row["weight_mb"] >= 1 else None
@@ -255,9 +271,13 @@ def report(rows, quick):
     )
     lines.append("Ratios are torch.export's time over kwexport's (higher is better for kwexport), from the same run.\n")
     lines.append("## Loading\n")
-    lines.append("Fresh process: after `import torch`, until the first call returns. Warm: a further load in the same process "
-                 "(torch.export: `torch.export.load(p).module()`).\n")
-    lines.append("| workload | nodes | weights | fresh: kwexport | torch.export | TorchScript | ratio | warm: kwexport | torch.export | TorchScript | ratio |")
+    lines.append(
+        "Fresh process: after `import torch`, until the first call returns. Warm: a further load in the same process "
+        "(torch.export: `torch.export.load(p).module()`).\n"
+    )
+    lines.append(
+        "| workload | nodes | weights | fresh: kwexport | torch.export | TorchScript | ratio | warm: kwexport | torch.export | TorchScript | ratio |"
+    )
     lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         ts_cold = r["cold_ts"]["cold"] if r["cold_ts"] else None
@@ -267,11 +287,15 @@ def report(rows, quick):
             f"| {fmt_ms(r['load_te'])} | {fmt_ms(r['load_ts'])} | {ratio(r['load_te'], r['load_kw'])} |"
         )
     lines.append("\n## Calling\n")
-    lines.append("Call time: the lowest per-round median over five rounds in which the variants take turns. Overhead is the call minus the floor (the same plan run on flat leaves: no binding, "
-                 "no checks, no pytree work); torch.export's overhead is its call minus the same floor.\n")
-    lines.append("| workload | nodes on C ABI | eager | kwexport | kwexport, Python ops only | torch.export | TorchScript "
-                 "| kwexport / eager | kwexport / torch.export | kwexport / TorchScript | kwexport overhead "
-                 "| torch.export overhead | overhead ratio |")
+    lines.append(
+        "Call time: the lowest per-round median over five rounds in which the variants take turns. Overhead is the call minus the floor (the same plan run on flat leaves: no binding, "
+        "no checks, no pytree work); torch.export's overhead is its call minus the same floor.\n"
+    )
+    lines.append(
+        "| workload | nodes on C ABI | eager | kwexport | kwexport, Python ops only | torch.export | TorchScript "
+        "| kwexport / eager | kwexport / torch.export | kwexport / TorchScript | kwexport overhead "
+        "| torch.export overhead | overhead ratio |"
+    )
     lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         kw_over = r["call_kw"] - r["floor_kw"]
@@ -285,18 +309,26 @@ def report(rows, quick):
             f"| {fmt_us(max(kw_over, 0))} | {fmt_us(te_over)} | {ratio(te_over, max(kw_over, 1e-7))} |"
         )
     lines.append("\n## Threads\n")
-    lines.append("Calls per second, one thread and two threads calling one Program (or one `ep.module()`) on 2 cores; "
-                 "scaling is two threads' total over one thread's.\n")
-    lines.append("| workload | kwexport: 1 thread | 2 threads | scaling | kwexport, Python ops only: scaling "
-                 "| torch.export: 1 thread | 2 threads | scaling |")
+    lines.append(
+        "Calls per second, one thread and two threads calling one Program (or one `ep.module()`) on 2 cores; "
+        "scaling is two threads' total over one thread's.\n"
+    )
+    lines.append(
+        "| workload | kwexport: 1 thread | 2 threads | scaling | kwexport, Python ops only: scaling "
+        "| torch.export: 1 thread | 2 threads | scaling |"
+    )
     lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         (k1, k2), (p1, p2), (t1, t2) = r["thr"]["kwexport"], r["thr"]["python"], r["thr"]["torch.export"]
-        lines.append(f"| {r['workload']} | {k1:,.0f}/s | {k2:,.0f}/s | {k2 / k1:.2f}× | {p2 / p1:.2f}× "
-                     f"| {t1:,.0f}/s | {t2:,.0f}/s | {t2 / t1:.2f}× |")
+        lines.append(
+            f"| {r['workload']} | {k1:,.0f}/s | {k2:,.0f}/s | {k2 / k1:.2f}× | {p2 / p1:.2f}× "
+            f"| {t1:,.0f}/s | {t2:,.0f}/s | {t2 / t1:.2f}× |"
+        )
     lines.append("\n## Binding, flattening and checking\n")
-    lines.append("`Program._flatten`: bind to the signature, flatten against the treespec and check every leaf, versus "
-                 "optree's plain `tree_flatten((args, kwargs))`, which checks nothing.\n")
+    lines.append(
+        "`Program._flatten`: bind to the signature, flatten against the treespec and check every leaf, versus "
+        "optree's plain `tree_flatten((args, kwargs))`, which checks nothing.\n"
+    )
     lines.append("| workload | kwexport bind + flatten + check | optree.tree_flatten |")
     lines.append("| --- | ---: | ---: |")
     for r in rows:
@@ -306,16 +338,22 @@ def report(rows, quick):
     lines.append("| workload | weights | kwexport | torch.export |")
     lines.append("| --- | ---: | ---: | ---: |")
     for r in rows:
-        lines.append(f"| {r['workload']} | {r['weight_mb']:.1f} MB | {r['cold_kw']['rss'] / 2**20:.1f} MB | {r['cold_te']['rss'] / 2**20:.1f} MB |")
-    lines.append("\nFour processes load the same file and call it once; while all four are alive, the file's resident pages "
-                 "in each process and each one's proportional share (PSS) of them. A PSS of a quarter of the resident "
-                 "size means the four share one copy, from the page cache.\n")
+        lines.append(
+            f"| {r['workload']} | {r['weight_mb']:.1f} MB | {r['cold_kw']['rss'] / 2**20:.1f} MB | {r['cold_te']['rss'] / 2**20:.1f} MB |"
+        )
+    lines.append(
+        "\nFour processes load the same file and call it once; while all four are alive, the file's resident pages "
+        "in each process and each one's proportional share (PSS) of them. A PSS of a quarter of the resident "
+        "size means the four share one copy, from the page cache.\n"
+    )
     lines.append("| workload | weights | file pages resident per process | PSS per process | processes |")
     lines.append("| --- | ---: | ---: | ---: | ---: |")
     for r in rows:
         if r["shared"]:
             sh = r["shared"]
-            lines.append(f"| {r['workload']} | {r['weight_mb']:.1f} MB | {sh['rss_mb']:.1f} MB | {sh['pss_mb']:.1f} MB | {sh['n']} |")
+            lines.append(
+                f"| {r['workload']} | {r['weight_mb']:.1f} MB | {sh['rss_mb']:.1f} MB | {sh['pss_mb']:.1f} MB | {sh['n']} |"
+            )
     return "\n".join(lines) + "\n"
 
 

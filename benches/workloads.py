@@ -74,8 +74,11 @@ def build(name):
         return two_op, (torch.randn(8),), {"scale": torch.randn(8)}
     if name == "kwargs_mlp":
         args = (torch.randn(4, 32), torch.randn(4, 32))
-        kwargs = {"scale": torch.randn(32), "bias": torch.randn(32),
-                  "shift": {"a": torch.randn(32), "b": [torch.randn(32), torch.randn(32)]}}
+        kwargs = {
+            "scale": torch.randn(32),
+            "bias": torch.randn(32),
+            "shift": {"a": torch.randn(32), "b": [torch.randn(32), torch.randn(32)]},
+        }
         return KwargsMLP().eval(), args, kwargs
     if name == "transformer":
         mask = torch.zeros(2, 32, dtype=torch.bool)

@@ -12,10 +12,9 @@ import sys
 import tempfile
 import textwrap
 
+import kwexport
 import torch
 from torch import nn
-
-import kwexport
 
 
 class Ranker(nn.Module):
@@ -73,8 +72,9 @@ CHILD = textwrap.dedent("""
 
 
 def run_child(which, path, threads):
-    out = subprocess.run([sys.executable, "-c", CHILD, which, path, str(threads)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, which, path, str(threads)], capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -112,7 +112,11 @@ def main():
 
     print(f"\nfresh process, {opts.threads} thread(s), times after `import torch`:")
     print(f"{'':28}{'kwexport':>12}{'torch.export':>14}{'ratio':>9}")
-    rows = [("load + first call (cold)", "cold", 1e3, "ms"), ("load (warm)", "load", 1e3, "ms"), ("call", "call", 1e6, "µs")]
+    rows = [
+        ("load + first call (cold)", "cold", 1e3, "ms"),
+        ("load (warm)", "load", 1e3, "ms"),
+        ("call", "call", 1e6, "µs"),
+    ]
     for label, key, scale, unit in rows:
         a, b = kw[key] * scale, te[key] * scale
         print(f"{label:28}{a:>9.1f} {unit}{b:>11.1f} {unit}{b / a:>8.1f}x")

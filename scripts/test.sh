@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# cargo test links libpython; point PyO3 at the same interpreter as the tests.
-PYO3_PYTHON="$PWD/.venv/bin/python" cargo test --locked
+# The core needs no Python; the runtime's tests link libpython, so point PyO3 at the same
+# interpreter as the tests.
+env -u PYO3_PYTHON cargo test --locked -p kwexport-core
+PYO3_PYTHON="$PWD/.venv/bin/python" cargo test --locked -p kwexport-runtime
 .venv/bin/python -m pytest -q

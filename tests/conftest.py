@@ -1,9 +1,8 @@
 import threading
 
+import kwexport
 import pytest
 import torch
-
-import kwexport
 
 
 @pytest.fixture(params=["abi", "python"])

@@ -21,7 +21,7 @@ ARTIFACT, VERSION = kwexport.ArtifactError, kwexport.VersionError
 
 def split(raw: bytes):
     n = struct.unpack("<Q", raw[8:16])[0]
-    header = json.loads(raw[16:16 + n])
+    header = json.loads(raw[16 : 16 + n])
     data_start = (16 + n + 63) // 64 * 64
     return header, raw[data_start:]
 
@@ -47,7 +47,11 @@ def header_cases(h: dict):
     yield "version_not_numbers", lambda d: d.update(format_version={"major": "2", "minor": 0}), ARTIFACT
     yield "missing_graph", lambda d: d.pop("graph"), ARTIFACT
     yield "weight_out_of_bounds", lambda d: d["weights"]["storages"][0].update(offset=1 << 40), ARTIFACT
-    yield "weight_offset_overflows", lambda d: d["weights"]["storages"][0].update(offset=2**64 - 64, nbytes=128), ARTIFACT
+    yield (
+        "weight_offset_overflows",
+        lambda d: d["weights"]["storages"][0].update(offset=2**64 - 64, nbytes=128),
+        ARTIFACT,
+    )
     yield "weight_misaligned", lambda d: d["weights"]["storages"][0].update(offset=3), ARTIFACT
     yield "weights_overlap", lambda d: d["weights"]["storages"].append(dict(d["weights"]["storages"][0])), ARTIFACT
     yield "weight_shape_too_big", lambda d: first_weight(d).update(shape=[10**6, 10**6], strides=[10**6, 1]), ARTIFACT
@@ -72,22 +76,74 @@ def header_cases(h: dict):
     yield "output_count_lies", lambda d: d["graph"]["outputs"].append(d["graph"]["outputs"][0]), ARTIFACT
     yield "treespec_too_deep", lambda d: d.update(outputs=nest(100)), ARTIFACT
     yield "treespec_unknown_type", lambda d: d.update(outputs={"type": "set", "children": []}), ARTIFACT
-    yield "namedtuple_lies", lambda d: d.update(outputs={"type": "namedtuple", "name": "P", "fields": ["a", "b"], "children": [{"type": "leaf"}]}), ARTIFACT
-    yield "input_root_malformed", lambda d: d["inputs"].update(spec={"type": "list", "children": [{"type": "leaf"}]}), ARTIFACT
+    yield (
+        "namedtuple_lies",
+        lambda d: d.update(
+            outputs={"type": "namedtuple", "name": "P", "fields": ["a", "b"], "children": [{"type": "leaf"}]}
+        ),
+        ARTIFACT,
+    )
+    yield (
+        "input_root_malformed",
+        lambda d: d["inputs"].update(spec={"type": "list", "children": [{"type": "leaf"}]}),
+        ARTIFACT,
+    )
     yield "dim_negative", lambda d: d["inputs"]["leaves"][0]["tensor"]["shape"].__setitem__(0, {"static": -5}), ARTIFACT
-    yield "dim_unknown_symbol", lambda d: d["inputs"]["leaves"][0]["tensor"]["shape"].__setitem__(0, {"symbolic": {"symbol": "zz", "coeff": 1, "offset": 0}}), ARTIFACT
+    yield (
+        "dim_unknown_symbol",
+        lambda d: d["inputs"]["leaves"][0]["tensor"]["shape"].__setitem__(
+            0, {"symbolic": {"symbol": "zz", "coeff": 1, "offset": 0}}
+        ),
+        ARTIFACT,
+    )
     yield "symbol_bad_range", lambda d: d.update(symbols=[{"name": "s0", "min": 10, "max": 2}]), ARTIFACT
-    yield "signature_duplicate_param", lambda d: d["signature"]["params"].append(dict(d["signature"]["params"][0])), ARTIFACT
-    yield "signature_bad_kind_order", lambda d: d["signature"]["params"].insert(0, {"name": "kwonly", "kind": "keyword_only"}), ARTIFACT
-    yield "extra_file_traversal", lambda d: d.update(extra_files={"../../etc/passwd": {"offset": 0, "nbytes": 1, "encoding": "bytes"}}), ARTIFACT
-    yield "extra_file_absolute", lambda d: d.update(extra_files={"/etc/passwd": {"offset": 0, "nbytes": 1, "encoding": "bytes"}}), ARTIFACT
-    yield "extra_file_out_of_bounds", lambda d: d.update(extra_files={"x": {"offset": 0, "nbytes": 1 << 50, "encoding": "bytes"}}), ARTIFACT
-    yield "extra_file_not_utf8", lambda d: d.update(extra_files={"x": {"offset": 0, "nbytes": 64, "encoding": "utf8"}}), ARTIFACT
+    yield (
+        "signature_duplicate_param",
+        lambda d: d["signature"]["params"].append(dict(d["signature"]["params"][0])),
+        ARTIFACT,
+    )
+    yield (
+        "signature_bad_kind_order",
+        lambda d: d["signature"]["params"].insert(0, {"name": "kwonly", "kind": "keyword_only"}),
+        ARTIFACT,
+    )
+    yield (
+        "extra_file_traversal",
+        lambda d: d.update(extra_files={"../../etc/passwd": {"offset": 0, "nbytes": 1, "encoding": "bytes"}}),
+        ARTIFACT,
+    )
+    yield (
+        "extra_file_absolute",
+        lambda d: d.update(extra_files={"/etc/passwd": {"offset": 0, "nbytes": 1, "encoding": "bytes"}}),
+        ARTIFACT,
+    )
+    yield (
+        "extra_file_out_of_bounds",
+        lambda d: d.update(extra_files={"x": {"offset": 0, "nbytes": 1 << 50, "encoding": "bytes"}}),
+        ARTIFACT,
+    )
+    yield (
+        "extra_file_not_utf8",
+        lambda d: d.update(extra_files={"x": {"offset": 0, "nbytes": 64, "encoding": "utf8"}}),
+        ARTIFACT,
+    )
     yield "float_not_a_number", lambda d: node0(d)["args"].__setitem__(1, {"float": "1e999x"}), ARTIFACT
     yield "int_too_big", lambda d: node0(d)["args"].__setitem__(1, {"int": 2**70}), ARTIFACT
-    yield "duplicate_weight_entry", lambda d: json.dumps(d, separators=(",", ":")).replace('"tensors":{', '"tensors":{"weight":{"dtype":"float32","shape":[1],"strides":[1],"storage":0},', 1).encode(), ARTIFACT
+    yield (
+        "duplicate_weight_entry",
+        lambda d: (
+            json.dumps(d, separators=(",", ":"))
+            .replace('"tensors":{', '"tensors":{"weight":{"dtype":"float32","shape":[1],"strides":[1],"storage":0},', 1)
+            .encode()
+        ),
+        ARTIFACT,
+    )
     yield "duplicate_top_level_field", lambda d: json.dumps(d)[:-1].encode() + b',"graph":{}}', ARTIFACT
-    yield "json_nesting_bomb", lambda d: b'{"format_version":{"major":2,"minor":0},"x":' + b"[" * 100000 + b"]" * 100000 + b"}", ARTIFACT
+    yield (
+        "json_nesting_bomb",
+        lambda d: b'{"format_version":{"major":2,"minor":0},"x":' + b"[" * 100000 + b"]" * 100000 + b"}",
+        ARTIFACT,
+    )
     yield "header_not_utf8", lambda d: json.dumps(d).encode().replace(b'"producer"', b'"prod\xff\xfeer"', 1), ARTIFACT
     yield "header_not_json", lambda d: b"not json at all", ARTIFACT
     yield "header_empty", lambda d: b"", ARTIFACT
@@ -118,7 +174,7 @@ def generate(src, out) -> dict[str, type]:
     write("truncated_data", raw[: len(raw) - 8], ARTIFACT)
     write("header_length_huge", raw[:8] + struct.pack("<Q", 2**63) + raw[16:], ARTIFACT)
     write("header_length_past_end", raw[:8] + struct.pack("<Q", len(raw)) + raw[16:], ARTIFACT)
-    write("nonzero_padding", raw[: 16 + n] + b"\x01" + raw[17 + n:], ARTIFACT)
+    write("nonzero_padding", raw[: 16 + n] + b"\x01" + raw[17 + n :], ARTIFACT)
     return expected
 
 

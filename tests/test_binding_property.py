@@ -9,10 +9,9 @@ accepts (`a` goes to `**kw`); hypothesis found that case.
 import inspect
 import json
 
+import kwexport
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-
-import kwexport
 from kwexport import _rt
 
 NAMES = ["a", "b", "c", "d", "e", "f"]
@@ -26,7 +25,11 @@ def signatures(draw):
     kinds = [P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD, P.VAR_POSITIONAL, P.KEYWORD_ONLY, P.VAR_KEYWORD]
     for name in names[: draw(st.integers(0, len(NAMES)))]:
         last = params[-1].kind if params else P.POSITIONAL_ONLY
-        allowed = [k for k in kinds if k >= last and not (k in (P.VAR_POSITIONAL, P.VAR_KEYWORD) and any(p.kind == k for p in params))]
+        allowed = [
+            k
+            for k in kinds
+            if k >= last and not (k in (P.VAR_POSITIONAL, P.VAR_KEYWORD) and any(p.kind == k for p in params))
+        ]
         if last == P.VAR_KEYWORD or not allowed:
             break
         kind = draw(st.sampled_from(allowed))
@@ -41,15 +44,26 @@ def signatures(draw):
 
 
 def to_json(sig):
-    return json.dumps({"name": "f", "params": [
-        {"name": p.name, "kind": p.kind.name.lower(), **({"default": {"int": 1}} if p.default is not P.empty else {})}
-        for p in sig.parameters.values()
-    ]})
+    return json.dumps(
+        {
+            "name": "f",
+            "params": [
+                {
+                    "name": p.name,
+                    "kind": p.kind.name.lower(),
+                    **({"default": {"int": 1}} if p.default is not P.empty else {}),
+                }
+                for p in sig.parameters.values()
+            ],
+        }
+    )
 
 
 @settings(max_examples=400, deadline=None)
 @example(sig=inspect.Signature([P("a", P.POSITIONAL_ONLY, default=1), P("b", P.VAR_KEYWORD)]), n_args=0, kw=["a"])
-@given(sig=signatures(), n_args=st.integers(0, 7), kw=st.lists(st.sampled_from(NAMES + ["zz"]), unique=True, max_size=4))
+@given(
+    sig=signatures(), n_args=st.integers(0, 7), kw=st.lists(st.sampled_from(NAMES + ["zz"]), unique=True, max_size=4)
+)
 def test_binder_matches_inspect(sig, n_args, kw):
     args = [f"arg{i}" for i in range(n_args)]
     kwargs = {k: f"kw_{k}" for k in kw}
@@ -75,7 +89,7 @@ def test_binder_matches_inspect(sig, n_args, kw):
         elif b[0] == "keyword":
             values[p.name] = kwargs[b[1]]
         elif b[0] == "var_positional":
-            values[p.name] = tuple(args[b[1]:b[2]])
+            values[p.name] = tuple(args[b[1] : b[2]])
         elif b[0] == "var_keyword":
             values[p.name] = {k: kwargs[k] for k in b[1]}
     assert values == expected

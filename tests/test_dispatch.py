@@ -5,14 +5,13 @@ plan chooses."""
 import gc
 import sys
 
+import kwexport
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_same, in_threads
 from torch import nn
 from torch.export import Dim
-
-import kwexport
-from conftest import assert_same, in_threads
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent.parent / "benches"))
 import workloads  # noqa: E402
@@ -60,14 +59,14 @@ class Zoo(nn.Module):
         self.conv = nn.Conv1d(3, 4, 3, padding=1)
 
     def forward(self, x, idx, *, mode: str = "tanh"):
-        a, b, c = torch.split(x, 4, dim=-1)                     # list return
-        h = F.gelu(self.norm(x), approximate=mode)              # str, optional tensors, 3 returns
-        h = h.to(torch.float64).sum(-1, keepdim=True)           # dtype, int list, bool
-        y = torch.cat([a * 2, b / 3, c - 1.5], dim=-1)          # tensor list, wrapped numbers
-        y = y.index_select(-1, idx).clamp(min=-1.0)             # optional number
-        z = self.conv(x.view(2, 3, 12)).flatten()               # int lists with defaults
-        m = torch.max(x, dim=0)                                 # (values, indices) tuple return
-        return y, h, z, m.values, m.indices, (x > 0).sum()      # bool tensor, int64 reduction
+        a, b, c = torch.split(x, 4, dim=-1)  # list return
+        h = F.gelu(self.norm(x), approximate=mode)  # str, optional tensors, 3 returns
+        h = h.to(torch.float64).sum(-1, keepdim=True)  # dtype, int list, bool
+        y = torch.cat([a * 2, b / 3, c - 1.5], dim=-1)  # tensor list, wrapped numbers
+        y = y.index_select(-1, idx).clamp(min=-1.0)  # optional number
+        z = self.conv(x.view(2, 3, 12)).flatten()  # int lists with defaults
+        m = torch.max(x, dim=0)  # (values, indices) tuple return
+        return y, h, z, m.values, m.indices, (x > 0).sum()  # bool tensor, int64 reduction
 
 
 def test_argument_kinds_agree(tmp_path):

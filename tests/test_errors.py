@@ -3,10 +3,9 @@
 import json
 import struct
 
+import kwexport
 import pytest
 import torch
-
-import kwexport
 
 
 def kw_func(x, y, *, cfg, b=2):
@@ -33,14 +32,20 @@ def test_hierarchy():
     assert kwexport.InputError.__module__ == "kwexport"
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda p, x: p(x, x), "kw_func() missing 1 required keyword-only argument: 'cfg'"),
-    (lambda p, x: p(x, x, cfgg={}), "kw_func() got an unexpected keyword argument 'cfgg'"),
-    (lambda p, x: p(x, x, x, cfg={}), "kw_func() takes 2 positional arguments but 3 positional arguments (and 1 keyword-only argument) were given"),
-    (lambda p, x: p(x, x, x), "kw_func() takes 2 positional arguments but 3 were given"),
-    (lambda p, x: p(x, x=x, cfg={}), "kw_func() got multiple values for argument 'x'"),
-    (lambda p, x: p(cfg={}), "kw_func() missing 2 required positional arguments: 'x' and 'y'"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda p, x: p(x, x), "kw_func() missing 1 required keyword-only argument: 'cfg'"),
+        (lambda p, x: p(x, x, cfgg={}), "kw_func() got an unexpected keyword argument 'cfgg'"),
+        (
+            lambda p, x: p(x, x, x, cfg={}),
+            "kw_func() takes 2 positional arguments but 3 positional arguments (and 1 keyword-only argument) were given",
+        ),
+        (lambda p, x: p(x, x, x), "kw_func() takes 2 positional arguments but 3 were given"),
+        (lambda p, x: p(x, x=x, cfg={}), "kw_func() got multiple values for argument 'x'"),
+        (lambda p, x: p(cfg={}), "kw_func() missing 2 required positional arguments: 'x' and 'y'"),
+    ],
+)
 def test_signature_errors_match_python(prog, call, message):
     x = torch.ones(2, 3)
     with pytest.raises(kwexport.SignatureError) as e:
@@ -52,18 +57,36 @@ def test_signature_errors_match_python(prog, call, message):
     assert str(py.value).endswith(message.removeprefix("kw_func"))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"cfg": {"shift": [torch.ones(3, dtype=torch.float64)]}}, "cfg['shift'][0]: expected dtype torch.float32, got torch.float64"),
-    ({"cfg": {"shift": [torch.ones(4)]}}, "cfg['shift'][0]: dimension 0 must be 3 (static at export), got 4 (shape [4])"),
-    ({"cfg": {"shift": [torch.ones(3, 1)]}}, "cfg['shift'][0]: expected a tensor with 1 dimension, got 2 (shape [3, 1])"),
-    ({"cfg": {"shift": [1.0]}}, "cfg['shift'][0]: expected a tensor of dtype torch.float32, got a float"),
-    ({"cfg": {"shift": (torch.ones(3),)}}, "cfg['shift']: expected a list of 1 items, got a tuple of 1 items"),
-    ({"cfg": {"shift": [torch.ones(3)], "scale": 1}}, "cfg: expected a dict with keys ['shift'], got one with unexpected key(s) 'scale'"),
-    ({"cfg": {"shfit": [torch.ones(3)]}}, "cfg: expected a dict with keys ['shift'], got one with missing key(s) 'shift' and unexpected key(s) 'shfit'"),
-    ({"cfg": [torch.ones(3)]}, "cfg: expected a dict with keys ['shift'], got a list of 1 items"),
-    ({"cfg": {"shift": [torch.ones(3)]}, "b": 3}, "b: expected 2 (specialized at export), got 3"),
-    ({"cfg": {"shift": [torch.ones(3)]}, "b": 2.0}, "b: expected 2 (specialized at export), got 2.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"cfg": {"shift": [torch.ones(3, dtype=torch.float64)]}},
+            "cfg['shift'][0]: expected dtype torch.float32, got torch.float64",
+        ),
+        (
+            {"cfg": {"shift": [torch.ones(4)]}},
+            "cfg['shift'][0]: dimension 0 must be 3 (static at export), got 4 (shape [4])",
+        ),
+        (
+            {"cfg": {"shift": [torch.ones(3, 1)]}},
+            "cfg['shift'][0]: expected a tensor with 1 dimension, got 2 (shape [3, 1])",
+        ),
+        ({"cfg": {"shift": [1.0]}}, "cfg['shift'][0]: expected a tensor of dtype torch.float32, got a float"),
+        ({"cfg": {"shift": (torch.ones(3),)}}, "cfg['shift']: expected a list of 1 items, got a tuple of 1 items"),
+        (
+            {"cfg": {"shift": [torch.ones(3)], "scale": 1}},
+            "cfg: expected a dict with keys ['shift'], got one with unexpected key(s) 'scale'",
+        ),
+        (
+            {"cfg": {"shfit": [torch.ones(3)]}},
+            "cfg: expected a dict with keys ['shift'], got one with missing key(s) 'shift' and unexpected key(s) 'shfit'",
+        ),
+        ({"cfg": [torch.ones(3)]}, "cfg: expected a dict with keys ['shift'], got a list of 1 items"),
+        ({"cfg": {"shift": [torch.ones(3)]}, "b": 3}, "b: expected 2 (specialized at export), got 3"),
+        ({"cfg": {"shift": [torch.ones(3)]}, "b": 2.0}, "b: expected 2 (specialized at export), got 2.0"),
+    ],
+)
 def test_input_errors_name_the_path(prog, kwargs, message):
     with pytest.raises(kwexport.InputError) as e:
         prog(torch.ones(2, 3), torch.ones(2, 3), **kwargs)
@@ -77,7 +100,9 @@ def test_input_errors_for_variadics(roundtrip):
 
     t = torch.ones(2)
     prog = roundtrip(f, (t, t), {"k": t})
-    with pytest.raises(kwexport.InputError, match=r"^\*rest: expected 1 extra positional argument\(s\), as exported, got 2$"):
+    with pytest.raises(
+        kwexport.InputError, match=r"^\*rest: expected 1 extra positional argument\(s\), as exported, got 2$"
+    ):
         prog(t, t, t, k=t)
     with pytest.raises(kwexport.InputError, match=r"^k: missing keyword argument: at export \*\*extra held 'k'$"):
         prog(t, t)
@@ -101,10 +126,12 @@ def test_export_time_signature_error():
 
 
 def test_unsaveable_default_is_an_artifact_error():
-    def f(x, mode=object()):
+    def f(x, mode=object()):  # noqa: B008 - an unsaveable default is the point
         return x
 
-    with pytest.raises(kwexport.ArtifactError, match=r"default of parameter 'mode': can't save a value of type object without pickle"):
+    with pytest.raises(
+        kwexport.ArtifactError, match=r"default of parameter 'mode': can't save a value of type object without pickle"
+    ):
         kwexport.export(f, (torch.ones(2),))
 
 
@@ -121,7 +148,7 @@ def test_unsafe_extra_file_name(tmp_path):
 def read_parts(path):
     raw = path.read_bytes()
     n = struct.unpack("<Q", raw[8:16])[0]
-    return raw, json.loads(raw[16:16 + n]), 16 + n
+    return raw, json.loads(raw[16 : 16 + n]), 16 + n
 
 
 def rewrite(path, header, raw, header_end):
@@ -154,17 +181,40 @@ def test_version_error_for_newer_major(saved):
     )
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda h: h["ops"][0].update(name="mylib::evil.default"), r"ops\[0\] \(mylib::evil.default\): op namespace \"mylib\" is not allowed"),
-    (lambda h: h["ops"][0].update(name="aten::no_such_op.default"), r"ops\[0\] \(aten::no_such_op.default\): op not found in the running torch"),
-    (lambda h: h["graph"]["nodes"][0].update(op=5), r"graph.nodes\[0\]: op 5 is not in the op table \(1 ops\)"),
-    (lambda h: h["graph"]["nodes"][0]["args"].append({"int": 1}) or h["graph"]["nodes"][0]["args"].append({"int": 1}), r"graph.nodes\[0\] \(aten::linear.default\): 5 positional arguments, but the op takes 3"),
-    (lambda h: h["graph"]["nodes"][0]["args"].__setitem__(0, {"ref": "nope"}), r"value \"nope\" is used before it is defined"),
-    (lambda h: h["weights"]["tensors"]["weight"].update(shape=[200, 3]), r"weights.tensors\[\"weight\"\]: needs 2400 bytes of storage 0 but it has 24"),
-    (lambda h: h["inputs"]["leaves"].append(h["inputs"]["leaves"][0]), r"inputs: the spec has 1 leaves but inputs.leaves describes 2"),
-    (lambda h: h.pop("graph"), r"header: missing field `graph`"),
-    (lambda h: h["signature"]["params"][0].update(name="not valid"), r"not a Python identifier"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (
+            lambda h: h["ops"][0].update(name="mylib::evil.default"),
+            r"ops\[0\] \(mylib::evil.default\): op namespace \"mylib\" is not allowed",
+        ),
+        (
+            lambda h: h["ops"][0].update(name="aten::no_such_op.default"),
+            r"ops\[0\] \(aten::no_such_op.default\): op not found in the running torch",
+        ),
+        (lambda h: h["graph"]["nodes"][0].update(op=5), r"graph.nodes\[0\]: op 5 is not in the op table \(1 ops\)"),
+        (
+            lambda h: (
+                h["graph"]["nodes"][0]["args"].append({"int": 1}) or h["graph"]["nodes"][0]["args"].append({"int": 1})
+            ),
+            r"graph.nodes\[0\] \(aten::linear.default\): 5 positional arguments, but the op takes 3",
+        ),
+        (
+            lambda h: h["graph"]["nodes"][0]["args"].__setitem__(0, {"ref": "nope"}),
+            r"value \"nope\" is used before it is defined",
+        ),
+        (
+            lambda h: h["weights"]["tensors"]["weight"].update(shape=[200, 3]),
+            r"weights.tensors\[\"weight\"\]: needs 2400 bytes of storage 0 but it has 24",
+        ),
+        (
+            lambda h: h["inputs"]["leaves"].append(h["inputs"]["leaves"][0]),
+            r"inputs: the spec has 1 leaves but inputs.leaves describes 2",
+        ),
+        (lambda h: h.pop("graph"), r"header: missing field `graph`"),
+        (lambda h: h["signature"]["params"][0].update(name="not valid"), r"not a Python identifier"),
+    ],
+)
 def test_artifact_errors_name_the_entry(saved, mutate, message):
     raw, header, end = read_parts(saved)
     mutate(header)
@@ -182,7 +232,7 @@ def test_corrupt_container(saved):
     with pytest.raises(kwexport.ArtifactError, match=r"^file: not a kwexport file"):
         kwexport.load(saved)
     n = struct.unpack("<Q", raw[8:16])[0]
-    saved.write_bytes(raw[:16] + b"\xff" * n + raw[16 + n:])
+    saved.write_bytes(raw[:16] + b"\xff" * n + raw[16 + n :])
     with pytest.raises(kwexport.ArtifactError, match=r"^header: invalid JSON"):
         kwexport.load(saved)
     saved.write_bytes(b"")

@@ -3,9 +3,8 @@
 import json
 import pathlib
 
-import pytest
-
 import kwexport
+import pytest
 from conftest import assert_same
 from golden.tensor_codec import decode
 

@@ -1,9 +1,8 @@
 """Hostile files: every one gives exactly the expected error class, never a crash."""
 
+import kwexport
 import pytest
 import torch
-
-import kwexport
 from hostile_corpus import generate
 
 
@@ -39,7 +38,7 @@ def test_inspect_refuses_them_too(corpus):
     folder, expected = corpus
     from kwexport.__main__ import describe
 
-    for name, cls in expected.items():
+    for name in expected:
         if name.startswith("op_") or name.removesuffix(".kwx") in ("bad_layout_literal", "python_operator_not_allowed"):
             continue  # ops are resolved against torch only when loading to run
         with pytest.raises(kwexport.ArtifactError):

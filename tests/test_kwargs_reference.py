@@ -3,7 +3,6 @@ a saved file, with the keyword arguments in both orders."""
 
 import pytest
 import torch
-
 from conftest import assert_same, reversed_kwargs
 
 
@@ -101,6 +100,7 @@ def test_var_keyword_pytree_args(roundtrip):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_results_follow_inputs(roundtrip, seed):
     """Not just ones: random inputs at call time, different from the export's."""
+
     def kw_func(x, *, scale, shift=0.5):
         return x * scale + shift
 

@@ -2,13 +2,12 @@
 
 import collections
 
+import kwexport
 import pytest
 import torch
+from conftest import assert_same, reversed_kwargs
 from torch import nn
 from torch.export import Dim
-
-import kwexport
-from conftest import assert_same, reversed_kwargs
 
 
 class KwargsMLP(nn.Module):
@@ -94,9 +93,15 @@ class ConvNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, stride=2), nn.BatchNorm2d(32), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(32, 10),
         )
 
     def forward(self, images):
@@ -127,6 +132,7 @@ def test_linear_and_tied_weights(roundtrip):
     prog = roundtrip(m, (torch.randn(2, 64),))
     x = torch.randn(2, 64)
     assert_same(prog(x), m(x))
+
     # The same weights twice stay one storage in the file.
     class Tied(nn.Module):
         def __init__(self):
@@ -152,8 +158,9 @@ def double_then_add(x, y):
 
 def test_dynamic_shapes_with_shared_dim(roundtrip):
     batch = Dim("batch", min=2, max=64)
-    prog = roundtrip(double_then_add, (torch.randn(4, 3), torch.randn(4, 5)),
-                     dynamic_shapes={"x": {0: batch}, "y": {0: batch}})
+    prog = roundtrip(
+        double_then_add, (torch.randn(4, 3), torch.randn(4, 5)), dynamic_shapes={"x": {0: batch}, "y": {0: batch}}
+    )
     for n in (2, 7, 64):
         x, y = torch.randn(n, 3), torch.randn(n, 5)
         assert_same(prog(x, y), double_then_add(x, y))
@@ -161,7 +168,9 @@ def test_dynamic_shapes_with_shared_dim(roundtrip):
         prog(torch.randn(65, 3), torch.randn(65, 5))
     with pytest.raises(kwexport.InputError, match=r"^x: dimension 0 is s\d+ with s\d+ in \[2, 64\], got 1$"):
         prog(torch.randn(1, 3), torch.randn(1, 5))
-    with pytest.raises(kwexport.InputError, match=r"^y: dimension 0 is s\d+ = 6, since s\d+ = 6 from x dimension 0, got 5$"):
+    with pytest.raises(
+        kwexport.InputError, match=r"^y: dimension 0 is s\d+ = 6, since s\d+ = 6 from x dimension 0, got 5$"
+    ):
         prog(torch.randn(6, 3), torch.randn(5, 5))
     with pytest.raises(kwexport.InputError, match=r"^y: dimension 1 must be 5 \(static at export\), got 4"):
         prog(torch.randn(6, 3), torch.randn(6, 4))
@@ -173,12 +182,16 @@ def test_dynamic_shapes_in_nested_kwargs(roundtrip):
 
     n = Dim("n", min=1, max=32)
     dyn = {"x": {0: n}, "cfg": {"scale": [{0: n}], "shift": None}}
-    prog = roundtrip(f, (torch.randn(3, 2),), {"cfg": {"scale": [torch.randn(3)], "shift": torch.randn(4)}},
-                     dynamic_shapes=dyn)
+    prog = roundtrip(
+        f, (torch.randn(3, 2),), {"cfg": {"scale": [torch.randn(3)], "shift": torch.randn(4)}}, dynamic_shapes=dyn
+    )
     for k in (1, 5, 32):
         x, cfg = torch.randn(k, 2), {"shift": torch.randn(4), "scale": [torch.randn(k)]}
         assert_same(prog(x, cfg=cfg), f(x, cfg=cfg))
-    with pytest.raises(kwexport.InputError, match=r"^cfg\['scale'\]\[0\]: dimension 0 is s\d+ = 5, since s\d+ = 5 from x dimension 0, got 4$"):
+    with pytest.raises(
+        kwexport.InputError,
+        match=r"^cfg\['scale'\]\[0\]: dimension 0 is s\d+ = 5, since s\d+ = 5 from x dimension 0, got 4$",
+    ):
         prog(torch.randn(5, 2), cfg={"shift": torch.randn(4), "scale": [torch.randn(4)]})
 
 
@@ -191,7 +204,9 @@ def test_derived_dim(roundtrip):
     for k in (2, 9):
         x, y = torch.randn(k + 1), torch.randn(k)
         assert_same(prog(x, y), f(x, y))
-    with pytest.raises(kwexport.InputError, match=r"^y: dimension 0 is \w+ = 4, since \w+ = 4 from x dimension 0, got 7$"):
+    with pytest.raises(
+        kwexport.InputError, match=r"^y: dimension 0 is \w+ = 4, since \w+ = 4 from x dimension 0, got 7$"
+    ):
         prog(torch.randn(5), torch.randn(7))
 
 

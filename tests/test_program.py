@@ -7,10 +7,9 @@ import sys
 import textwrap
 import threading
 
+import kwexport
 import pytest
 import torch
-
-import kwexport
 from conftest import assert_same, in_threads
 
 
@@ -73,7 +72,7 @@ def test_fresh_process_loads_without_export_machinery_or_pickle(tmp_path):
     script = textwrap.dedent(f"""
         import pickle, sys
         import torch
-        x, want = torch.load({str(tmp_path / 'io.pt')!r})
+        x, want = torch.load({str(tmp_path / "io.pt")!r})
         def refuse(*a, **k):
             raise AssertionError("pickle used while loading")
         pickle.loads = pickle.load = refuse

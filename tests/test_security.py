@@ -4,10 +4,9 @@ import subprocess
 import sys
 import textwrap
 
+import kwexport
 import pytest
 import torch
-
-import kwexport
 from conftest import assert_same
 
 

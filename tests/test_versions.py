@@ -4,10 +4,9 @@ import json
 import subprocess
 import sys
 
+import kwexport
 import pytest
 import torch
-
-import kwexport
 from conftest import assert_same
 from kwexport.__main__ import describe
 from test_errors import read_parts, rewrite
@@ -75,6 +74,7 @@ def test_compatible_op_schema_drift_is_noted(linspace_file):
     rewrite(linspace_file, header, raw, end)
     with pytest.raises(kwexport.ArtifactError, match="changed incompatibly"):
         kwexport.load(linspace_file)
+
     # An older torch's add lacked the trailing defaulted `alpha`: compatible, noted.
     def f(x):
         return x + 1
@@ -147,7 +147,10 @@ def test_upgrade(tmp_path):
     d_old, d_new = describe(old), describe(new)
     assert d_old["weights"] == d_new["weights"]
     old_raw, new_raw = old.read_bytes(), new.read_bytes()
-    assert old_raw[kwexport._rt.describe(str(old))["data_offset"]:] == new_raw[kwexport._rt.describe(str(new))["data_offset"]:]
+    assert (
+        old_raw[kwexport._rt.describe(str(old))["data_offset"] :]
+        == new_raw[kwexport._rt.describe(str(new))["data_offset"] :]
+    )
     # It never overwrites without being asked.
     before = new.read_bytes()
     refused = run_cli("upgrade", old, new)

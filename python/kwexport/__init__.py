@@ -68,7 +68,9 @@ def load(path: str | os.PathLike[str], *, allow_ops: Iterable[str] = (), dispatc
     return _load(os.fspath(path), allow_ops=list(allow_ops), dispatch=dispatch)
 
 
-def export(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, *, dynamic_shapes: Any = None) -> Exported:
+def export(
+    f: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, *, dynamic_shapes: Any = None
+) -> Exported:
     """Trace ``f`` (an ``nn.Module`` or a function) with torch.export, keeping its signature."""
     from kwexport._trace import export as _export
 

@@ -20,7 +20,9 @@ DTYPE_NAMES = {getattr(torch, name): name for name, _ in DTYPES}
 _PY_OPERATORS = {getattr(operator, name): name for name in PY_OPERATORS}
 
 
-def header_json(ep, sig_json: dict[str, Any], leaves: list[Any], in_spec) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def header_json(
+    ep, sig_json: dict[str, Any], leaves: list[Any], in_spec
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The header for ``ep``, less its weight tables, and the weights by name."""
     gs = ep.graph_signature
     InputKind = torch.export.graph_signature.InputKind
@@ -51,8 +53,14 @@ def header_json(ep, sig_json: dict[str, Any], leaves: list[Any], in_spec) -> tup
 
     for spec in gs.output_specs:
         if spec.kind != OutputKind.USER_OUTPUT:
-            what = "mutates a buffer (call .eval() for batch norm?)" if spec.kind == OutputKind.BUFFER_MUTATION else f"has a {spec.kind.name} output"
-            raise ArtifactError(f"graph output {spec.arg.name!r}: the program {what}; kwexport saves pure inference programs")
+            what = (
+                "mutates a buffer (call .eval() for batch norm?)"
+                if spec.kind == OutputKind.BUFFER_MUTATION
+                else f"has a {spec.kind.name} output"
+            )
+            raise ArtifactError(
+                f"graph output {spec.arg.name!r}: the program {what}; kwexport saves pure inference programs"
+            )
 
     leaf_specs = [None] * len(leaves)
     ops = _OpTable()
@@ -70,17 +78,21 @@ def header_json(ep, sig_json: dict[str, Any], leaves: list[Any], in_spec) -> tup
         elif node.op == "output":
             outputs = [_arg(a, "graph.outputs") for a in node.args[0]]
         else:
-            raise ArtifactError(f"node {node.name!r}: unsupported node kind {node.op!r} (control flow and submodules are not supported)")
+            raise ArtifactError(
+                f"node {node.name!r}: unsupported node kind {node.op!r} (control flow and submodules are not supported)"
+            )
 
     symbols = []
     for sym, rng in ep.range_constraints.items():
         if getattr(sym, "is_Symbol", False):
             upper = rng.upper
-            symbols.append({
-                "name": str(sym),
-                "min": int(rng.lower),
-                "max": None if _is_inf(upper) else int(upper),
-            })
+            symbols.append(
+                {
+                    "name": str(sym),
+                    "min": int(rng.lower),
+                    "max": None if _is_inf(upper) else int(upper),
+                }
+            )
 
     header = {
         "format_version": {"major": FORMAT_VERSION[0], "minor": FORMAT_VERSION[1]},
@@ -179,11 +191,13 @@ def _leaf_spec(val, value, i):
     if isinstance(val, torch.Tensor):
         if val.layout != torch.strided or val.dtype not in DTYPE_NAMES:
             raise ArtifactError(f"{where}: unsupported tensor ({val.layout}, {val.dtype})")
-        return {"tensor": {
-            "dtype": DTYPE_NAMES[val.dtype],
-            "device": str(value.device) if isinstance(value, torch.Tensor) else str(val.device),
-            "shape": [_dim(s, where) for s in val.shape],
-        }}
+        return {
+            "tensor": {
+                "dtype": DTYPE_NAMES[val.dtype],
+                "device": str(value.device) if isinstance(value, torch.Tensor) else str(val.device),
+                "shape": [_dim(s, where) for s in val.shape],
+            }
+        }
     if isinstance(value, torch.Tensor):
         raise AssertionError(f"kwexport: {where} is a tensor but its placeholder is not")
     return {"constant": constant_json(value, where)}
@@ -222,8 +236,13 @@ def _treespec(spec, where):
         return {"type": "none"}
     cls = spec.context
     if isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields"):
-        return {"type": "namedtuple", "name": cls.__name__, "module": cls.__module__,
-                "fields": list(cls._fields), "children": kids}
+        return {
+            "type": "namedtuple",
+            "name": cls.__name__,
+            "module": cls.__module__,
+            "fields": list(cls._fields),
+            "children": kids,
+        }
     raise ArtifactError(f"{where}: can't save a container of type {getattr(t, '__qualname__', t)!r}")
 
 
@@ -233,5 +252,3 @@ def _key(k, where):
     if isinstance(k, int) and not isinstance(k, bool) and _I64[0] <= k <= _I64[1]:
         return {"int": k}
     raise ArtifactError(f"{where}: dict key {k!r} is neither a str nor an int")
-
-

@@ -26,14 +26,16 @@ def signature_json(name: str, sig: inspect.Signature) -> dict[str, Any]:
 
 
 def signature_from_json(sig: dict[str, Any]) -> inspect.Signature:
-    return inspect.Signature([
-        inspect.Parameter(
-            p["name"],
-            getattr(inspect.Parameter, p["kind"].upper()),
-            **({"default": constant_value(p["default"])} if "default" in p else {}),
-        )
-        for p in sig["params"]
-    ])
+    return inspect.Signature(
+        [
+            inspect.Parameter(
+                p["name"],
+                getattr(inspect.Parameter, p["kind"].upper()),
+                **({"default": constant_value(p["default"])} if "default" in p else {}),
+            )
+            for p in sig["params"]
+        ]
+    )
 
 
 def constant_json(x: Any, where: str, allow_containers: bool = True) -> dict[str, Any]:

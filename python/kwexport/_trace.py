@@ -109,9 +109,14 @@ def _mutates_inputs(ep) -> bool:
 
 def _view_root(value):
     """Follows views (ops whose first return aliases their first argument) back to their base."""
-    while (isinstance(value, torch.fx.Node) and value.op == "call_function"
-           and isinstance(value.target, torch._ops.OpOverload) and value.target._schema.returns
-           and value.target._schema.returns[0].alias_info is not None and value.args):
+    while (
+        isinstance(value, torch.fx.Node)
+        and value.op == "call_function"
+        and isinstance(value.target, torch._ops.OpOverload)
+        and value.target._schema.returns
+        and value.target._schema.returns[0].alias_info is not None
+        and value.args
+    ):
         value = value.args[0]
     return value
 

@@ -21,13 +21,13 @@ def weight_tables(weights: dict[str, torch.Tensor]) -> tuple[list[dict[str, Any]
     storages: list[torch.Tensor] = []
     by_storage: dict[Any, int] = {}
     tensors = {}
-    for name, t in weights.items():
+    for name, weight in weights.items():
         where = f"weight {name!r}"
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
-            raise ArtifactError(f"{where}: tensor subclass {type(t).__name__} can't be saved")
-        if t.layout != torch.strided or t.is_quantized or t.dtype not in DTYPE_NAMES:
-            raise ArtifactError(f"{where}: unsupported tensor ({t.layout}, {t.dtype})")
-        t = t.detach()
+        if type(weight) not in (torch.Tensor, torch.nn.Parameter):
+            raise ArtifactError(f"{where}: tensor subclass {type(weight).__name__} can't be saved")
+        if weight.layout != torch.strided or weight.is_quantized or weight.dtype not in DTYPE_NAMES:
+            raise ArtifactError(f"{where}: unsupported tensor ({weight.layout}, {weight.dtype})")
+        t = weight.detach()
         st = t.untyped_storage()
         key = (st.data_ptr(), str(t.device), st.nbytes()) if st.nbytes() else ("empty", name)
         if key not in by_storage:

@@ -43,14 +43,28 @@ def cases():
     torch.manual_seed(0)
     mlp = TinyMLP().eval()
     d = torch.export.Dim("d", min=2, max=16)
-    yield "nested_kwargs", nested_kwargs, (r(2, 3), r(2, 4)), {"cfg": {"shift": [r(3)]}, "bias": r(3)}, None, [
-        ((r(2, 3), r(2, 4)), {"bias": r(3), "cfg": {"shift": [r(3)]}}),
-    ]
+    yield (
+        "nested_kwargs",
+        nested_kwargs,
+        (r(2, 3), r(2, 4)),
+        {"cfg": {"shift": [r(3)]}, "bias": r(3)},
+        None,
+        [
+            ((r(2, 3), r(2, 4)), {"bias": r(3), "cfg": {"shift": [r(3)]}}),
+        ],
+    )
     yield "tiny_mlp", mlp, (r(4, 6),), {"mask": r(3)}, None, [((r(4, 6),), {"mask": r(3)})]
-    yield "dynamic", dynamic, (r(3, 5), r(3, 5)), {}, {"x": {0: d}, "y": {0: d}}, [
-        ((r(2, 5), r(2, 5)), {}),
-        ((r(9, 5), r(9, 5)), {}),
-    ]
+    yield (
+        "dynamic",
+        dynamic,
+        (r(3, 5), r(3, 5)),
+        {},
+        {"x": {0: d}, "y": {0: d}},
+        [
+            ((r(2, 5), r(2, 5)), {}),
+            ((r(9, 5), r(9, 5)), {}),
+        ],
+    )
 
 
 def main():
@@ -60,8 +74,11 @@ def main():
         sys.exit(f"{out} exists: golden files of a released version are never rewritten")
     out.mkdir()
     for name, f, args, kwargs, dyn, calls in cases():
-        kwexport.save(kwexport.export(f, args, kwargs, dynamic_shapes=dyn), out / f"{name}.kwx",
-                      extra_files={"golden.txt": f"{name} at format {major}.{minor}"})
+        kwexport.save(
+            kwexport.export(f, args, kwargs, dynamic_shapes=dyn),
+            out / f"{name}.kwx",
+            extra_files={"golden.txt": f"{name} at format {major}.{minor}"},
+        )
         with torch.no_grad():
             record = [{"args": encode(a), "kwargs": encode(k), "expected": encode(f(*a, **k))} for a, k in calls]
         (out / f"{name}.json").write_text(json.dumps({"calls": record}, indent=1) + "\n")

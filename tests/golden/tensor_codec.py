@@ -8,8 +8,13 @@ import torch
 def encode(v):
     if isinstance(v, torch.Tensor):
         t = v.detach().contiguous().cpu()
-        return {"tensor": {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                           "data": base64.b64encode(t.numpy().tobytes()).decode()}}
+        return {
+            "tensor": {
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "data": base64.b64encode(t.numpy().tobytes()).decode(),
+            }
+        }
     if isinstance(v, dict):
         return {"dict": [[k, encode(x)] for k, x in v.items()]}
     if isinstance(v, (tuple, list)):
@@ -24,7 +29,11 @@ def decode(v):
     if kind == "tensor":
         dtype = getattr(torch, x["dtype"])
         raw = bytearray(base64.b64decode(x["data"]))
-        return torch.frombuffer(raw, dtype=dtype).reshape(x["shape"]).clone() if raw else torch.empty(x["shape"], dtype=dtype)
+        return (
+            torch.frombuffer(raw, dtype=dtype).reshape(x["shape"]).clone()
+            if raw
+            else torch.empty(x["shape"], dtype=dtype)
+        )
     if kind == "dict":
         return {k: decode(i) for k, i in x}
     if kind in ("tuple", "list"):

@@ -1,0 +1,92 @@
+"""Type stubs for ``kwexport._rt``, kwexport's Rust runtime (``rust/runtime``)."""
+
+import inspect
+import os
+from typing import Any, final
+
+__all__ = [
+    "KwexportError",
+    "ArtifactError",
+    "VersionError",
+    "SignatureError",
+    "InputError",
+    "FORMAT_VERSION",
+    "OLDEST_FORMAT_VERSION",
+    "RELEASED_FORMAT_VERSIONS",
+    "MAGIC",
+    "ALIGN",
+    "DTYPES",
+    "PY_OPERATORS",
+    "LAYOUTS",
+    "MEMORY_FORMATS",
+    "Program",
+    "load",
+    "describe",
+    "check_extra_name",
+    "container_head",
+    "_bind",
+    "_load_verified",
+]
+
+FORMAT_VERSION: tuple[int, int]
+OLDEST_FORMAT_VERSION: tuple[int, int]
+RELEASED_FORMAT_VERSIONS: list[tuple[int, int]]
+
+# The format's tables (rust/core/src/tables.rs).
+MAGIC: bytes
+ALIGN: int
+DTYPES: list[tuple[str, int]]
+PY_OPERATORS: list[str]
+LAYOUTS: list[str]
+MEMORY_FORMATS: list[str]
+
+class KwexportError(Exception):
+    """Base class of every error kwexport raises."""
+
+class ArtifactError(KwexportError, ValueError):
+    """A file that is malformed, corrupt, unsafe or unsupported."""
+
+class VersionError(ArtifactError):
+    """A file whose format version this runtime cannot read."""
+
+class SignatureError(KwexportError, TypeError):
+    """A call that cannot bind to the saved signature."""
+
+class InputError(KwexportError, ValueError):
+    """Inputs that bind but don't match what was exported."""
+
+@final
+class Program:
+    """A loaded kwexport file, called like the original function."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    def __reduce__(self) -> tuple[Any, tuple[str, str, list[str], str]]: ...
+    def _run_flat(self, leaves: list[Any]) -> list[Any]: ...
+    def _flatten(self, *args: Any, **kwargs: Any) -> list[Any]: ...
+    @property
+    def __signature__(self) -> inspect.Signature: ...
+    @property
+    def __name__(self) -> str: ...
+    @property
+    def extra_files(self) -> dict[str, str | bytes]: ...
+    @property
+    def format_version(self) -> tuple[int, int]: ...
+    @property
+    def file_format_version(self) -> tuple[int, int]: ...
+    @property
+    def upgraders_applied(self) -> list[str]: ...
+    @property
+    def producer(self) -> dict[str, str]: ...
+    @property
+    def dispatch(self) -> dict[str, int]: ...
+    @property
+    def load_notes(self) -> list[str]: ...
+    @property
+    def path(self) -> str: ...
+
+def load(path: str | os.PathLike[str], *, allow_ops: list[str] = ..., dispatch: str = "auto") -> Program: ...
+def describe(path: str | os.PathLike[str]) -> dict[str, Any]: ...
+def check_extra_name(name: str) -> None: ...
+def container_head(header: bytes) -> bytes: ...
+def _bind(signature_json: str, n_args: int, keywords: list[str]) -> list[tuple[Any, ...]]: ...
+def _load_verified(path: str | os.PathLike[str], digest: str, allow_ops: list[str], dispatch: str) -> Program: ...
