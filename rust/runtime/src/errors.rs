@@ -14,8 +14,9 @@ use pyo3::types::{PyDict, PyTuple, PyType};
 /// Anything that can fail while loading or calling a program.
 #[derive(Debug)]
 pub enum RtError {
-    /// The file, the call's binding or its values: a kwexport exception class.
-    Kwexport(Error),
+    /// The file, the call's binding or its values: a kwexport exception class. Boxed so
+    /// that the call path's `Result`s stay small; errors are the rare case.
+    Kwexport(Box<Error>),
     /// A Python exception, passed through as raised.
     Python(PyErr),
     /// An op that failed on the C path: `RuntimeError("<op>: <torch's message>")`.
@@ -34,7 +35,7 @@ pub type RtResult<T> = Result<T, RtError>;
 
 impl From<Error> for RtError {
     fn from(e: Error) -> Self {
-        RtError::Kwexport(e)
+        RtError::Kwexport(Box::new(e))
     }
 }
 
