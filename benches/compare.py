@@ -27,8 +27,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import kwexport  # noqa: E402
 import workloads  # noqa: E402
+
+import kwexport  # noqa: E402
 
 
 def interleaved(fns, n, rounds=5, warmup=10):

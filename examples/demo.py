@@ -12,9 +12,10 @@ import sys
 import tempfile
 import textwrap
 
-import kwexport
 import torch
 from torch import nn
+
+import kwexport
 
 
 class Ranker(nn.Module):

@@ -9,8 +9,9 @@ import inspect
 import tempfile
 from pathlib import Path
 
-import kwexport
 import torch
+
+import kwexport
 
 
 class Scale(torch.nn.Module):

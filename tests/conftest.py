@@ -1,8 +1,10 @@
 import threading
+from collections.abc import Mapping
 
-import kwexport
 import pytest
 import torch
+
+import kwexport
 
 
 @pytest.fixture(params=["abi", "python"])
@@ -31,7 +33,7 @@ def assert_same(got, want, *, bitwise=False):
             assert torch.equal(got, want) or torch.equal(got.isnan(), want.isnan())
         else:
             torch.testing.assert_close(got, want)
-    elif isinstance(want, dict):
+    elif isinstance(want, Mapping):  # dicts, and kwexport's stand-ins
         assert list(got) == list(want)
         for k in want:
             assert_same(got[k], want[k], bitwise=bitwise)

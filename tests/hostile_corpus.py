@@ -42,6 +42,41 @@ def header_cases(h: dict):
             spec = {"type": "list", "children": [spec]}
         return spec
 
+    def container(**over):
+        spec = {
+            "type": "container",
+            "kind": "model_output",
+            "module": "transformers.modeling_outputs",
+            "qualname": "CausalLMOutput",
+            "context": {"list": [{"str": "logits"}]},
+            "keys": [{"key": {"str": "logits"}}],
+            "children": [{"type": "leaf"}],
+        }
+        spec.update(over)
+        return lambda d: d.update(outputs=spec)
+
+    yield "container_keys_children_mismatch", container(children=[{"type": "leaf"}] * 2), ARTIFACT
+    yield (
+        "container_repeats_key",
+        container(keys=[{"key": {"str": "a"}}] * 2, children=[{"type": "leaf"}] * 2),
+        ARTIFACT,
+    )
+    yield "container_key_of_wrong_kind", container(keys=[{"attr": "logits"}]), ARTIFACT
+    yield "container_class_name_is_code", container(module="os; import sys"), ARTIFACT
+    yield "container_unknown_kind", container(kind="pickle"), ARTIFACT
+    yield "container_context_not_a_constant", container(context={"dict": {}}), ARTIFACT
+    yield "container_missing_keys", container(keys=None), ARTIFACT
+    yield (
+        "defaultdict_factory_is_code",
+        lambda d: d.update(
+            outputs={
+                "type": "defaultdict",
+                "factory": "eval",
+                "entries": [{"key": {"str": "a"}, "value": {"type": "leaf"}}],
+            }
+        ),
+        ARTIFACT,
+    )
     yield "newer_major", lambda d: d.update(format_version={"major": 999, "minor": 0}), VERSION
     yield "older_than_supported", lambda d: d.update(format_version={"major": 0, "minor": 1}), VERSION
     yield "version_not_numbers", lambda d: d.update(format_version={"major": "2", "minor": 0}), ARTIFACT

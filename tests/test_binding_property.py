@@ -9,9 +9,10 @@ accepts (`a` goes to `**kw`); hypothesis found that case.
 import inspect
 import json
 
-import kwexport
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+
+import kwexport
 from kwexport import _rt
 
 NAMES = ["a", "b", "c", "d", "e", "f"]

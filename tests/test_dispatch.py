@@ -5,13 +5,14 @@ plan chooses."""
 import gc
 import sys
 
-import kwexport
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_same, in_threads
 from torch import nn
 from torch.export import Dim
+
+import kwexport
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent.parent / "benches"))
 import workloads  # noqa: E402

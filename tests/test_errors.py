@@ -3,9 +3,10 @@
 import json
 import struct
 
-import kwexport
 import pytest
 import torch
+
+import kwexport
 
 
 def kw_func(x, y, *, cfg, b=2):

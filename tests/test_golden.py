@@ -3,10 +3,11 @@
 import json
 import pathlib
 
-import kwexport
 import pytest
 from conftest import assert_same
 from golden.tensor_codec import decode
+
+import kwexport
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 CASES = sorted(GOLDEN.glob("*/*.kwx"))

@@ -1,9 +1,10 @@
 """Hostile files: every one gives exactly the expected error class, never a crash."""
 
-import kwexport
 import pytest
 import torch
 from hostile_corpus import generate
+
+import kwexport
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,13 @@
 
 import collections
 
-import kwexport
 import pytest
 import torch
 from conftest import assert_same, reversed_kwargs
 from torch import nn
 from torch.export import Dim
+
+import kwexport
 
 
 class KwargsMLP(nn.Module):

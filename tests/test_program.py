@@ -7,10 +7,11 @@ import sys
 import textwrap
 import threading
 
-import kwexport
 import pytest
 import torch
 from conftest import assert_same, in_threads
+
+import kwexport
 
 
 def signature_zoo(a, b=2, /, c=3.5, *rest, d, e="x", f=None, **kw):

@@ -4,10 +4,11 @@ import subprocess
 import sys
 import textwrap
 
-import kwexport
 import pytest
 import torch
 from conftest import assert_same
+
+import kwexport
 
 
 @torch.library.custom_op("kwtest::scale", mutates_args=())

@@ -4,12 +4,13 @@ import json
 import subprocess
 import sys
 
-import kwexport
 import pytest
 import torch
 from conftest import assert_same
-from kwexport.__main__ import describe
 from test_errors import read_parts, rewrite
+
+import kwexport
+from kwexport.__main__ import describe
 
 GOLDEN_V1 = __import__("pathlib").Path(__file__).parent / "golden" / "1.0"
 
@@ -17,8 +18,14 @@ GOLDEN_V1 = __import__("pathlib").Path(__file__).parent / "golden" / "1.0"
 def test_v1_file_loads_through_the_upgrader():
     prog = kwexport.load(GOLDEN_V1 / "tiny_mlp.kwx")
     assert prog.file_format_version == (1, 0)
-    assert prog.format_version == kwexport.FORMAT_VERSION == (2, 0)
-    assert prog.upgraders_applied == ["v1_to_v2_op_table"]
+    assert prog.format_version == kwexport.FORMAT_VERSION == (3, 0)
+    assert prog.upgraders_applied == ["v1_to_v2_op_table", "v2_to_v3_containers"]
+
+
+def test_v2_file_loads_through_the_upgrader():
+    prog = kwexport.load(GOLDEN_V1.parent / "2.0" / "tiny_mlp.kwx")
+    assert prog.file_format_version == (2, 0)
+    assert prog.upgraders_applied == ["v2_to_v3_containers"]
 
 
 def test_newer_minor_loads(tmp_path):
@@ -128,7 +135,7 @@ def test_inspect(tmp_path):
     assert info["extra_files"] == {"golden.txt": len("dynamic at format 1.0")}
     text = run_cli("inspect", GOLDEN_V1 / "tiny_mlp.kwx").stdout
     assert "signature:    TinyMLP.forward(x, *, mask=None)" in text
-    assert "format:       1.0 (needs upgrading to 2.0: v1_to_v2_op_table)" in text
+    assert "format:       1.0 (needs upgrading to 3.0: v1_to_v2_op_table, v2_to_v3_containers)" in text
     assert describe(GOLDEN_V1.parent / "2.0" / "tiny_mlp.kwx")["weights"]["bytes"] > 0
 
 
@@ -137,9 +144,9 @@ def test_upgrade(tmp_path):
     new = tmp_path / "new.kwx"
     out = run_cli("upgrade", old, new)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == f"{new}: format 1.0 -> 2.0 (v1_to_v2_op_table)"
+    assert out.stdout.strip() == f"{new}: format 1.0 -> 3.0 (v1_to_v2_op_table, v2_to_v3_containers)"
     a, b = kwexport.load(old), kwexport.load(new)
-    assert b.file_format_version == (2, 0) and b.upgraders_applied == []
+    assert b.file_format_version == (3, 0) and b.upgraders_applied == []
     x, mask = torch.randn(4, 6), torch.randn(3)
     assert_same(b(x, mask=mask), a(x, mask=mask))
     assert b.extra_files == a.extra_files
@@ -167,7 +174,7 @@ def test_cli_reports_version_errors(tmp_path):
     out = run_cli("inspect", path)
     assert out.returncode == 1
     assert out.stderr.strip() == (
-        "kwexport: VersionError: file format 7.1 is newer than this runtime, which reads 1.0 to 2.x: upgrade kwexport"
+        "kwexport: VersionError: file format 7.1 is newer than this runtime, which reads 1.0 to 3.x: upgrade kwexport"
     )
 
 

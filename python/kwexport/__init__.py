@@ -27,6 +27,7 @@ from kwexport._rt import (
     VersionError,
 )
 from kwexport._rt import load as _load
+from kwexport._standin import StandIn
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -44,6 +45,7 @@ __all__ = [
     "OLDEST_FORMAT_VERSION",
     "Program",
     "SignatureError",
+    "StandIn",
     "VersionError",
     "export",
     "load",

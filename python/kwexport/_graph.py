@@ -5,12 +5,14 @@ come from ``kwexport._rt``."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import operator
 import sys
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 import kwexport
 from kwexport._rt import DTYPES, FORMAT_VERSION, PY_OPERATORS, ArtifactError
@@ -220,20 +222,42 @@ def _dim(s, where):
     raise ArtifactError(f"{where}: dimension {expr} is not of the form a*d + b; kwexport can't check it")
 
 
+# The default_factory a saved defaultdict may have (the core's DEFAULTDICT_FACTORIES).
+_FACTORIES = {
+    list: "list",
+    dict: "dict",
+    set: "set",
+    tuple: "tuple",
+    int: "int",
+    float: "float",
+    str: "str",
+    bool: "bool",
+}
+
+
 def _treespec(spec, where):
+    """A pytree spec as the header records it; ``where`` is the path of the value, for errors."""
     if spec.is_leaf():
         return {"type": "leaf"}
     t = spec.type
-    kids = [_treespec(c, where) for c in spec.children()]
-    if t is tuple:
-        return {"type": "tuple", "children": kids}
-    if t is list:
-        return {"type": "list", "children": kids}
-    if t is dict or t is collections.OrderedDict:
-        entries = [{"key": _key(k, where), "value": v} for k, v in zip(spec.context, kids)]
-        return {"type": "dict" if t is dict else "ordered_dict", "entries": entries}
+    children = spec.children()
     if t is type(None):
         return {"type": "none"}
+    if t in (tuple, list):
+        return {"type": t.__name__, "children": [_treespec(c, f"{where}[{i}]") for i, c in enumerate(children)]}
+    if t in (dict, collections.OrderedDict, collections.defaultdict):
+        factory, keys = spec.context if t is collections.defaultdict else (None, spec.context)
+        entries = [{"key": _key(k, where), "value": _treespec(c, f"{where}[{k!r}]")} for k, c in zip(keys, children)]
+        if t is dict:
+            return {"type": "dict", "entries": entries}
+        if t is collections.OrderedDict:
+            return {"type": "ordered_dict", "entries": entries}
+        if factory is not None and factory not in _FACTORIES:
+            raise ArtifactError(
+                f"{where}: can't save a defaultdict whose default_factory is {factory!r}: kwexport saves only "
+                f"the builtin factories {', '.join(_FACTORIES.values())} (loading never runs code from the file)"
+            )
+        return {"type": "defaultdict", "factory": _FACTORIES.get(factory), "entries": entries}
     cls = spec.context
     if isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields"):
         return {
@@ -241,9 +265,59 @@ def _treespec(spec, where):
             "name": cls.__name__,
             "module": cls.__module__,
             "fields": list(cls._fields),
-            "children": kids,
+            "children": [_treespec(c, f"{where}.{f}") for f, c in zip(cls._fields, children)],
         }
-    raise ArtifactError(f"{where}: can't save a container of type {getattr(t, '__qualname__', t)!r}")
+    return _container(t, spec.context, children, where)
+
+
+def _container(t, context, children, where):
+    """A class registered with torch's pytree: its kind, name, context and children's keys."""
+    name = f"{getattr(t, '__module__', '?')}.{getattr(t, '__qualname__', t)}"
+    if t not in pytree.SUPPORTED_NODES:
+        raise ArtifactError(
+            f"{where}: can't save a container of type {name}: it is not registered with torch's pytree; "
+            "register it with torch.utils._pytree.register_dataclass or register_pytree_node"
+        )
+    try:
+        context_json = constant_json(context, where)
+    except ArtifactError:
+        raise ArtifactError(
+            f"{where}: can't save a container of type {name}: its pytree context {context!r} is not made of "
+            "None, bool, int, float, str, lists and tuples; register it with a flatten function whose context is"
+        ) from None
+    if _is_model_output(t) and isinstance(context, list) and all(isinstance(k, str) for k in context):
+        kind, keys = "model_output", [{"key": {"str": k}} for k in context]
+    elif dataclasses.is_dataclass(t) and _is_dataclass_context(context, len(children)):
+        kind, keys = "dataclass", [{"attr": k} for k in context[0]]
+    else:
+        kind, keys = "pytree_node", [{"index": i} for i in range(len(children))]
+    steps = [
+        f"[{k['key']['str']!r}]" if "key" in k else f".{k['attr']}" if "attr" in k else f"[{k['index']}]" for k in keys
+    ]
+    return {
+        "type": "container",
+        "kind": kind,
+        "module": t.__module__,
+        "qualname": t.__qualname__,
+        "context": context_json,
+        "keys": keys,
+        "children": [_treespec(c, f"{where}{step}") for c, step in zip(children, steps)],
+    }
+
+
+def _is_model_output(t) -> bool:
+    """A transformers ModelOutput, told by its bases' names: transformers isn't imported here."""
+    return any(b.__name__ == "ModelOutput" and b.__module__ == "transformers.utils.generic" for b in t.__mro__)
+
+
+def _is_dataclass_context(context, n_children) -> bool:
+    """torch's register_dataclass context: [names of the children, names of the None fields]."""
+    return (
+        isinstance(context, list)
+        and len(context) == 2
+        and all(isinstance(names, list) and all(isinstance(n, str) for n in names) for names in context)
+        and len(context[0]) == n_children
+    )
 
 
 def _key(k, where):

@@ -59,11 +59,14 @@ def export(f, args, kwargs=None, *, dynamic_shapes=None) -> Exported:
     bound.apply_defaults()
     canonical = (tuple(bound.args), dict(bound.kwargs))
     leaves, in_spec = pytree.tree_flatten(canonical)
+    leaves = _unaliased(leaves)
     flat_shapes = _leaf_dynamic_shapes(sig, bound, dynamic_shapes, len(leaves))
+
+    call_as_given = _call_as_given(sig, args, kwargs)
 
     def flat_forward(*flat):
         a, k = pytree.tree_unflatten(list(flat), in_spec)
-        return target(*a, **k)
+        return call_as_given(target, sig.bind(*a, **k).arguments)
 
     # An instance attribute shadows the class's forward for this one trace.
     module.forward = flat_forward
@@ -88,6 +91,56 @@ def export(f, args, kwargs=None, *, dynamic_shapes=None) -> Exported:
     storage_table, tensor_table, storages = weight_tables(weights)
     header["weights"] = {"storages": storage_table, "tensors": tensor_table}
     return Exported(ep, header, storages)
+
+
+def _unaliased(leaves: list) -> list:
+    """The leaves with every tensor that shares memory with an earlier one cloned. torch.export
+    traces a tensor passed twice as one input and drops the other from the graph, so a later
+    call with two different tensors would silently compute with one of them."""
+    seen = set()
+    out = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().nbytes():
+            key = (leaf.untyped_storage().data_ptr(), leaf.device)
+            out.append(leaf.clone() if key in seen else leaf)
+            seen.add(key)
+        else:
+            out.append(leaf)
+    return out
+
+
+def _call_as_given(sig: inspect.Signature, args: tuple, kwargs: dict):
+    """How to call the target from a binding's values exactly as the user called it: the
+    same positional arguments, the same keywords in the same order, and nothing else.
+    Decorators around a forward (transformers wraps most) see the user's own call; the
+    defaults the user left out are recorded in the signature and bound by the runtime."""
+    P = inspect.Parameter
+    params = list(sig.parameters.values())
+    positional = [p.name for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    var_positional = next((p.name for p in params if p.kind is P.VAR_POSITIONAL), None)
+    var_keyword = next((p.name for p in params if p.kind is P.VAR_KEYWORD), None)
+    # (parameter, None) for a named parameter's value; (parameter, key) for an item of it.
+    by_position = [
+        (positional[i], None) if i < len(positional) else (var_positional, i - len(positional))
+        for i in range(len(args))
+    ]
+    named = (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)
+    by_keyword = [
+        (key, (key, None) if key in sig.parameters and sig.parameters[key].kind in named else (var_keyword, key))
+        for key in kwargs
+    ]
+
+    def value(arguments, where):
+        name, item = where
+        return arguments[name] if item is None else arguments[name][item]
+
+    def call(target, arguments):
+        return target(
+            *[value(arguments, w) for w in by_position],
+            **{key: value(arguments, w) for key, w in by_keyword},
+        )
+
+    return call
 
 
 def _mutates_inputs(ep) -> bool:

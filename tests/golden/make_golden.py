@@ -6,6 +6,7 @@ Each case is `<name>.kwx` plus `<name>.json` holding calls and their expected ou
 encoded without pickle (see `tensor_codec.py`).
 """
 
+import collections
 import json
 import pathlib
 import sys
@@ -14,8 +15,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import kwexport  # noqa: E402
+from golden_types import Pair  # noqa: E402
 from tensor_codec import encode  # noqa: E402
+
+import kwexport  # noqa: E402
 
 
 def nested_kwargs(x, y, *, cfg, scale=2.0, **extra):
@@ -35,6 +38,10 @@ class TinyMLP(nn.Module):
 
 def dynamic(x, y):
     return torch.cat([x, y], dim=0).softmax(-1)
+
+
+def containers(pair, *, table):
+    return {"pair": Pair(left=pair.left * table["w"][0], right=pair.right), "total": pair.left.sum()}
 
 
 def cases():
@@ -64,6 +71,15 @@ def cases():
             ((r(2, 5), r(2, 5)), {}),
             ((r(9, 5), r(9, 5)), {}),
         ],
+    )
+    table = lambda: collections.defaultdict(list, {"w": [r(3)]})  # noqa: E731
+    yield (
+        "containers",
+        containers,
+        (Pair(r(3), r(3)),),
+        {"table": table()},
+        None,
+        [((Pair(r(3), r(3)),), {"table": table()})],
     )
 
 

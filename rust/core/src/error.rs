@@ -185,6 +185,63 @@ pub enum Error {
         /// The repeated field.
         field: String,
     },
+    /// A container spec whose keys and children differ in number.
+    #[error("{entry}: {class} has {keys} keys but {children} children")]
+    ContainerArity {
+        /// The spec.
+        entry: String,
+        /// The class, `module.qualname`.
+        class: String,
+        /// Number of keys.
+        keys: usize,
+        /// Number of children.
+        children: usize,
+    },
+    /// A container spec that repeats a key.
+    #[error("{entry}: {class} repeats key {key}")]
+    DuplicateChildKey {
+        /// The spec.
+        entry: String,
+        /// The class.
+        class: String,
+        /// The key, as a path step.
+        key: String,
+    },
+    /// A container spec whose keys don't fit its kind (a `ModelOutput` reached by attribute,
+    /// a dataclass by item).
+    #[error("{entry}: {class} is a {kind} but its key {key} is not a {expected}")]
+    ContainerKeyKind {
+        /// The spec.
+        entry: String,
+        /// The class.
+        class: String,
+        /// Its kind, as the file names it.
+        kind: &'static str,
+        /// The key, as a path step.
+        key: String,
+        /// What keys of that kind are.
+        expected: &'static str,
+    },
+    /// A class name that isn't a dotted Python identifier.
+    #[error("{entry}: invalid class name {module:?}.{qualname:?}")]
+    ClassName {
+        /// The spec.
+        entry: String,
+        /// Its module.
+        module: String,
+        /// Its qualified name.
+        qualname: String,
+    },
+    /// A `defaultdict` factory outside [`crate::tables::DEFAULTDICT_FACTORIES`].
+    #[error("{entry}: defaultdict factory {factory:?} is not one of {allowed}")]
+    DefaultFactory {
+        /// The spec.
+        entry: String,
+        /// The name in the file.
+        factory: String,
+        /// The allowed names.
+        allowed: String,
+    },
     /// The input spec and the leaf table disagree.
     #[error("inputs: the spec has {spec} leaves but inputs.leaves describes {described}")]
     InputLeafCount {

@@ -251,6 +251,64 @@ pub enum TreeSpec {
         /// One spec per field.
         children: Vec<TreeSpec>,
     },
+    /// A `collections.defaultdict` (format 3.0 on).
+    #[serde(rename = "defaultdict")]
+    DefaultDict {
+        /// Its `default_factory`: a name of [`crate::tables::DEFAULTDICT_FACTORIES`], or `None`.
+        factory: Option<String>,
+        /// Its entries, in insertion order.
+        entries: Vec<DictEntry>,
+    },
+    /// An instance of a class registered with torch's pytree: a transformers `ModelOutput`,
+    /// a dataclass, or any class whose flatten context is a [`Constant`] (format 3.0 on).
+    Container {
+        /// What kind of class it is; says how children are named.
+        kind: ContainerKind,
+        /// The module the class was defined in (never imported by a reader).
+        module: String,
+        /// The class's `__qualname__`.
+        qualname: String,
+        /// The context torch's pytree flatten returned, which its unflatten takes back.
+        context: Constant,
+        /// How each child is reached from the instance, one per child.
+        keys: Vec<ChildKey>,
+        /// One spec per child.
+        children: Vec<TreeSpec>,
+    },
+}
+
+/// The kind of a registered container class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ContainerKind {
+    /// A transformers `ModelOutput` subclass: an ordered mapping of its set fields.
+    ModelOutput,
+    /// A dataclass registered with `torch.utils._pytree.register_dataclass`.
+    Dataclass,
+    /// Any other class registered with `register_pytree_node`.
+    PytreeNode,
+}
+
+/// How a container's child is reached from the instance.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ChildKey {
+    /// `obj.name`.
+    Attr(String),
+    /// `obj[key]`.
+    Key(Key),
+    /// `obj[i]`, or only by position.
+    Index(usize),
+}
+
+impl std::fmt::Display for ChildKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ChildKey::Attr(a) => write!(f, ".{a}"),
+            ChildKey::Key(k) => write!(f, "[{k}]"),
+            ChildKey::Index(i) => write!(f, "[{i}]"),
+        }
+    }
 }
 
 /// One entry of a dict spec.
@@ -510,5 +568,15 @@ mod tests {
         assert!(v[1].0.is_infinite() && v[2].0 < 0.0 && v[3].0.is_nan());
         assert_eq!(serde_json::to_string(&v).unwrap(), r#"[1.5,"inf","-inf","nan"]"#);
         assert!(serde_json::from_str::<Float>(r#""1e999x""#).is_err());
+    }
+
+    #[test]
+    fn floats_round_trip_exactly() {
+        // torch.finfo(torch.float32).min, as transformers' attention masks use it: one ULP
+        // more and torch refuses to convert it to float32.
+        for text in ["-3.4028234663852886e+38", "0.1", "1e-300", "2.2250738585072014e-308", "0.30000000000000004"] {
+            let f: Float = serde_json::from_str(text).unwrap();
+            assert_eq!(f.0, text.parse::<f64>().unwrap(), "{text}");
+        }
     }
 }

@@ -56,6 +56,9 @@ pub const PY_OPERATORS: &[&str] = &[
     "and_", "or_", "not_",
 ];
 
+/// The `default_factory` a saved `collections.defaultdict` may have: builtins, by name.
+pub const DEFAULTDICT_FACTORIES: &[&str] = &["list", "dict", "set", "tuple", "int", "float", "str", "bool"];
+
 /// Op namespaces a file may use without the caller's say-so.
 pub const DEFAULT_NAMESPACES: &[&str] = &["aten", "prims"];
 

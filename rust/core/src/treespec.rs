@@ -7,7 +7,8 @@
 use std::collections::HashSet;
 
 use crate::error::{Error, Result};
-use crate::schema::TreeSpec;
+use crate::schema::{ChildKey, ContainerKind, DictEntry, Key, TreeSpec};
+use crate::tables::DEFAULTDICT_FACTORIES;
 
 /// Deeper than any real model's inputs; shallow enough that recursion is never a risk.
 pub const MAX_DEPTH: usize = 64;
@@ -25,14 +26,55 @@ pub fn validate(spec: &TreeSpec, what: &str) -> Result<usize> {
             TreeSpec::Leaf => Ok(1),
             TreeSpec::None => Ok(0),
             TreeSpec::Tuple { children } | TreeSpec::List { children } => sum(children),
-            TreeSpec::Dict { entries } | TreeSpec::OrderedDict { entries } => {
+            TreeSpec::Dict { entries } | TreeSpec::OrderedDict { entries } => dict(entries, what, depth),
+            TreeSpec::DefaultDict { factory, entries } => {
+                if let Some(f) = factory.as_deref().filter(|f| !DEFAULTDICT_FACTORIES.contains(f)) {
+                    return Err(Error::DefaultFactory {
+                        entry: what.to_owned(),
+                        factory: f.to_owned(),
+                        allowed: DEFAULTDICT_FACTORIES.join(", "),
+                    });
+                }
+                dict(entries, what, depth)
+            }
+            TreeSpec::Container { kind, module, qualname, keys, children, .. } => {
+                let class = format!("{module}.{qualname}");
+                if !is_dotted_identifier(module) || !is_dotted_identifier(qualname) {
+                    return Err(Error::ClassName {
+                        entry: what.to_owned(),
+                        module: module.clone(),
+                        qualname: qualname.clone(),
+                    });
+                }
+                if keys.len() != children.len() {
+                    return Err(Error::ContainerArity {
+                        entry: what.to_owned(),
+                        class,
+                        keys: keys.len(),
+                        children: children.len(),
+                    });
+                }
                 let mut seen = HashSet::new();
-                for e in entries {
-                    if !seen.insert(&e.key) {
-                        return Err(Error::DuplicateKey { entry: what.to_owned(), key: e.key.to_string() });
+                for key in keys {
+                    if !seen.insert(key) {
+                        return Err(Error::DuplicateChildKey { entry: what.to_owned(), class, key: key.to_string() });
+                    }
+                    let (fits, expected) = match kind {
+                        ContainerKind::ModelOutput => (matches!(key, ChildKey::Key(Key::Str(_))), "string item key"),
+                        ContainerKind::Dataclass => (matches!(key, ChildKey::Attr(_)), "field attribute"),
+                        ContainerKind::PytreeNode => (true, ""),
+                    };
+                    if !fits {
+                        return Err(Error::ContainerKeyKind {
+                            entry: what.to_owned(),
+                            class,
+                            kind: kind.name(),
+                            key: key.to_string(),
+                            expected,
+                        });
                     }
                 }
-                entries.iter().try_fold(0usize, |n, e| Ok(n + go(&e.value, what, depth + 1)?))
+                sum(children)
             }
             TreeSpec::NamedTuple { name, fields, children, .. } => {
                 if fields.len() != children.len() {
@@ -55,7 +97,37 @@ pub fn validate(spec: &TreeSpec, what: &str) -> Result<usize> {
             }
         }
     }
+    fn dict(entries: &[DictEntry], what: &str, depth: usize) -> Result<usize> {
+        let mut seen = HashSet::new();
+        for e in entries {
+            if !seen.insert(&e.key) {
+                return Err(Error::DuplicateKey { entry: what.to_owned(), key: e.key.to_string() });
+            }
+        }
+        entries.iter().try_fold(0usize, |n, e| Ok(n + go(&e.value, what, depth + 1)?))
+    }
     go(spec, what, 0)
+}
+
+/// `a.b.C`: dot-separated Python identifiers (`<locals>` parts allowed, as qualnames have).
+fn is_dotted_identifier(s: &str) -> bool {
+    !s.is_empty()
+        && s.split('.').all(|part| {
+            part == "<locals>"
+                || part.chars().next().is_some_and(|c| c == '_' || c.is_alphabetic())
+                    && part.chars().all(|c| c == '_' || c.is_alphanumeric())
+        })
+}
+
+impl ContainerKind {
+    /// The name the file uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            ContainerKind::ModelOutput => "model_output",
+            ContainerKind::Dataclass => "dataclass",
+            ContainerKind::PytreeNode => "pytree_node",
+        }
+    }
 }
 
 /// One step of an argument path, rendered as Python would index it.
@@ -97,8 +169,11 @@ pub fn leaf_paths(spec: &TreeSpec, root: &str, out: &mut Vec<String>) {
             TreeSpec::Tuple { children } | TreeSpec::List { children } => {
                 children.iter().enumerate().for_each(|(i, c)| walk(format!("[{i}]"), c, path))
             }
-            TreeSpec::Dict { entries } | TreeSpec::OrderedDict { entries } => {
+            TreeSpec::Dict { entries } | TreeSpec::OrderedDict { entries } | TreeSpec::DefaultDict { entries, .. } => {
                 entries.iter().for_each(|e| walk(format!("[{}]", e.key), &e.value, path))
+            }
+            TreeSpec::Container { keys, children, .. } => {
+                keys.iter().zip(children).for_each(|(k, c)| walk(k.to_string(), c, path))
             }
             TreeSpec::NamedTuple { fields, children, .. } => {
                 fields.iter().zip(children).for_each(|(f, c)| walk(format!(".{f}"), c, path))
@@ -111,7 +186,7 @@ pub fn leaf_paths(spec: &TreeSpec, root: &str, out: &mut Vec<String>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::schema::{DictEntry, Key};
+    use crate::schema::Constant;
 
     fn leaf() -> TreeSpec {
         TreeSpec::Leaf
@@ -149,6 +224,46 @@ mod tests {
             children: vec![leaf(), leaf()],
         };
         assert!(validate(&nt, "outputs").unwrap_err().to_string().contains("1 fields but 2 children"));
+    }
+
+    fn output(kind: ContainerKind, keys: Vec<ChildKey>, n: usize) -> TreeSpec {
+        TreeSpec::Container {
+            kind,
+            module: "transformers.modeling_outputs".into(),
+            qualname: "CausalLMOutput".into(),
+            context: Constant::List(vec![Constant::Str("logits".into())]),
+            keys,
+            children: vec![leaf(); n],
+        }
+    }
+
+    #[test]
+    fn validates_containers() {
+        let logits = || ChildKey::Key(Key::Str("logits".into()));
+        assert_eq!(validate(&output(ContainerKind::ModelOutput, vec![logits()], 1), "outputs").unwrap(), 1);
+        let err = |spec: TreeSpec| validate(&spec, "outputs").unwrap_err().to_string();
+        assert_eq!(
+            err(output(ContainerKind::ModelOutput, vec![logits()], 2)),
+            "outputs: transformers.modeling_outputs.CausalLMOutput has 1 keys but 2 children"
+        );
+        assert_eq!(
+            err(output(ContainerKind::ModelOutput, vec![logits(), logits()], 2)),
+            "outputs: transformers.modeling_outputs.CausalLMOutput repeats key ['logits']"
+        );
+        assert_eq!(
+            err(output(ContainerKind::ModelOutput, vec![ChildKey::Attr("logits".into())], 1)),
+            "outputs: transformers.modeling_outputs.CausalLMOutput is a model_output but its key .logits is not a string item key"
+        );
+        let mut bad_name = output(ContainerKind::PytreeNode, vec![ChildKey::Index(0)], 1);
+        if let TreeSpec::Container { module, .. } = &mut bad_name {
+            *module = "os; import sys".into();
+        }
+        assert!(err(bad_name).contains("invalid class name"));
+        let dd = TreeSpec::DefaultDict { factory: Some("eval".into()), entries: vec![] };
+        assert!(err(dd).contains("defaultdict factory \"eval\" is not one of list"));
+        let mut out = Vec::new();
+        leaf_paths(&output(ContainerKind::ModelOutput, vec![logits()], 1), "out", &mut out);
+        assert_eq!(out, ["out['logits']"]);
     }
 
     #[test]

@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::schema::FormatVersion;
 
 /// The version kwexport writes.
-pub const CURRENT: FormatVersion = FormatVersion { major: 2, minor: 0 };
+pub const CURRENT: FormatVersion = FormatVersion { major: 3, minor: 0 };
 /// The oldest version this runtime reads.
 pub const OLDEST: FormatVersion = FormatVersion { major: 1, minor: 0 };
 
@@ -30,12 +30,20 @@ pub struct Upgrader {
 }
 
 /// The registered upgraders, oldest first.
-pub const UPGRADERS: &[Upgrader] = &[Upgrader {
-    from: FormatVersion { major: 1, minor: 0 },
-    to: FormatVersion { major: 2, minor: 0 },
-    name: "v1_to_v2_op_table",
-    apply: v1_to_v2_op_table,
-}];
+pub const UPGRADERS: &[Upgrader] = &[
+    Upgrader {
+        from: FormatVersion { major: 1, minor: 0 },
+        to: FormatVersion { major: 2, minor: 0 },
+        name: "v1_to_v2_op_table",
+        apply: v1_to_v2_op_table,
+    },
+    Upgrader {
+        from: FormatVersion { major: 2, minor: 0 },
+        to: FormatVersion { major: 3, minor: 0 },
+        name: "v2_to_v3_containers",
+        apply: v2_to_v3_containers,
+    },
+];
 
 /// 1.0 named each node's op inline; 2.0 lists each op once in `ops`, with the schema it
 /// had when saved (unknown for upgraded files), and nodes refer to it by index.
@@ -59,6 +67,13 @@ fn v1_to_v2_op_table(mut doc: Value) -> Result<Value, String> {
     let table: Vec<Value> = ops.into_iter().map(|name| serde_json::json!({"name": name, "schema": null})).collect();
     doc["ops"] = Value::from(table);
     doc["format_version"] = serde_json::json!({"major": 2, "minor": 0});
+    Ok(doc)
+}
+
+/// 3.0 adds treespec node types (`defaultdict`, `container`) that 2.x readers can't skip;
+/// a 2.0 document uses none of them, so it is a 3.0 document as it stands.
+fn v2_to_v3_containers(mut doc: Value) -> Result<Value, String> {
+    doc["format_version"] = serde_json::json!({"major": 3, "minor": 0});
     Ok(doc)
 }
 
@@ -183,7 +198,7 @@ mod tests {
             "weights": {"storages": [], "tensors": {}}
         });
         let up = upgrade(v1).unwrap();
-        assert_eq!(up.applied, vec!["v1_to_v2_op_table"]);
+        assert_eq!(up.applied, vec!["v1_to_v2_op_table", "v2_to_v3_containers"]);
         let doc: crate::schema::Document = serde_json::from_value(up.document).unwrap();
         assert_eq!(doc.format_version, CURRENT);
         assert_eq!(doc.ops, vec![crate::schema::OpEntry { name: "aten::neg.default".into(), schema: None }]);
@@ -196,7 +211,7 @@ mod tests {
         assert_eq!(e.kind(), crate::ErrorKind::Version);
         assert_eq!(
             e.to_string(),
-            "file format 9.0 is newer than this runtime, which reads 1.0 to 2.x: upgrade kwexport"
+            "file format 9.0 is newer than this runtime, which reads 1.0 to 3.x: upgrade kwexport"
         );
     }
 

@@ -2,29 +2,94 @@
 //! objects once at load, used to flatten a call's values into leaves (dict entries by key,
 //! never by order, checking structure as it goes) and to rebuild the outputs.
 
-use kwexport_core::schema::{DictEntry, Key, TreeSpec};
+use kwexport_core::schema::{ChildKey, Constant, ContainerKind, DictEntry, Key, TreeSpec};
 use kwexport_core::treespec::{format_path, PathElem};
 use kwexport_core::Error;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 
+use crate::constants::constant_to_py;
 use crate::errors::{RtError, RtResult};
 
 /// A treespec with its Python objects resolved, for the call path.
 #[derive(Debug)]
 pub enum CompiledSpec {
+    /// One value.
     Leaf,
+    /// `None`.
     None,
+    /// A tuple.
     Tuple(Vec<CompiledSpec>),
+    /// A list.
     List(Vec<CompiledSpec>),
-    Dict { ordered: bool, keys: Vec<(Py<PyAny>, String)>, children: Vec<CompiledSpec> },
-    NamedTuple { ty: Py<PyType>, name: String, fields: Vec<String>, children: Vec<CompiledSpec> },
+    /// A dict, `OrderedDict` or `defaultdict`: entries by key.
+    Dict {
+        /// What outputs are rebuilt as.
+        kind: DictKind,
+        /// Each key and its label for paths (`'shift'`).
+        keys: Vec<(Py<PyAny>, String)>,
+        /// One spec per entry.
+        children: Vec<CompiledSpec>,
+    },
+    /// A namedtuple.
+    NamedTuple {
+        /// The class (the caller's own if it was already imported, else an equivalent one).
+        ty: Py<PyType>,
+        /// Its name.
+        name: String,
+        /// Its fields.
+        fields: Vec<String>,
+        /// One spec per field.
+        children: Vec<CompiledSpec>,
+    },
+    /// A class registered with torch's pytree.
+    Container(Box<Container>),
+}
+
+/// What a dict spec rebuilds as.
+#[derive(Debug)]
+pub enum DictKind {
+    /// `dict`.
+    Plain,
+    /// `collections.OrderedDict`, the class.
+    Ordered(Py<PyAny>),
+    /// `collections.defaultdict`, the class and its factory.
+    Default(Py<PyAny>, Py<PyAny>),
+}
+
+/// A registered container class's spec, compiled.
+#[derive(Debug)]
+pub struct Container {
+    /// `module.qualname`, for messages and stand-ins.
+    class: String,
+    /// Each child's key: path steps for messages, objects for stand-ins.
+    keys: Vec<ChildKey>,
+    key_objects: Py<PyTuple>,
+    labels: Vec<String>,
+    /// The flatten context recorded at export; an input's must equal it.
+    context: Py<PyAny>,
+    children: Vec<CompiledSpec>,
+    /// torch's registry of pytree classes, for flattening inputs with their own flatten.
+    nodes: Py<PyAny>,
+    /// The stand-in class, for recognising stand-ins passed back as inputs.
+    standin: Py<PyAny>,
+    rebuild: Rebuild,
+}
+
+/// How a container output is rebuilt.
+#[derive(Debug)]
+enum Rebuild {
+    /// The class's own registered unflatten, called with the values and the context.
+    Unflatten(Py<PyAny>),
+    /// `kwexport.StandIn(class, keys, values)`: the class isn't imported, or its fields differ.
+    StandIn,
 }
 
 impl CompiledSpec {
+    /// Compiles a validated spec.
     pub fn new(py: Python<'_>, spec: &TreeSpec) -> PyResult<Self> {
         let all = |c: &[TreeSpec]| c.iter().map(|c| CompiledSpec::new(py, c)).collect::<PyResult<Vec<_>>>();
-        let dict = |entries: &[DictEntry], ordered: bool| -> PyResult<CompiledSpec> {
+        let dict = |entries: &[DictEntry], kind: DictKind| -> PyResult<CompiledSpec> {
             let keys = entries
                 .iter()
                 .map(|e| {
@@ -36,15 +101,29 @@ impl CompiledSpec {
                 })
                 .collect::<PyResult<Vec<_>>>()?;
             let children = entries.iter().map(|e| CompiledSpec::new(py, &e.value)).collect::<PyResult<_>>()?;
-            Ok(CompiledSpec::Dict { ordered, keys, children })
+            Ok(CompiledSpec::Dict { kind, keys, children })
         };
+        let collections = || py.import("collections");
         Ok(match spec {
             TreeSpec::Leaf => CompiledSpec::Leaf,
             TreeSpec::None => CompiledSpec::None,
             TreeSpec::Tuple { children } => CompiledSpec::Tuple(all(children)?),
             TreeSpec::List { children } => CompiledSpec::List(all(children)?),
-            TreeSpec::Dict { entries } => dict(entries, false)?,
-            TreeSpec::OrderedDict { entries } => dict(entries, true)?,
+            TreeSpec::Dict { entries } => dict(entries, DictKind::Plain)?,
+            TreeSpec::OrderedDict { entries } => {
+                dict(entries, DictKind::Ordered(collections()?.getattr("OrderedDict")?.unbind()))?
+            }
+            TreeSpec::DefaultDict { factory, entries } => {
+                // A name of the core's table of builtins (validated), looked up in `builtins`.
+                let factory = match factory {
+                    Some(name) => py.import("builtins")?.getattr(name.as_str())?.unbind(),
+                    None => py.None(),
+                };
+                dict(entries, DictKind::Default(collections()?.getattr("defaultdict")?.unbind(), factory))?
+            }
+            TreeSpec::Container { kind, module, qualname, context, keys, children } => CompiledSpec::Container(
+                Box::new(Container::new(py, *kind, module, qualname, context, keys, all(children)?)?),
+            ),
             TreeSpec::NamedTuple { name, module, fields, children } => CompiledSpec::NamedTuple {
                 ty: namedtuple_type(py, name, module, fields)?,
                 name: name.clone(),
@@ -111,6 +190,7 @@ impl CompiledSpec {
                     path.pop();
                 }
             }
+            CompiledSpec::Container(c) => c.flatten(obj, root, path, out)?,
             CompiledSpec::NamedTuple { name, fields, children, .. } => {
                 let ok = is_namedtuple(obj)
                     && obj.get_type().name().map(|n| n.to_string() == *name).unwrap_or(false)
@@ -148,16 +228,25 @@ impl CompiledSpec {
             CompiledSpec::None => py.None().into_bound(py),
             CompiledSpec::Tuple(c) => PyTuple::new(py, items(c, leaves)?)?.into_any(),
             CompiledSpec::List(c) => PyList::new(py, items(c, leaves)?)?.into_any(),
-            CompiledSpec::Dict { ordered, keys, children } => {
+            CompiledSpec::Dict { kind, keys, children } => {
                 let values = items(children, leaves)?;
                 let dict = PyDict::new(py);
                 for ((k, _), v) in keys.iter().zip(values) {
                     dict.set_item(k.bind(py), v)?;
                 }
-                if *ordered {
-                    py.import("collections")?.getattr("OrderedDict")?.call1((dict,))?
-                } else {
-                    dict.into_any()
+                match kind {
+                    DictKind::Plain => dict.into_any(),
+                    DictKind::Ordered(cls) => cls.bind(py).call1((dict,))?,
+                    DictKind::Default(cls, factory) => cls.bind(py).call1((factory.bind(py), dict))?,
+                }
+            }
+            CompiledSpec::Container(c) => {
+                let values = PyList::new(py, items(&c.children, leaves)?)?;
+                match &c.rebuild {
+                    Rebuild::Unflatten(f) => f.bind(py).call1((values, c.context.bind(py)))?,
+                    Rebuild::StandIn => {
+                        c.standin.bind(py).call1((&c.class, c.key_objects.bind(py), values.to_tuple()))?
+                    }
                 }
             }
             CompiledSpec::NamedTuple { ty, children, .. } => {
@@ -165,6 +254,140 @@ impl CompiledSpec {
             }
         })
     }
+}
+
+impl Container {
+    fn new(
+        py: Python<'_>,
+        kind: ContainerKind,
+        module: &str,
+        qualname: &str,
+        context: &Constant,
+        keys: &[ChildKey],
+        children: Vec<CompiledSpec>,
+    ) -> PyResult<Self> {
+        let key_objects = keys
+            .iter()
+            .map(|k| match k {
+                ChildKey::Attr(a) | ChildKey::Key(Key::Str(a)) => Ok(PyString::new(py, a).into_any()),
+                ChildKey::Key(Key::Int(i)) => Ok(i.into_pyobject(py)?.into_any()),
+                ChildKey::Index(i) => Ok(i.into_pyobject(py)?.into_any()),
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let labels = keys
+            .iter()
+            .map(|k| match k {
+                ChildKey::Attr(a) => a.clone(),
+                ChildKey::Key(key) => key.to_string(),
+                ChildKey::Index(i) => i.to_string(),
+            })
+            .collect();
+        let nodes = py.import("torch.utils._pytree")?.getattr("SUPPORTED_NODES")?;
+        let context = constant_to_py(py, context)?;
+        // The class itself only if this process already imported it (nothing is imported
+        // for a file), torch's pytree knows it, and it has every recorded field.
+        let rebuild = match imported_class(py, module, qualname)? {
+            Some(cls) if has_fields(py, kind, &cls, keys)? => match nodes.get_item(&cls) {
+                Ok(node) => Rebuild::Unflatten(node.getattr("unflatten_fn")?.unbind()),
+                Err(_) => Rebuild::StandIn,
+            },
+            _ => Rebuild::StandIn,
+        };
+        Ok(Container {
+            class: format!("{module}.{qualname}"),
+            keys: keys.to_vec(),
+            key_objects: PyTuple::new(py, key_objects)?.unbind(),
+            labels,
+            context,
+            children,
+            nodes: nodes.unbind(),
+            standin: py.import("kwexport._standin")?.getattr("StandIn")?.unbind(),
+            rebuild,
+        })
+    }
+
+    /// An input of this class (or a stand-in for it): flattened with the class's own pytree
+    /// flatten, whose context must be the one recorded at export.
+    fn flatten<'s, 'py>(
+        &'s self,
+        obj: &Bound<'py, PyAny>,
+        root: &str,
+        path: &mut Vec<PathElem<'s>>,
+        out: &mut Vec<Bound<'py, PyAny>>,
+    ) -> RtResult<()> {
+        let py = obj.py();
+        let expected = || format!("a {} with {}", self.class, self.labels.join(", "));
+        let mismatch = |got: String, path: &[PathElem<'_>]| {
+            RtError::from(Error::Mismatch { path: format_path(root, path), expected: expected(), got })
+        };
+        let values: Bound<'py, PyAny> = if obj.is_instance(self.standin.bind(py))? {
+            let keys = PyTuple::new(py, obj.try_iter()?.collect::<PyResult<Vec<_>>>()?)?;
+            let same = obj.getattr("class_name")?.eq(&self.class)? && keys.eq(self.key_objects.bind(py))?;
+            if !same {
+                return Err(mismatch(obj.repr()?.to_string(), path));
+            }
+            obj.call_method0("to_tuple")?
+        } else {
+            let ty = obj.get_type();
+            let class = format!("{}.{}", ty.getattr("__module__")?, ty.getattr("__qualname__")?);
+            let node = self.nodes.bind(py).get_item(&ty).ok().filter(|_| class == self.class);
+            let Some(node) = node else { return Err(mismatch(describe(obj), path)) };
+            let flat = node.getattr("flatten_fn")?.call1((obj,))?;
+            let (values, context) = (flat.get_item(0)?, flat.get_item(1)?);
+            if !context.eq(self.context.bind(py))? {
+                return Err(mismatch(format!("one whose pytree context is {}", context.repr()?), path));
+            }
+            values
+        };
+        if values.len()? != self.children.len() {
+            return Err(mismatch(format!("{} children", values.len()?), path));
+        }
+        for (i, (child, key)) in self.children.iter().zip(&self.keys).enumerate() {
+            path.push(match key {
+                ChildKey::Attr(_) => PathElem::Attr(&self.labels[i]),
+                ChildKey::Key(_) => PathElem::Key(&self.labels[i]),
+                ChildKey::Index(i) => PathElem::Index(*i),
+            });
+            child.flatten(&values.get_item(i)?, root, path, out)?;
+            path.pop();
+        }
+        Ok(())
+    }
+}
+
+/// `module.qualname` if the module is already in `sys.modules`; never imports anything.
+fn imported_class<'py>(py: Python<'py>, module: &str, qualname: &str) -> PyResult<Option<Bound<'py, PyType>>> {
+    let modules = py.import("sys")?.getattr("modules")?;
+    let Ok(Some(mut obj)) = modules.cast::<PyDict>().map(|d| d.get_item(module).ok().flatten()) else {
+        return Ok(None);
+    };
+    for part in qualname.split('.') {
+        match obj.getattr(part) {
+            Ok(next) => obj = next,
+            Err(_) => return Ok(None),
+        }
+    }
+    Ok(obj.cast_into::<PyType>().ok())
+}
+
+/// Whether a class has every field the file recorded (only dataclass-like kinds are checked).
+fn has_fields(py: Python<'_>, kind: ContainerKind, cls: &Bound<'_, PyType>, keys: &[ChildKey]) -> PyResult<bool> {
+    if kind == ContainerKind::PytreeNode {
+        return Ok(true);
+    }
+    let dataclasses = py.import("dataclasses")?;
+    if !dataclasses.call_method1("is_dataclass", (cls,))?.is_truthy()? {
+        return Ok(false);
+    }
+    let fields: Vec<String> = dataclasses
+        .call_method1("fields", (cls,))?
+        .try_iter()?
+        .map(|f| f?.getattr("name")?.extract())
+        .collect::<PyResult<_>>()?;
+    Ok(keys.iter().all(|k| match k {
+        ChildKey::Attr(name) | ChildKey::Key(Key::Str(name)) => fields.contains(name),
+        _ => false,
+    }))
 }
 
 fn key_list(keys: &[(Py<PyAny>, String)]) -> String {

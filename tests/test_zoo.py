@@ -1,0 +1,148 @@
+"""Real models no one here wrote, built from config with tiny random weights (nothing is
+downloaded), exported with the call their users make, called back with the keywords in
+another order, and compared leaf by leaf with eager."""
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import reversed_kwargs
+
+import kwexport
+
+transformers = pytest.importorskip("transformers")
+torchvision = pytest.importorskip("torchvision")
+
+torch.manual_seed(0)
+IDS = torch.randint(0, 100, (2, 7))
+MASK = torch.ones(2, 7, dtype=torch.long).index_fill_(1, torch.tensor([6]), 0)
+PIXELS = torch.randn(2, 3, 32, 32)
+
+
+def text(name):
+    common = dict(vocab_size=100, hidden_size=32, num_attention_heads=2, intermediate_size=64)
+    if name == "bert":
+        return transformers.BertModel(transformers.BertConfig(num_hidden_layers=2, **common))
+    if name == "distilbert":
+        cfg = transformers.DistilBertConfig(vocab_size=100, dim=32, n_layers=2, n_heads=2, hidden_dim=64)
+        return transformers.DistilBertForSequenceClassification(cfg)
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+        return transformers.GPT2LMHeadModel(cfg)
+    if name == "t5_encoder":
+        cfg = transformers.T5Config(vocab_size=100, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2)
+        return transformers.T5EncoderModel(cfg)
+    raise ValueError(name)
+
+
+def vision(name):
+    if name == "vit":
+        cfg = transformers.ViTConfig(
+            image_size=32,
+            patch_size=8,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            num_labels=5,
+        )
+        return transformers.ViTForImageClassification(cfg)
+    if name == "resnet18":
+        return torchvision.models.resnet18(num_classes=10)
+    if name == "mobilenet_v3_small":
+        return torchvision.models.mobilenet_v3_small(num_classes=10)
+    if name == "vision_transformer":
+        return torchvision.models.VisionTransformer(
+            image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=10
+        )
+    raise ValueError(name)
+
+
+# (model, keyword call, the output's class)
+ZOO = {
+    "bert": (
+        lambda: text("bert"),
+        {"input_ids": IDS, "attention_mask": MASK},
+        "BaseModelOutputWithPoolingAndCrossAttentions",
+    ),
+    "distilbert": (lambda: text("distilbert"), {"input_ids": IDS, "attention_mask": MASK}, "SequenceClassifierOutput"),
+    "gpt2": (
+        lambda: text("gpt2"),
+        {"input_ids": IDS, "attention_mask": MASK, "use_cache": False},
+        "CausalLMOutputWithCrossAttentions",
+    ),
+    "t5_encoder": (
+        lambda: text("t5_encoder"),
+        {"input_ids": IDS, "attention_mask": MASK},
+        "BaseModelOutputWithPastAndCrossAttentions",
+    ),
+    "vit": (lambda: vision("vit"), {"pixel_values": PIXELS}, "ImageClassifierOutput"),
+    "resnet18": (lambda: vision("resnet18"), {"x": PIXELS}, "Tensor"),
+    "mobilenet_v3_small": (lambda: vision("mobilenet_v3_small"), {"x": PIXELS}, "Tensor"),
+    "vision_transformer": (lambda: vision("vision_transformer"), {"x": PIXELS}, "Tensor"),
+}
+
+
+def leaves(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    values = out.values() if hasattr(out, "values") else out
+    return [leaf for v in values for leaf in leaves(v)]
+
+
+def same_signature(prog, fn):
+    """Names, kinds and defaults as the model's forward has them (annotations aren't saved)."""
+    want = [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+    got = [(p.name, p.kind, p.default) for p in inspect.signature(prog).parameters.values()]
+    return got == want
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+@pytest.mark.parametrize("dispatch", ["auto", "python"])
+def test_zoo_model(name, dispatch, tmp_path):
+    build, kwargs, out_type = ZOO[name]
+    torch.manual_seed(0)
+    model = build().eval()
+    path = tmp_path / f"{name}.kwx"
+    kwexport.save(kwexport.export(model, (), kwargs), path)
+    prog = kwexport.load(path, dispatch=dispatch)
+    with torch.no_grad():
+        want = model(**kwargs)
+    got = prog(**reversed_kwargs(kwargs))
+    assert type(got).__name__ == out_type
+    assert type(got) is type(want)  # the class is imported here, so the real one comes back
+    got_leaves, want_leaves = leaves(got), leaves(want)
+    assert len(got_leaves) == len(want_leaves) > 0
+    for g, w in zip(got_leaves, want_leaves):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    if out_type != "Tensor":
+        assert list(got.keys()) == list(want.keys())
+        torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
+    assert same_signature(prog, model.forward)
+
+
+def test_model_output_stand_in_in_a_fresh_process(tmp_path):
+    """A serving process that never imports transformers gets a stand-in with the API people
+    use on ModelOutputs."""
+    model = text("distilbert").eval()
+    path = tmp_path / "d.kwx"
+    kwexport.save(kwexport.export(model, (), {"input_ids": IDS, "attention_mask": MASK}), path)
+    torch.save((IDS, MASK, model(input_ids=IDS, attention_mask=MASK).logits.detach()), tmp_path / "io.pt")
+    code = f"""
+import sys, torch, kwexport
+ids, mask, want = torch.load({str(tmp_path / "io.pt")!r})
+out = kwexport.load({str(path)!r})(attention_mask=mask, input_ids=ids)
+assert "transformers" not in sys.modules
+assert isinstance(out, kwexport.StandIn), type(out)
+assert out.class_name == "transformers.modeling_outputs.SequenceClassifierOutput"
+assert list(out.keys()) == ["logits"] and len(out) == 1
+torch.testing.assert_close(out.logits, want, atol=1e-4, rtol=1e-4)
+torch.testing.assert_close(out["logits"], out[0])
+assert out.to_tuple()[0] is out.logits and out[:1] == (out.logits,)
+print(repr(out).split("(")[0])
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "<kwexport stand-in for transformers.modeling_outputs.SequenceClassifierOutput>"
