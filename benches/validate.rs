@@ -18,7 +18,7 @@ fn chain_file(n: usize) -> Vec<u8> {
         prev = name;
     }
     let header = json!({
-        "format_version": {"major": 2, "minor": 0},
+        "format_version": {"major": 3, "minor": 0},
         "producer": {"kwexport": "bench", "torch": "bench"},
         "signature": {"name": "f", "params": [{"name": "x", "kind": "positional_or_keyword"}]},
         "inputs": {"spec": {"type": "tuple", "children": [{"type": "tuple", "children": [{"type": "leaf"}]}, {"type": "dict", "entries": []}]},

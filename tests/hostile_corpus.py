@@ -77,6 +77,53 @@ def header_cases(h: dict):
         ),
         ARTIFACT,
     )
+
+    def hop(name, args, subgraphs=None, outputs=1):
+        """A higher-order node reading the first graph input, with the given subgraphs."""
+
+        def mutate(d):
+            d["ops"].append({"name": f"higher_order::{name}", "schema": None})
+            x = d["graph"]["inputs"][-1]["name"]
+            args_ = [({"ref": x} if a == "X" else a) for a in args]
+            d["graph"]["nodes"].append(
+                {"op": len(d["ops"]) - 1, "args": args_, "outputs": {"many": [f"h{i}" for i in range(outputs)]}}
+            )
+            d["subgraphs"] = subgraphs if subgraphs is not None else {}
+
+        return mutate
+
+    body = {"inputs": ["a"], "nodes": [], "outputs": [{"ref": "a"}]}
+    grad = lambda *rest: [{"bool": False}, {"subgraph": "b"}, *rest]  # noqa: E731
+    yield "hop_unknown_subgraph", hop("wrap_with_set_grad_enabled", grad("X")), ARTIFACT
+    yield "hop_operand_count", hop("wrap_with_set_grad_enabled", grad("X", "X"), {"b": body}), ARTIFACT
+    yield "hop_bad_layout", hop("wrap_with_set_grad_enabled", [{"subgraph": "b"}, "X"], {"b": body}), ARTIFACT
+    yield "hop_unsupported", hop("while_loop", grad("X"), {"b": body}), ARTIFACT
+    yield "hop_too_many_outputs", hop("wrap_with_set_grad_enabled", grad("X"), {"b": body}, outputs=3), ARTIFACT
+    selfish = {
+        "inputs": ["a"],
+        "nodes": [{"op": 1, "args": [{"bool": True}, {"subgraph": "b"}, {"ref": "a"}], "outputs": {"many": ["z"]}}],
+        "outputs": [{"ref": "a"}],
+    }
+
+    def recursive(d):
+        hop("wrap_with_set_grad_enabled", grad("X"), {"b": selfish})(d)
+        selfish["nodes"][0]["op"] = len(d["ops"]) - 1
+
+    yield "hop_subgraph_runs_itself", recursive, ARTIFACT
+    yield (
+        "subgraph_passed_to_a_plain_op",
+        lambda d: node0(d)["args"].append({"subgraph": "b"}) or d.update(subgraphs={"b": body}),
+        ARTIFACT,
+    )
+    yield (
+        "cond_branches_differ",
+        hop(
+            "cond",
+            [{"bool": True}, {"subgraph": "t"}, {"subgraph": "f"}, {"list": ["X"]}],
+            {"t": body, "f": {"inputs": ["a"], "nodes": [], "outputs": [{"ref": "a"}, {"ref": "a"}]}},
+        ),
+        ARTIFACT,
+    )
     yield "newer_major", lambda d: d.update(format_version={"major": 999, "minor": 0}), VERSION
     yield "older_than_supported", lambda d: d.update(format_version={"major": 0, "minor": 1}), VERSION
     yield "version_not_numbers", lambda d: d.update(format_version={"major": "2", "minor": 0}), ARTIFACT

@@ -31,6 +31,9 @@ def text(name):
     if name == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=64)
         return transformers.GPT2LMHeadModel(cfg)
+    if name == "llama":
+        cfg = transformers.LlamaConfig(num_hidden_layers=2, num_key_value_heads=1, max_position_embeddings=64, **common)
+        return transformers.LlamaForCausalLM(cfg)
     if name == "t5_encoder":
         cfg = transformers.T5Config(vocab_size=100, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2)
         return transformers.T5EncoderModel(cfg)
@@ -72,6 +75,11 @@ ZOO = {
         lambda: text("gpt2"),
         {"input_ids": IDS, "attention_mask": MASK, "use_cache": False},
         "CausalLMOutputWithCrossAttentions",
+    ),
+    "llama": (
+        lambda: text("llama"),
+        {"input_ids": IDS, "attention_mask": MASK, "use_cache": False},
+        "CausalLMOutputWithPast",
     ),
     "t5_encoder": (
         lambda: text("t5_encoder"),

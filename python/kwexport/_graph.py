@@ -15,7 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import kwexport
-from kwexport._rt import DTYPES, FORMAT_VERSION, PY_OPERATORS, ArtifactError
+from kwexport._rt import DTYPES, FORMAT_VERSION, HIGHER_ORDER_OPS, PY_OPERATORS, ArtifactError
 from kwexport._signature import _I64, constant_json
 
 DTYPE_NAMES = {getattr(torch, name): name for name, _ in DTYPES}
@@ -65,24 +65,14 @@ def header_json(
             )
 
     leaf_specs = [None] * len(leaves)
-    ops = _OpTable()
-    nodes = []
-    outputs = None
     for node in ep.graph.nodes:
-        if node.op == "placeholder":
-            if node.name in user_placeholders:
-                i = user_placeholders[node.name]
-                leaf_specs[i] = _leaf_spec(node.meta.get("val"), leaves[i], i)
-        elif node.op == "call_function":
-            encoded = _node(node, ops)
-            if encoded is not None:
-                nodes.append(encoded)
-        elif node.op == "output":
-            outputs = [_arg(a, "graph.outputs") for a in node.args[0]]
-        else:
-            raise ArtifactError(
-                f"node {node.name!r}: unsupported node kind {node.op!r} (control flow and submodules are not supported)"
-            )
+        if node.op == "placeholder" and node.name in user_placeholders:
+            i = user_placeholders[node.name]
+            leaf_specs[i] = _leaf_spec(node.meta.get("val"), leaves[i], i)
+    ops = _OpTable()
+    subgraphs: dict[str, Any] = {}
+    graph = _encode_graph(ep.graph_module, "", ops, subgraphs)
+    nodes, outputs = graph["nodes"], graph["outputs"]
 
     symbols = []
     for sym, rng in ep.range_constraints.items():
@@ -109,6 +99,7 @@ def header_json(
         "symbols": symbols,
         "ops": ops.entries,
         "graph": {"inputs": graph_inputs, "nodes": nodes, "outputs": outputs},
+        "subgraphs": subgraphs,
     }
     return header, weights
 
@@ -133,7 +124,36 @@ class _OpTable:
         return self._index[name]
 
 
-def _node(node, ops):
+def _encode_graph(gm, prefix: str, ops: _OpTable, subgraphs: dict[str, Any]) -> dict[str, Any]:
+    """A graph module's nodes and outputs (and its placeholders' names); the graph modules its
+    higher-order ops run are encoded into ``subgraphs`` under their dotted attribute paths."""
+    inputs, nodes, outputs = [], [], []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            inputs.append(node.name)
+        elif node.op == "get_attr":
+            sub = getattr(gm, node.target, None)
+            if not isinstance(sub, torch.fx.GraphModule):
+                raise ArtifactError(
+                    f"node {node.name!r}: reads attribute {node.target!r} ({type(sub).__name__}); kwexport reads only "
+                    "the subgraphs of higher-order ops this way"
+                )
+            name = f"{prefix}{node.target}"
+            if name not in subgraphs:
+                subgraphs[name] = None  # placeholder: a subgraph running itself can't recurse forever
+                subgraphs[name] = _encode_graph(sub, f"{name}.", ops, subgraphs)
+        elif node.op == "call_function":
+            encoded = _node(node, ops, prefix)
+            if encoded is not None:
+                nodes.append(encoded)
+        elif node.op == "output":
+            outputs = [_arg(a, "graph.outputs", prefix) for a in node.args[0]]
+        else:
+            raise ArtifactError(f"node {node.name!r}: unsupported node kind {node.op!r}")
+    return {"inputs": inputs, "nodes": nodes, "outputs": outputs}
+
+
+def _node(node, ops, prefix=""):
     target = node.target
     if target is operator.getitem and isinstance(node.args[0], torch.fx.Node) and _is_multi(node.args[0]):
         return None  # folded into the producer's outputs
@@ -141,6 +161,13 @@ def _node(node, ops):
         op, schema = f"{target._schema.name}.{target._overloadname}", str(target._schema)
     elif target in _PY_OPERATORS:
         op, schema = f"operator::{_PY_OPERATORS[target]}", None
+    elif isinstance(target, torch._ops.HigherOrderOperator):
+        if target.name() not in HIGHER_ORDER_OPS:
+            raise ArtifactError(
+                f"node {node.name!r}: kwexport can't run the higher-order op {target.name()!r} (it runs "
+                f"{', '.join(HIGHER_ORDER_OPS)}); rewrite that part of the model without it, e.g. unroll the loop"
+            )
+        op, schema = f"higher_order::{target.name()}", None
     else:
         raise ArtifactError(f"node {node.name!r}: unsupported call target {target!r}")
     where = f"node {node.name!r} ({op})"
@@ -157,8 +184,8 @@ def _node(node, ops):
         outputs = {"one": node.name}
     return {
         "op": ops.add(op, schema),
-        "args": [_arg(a, where) for a in node.args],
-        "kwargs": {k: _arg(v, where) for k, v in node.kwargs.items()},
+        "args": [_arg(a, where, prefix) for a in node.args],
+        "kwargs": {k: _arg(v, where, prefix) for k, v in node.kwargs.items()},
         "outputs": outputs,
     }
 
@@ -167,11 +194,13 @@ def _is_multi(node) -> bool:
     return isinstance(node.meta.get("val"), (tuple, list))
 
 
-def _arg(x, where):
+def _arg(x, where, prefix=""):
     if isinstance(x, torch.fx.Node):
+        if x.op == "get_attr":
+            return {"subgraph": f"{prefix}{x.target}"}
         return {"ref": x.name}
     if isinstance(x, (list, tuple)):
-        return {"list": [_arg(i, where) for i in x]}
+        return {"list": [_arg(i, where, prefix) for i in x]}
     if isinstance(x, torch.dtype):
         if x not in DTYPE_NAMES:
             raise ArtifactError(f"{where}: unsupported dtype {x}")

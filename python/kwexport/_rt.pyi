@@ -19,6 +19,7 @@ __all__ = [
     "PY_OPERATORS",
     "LAYOUTS",
     "MEMORY_FORMATS",
+    "HIGHER_ORDER_OPS",
     "Program",
     "load",
     "describe",
@@ -39,6 +40,7 @@ DTYPES: list[tuple[str, int]]
 PY_OPERATORS: list[str]
 LAYOUTS: list[str]
 MEMORY_FORMATS: list[str]
+HIGHER_ORDER_OPS: list[str]
 
 class KwexportError(Exception):
     """Base class of every error kwexport raises."""

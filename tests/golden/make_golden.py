@@ -44,6 +44,12 @@ def containers(pair, *, table):
     return {"pair": Pair(left=pair.left * table["w"][0], right=pair.right), "total": pair.left.sum()}
 
 
+def branches(x, *, limit=0.0):
+    with torch.no_grad():
+        scale = x.abs().mean()
+    return torch.cond(x.sum() > limit, lambda x, s: x.sin() * s, lambda x, s: x.cos() - s, (x, scale))
+
+
 def cases():
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g)
@@ -72,6 +78,7 @@ def cases():
             ((r(9, 5), r(9, 5)), {}),
         ],
     )
+    yield "branches", branches, (r(3, 4),), {}, None, [((r(3, 4),), {}), ((-r(3, 4).abs(),), {})]
     table = lambda: collections.defaultdict(list, {"w": [r(3)]})  # noqa: E731
     yield (
         "containers",

@@ -51,6 +51,8 @@ pub struct Artifact {
     pub ops: Vec<OpName>,
     /// The graph, in slots.
     pub graph: SlotGraph,
+    /// The subgraphs higher-order ops run, in slots, by name.
+    pub subgraphs: BTreeMap<String, SlotGraph>,
     /// Every weight, checked against its storage.
     pub weights: BTreeMap<String, CheckedWeight>,
 }
@@ -107,6 +109,12 @@ impl Parsed {
         let weights = weights::validate(&doc.weights, &layout)?;
         let ops = graph::op_names(&doc.ops)?;
         let graph = graph::validate(&doc.graph, &ops, n_leaves, |w| weights.contains_key(w))?;
+        let subgraphs = doc
+            .subgraphs
+            .iter()
+            .map(|(name, sub)| Ok((name.clone(), graph::validate_subgraph(sub, &ops, name)?)))
+            .collect::<Result<BTreeMap<_, _>>>()?;
+        crate::hops::check(&graph, &subgraphs)?;
         for (name, f) in &doc.extra_files {
             let entry = format!("extra_files[{name:?}]");
             if !crate::tables::is_safe_extra_name(name) {
@@ -128,6 +136,7 @@ impl Parsed {
             leaf_dims,
             ops,
             graph,
+            subgraphs,
             weights,
         })
     }
@@ -189,7 +198,7 @@ pub(crate) mod tests {
     /// A valid 2.0 file: `f(x, *, scale)` with one weight and one extra file.
     pub(crate) fn file(mutate: impl FnOnce(&mut serde_json::Value)) -> Vec<u8> {
         let mut header = json!({
-            "format_version": {"major": 2, "minor": 0},
+            "format_version": {"major": 3, "minor": 0},
             "producer": {"kwexport": "0.1.0", "torch": "2.13.0", "python": "3.11.7"},
             "signature": {"name": "f", "params": [
                 {"name": "x", "kind": "positional_or_keyword"},

@@ -30,7 +30,7 @@ pub struct Description {
     pub symbols: Vec<crate::schema::Symbol>,
     /// How many nodes call each op, in op-table order.
     pub ops: OpCounts,
-    /// Graph nodes.
+    /// Graph nodes, subgraphs' included.
     pub nodes: usize,
     /// Weight tensors and their storages' bytes.
     pub weights: WeightSummary,
@@ -130,7 +130,8 @@ impl Artifact {
             })
             .collect();
         let mut counts = vec![0; doc.ops.len()];
-        doc.graph.nodes.iter().for_each(|n| counts[n.op] += 1);
+        let all_nodes = || doc.graph.nodes.iter().chain(doc.subgraphs.values().flat_map(|s| &s.nodes));
+        all_nodes().for_each(|n| counts[n.op] += 1);
         let version = |v: crate::schema::FormatVersion| [v.major, v.minor];
         Description {
             format_version: version(self.file_format_version),
@@ -142,7 +143,7 @@ impl Artifact {
             inputs,
             symbols: doc.symbols.clone(),
             ops: OpCounts(doc.ops.iter().map(|o| o.name.clone()).zip(counts).collect()),
-            nodes: doc.graph.nodes.len(),
+            nodes: all_nodes().count(),
             weights: WeightSummary {
                 tensors: doc.weights.tensors.len(),
                 bytes: doc.weights.storages.iter().map(|s| s.nbytes).sum(),

@@ -495,6 +495,14 @@ pub enum Error {
         /// The rule it breaks.
         problem: GraphProblem,
     },
+    /// A higher-order op's node that doesn't fit its layout or its subgraphs.
+    #[error("{at}: {problem}")]
+    Hop {
+        /// The node, or the subgraph.
+        at: String,
+        /// How.
+        problem: HopProblem,
+    },
     /// A node whose arguments don't fit its op's schema.
     #[error("{at}: {problem}")]
     NodeArgs {
@@ -770,6 +778,47 @@ pub enum GraphProblem {
     /// A reference to a value not yet defined.
     #[error("value {0:?} is used before it is defined (or never defined)")]
     Undefined(String),
+}
+
+/// How a higher-order op's node fails to fit its layout or its subgraphs.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HopProblem {
+    /// Arguments out of the op's layout.
+    #[error("expected {0}")]
+    Layout(&'static str),
+    /// A subgraph name not in `subgraphs`.
+    #[error("no subgraph {0:?}")]
+    UnknownSubgraph(String),
+    /// Operands that don't match the subgraph's inputs.
+    #[error("subgraph {subgraph:?} takes {takes} inputs, given {given}")]
+    OperandCount {
+        /// The subgraph.
+        subgraph: String,
+        /// Its inputs.
+        takes: usize,
+        /// Operands given.
+        given: usize,
+    },
+    /// `cond`'s branches of different arity.
+    #[error("cond's branches take or return different numbers of values")]
+    BranchesDiffer,
+    /// More outputs bound than the subgraph returns.
+    #[error("binds more outputs than subgraph {subgraph:?} returns ({returns})")]
+    Outputs {
+        /// The subgraph.
+        subgraph: String,
+        /// Its outputs.
+        returns: usize,
+    },
+    /// A subgraph that runs itself.
+    #[error("the subgraph runs itself")]
+    Recursive,
+    /// A subgraph passed to an op that isn't a higher-order op.
+    #[error("only higher-order ops take subgraphs")]
+    NotHigherOrder,
+    /// A higher-order op kwexport doesn't run.
+    #[error("higher-order op {0:?} is not one kwexport runs (cond, wrap_with_set_grad_enabled, wrap_with_autocast)")]
+    Unsupported(String),
 }
 
 /// How a node's arguments fail to fit its op's schema.

@@ -119,6 +119,8 @@ impl SlotNode {
 pub struct SlotGraph {
     /// How many slots a run needs.
     pub n_slots: usize,
+    /// How many leaves the graph is run on (user leaves; a subgraph's positional inputs).
+    pub n_inputs: usize,
     /// `(slot, user leaf index)` for each user input the graph reads.
     pub user_inputs: Vec<(usize, usize)>,
     /// The nodes, in execution order.
@@ -239,7 +241,7 @@ pub fn validate<'g>(
             SlotOutputs::None => {}
         }
     }
-    Ok(SlotGraph { n_slots, user_inputs, nodes, outputs })
+    Ok(SlotGraph { n_slots, n_inputs: n_leaves, user_inputs, nodes, outputs })
 }
 
 fn resolve(arg: &Arg, defs: &HashMap<&str, ValueRef>, what: &dyn Fn() -> String) -> Result<SlotArg> {
@@ -251,6 +253,24 @@ fn resolve(arg: &Arg, defs: &HashMap<&str, ValueRef>, what: &dyn Fn() -> String)
         ),
         Arg::List(items) => SlotArg::List(items.iter().map(|a| resolve(a, defs, what)).collect::<Result<_>>()?),
         literal => SlotArg::Literal(literal.clone()),
+    })
+}
+
+/// Validates a subgraph: its inputs are its positional arguments, in order.
+pub fn validate_subgraph(sub: &crate::schema::Subgraph, ops: &[OpName], name: &str) -> Result<SlotGraph> {
+    let graph = Graph {
+        inputs: sub
+            .inputs
+            .iter()
+            .enumerate()
+            .map(|(i, n)| crate::schema::GraphInput { name: n.clone(), source: InputSource::User(i) })
+            .collect(),
+        nodes: sub.nodes.clone(),
+        outputs: sub.outputs.clone(),
+    };
+    validate(&graph, ops, sub.inputs.len(), |_| false).map_err(|e| match e {
+        Error::Graph { at, problem } => Error::Graph { at: format!("subgraphs[{name:?}]: {at}"), problem },
+        other => other,
     })
 }
 

@@ -21,6 +21,7 @@
 //! - [`binder`]     binding a call to the saved signature, as CPython does
 //! - [`checks`]     input shape checks: static sizes, symbols, derived dims
 //! - [`graph`]      graph validation into value slots, with last-use frees
+//! - [`hops`]       higher-order ops (`cond`, grad-mode and autocast regions) and their subgraphs
 //! - [`weights`]    the storage table's bounds, alignment and overlap
 //! - [`artifact`]   the whole file: parse, then validate every cross-field rule once
 //! - [`describe`]   what a file holds, as `kwexport inspect` prints it
@@ -35,6 +36,7 @@ pub mod container;
 pub mod describe;
 pub mod error;
 pub mod graph;
+pub mod hops;
 pub mod opschema;
 pub mod schema;
 pub mod tables;

@@ -96,6 +96,10 @@ pub struct Document {
     pub ops: Vec<OpEntry>,
     /// The computation.
     pub graph: Graph,
+    /// Graphs that higher-order ops run (`cond`'s branches, `wrap_with_set_grad_enabled`'s
+    /// body), by name (format 3.0 on).
+    #[serde(default)]
+    pub subgraphs: BTreeMap<String, Subgraph>,
     /// The weight tensors and the storages they view.
     pub weights: Weights,
     /// Files the user saved alongside, by name.
@@ -415,6 +419,17 @@ pub struct Graph {
     pub outputs: Vec<Arg>,
 }
 
+/// A graph a higher-order op runs: positional inputs, then nodes as in the main graph.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Subgraph {
+    /// The names its positional inputs are bound to, in order.
+    pub inputs: Vec<String>,
+    /// Op calls, in execution order.
+    pub nodes: Vec<Node>,
+    /// The values it returns.
+    pub outputs: Vec<Arg>,
+}
+
 /// A value the graph reads from outside.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GraphInput {
@@ -480,6 +495,8 @@ pub enum Outputs {
 pub enum Arg {
     /// A graph value, by name.
     Ref(String),
+    /// A subgraph, by its name in `subgraphs`: only higher-order ops take one (3.0 on).
+    Subgraph(String),
     None(()),
     Bool(bool),
     Int(i64),

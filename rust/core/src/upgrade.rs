@@ -70,8 +70,9 @@ fn v1_to_v2_op_table(mut doc: Value) -> Result<Value, String> {
     Ok(doc)
 }
 
-/// 3.0 adds treespec node types (`defaultdict`, `container`) that 2.x readers can't skip;
-/// a 2.0 document uses none of them, so it is a 3.0 document as it stands.
+/// 3.0 adds treespec node types (`defaultdict`, `container`), `subgraphs` and higher-order
+/// ops, which 2.x readers can't skip; a 2.0 document uses none of them, so it is a 3.0
+/// document as it stands.
 fn v2_to_v3_containers(mut doc: Value) -> Result<Value, String> {
     doc["format_version"] = serde_json::json!({"major": 3, "minor": 0});
     Ok(doc)

@@ -52,8 +52,8 @@ pub fn literal_to_py(py: Python<'_>, torch: &Bound<'_, PyModule>, lit: &Arg, ent
         Arg::Device(d) => device(torch, d, entry)?.unbind(),
         Arg::Layout(l) => return named(LAYOUTS, l, "layout"),
         Arg::MemoryFormat(m) => return named(MEMORY_FORMATS, m, "memory format"),
-        Arg::Ref(_) | Arg::List(_) => {
-            return Err(RtError::Internal(format!("{entry}: a reference or list reached literal_to_py")))
+        Arg::Ref(_) | Arg::List(_) | Arg::Subgraph(_) => {
+            return Err(RtError::Internal(format!("{entry}: a reference, list or subgraph reached literal_to_py")))
         }
     })
 }

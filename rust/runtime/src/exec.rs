@@ -7,13 +7,14 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use kwexport_core::graph::SlotOutputs;
+use kwexport_core::hops::HopKind;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyTuple};
 
 use crate::abi::encode::{build, decode, Native};
 use crate::abi::{self, Abi, CError, StableIValue, Ty};
 use crate::errors::{RtError, RtResult};
-use crate::plan::{CStep, Plan, PyArg, PyStep, Segment};
+use crate::plan::{CStep, HopStep, Plan, PyArg, PyOp, PyStep, Segment};
 
 /// C segments that took at least this long last time run with the GIL released. Shorter ones
 /// keep it: with several threads, handing the GIL over costs more than a few small ops.
@@ -212,15 +213,33 @@ fn run_python<'py>(
     natives: &mut [Option<Native>],
 ) -> RtResult<()> {
     let args = step.args.iter().map(|a| value(py, a, pys)).collect::<RtResult<Vec<_>>>()?;
+    let op = match &step.op {
+        PyOp::Call(op) => op,
+        PyOp::Hop(hop) => {
+            let results = hop.run(py, args)?;
+            if let SlotOutputs::Many(out) = &step.outputs {
+                for (slot, value) in out.iter().zip(results) {
+                    if let Some(s) = slot {
+                        pys[*s] = Some(value);
+                    }
+                }
+            }
+            for &s in &step.free {
+                pys[s] = None;
+                natives[s] = None;
+            }
+            return Ok(());
+        }
+    };
     let args = PyTuple::new(py, args)?;
     let result = if step.kwargs.is_empty() {
-        step.op.bind(py).call1(args)?
+        op.bind(py).call1(args)?
     } else {
         let kwargs = PyDict::new(py);
         for (k, a) in &step.kwargs {
             kwargs.set_item(k.bind(py), value(py, a, pys)?)?;
         }
-        step.op.bind(py).call(args, Some(&kwargs))?
+        op.bind(py).call(args, Some(&kwargs))?
     };
     match &step.outputs {
         SlotOutputs::None => {}
@@ -242,6 +261,36 @@ fn run_python<'py>(
         natives[s] = None;
     }
     Ok(())
+}
+
+impl HopStep {
+    /// Runs the region, or the branch the predicate picks, on `args` (the predicate first,
+    /// for `cond`), restoring grad mode and autocast state whatever happens.
+    fn run<'py>(&self, py: Python<'py>, mut args: Vec<Bound<'py, PyAny>>) -> RtResult<Vec<Bound<'py, PyAny>>> {
+        match self.kind {
+            HopKind::Cond => {
+                let pred = args.remove(0).is_truthy()?;
+                self.bodies[if pred { 0 } else { 1 }].run(py, &args)
+            }
+            HopKind::SetGradEnabled => {
+                let (set, is_enabled) = (self.grad_mode.0.bind(py), self.grad_mode.1.bind(py));
+                let before = is_enabled.call0()?;
+                set.call1((self.enabled,))?;
+                let result = self.bodies[0].run(py, &args);
+                set.call1((before,))?;
+                result
+            }
+            HopKind::Autocast => {
+                let (autocast, kwargs) = self.autocast.as_ref().ok_or_else(|| RtError::Internal("autocast".into()))?;
+                let region = autocast.bind(py).call((), Some(kwargs.bind(py)))?;
+                region.call_method0("__enter__")?;
+                let result = self.bodies[0].run(py, &args);
+                let none = py.None();
+                region.call_method1("__exit__", (&none, &none, &none))?;
+                result
+            }
+        }
+    }
 }
 
 fn value<'py>(py: Python<'py>, a: &PyArg, slots: &[Option<Bound<'py, PyAny>>]) -> RtResult<Bound<'py, PyAny>> {

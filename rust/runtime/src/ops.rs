@@ -7,8 +7,10 @@
 
 use std::ffi::CString;
 
+use kwexport_core::error::HopProblem;
 use kwexport_core::error::NodeProblem;
 use kwexport_core::graph::{OpName, SlotArg, SlotNode, SlotOutputs};
+use kwexport_core::hops::{self, HopKind};
 use kwexport_core::opschema::{self, Drift};
 use kwexport_core::schema::{Arg, Document, Float};
 use kwexport_core::tables::{DEFAULT_NAMESPACES, PY_OPERATORS};
@@ -61,10 +63,12 @@ impl AllowOps {
 
 /// An op from the table, resolved once per load however many nodes call it.
 pub struct ResolvedOp {
-    /// What to call on the Python path.
+    /// What to call on the Python path (`None` for higher-order ops, which kwexport runs).
     pub callable: Py<PyAny>,
-    /// Its schema in the running torch; `None` for Python operators.
+    /// Its schema in the running torch; `None` for Python operators and higher-order ops.
     pub schema: Option<OpSchema>,
+    /// The higher-order op it is, if it is one.
+    pub hop: Option<HopKind>,
 }
 
 /// Resolves every op in the table and checks each recorded schema against the running
@@ -82,6 +86,12 @@ pub fn resolve_ops(
     let mut notes = Vec::new();
     for (i, name) in names.iter().enumerate() {
         let entry = format!("ops[{i}] ({name})");
+        if name.namespace == hops::NAMESPACE {
+            let hop = HopKind::parse(name)
+                .ok_or_else(|| Error::Hop { at: entry.clone(), problem: HopProblem::Unsupported(name.name.clone()) })?;
+            resolved.push(ResolvedOp { callable: py.None(), schema: None, hop: Some(hop) });
+            continue;
+        }
         let op = resolve_op(py, torch, name, allow, &version, &entry)?;
         let schema = op.bind(py).getattr("_schema").ok(); // Python operators have none
         let current = schema.as_ref().map(|s| s.str().map(|s| s.to_string())).transpose()?;
@@ -120,7 +130,7 @@ pub fn resolve_ops(
         let schema = schema.map(|s| OpSchema::read(&s)).transpose()?;
         // OpOverload.__call__ is a Python frame around `_op`, the C++ callable: skip it.
         let callable = op.bind(py).getattr("_op").map(Bound::unbind).unwrap_or(op);
-        resolved.push(ResolvedOp { callable, schema });
+        resolved.push(ResolvedOp { callable, schema, hop: None });
     }
     Ok((resolved, notes))
 }

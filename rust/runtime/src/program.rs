@@ -100,7 +100,8 @@ pub fn load(
     let data = Bound::new(py, MappedData::new(map.clone(), &a.layout))?;
     let weights = weights::materialize(py, &torch, data, &doc.weights, &a.weights)?;
     let leaf_is_tensor: Vec<bool> = doc.inputs.leaves.iter().map(|l| matches!(l, LeafSpec::Tensor(_))).collect();
-    let plan = plan::build(py, &torch, &a.graph, &ops, &weights, &leaf_is_tensor, dispatch)?;
+    let cx = plan::Context { torch: &torch, ops: &ops, weights: &weights, subgraphs: &a.subgraphs, dispatch };
+    let plan = plan::build(&cx, &a.graph, &leaf_is_tensor)?;
 
     let leaf_checks = doc
         .inputs

@@ -8,7 +8,7 @@ use kwexport_core::schema::Arg;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyList, PyString, PyTuple};
 
-use super::{PyArg, PyStep};
+use super::{PyArg, PyOp, PyStep};
 use crate::abi::encode::Consts;
 use crate::constants::literal_to_py;
 use crate::errors::RtResult;
@@ -80,7 +80,7 @@ impl<'a, 'py> ConstTable<'a, 'py> {
             })
             .collect::<RtResult<Vec<_>>>()?;
         Ok(PyStep {
-            op: op.callable.clone_ref(self.py),
+            op: PyOp::Call(op.callable.clone_ref(self.py)),
             args,
             kwargs,
             outputs: node.outputs.clone(),

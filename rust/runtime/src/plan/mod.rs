@@ -6,21 +6,24 @@
 //!
 //! - `consts`    weights, wrapped numbers and literals as the objects nodes read
 //! - `cstep`     nodes compiled for the C ABI
+//! - `hop`       higher-order ops' nodes, with a nested plan per subgraph
 //! - `cost`      which C-capable runs are worth their crossings
 //! - `segments`  grouping by path, and the crossings each segment needs
 
 mod consts;
 mod cost;
 mod cstep;
+mod hop;
 mod segments;
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::sync::atomic::AtomicU64;
 
-use kwexport_core::graph::{SlotGraph, SlotOutputs};
+use kwexport_core::graph::{SlotArg, SlotGraph, SlotNode, SlotOutputs, ValueRef};
+use kwexport_core::hops::HopKind;
 use pyo3::prelude::*;
-use pyo3::types::PyString;
+use pyo3::types::{PyDict, PyString};
 
 use crate::abi::encode::Enc;
 use crate::abi::{self, Abi, Ty};
@@ -70,9 +73,31 @@ pub enum PyArg {
     List(Vec<PyArg>),
 }
 
-/// A node run through torch's Python op object.
+/// What a Python-path node calls.
+pub enum PyOp {
+    /// torch's op object (or a Python operator).
+    Call(Py<PyAny>),
+    /// A higher-order op, run by kwexport with nested plans.
+    Hop(Box<HopStep>),
+}
+
+/// A higher-order op's node: its subgraphs' plans and what it needs of torch. Its operands
+/// (after `cond`'s predicate) are the step's `args`.
+pub struct HopStep {
+    pub(crate) kind: HopKind,
+    /// The body, or `cond`'s true and false branches.
+    pub(crate) bodies: Vec<Plan>,
+    /// `torch._C._set_grad_enabled` and `torch.is_grad_enabled`, for grad-mode regions.
+    pub(crate) grad_mode: (Py<PyAny>, Py<PyAny>),
+    /// The value a grad-mode region sets.
+    pub(crate) enabled: bool,
+    /// `torch.autocast` and its keyword arguments, for autocast regions.
+    pub(crate) autocast: Option<(Py<PyAny>, Py<PyDict>)>,
+}
+
+/// A node run through torch's Python op object, or a higher-order op.
 pub struct PyStep {
-    pub(crate) op: Py<PyAny>,
+    pub(crate) op: PyOp,
     pub(crate) args: Vec<PyArg>,
     pub(crate) kwargs: Vec<(Py<PyString>, PyArg)>,
     pub(crate) outputs: SlotOutputs,
@@ -124,8 +149,10 @@ pub struct Plan {
     /// Weights and wrapped numbers that C steps read, as handles.
     pub(crate) consts: Vec<abi::Tensor>,
     pub(crate) tensor_type: Py<PyAny>,
-    /// Nodes on each path: `(stable ABI, Python)`.
+    /// Nodes on each path, subgraphs' included: `(stable ABI, Python)`.
     pub counts: (usize, usize),
+    /// Whether each output is always a tensor (for the C path of a plan around this one).
+    pub(crate) output_is_tensor: Vec<bool>,
 }
 
 /// A node compiled for one path, before segmenting.
@@ -134,27 +161,50 @@ enum Compiled {
     C(CStep),
 }
 
+/// What a plan is built from: the resolved ops, the weights, the subgraphs and the
+/// dispatch mode, shared by a plan and the plans nested in it.
+pub struct Context<'a, 'py> {
+    /// The running `torch` module.
+    pub torch: &'a Bound<'py, PyModule>,
+    /// The op table, resolved.
+    pub ops: &'a [ResolvedOp],
+    /// The weights, as tensors over the mapped file.
+    pub weights: &'a BTreeMap<String, Py<PyAny>>,
+    /// The subgraphs higher-order ops run.
+    pub subgraphs: &'a BTreeMap<String, SlotGraph>,
+    /// Which paths plans may use.
+    pub dispatch: Dispatch,
+}
+
 /// Resolves weights and literals, checks each node against its op's schema, and chooses
-/// each node's path.
-pub fn build(
-    py: Python<'_>,
-    torch: &Bound<'_, PyModule>,
-    graph: &SlotGraph,
-    ops: &[ResolvedOp],
-    weights: &BTreeMap<String, Py<PyAny>>,
-    leaf_is_tensor: &[bool],
-    dispatch: Dispatch,
-) -> RtResult<Plan> {
-    let abi = match dispatch {
+/// each node's path. `leaf_is_tensor` says which of the graph's leaves are tensors.
+pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -> RtResult<Plan> {
+    let py = cx.torch.py();
+    let abi = match cx.dispatch {
         Dispatch::Auto | Dispatch::Abi => Abi::get(py),
         Dispatch::Python => None,
     };
-    let mut consts = consts::ConstTable::new(py, torch, weights);
-    let tensor_slot = tensor_slots(graph, ops, leaf_is_tensor);
+    let mut consts = consts::ConstTable::new(py, cx.torch, cx.weights);
+    // Plans of the higher-order nodes' subgraphs first: what they return says which of the
+    // nodes' outputs are tensors.
+    let mut tensor_slot = vec![false; graph.n_slots];
+    for &(slot, leaf) in &graph.user_inputs {
+        tensor_slot[slot] = leaf_is_tensor.get(leaf).copied().unwrap_or(false);
+    }
+    let mut hops = Vec::with_capacity(graph.nodes.len());
+    for (i, node) in graph.nodes.iter().enumerate() {
+        let op = &cx.ops[node.op];
+        let hop = match op.hop {
+            Some(kind) => Some(HopStep::build(cx, kind, node, &tensor_slot, i)?),
+            None => None,
+        };
+        mark_tensor_outputs(&mut tensor_slot, node, op, hop.as_ref());
+        hops.push(hop);
+    }
     let is_tensor = |s: usize| tensor_slot[s];
     let mut c_steps = Vec::with_capacity(graph.nodes.len());
     for (i, node) in graph.nodes.iter().enumerate() {
-        let op = &ops[node.op];
+        let op = &cx.ops[node.op];
         if let Some(schema) = &op.schema {
             schema.check(node, || format!("graph.nodes[{i}] ({})", node.op_name))?;
         }
@@ -164,14 +214,21 @@ pub fn build(
             }),
         );
     }
-    if dispatch == Dispatch::Auto {
+    if cx.dispatch == Dispatch::Auto {
         cost::keep_profitable(&mut c_steps, graph);
     }
     let mut compiled = Vec::with_capacity(graph.nodes.len());
-    for (i, (node, c)) in graph.nodes.iter().zip(c_steps).enumerate() {
-        compiled.push(match c {
-            Some(s) => Compiled::C(s),
-            None => Compiled::Python(consts.py_step(node, &ops[node.op], i)?),
+    let mut nested = (0, 0);
+    for (i, ((node, c), hop)) in graph.nodes.iter().zip(c_steps).zip(hops).enumerate() {
+        compiled.push(match (c, hop) {
+            (Some(s), _) => Compiled::C(s),
+            (None, Some(hop)) => {
+                for body in &hop.bodies {
+                    nested = (nested.0 + body.counts.0, nested.1 + body.counts.1);
+                }
+                Compiled::Python(consts.hop_step(node, hop, i)?)
+            }
+            (None, None) => Compiled::Python(consts.py_step(node, &cx.ops[node.op], i)?),
         });
     }
     let outputs =
@@ -181,6 +238,7 @@ pub fn build(
         None => Vec::new(),
     };
     let n_c = compiled.iter().filter(|e| matches!(e, Compiled::C(_))).count();
+    let output_is_tensor = graph.outputs.iter().map(|a| is_tensor_arg(a, &tensor_slot)).collect();
     let (segments, outputs_to_py) = segments::segment(graph, compiled);
     Ok(Plan {
         n_slots: graph.n_slots,
@@ -190,26 +248,36 @@ pub fn build(
         outputs,
         abi,
         consts: handles,
-        tensor_type: torch.getattr("Tensor")?.unbind(),
-        counts: (n_c, graph.nodes.len() - n_c),
+        tensor_type: cx.torch.getattr("Tensor")?.unbind(),
+        counts: (n_c + nested.0, graph.nodes.len() - n_c + nested.1),
+        output_is_tensor,
     })
 }
 
-/// Which slots always hold tensors: tensor user leaves, and node outputs whose schema return
-/// is a tensor. (Python operators on sizes return numbers.)
-fn tensor_slots(graph: &SlotGraph, ops: &[ResolvedOp], leaf_is_tensor: &[bool]) -> Vec<bool> {
-    let mut tensor_slot = vec![false; graph.n_slots];
-    for &(slot, leaf) in &graph.user_inputs {
-        tensor_slot[slot] = leaf_is_tensor.get(leaf).copied().unwrap_or(false);
-    }
-    for node in &graph.nodes {
-        let returns = ops[node.op].schema.as_ref().and_then(|s| s.c_returns.as_deref()).unwrap_or(&[]);
+/// Marks the node's outputs that always hold tensors: where its schema returns a tensor, or
+/// (a higher-order op) where every subgraph it may run returns one. Python operators on
+/// sizes return numbers.
+fn mark_tensor_outputs(tensor_slot: &mut [bool], node: &SlotNode, op: &ResolvedOp, hop: Option<&HopStep>) {
+    if let Some(hop) = hop {
         for (i, s) in node.outputs.defined() {
-            tensor_slot[s] = match returns {
-                [Ty::List(inner)] => **inner == Ty::Tensor,
-                _ => returns.get(i) == Some(&Ty::Tensor),
-            };
+            tensor_slot[s] = hop.bodies.iter().all(|b| b.output_is_tensor.get(i).copied().unwrap_or(false));
         }
+        return;
     }
-    tensor_slot
+    let returns = op.schema.as_ref().and_then(|s| s.c_returns.as_deref()).unwrap_or(&[]);
+    for (i, s) in node.outputs.defined() {
+        tensor_slot[s] = match returns {
+            [Ty::List(inner)] => **inner == Ty::Tensor,
+            _ => returns.get(i) == Some(&Ty::Tensor),
+        };
+    }
+}
+
+/// Whether an argument is always a tensor: a tensor slot, or a weight.
+fn is_tensor_arg(a: &SlotArg, tensor_slot: &[bool]) -> bool {
+    match a {
+        SlotArg::Value(ValueRef::Slot(s)) => tensor_slot[*s],
+        SlotArg::Value(ValueRef::Weight(_)) => true,
+        _ => false,
+    }
 }
