@@ -79,8 +79,11 @@ def export(
     return _export(f, args, kwargs, dynamic_shapes=dynamic_shapes)
 
 
-def save(ex: Exported, path: str | os.PathLike[str], *, extra_files: dict[str, str | bytes] | None = None) -> None:
-    """Write ``ex`` to ``path`` as one file, atomically."""
+def save(
+    ex: Exported | Any, path: str | os.PathLike[str], *, extra_files: dict[str, str | bytes] | None = None
+) -> None:
+    """Write ``ex`` (``kwexport.export``'s result, or a ``torch.export.ExportedProgram``) to
+    ``path`` as one file, atomically."""
     from kwexport._write import save as _save
 
     _save(ex, path, extra_files=extra_files)

@@ -1,8 +1,9 @@
 """The kwexport command line. Everything it reports comes from the Rust core, which opens
-and validates a file without torch; nothing here imports torch.
+and validates a file without torch; only ``convert`` imports torch (to read the ``.pt2``).
 
     kwexport inspect PATH [--json]     what a file holds, validated, without running it
     kwexport upgrade OLD NEW [--force] rewrite a file at the current format version
+    kwexport convert MODEL.pt2 NEW.kwx a torch.export file as a kwexport file (imports torch)
 """
 
 from __future__ import annotations
@@ -59,6 +60,18 @@ def upgrade(old: str, new: str, *, force: bool = False) -> dict[str, Any]:
     return {"from": list(d["file_format_version"]), "to": list(FORMAT_VERSION), "upgraders": d["upgraders"]}
 
 
+def convert(pt2: str, new: str, *, force: bool = False) -> dict[str, Any]:
+    """Reads a ``.pt2`` written by ``torch.export.save`` and saves it as a kwexport file."""
+    if os.path.exists(new) and not force:
+        raise FileExistsError(f"{new} exists; pass --force to overwrite it")
+    import torch
+
+    from kwexport._write import save
+
+    save(torch.export.load(pt2), new)
+    return describe(new)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kwexport", description="Inspect and upgrade kwexport files.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     p_upgrade.add_argument("old")
     p_upgrade.add_argument("new")
     p_upgrade.add_argument("--force", action="store_true", help="overwrite NEW, even if it is OLD")
+    p_convert = sub.add_parser("convert", help="convert a torch.export .pt2 file (imports torch)")
+    p_convert.add_argument("pt2")
+    p_convert.add_argument("new")
+    p_convert.add_argument("--force", action="store_true", help="overwrite NEW")
     opts = parser.parse_args(argv)
     try:
         if opts.command == "inspect":
@@ -77,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(info, indent=2))
             else:
                 _print_text(info)
+        elif opts.command == "convert":
+            info = convert(opts.pt2, opts.new, force=opts.force)
+            print(f"{opts.new}: {info['signature']}, {info['nodes']} nodes, {info['weights']['tensors']} weights")
         else:
             r = upgrade(opts.old, opts.new, force=opts.force)
             steps = ", ".join(r["upgraders"]) or "nothing to do"

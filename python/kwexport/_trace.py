@@ -16,7 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from kwexport._graph import header_json
-from kwexport._rt import SignatureError
+from kwexport._rt import ArtifactError, SignatureError
 from kwexport._signature import signature_from_json, signature_json
 from kwexport._weights import weight_tables
 
@@ -91,6 +91,53 @@ def export(f, args, kwargs=None, *, dynamic_shapes=None) -> Exported:
     storage_table, tensor_table, storages = weight_tables(weights)
     header["weights"] = {"storages": storage_table, "tensors": tensor_table}
     return Exported(ep, header, storages)
+
+
+def from_exported_program(ep) -> Exported:
+    """An ExportedProgram made elsewhere (``torch.export.export``, ``torch.export.load`` of a
+    ``.pt2``, transformers' exporters) as an ``Exported``. Its signature is rebuilt from the
+    input treespec and torch's record of the forward's argument names: the positional
+    arguments the export saw become positional-or-keyword parameters, its keyword arguments
+    keyword-only ones. Defaults, parameters the export didn't see and the exact parameter
+    kinds are not in an ExportedProgram, so they are lost (``kwexport.export`` keeps them)."""
+    if not isinstance(ep, torch.export.ExportedProgram):
+        raise TypeError(f"expected a torch.export.ExportedProgram, got {type(ep).__name__}")
+    in_spec = ep.call_spec.in_spec
+    if in_spec is None or in_spec.type is not tuple or in_spec.num_children != 2:
+        raise ArtifactError("exported program: its input treespec is not (args, kwargs)")
+    args_spec, kwargs_spec = in_spec.children()
+    n_args, kw_names = args_spec.num_children, list(kwargs_spec.context or [])
+    names = list(ep.module_call_graph[0].signature.forward_arg_names or [])
+    if len(names) != n_args + len(kw_names):
+        names = [f"arg{i}" for i in range(n_args)] + kw_names
+    P = inspect.Parameter
+    params = [P(n, P.POSITIONAL_OR_KEYWORD) for n in names[:n_args]] + [P(n, P.KEYWORD_ONLY) for n in kw_names]
+    sig_json = signature_json("forward", inspect.Signature(params))
+    leaves = _example_leaves(ep, in_spec)
+    if _mutates_inputs(ep):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")  # torch-internal
+            ep = ep.run_decompositions({})
+    header, weights = header_json(ep, sig_json, leaves, in_spec)
+    storage_table, tensor_table, storages = weight_tables(weights)
+    header["weights"] = {"storages": storage_table, "tensors": tensor_table}
+    return Exported(ep, header, storages)
+
+
+def _example_leaves(ep, in_spec) -> list:
+    """The user inputs' example values: the program's own examples where it kept them, else
+    the placeholders' fake tensors and the constants torch specialized."""
+    if ep.example_inputs is not None:
+        leaves, spec = pytree.tree_flatten(ep.example_inputs)
+        if spec == in_spec:
+            return leaves
+    InputKind = torch.export.graph_signature.InputKind
+    vals = {n.name: n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"}
+    out = []
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            out.append(getattr(spec.arg, "value", None) if spec.arg.name not in vals else vals[spec.arg.name])
+    return out
 
 
 def _unaliased(leaves: list) -> list:

@@ -86,12 +86,19 @@ def write_atomic(path: str, head: bytes, chunks: Iterable[tuple[int, Any]]) -> N
 
 
 def save(ex: Any, path: str | os.PathLike[str], *, extra_files: dict[str, str | bytes] | None = None) -> None:
-    """Writes an exported program: its header with each storage's offset filled in, the
+    """Writes an exported program (``kwexport.export``'s result, or a
+    ``torch.export.ExportedProgram``): its header with each storage's offset filled in, the
     storages, then the extra files, each on an aligned offset of the data section."""
-    from kwexport._trace import Exported
+    from kwexport._trace import Exported, from_exported_program
 
     if not isinstance(ex, Exported):
-        raise TypeError(f"save() takes the result of kwexport.export, got {type(ex).__name__}")
+        import torch
+
+        if not isinstance(ex, torch.export.ExportedProgram):
+            raise TypeError(
+                f"save() takes the result of kwexport.export or a torch.export.ExportedProgram, got {type(ex).__name__}"
+            )
+        ex = from_exported_program(ex)
     header = json.loads(json.dumps(ex._header))  # a copy we can fill in
     chunks: list[tuple[int, Any]] = []
     cursor = 0
