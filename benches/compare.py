@@ -59,6 +59,8 @@ COLD = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     kind, path = sys.argv[1], sys.argv[2]
+    for module in sys.argv[3:]:
+        __import__(module)
     args, kwargs = torch.load(path + ".inputs", weights_only=True)
     rss0 = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     t = time.perf_counter()
@@ -153,10 +155,10 @@ def throughput(f, threads, seconds=1.5):
     return sum(counts) / (time.perf_counter() - start)
 
 
-def cold(kind, path, repeats):
+def cold(kind, path, repeats, preimport=()):
     runs = []
     for _ in range(repeats):
-        out = subprocess.run([sys.executable, "-c", COLD, kind, path], capture_output=True, text=True)
+        out = subprocess.run([sys.executable, "-c", COLD, kind, path, *preimport], capture_output=True, text=True)
         if out.returncode != 0:
             raise RuntimeError(f"{kind} cold run failed: {out.stderr[-2000:]}")
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -175,7 +177,7 @@ class _Fn(torch.nn.Module):
 def bench(name, tmp, quick):
     f, args, kwargs = workloads.build(name)
     mod = f if isinstance(f, torch.nn.Module) else _Fn(f)
-    n_calls = {"deep_mlp": 100, "transformer": 50, "convnet": 100}.get(name, 3000)
+    n_calls = {"deep_mlp": 100, "transformer": 50, "convnet": 100, "resnet18": 50, "gpt2": 100}.get(name, 3000)
     n_loads = 5 if name in ("deep_mlp", "transformer") else 20
     if quick:
         n_calls, n_loads = max(10, n_calls // 10), 3
@@ -205,9 +207,10 @@ def bench(name, tmp, quick):
     row["weight_mb"] = sum(s["nbytes"] for s in ex._header["weights"]["storages"]) / 2**20
 
     repeats = 1 if quick else 3
-    row["cold_kw"] = cold("kwexport", kw_path, repeats)
-    row["cold_te"] = cold("torch.export", te_path, repeats)
-    row["cold_ts"] = cold("torchscript", js_path, repeats) if has_ts else None
+    pre = [workloads.PREIMPORT[name]] if name in workloads.PREIMPORT else []
+    row["cold_kw"] = cold("kwexport", kw_path, repeats, pre)
+    row["cold_te"] = cold("torch.export", te_path, repeats, pre)
+    row["cold_ts"] = cold("torchscript", js_path, repeats, pre) if has_ts else None
 
     row["load_kw"] = median_time(lambda: kwexport.load(kw_path), n_loads, warmup=2)
     row["load_te"] = median_time(lambda: torch.export.load(te_path).module(), max(3, n_loads // 4), warmup=1)
