@@ -79,6 +79,11 @@ def export(f, args, kwargs=None, *, dynamic_shapes=None) -> Exported:
     finally:
         del module.forward
 
+    return _encode(ep, sig_json, leaves, in_spec)
+
+
+def _encode(ep, sig_json: dict, leaves: list, in_spec) -> Exported:
+    """The header and weights of a traced program whose user inputs are ``leaves``."""
     # torch.export's graph runs as-is when its in-place ops only touch the call's own fresh
     # intermediates. Otherwise functionalize: buffer updates become outputs (refused below),
     # in-place ops on inputs become copies. Not by default: functionalizing also turns every
@@ -113,15 +118,7 @@ def from_exported_program(ep) -> Exported:
     P = inspect.Parameter
     params = [P(n, P.POSITIONAL_OR_KEYWORD) for n in names[:n_args]] + [P(n, P.KEYWORD_ONLY) for n in kw_names]
     sig_json = signature_json("forward", inspect.Signature(params))
-    leaves = _example_leaves(ep, in_spec)
-    if _mutates_inputs(ep):
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")  # torch-internal
-            ep = ep.run_decompositions({})
-    header, weights = header_json(ep, sig_json, leaves, in_spec)
-    storage_table, tensor_table, storages = weight_tables(weights)
-    header["weights"] = {"storages": storage_table, "tensors": tensor_table}
-    return Exported(ep, header, storages)
+    return _encode(ep, sig_json, _example_leaves(ep, in_spec), in_spec)
 
 
 def _example_leaves(ep, in_spec) -> list:
