@@ -124,6 +124,28 @@ def header_cases(h: dict):
         ),
         ARTIFACT,
     )
+    yield (
+        "mutable_weight_nothing_writes",
+        lambda d: first_weight(d).update(mutable=True),
+        ARTIFACT,
+    )
+    yield (
+        "mutation_of_a_missing_weight",
+        lambda d: d["graph"].update(mutations=[{"target": {"weight": "nope"}, "value": d["graph"]["outputs"][0]}]),
+        ARTIFACT,
+    )
+    yield (
+        "mutation_of_a_read_only_weight",
+        lambda d: d["graph"].update(
+            mutations=[{"target": {"weight": next(iter(d["weights"]["tensors"]))}, "value": d["graph"]["outputs"][0]}]
+        ),
+        ARTIFACT,
+    )
+    yield (
+        "mutation_of_a_missing_input",
+        lambda d: d["graph"].update(mutations=[{"target": {"user": 99}, "value": d["graph"]["outputs"][0]}]),
+        ARTIFACT,
+    )
     yield "newer_major", lambda d: d.update(format_version={"major": 999, "minor": 0}), VERSION
     yield "older_than_supported", lambda d: d.update(format_version={"major": 0, "minor": 1}), VERSION
     yield "version_not_numbers", lambda d: d.update(format_version={"major": "2", "minor": 0}), ARTIFACT

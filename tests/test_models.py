@@ -122,10 +122,13 @@ def test_conv_net_with_batch_norm(roundtrip):
     assert_same(prog(x2), m(x2))
 
 
-def test_training_mode_batch_norm_is_refused(tmp_path):
+def test_training_mode_batch_norm_updates_its_statistics(roundtrip):
+    # Refused before stateful programs (issue 11); test_state.py covers it in depth.
     m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train()
-    with pytest.raises(kwexport.ArtifactError, match=r"mutates a buffer"):
-        kwexport.export(m, (torch.randn(3, 4),))
+    prog = roundtrip(m, (torch.randn(3, 4),))
+    x = torch.randn(3, 4)
+    assert_same(prog(x), m(x))
+    assert_same(prog.state["1.running_var"], m[1].running_var)
 
 
 def test_linear_and_tied_weights(roundtrip):
@@ -243,14 +246,14 @@ def test_in_place_ops_on_intermediates_run_as_traced(roundtrip):
         assert torch.equal(x2, before)
 
 
-def test_in_place_ops_on_inputs_are_refused():
+def test_in_place_ops_on_inputs_write_the_callers_tensor(roundtrip):
+    # Refused before stateful programs (issue 11): now applied as torch.export applies it.
     def f(x):
         y = x.view(-1)
         y.add_(1)  # writes to the caller's tensor through a view
         return x * 2
 
-    with pytest.raises(kwexport.ArtifactError) as e:
-        kwexport.export(f, (torch.zeros(2, 2),))
-    assert str(e.value) == (
-        "graph output 'view_1': the program has a USER_INPUT_MUTATION output; kwexport saves pure inference programs"
-    )
+    prog = roundtrip(f, (torch.zeros(2, 2),))
+    x = torch.zeros(2, 2)
+    assert_same(prog(x), torch.full((2, 2), 2.0))
+    assert_same(x, torch.ones(2, 2))

@@ -24,8 +24,9 @@ _PY_OPERATORS = {getattr(operator, name): name for name in PY_OPERATORS}
 
 def header_json(
     ep, sig_json: dict[str, Any], leaves: list[Any], in_spec
-) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The header for ``ep``, less its weight tables, and the weights by name."""
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], set[str]]:
+    """The header for ``ep``, less its weight tables; the weights by name; and the names of
+    the weights the program writes (its state)."""
     gs = ep.graph_signature
     InputKind = torch.export.graph_signature.InputKind
     OutputKind = torch.export.graph_signature.OutputKind
@@ -53,16 +54,17 @@ def header_json(
     if user_index != len(leaves):
         raise AssertionError(f"kwexport: the graph has {user_index} user inputs for {len(leaves)} leaves")
 
+    # What each output of the graph is: a user output, or a new value of a buffer or input.
+    roles = []
     for spec in gs.output_specs:
-        if spec.kind != OutputKind.USER_OUTPUT:
-            what = (
-                "mutates a buffer (call .eval() for batch norm?)"
-                if spec.kind == OutputKind.BUFFER_MUTATION
-                else f"has a {spec.kind.name} output"
-            )
-            raise ArtifactError(
-                f"graph output {spec.arg.name!r}: the program {what}; kwexport saves pure inference programs"
-            )
+        if spec.kind == OutputKind.USER_OUTPUT:
+            roles.append(None)
+        elif spec.kind == OutputKind.BUFFER_MUTATION and spec.target in weights:
+            roles.append({"weight": spec.target})
+        elif spec.kind == OutputKind.USER_INPUT_MUTATION and spec.target in user_placeholders:
+            roles.append({"user": user_placeholders[spec.target]})
+        else:
+            raise ArtifactError(f"graph output {spec.arg.name!r}: unsupported output kind {spec.kind.name}")
 
     leaf_specs = [None] * len(leaves)
     for node in ep.graph.nodes:
@@ -72,7 +74,11 @@ def header_json(
     ops = _OpTable()
     subgraphs: dict[str, Any] = {}
     graph = _encode_graph(ep.graph_module, "", ops, subgraphs)
-    nodes, outputs = graph["nodes"], graph["outputs"]
+    nodes = graph["nodes"]
+    if len(graph["outputs"]) != len(roles):
+        raise AssertionError(f"kwexport: {len(graph['outputs'])} graph outputs for {len(roles)} output specs")
+    outputs = [value for value, role in zip(graph["outputs"], roles) if role is None]
+    mutations = [{"target": role, "value": value} for value, role in zip(graph["outputs"], roles) if role]
 
     symbols = []
     for sym, rng in ep.range_constraints.items():
@@ -98,10 +104,10 @@ def header_json(
         "outputs": _treespec(ep.call_spec.out_spec, "outputs"),
         "symbols": symbols,
         "ops": ops.entries,
-        "graph": {"inputs": graph_inputs, "nodes": nodes, "outputs": outputs},
+        "graph": {"inputs": graph_inputs, "nodes": nodes, "outputs": outputs, "mutations": mutations},
         "subgraphs": subgraphs,
     }
-    return header, weights
+    return header, weights, {m["target"]["weight"] for m in mutations if "weight" in m["target"]}
 
 
 def _is_inf(v) -> bool:

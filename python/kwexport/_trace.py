@@ -85,15 +85,15 @@ def export(f, args, kwargs=None, *, dynamic_shapes=None) -> Exported:
 def _encode(ep, sig_json: dict, leaves: list, in_spec) -> Exported:
     """The header and weights of a traced program whose user inputs are ``leaves``."""
     # torch.export's graph runs as-is when its in-place ops only touch the call's own fresh
-    # intermediates. Otherwise functionalize: buffer updates become outputs (refused below),
-    # in-place ops on inputs become copies. Not by default: functionalizing also turns every
+    # intermediates. Otherwise functionalize: writes to buffers and inputs become outputs
+    # that the runtime copies back after each call (the program's state). Not by default: functionalizing also turns every
     # `contiguous` and `reshape` into a copy, a third slower on a transformer here.
     if _mutates_inputs(ep):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")  # torch-internal
             ep = ep.run_decompositions({})
-    header, weights = header_json(ep, sig_json, leaves, in_spec)
-    storage_table, tensor_table, storages = weight_tables(weights)
+    header, weights, mutable = header_json(ep, sig_json, leaves, in_spec)
+    storage_table, tensor_table, storages = weight_tables(weights, mutable)
     header["weights"] = {"storages": storage_table, "tensors": tensor_table}
     return Exported(ep, header, storages)
 

@@ -12,9 +12,12 @@ from kwexport._graph import DTYPE_NAMES
 from kwexport._rt import ArtifactError
 
 
-def weight_tables(weights: dict[str, torch.Tensor]) -> tuple[list[dict[str, Any]], dict[str, Any], list[torch.Tensor]]:
+def weight_tables(
+    weights: dict[str, torch.Tensor], mutable: set[str] = frozenset()
+) -> tuple[list[dict[str, Any]], dict[str, Any], list[torch.Tensor]]:
     """The ``storages`` and ``tensors`` tables (storage offsets left for ``save`` to fill
-    in) and the storages' bytes, as uint8 CPU tensors."""
+    in) and the storages' bytes, as uint8 CPU tensors. ``mutable`` names the weights the
+    program writes: they are marked so, and loading gives each its own memory."""
     if sys.byteorder != "little":
         raise ArtifactError("kwexport writes little-endian weights; saving on a big-endian machine is not supported")
     storage_table: list[dict[str, Any]] = []
@@ -42,4 +45,6 @@ def weight_tables(weights: dict[str, torch.Tensor]) -> tuple[list[dict[str, Any]
             "storage": by_storage[key],
             "storage_offset": t.storage_offset(),
         }
+        if name in mutable:
+            tensors[name]["mutable"] = True
     return storage_table, tensors, storages

@@ -79,6 +79,9 @@ def cases():
         ],
     )
     yield "branches", branches, (r(3, 4),), {}, None, [((r(3, 4),), {}), ((-r(3, 4).abs(),), {})]
+    torch.manual_seed(0)
+    bn = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).train()
+    yield "bn_state", bn, (r(4, 3),), {}, None, [((r(4, 3),), {}), ((r(4, 3) * 2,), {})]
     table = lambda: collections.defaultdict(list, {"w": [r(3)]})  # noqa: E731
     yield (
         "containers",

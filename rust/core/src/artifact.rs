@@ -7,9 +7,11 @@ use std::collections::BTreeMap;
 use crate::binder::Binder;
 use crate::checks::{self, DimCheck, Symbol};
 use crate::container::{self, Layout};
-use crate::error::{Error, InputRootProblem, Result};
+use crate::error::{Error, InputRootProblem, MutationProblem, Result};
 use crate::graph::{self, OpName, SlotGraph};
-use crate::schema::{self, DictEntry, Document, Encoding, FormatVersion, Key, LeafSpec, ParamKind, TreeSpec};
+use crate::schema::{
+    self, DictEntry, Document, Encoding, FormatVersion, Key, LeafSpec, MutationTarget, ParamKind, TreeSpec,
+};
 use crate::treespec;
 use crate::upgrade;
 use crate::weights::{self, CheckedWeight};
@@ -115,6 +117,7 @@ impl Parsed {
             .map(|(name, sub)| Ok((name.clone(), graph::validate_subgraph(sub, &ops, name)?)))
             .collect::<Result<BTreeMap<_, _>>>()?;
         crate::hops::check(&graph, &subgraphs)?;
+        check_mutations(&doc, &weights)?;
         for (name, f) in &doc.extra_files {
             let entry = format!("extra_files[{name:?}]");
             if !crate::tables::is_safe_extra_name(name) {
@@ -140,6 +143,41 @@ impl Parsed {
             weights,
         })
     }
+}
+
+/// Every mutation writes a weight marked mutable, or a tensor input, once; every weight
+/// marked mutable is written.
+fn check_mutations(doc: &Document, weights: &BTreeMap<String, CheckedWeight>) -> Result<()> {
+    let err = |p| Err(Error::Mutation(p));
+    let mut written = std::collections::HashSet::new();
+    for m in &doc.graph.mutations {
+        match &m.target {
+            MutationTarget::Weight(name) => match doc.weights.tensors.get(name) {
+                None => return err(MutationProblem::UnknownWeight(name.clone())),
+                Some(t) if !t.mutable => return err(MutationProblem::NotMutable(name.clone())),
+                Some(_) => {}
+            },
+            MutationTarget::User(leaf) => {
+                if !matches!(doc.inputs.leaves.get(*leaf), Some(LeafSpec::Tensor(_))) {
+                    return err(MutationProblem::NotATensorInput(*leaf));
+                }
+            }
+        }
+        if !written.insert(&m.target) {
+            let what = match &m.target {
+                MutationTarget::Weight(name) => format!("weight {name:?}"),
+                MutationTarget::User(leaf) => format!("user leaf {leaf}"),
+            };
+            return err(MutationProblem::WrittenTwice(what));
+        }
+    }
+    for (name, t) in &doc.weights.tensors {
+        if t.mutable && !written.contains(&MutationTarget::Weight(name.clone())) {
+            return err(MutationProblem::Unwritten(name.clone()));
+        }
+    }
+    debug_assert!(weights.len() == doc.weights.tensors.len());
+    Ok(())
 }
 
 /// The input spec's root: `(args, kwargs)` as `(a tuple of positional entries, a dict of
@@ -274,6 +312,35 @@ pub(crate) mod tests {
             err(|h| h["inputs"]["spec"] = json!({"type": "list", "children": [{"type": "leaf"}, {"type": "leaf"}]})),
             "inputs.spec: the root must be a tuple of (a tuple of positional arguments, a dict of keyword arguments)"
         );
+    }
+
+    #[test]
+    fn checks_mutations_against_mutable_weights() {
+        let err = |m: fn(&mut serde_json::Value)| open(&file(m)).unwrap_err().to_string();
+        let write_w = |h: &mut serde_json::Value| {
+            h["graph"]["mutations"] = json!([{"target": {"weight": "w"}, "value": {"ref": "y"}}]);
+        };
+        assert_eq!(err(write_w), "graph.mutations: weight \"w\" is written but not marked mutable");
+        assert_eq!(
+            err(|h| h["weights"]["tensors"]["w"]["mutable"] = json!(true)),
+            "graph.mutations: weight \"w\" is marked mutable but nothing writes it"
+        );
+        let ok = open(&file(|h| {
+            h["weights"]["tensors"]["w"]["mutable"] = json!(true);
+            h["graph"]["mutations"] = json!([{"target": {"weight": "w"}, "value": {"ref": "y"}}]);
+        }))
+        .unwrap();
+        assert_eq!((ok.graph.outputs.len(), ok.graph.n_user_outputs), (2, 1));
+        assert_eq!(
+            err(|h| h["graph"]["mutations"] = json!([{"target": {"weight": "nope"}, "value": {"ref": "y"}}])),
+            "graph.mutations: weight \"nope\" is not in weights.tensors"
+        );
+        assert_eq!(
+            err(|h| h["graph"]["mutations"] = json!([{"target": {"user": 1}, "value": {"ref": "y"}}])),
+            "graph.mutations: user leaf 1 is not a tensor input"
+        );
+        assert!(err(|h| h["graph"]["mutations"] = json!([{"target": {"user": 0}, "value": {"ref": "zz"}}]))
+            .contains("used before it is defined"));
     }
 
     #[test]

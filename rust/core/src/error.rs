@@ -495,6 +495,9 @@ pub enum Error {
         /// The rule it breaks.
         problem: GraphProblem,
     },
+    /// A mutation that writes nothing it may, or a mutable weight nothing writes.
+    #[error("graph.mutations: {0}")]
+    Mutation(MutationProblem),
     /// A higher-order op's node that doesn't fit its layout or its subgraphs.
     #[error("{at}: {problem}")]
     Hop {
@@ -778,6 +781,26 @@ pub enum GraphProblem {
     /// A reference to a value not yet defined.
     #[error("value {0:?} is used before it is defined (or never defined)")]
     Undefined(String),
+}
+
+/// How the graph's mutations and the mutable weights disagree.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MutationProblem {
+    /// A mutation of a weight that doesn't exist.
+    #[error("weight {0:?} is not in weights.tensors")]
+    UnknownWeight(String),
+    /// A mutation of a weight not marked mutable.
+    #[error("weight {0:?} is written but not marked mutable")]
+    NotMutable(String),
+    /// A weight marked mutable that no mutation writes.
+    #[error("weight {0:?} is marked mutable but nothing writes it")]
+    Unwritten(String),
+    /// Two mutations of one target.
+    #[error("{0} is written twice")]
+    WrittenTwice(String),
+    /// A mutation of a user leaf out of range, or not a tensor.
+    #[error("user leaf {0} is not a tensor input")]
+    NotATensorInput(usize),
 }
 
 /// How a higher-order op's node fails to fit its layout or its subgraphs.

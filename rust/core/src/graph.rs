@@ -125,8 +125,11 @@ pub struct SlotGraph {
     pub user_inputs: Vec<(usize, usize)>,
     /// The nodes, in execution order.
     pub nodes: Vec<SlotNode>,
-    /// The flat outputs.
+    /// The flat outputs, then the new values of the mutations' targets.
     pub outputs: Vec<SlotArg>,
+    /// How many of `outputs` are user outputs; the rest are mutations, in `graph.mutations`'
+    /// order.
+    pub n_user_outputs: usize,
 }
 
 /// Parses every entry of the op table.
@@ -209,8 +212,12 @@ pub fn validate<'g>(
         nodes.push(SlotNode { op: node.op, op_name, args, kwargs, outputs, free: Vec::new() });
     }
 
-    let outputs =
-        graph.outputs.iter().map(|a| resolve(a, &defs, &|| "graph.outputs".to_owned())).collect::<Result<Vec<_>>>()?;
+    let outputs = graph
+        .outputs
+        .iter()
+        .map(|a| resolve(a, &defs, &|| "graph.outputs".to_owned()))
+        .chain(graph.mutations.iter().map(|m| resolve(&m.value, &defs, &|| "graph.mutations".to_owned())))
+        .collect::<Result<Vec<_>>>()?;
 
     // Last reader of each slot; outputs are read "after" every node, so never freed early.
     let mut last_use: Vec<Option<usize>> = vec![None; n_slots];
@@ -241,7 +248,7 @@ pub fn validate<'g>(
             SlotOutputs::None => {}
         }
     }
-    Ok(SlotGraph { n_slots, n_inputs: n_leaves, user_inputs, nodes, outputs })
+    Ok(SlotGraph { n_slots, n_inputs: n_leaves, user_inputs, nodes, outputs, n_user_outputs: graph.outputs.len() })
 }
 
 fn resolve(arg: &Arg, defs: &HashMap<&str, ValueRef>, what: &dyn Fn() -> String) -> Result<SlotArg> {
@@ -267,6 +274,7 @@ pub fn validate_subgraph(sub: &crate::schema::Subgraph, ops: &[OpName], name: &s
             .collect(),
         nodes: sub.nodes.clone(),
         outputs: sub.outputs.clone(),
+        mutations: Vec::new(),
     };
     validate(&graph, ops, sub.inputs.len(), |_| false).map_err(|e| match e {
         Error::Graph { at, problem } => Error::Graph { at: format!("subgraphs[{name:?}]: {at}"), problem },
@@ -314,6 +322,7 @@ mod tests {
                 node(2, vec![r("b")], "unused"),
             ],
             outputs: vec![r("b")],
+            mutations: vec![],
         };
         let p = validate(&g, &ops(), 1, |w| w == "fc.weight").unwrap();
         assert_eq!(p.user_inputs, vec![(0, 0)]);
@@ -331,19 +340,27 @@ mod tests {
             inputs: vec![input("x", InputSource::User(0))],
             nodes: vec![node(2, vec![r("y")], "y")],
             outputs: vec![],
+            mutations: vec![],
         };
         assert!(err(g).contains("used before it is defined"));
         let g = Graph {
             inputs: vec![input("x", InputSource::User(0))],
             nodes: vec![node(2, vec![r("x")], "x")],
             outputs: vec![],
+            mutations: vec![],
         };
         assert!(err(g).contains("defined twice"));
-        let g = Graph { inputs: vec![input("x", InputSource::User(3))], nodes: vec![], outputs: vec![] };
+        let g =
+            Graph { inputs: vec![input("x", InputSource::User(3))], nodes: vec![], outputs: vec![], mutations: vec![] };
         assert!(err(g).contains("out of range"));
-        let g = Graph { inputs: vec![input("w", InputSource::Weight("nope".into()))], nodes: vec![], outputs: vec![] };
+        let g = Graph {
+            inputs: vec![input("w", InputSource::Weight("nope".into()))],
+            nodes: vec![],
+            outputs: vec![],
+            mutations: vec![],
+        };
         assert!(err(g).contains("not in weights.tensors"));
-        let g = Graph { inputs: vec![], nodes: vec![node(7, vec![], "a")], outputs: vec![] };
+        let g = Graph { inputs: vec![], nodes: vec![node(7, vec![], "a")], outputs: vec![], mutations: vec![] };
         assert!(err(g).contains("op 7 is not in the op table"));
         let table = [OpEntry { name: "aten add".into(), schema: None }];
         assert!(op_names(&table).unwrap_err().to_string().contains("malformed op name"));

@@ -223,6 +223,7 @@ mod tests {
             user_inputs: (0..n_inputs).map(|i| (i, i)).collect(),
             nodes,
             outputs: (0..n_outputs).map(slot).collect(),
+            n_user_outputs: n_outputs,
         }
     }
 

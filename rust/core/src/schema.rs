@@ -417,6 +417,29 @@ pub struct Graph {
     pub nodes: Vec<Node>,
     /// The flat outputs, rebuilt by `outputs`.
     pub outputs: Vec<Arg>,
+    /// New values of weights (the program's state) and of user inputs, written back after
+    /// each call (format 3.0 on).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mutations: Vec<Mutation>,
+}
+
+/// A value the graph writes back after a call.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Mutation {
+    /// What it writes.
+    pub target: MutationTarget,
+    /// The new value.
+    pub value: Arg,
+}
+
+/// What a mutation writes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MutationTarget {
+    /// A weight marked `mutable`, by name: state the program owns.
+    Weight(String),
+    /// Leaf `i` of `inputs.spec`, a tensor: the caller's own tensor, written in place.
+    User(usize),
 }
 
 /// A graph a higher-order op runs: positional inputs, then nodes as in the main graph.
@@ -543,6 +566,10 @@ pub struct WeightTensor {
     /// In elements of `dtype`, as torch counts it.
     #[serde(default)]
     pub storage_offset: i64,
+    /// The program writes this weight (format 3.0 on): a loaded program keeps its own copy,
+    /// and the file is never written.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mutable: bool,
 }
 
 /// A file saved alongside the program.

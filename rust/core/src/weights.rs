@@ -110,7 +110,7 @@ mod tests {
     }
 
     fn t(shape: Vec<i64>, strides: Vec<i64>, storage_offset: i64) -> WeightTensor {
-        WeightTensor { dtype: "float32".into(), shape, strides, storage: 0, storage_offset }
+        WeightTensor { dtype: "float32".into(), shape, strides, storage: 0, storage_offset, mutable: false }
     }
 
     #[test]

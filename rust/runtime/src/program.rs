@@ -4,12 +4,12 @@
 //! checks (checks), runs (exec) and rebuilds the outputs (tree).
 
 use std::fs::File;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 use kwexport_core::binder::{Binder, Binding, Source};
 use kwexport_core::checks::{Checker, Symbol};
 use kwexport_core::container;
-use kwexport_core::schema::{Encoding, FormatVersion, Key, LeafSpec, ParamKind, TreeSpec};
+use kwexport_core::schema::{Encoding, FormatVersion, Key, LeafSpec, MutationTarget, ParamKind, TreeSpec};
 use kwexport_core::treespec::PathElem;
 use kwexport_core::Error;
 use memmap2::MmapOptions;
@@ -23,7 +23,7 @@ use crate::errors::{RtError, RtResult};
 use crate::ops::{self, AllowOps};
 use crate::plan::{self, Dispatch, Plan};
 use crate::tree::CompiledSpec;
-use crate::weights::{self, MappedData};
+use crate::weights::{self, MappedData, State};
 
 /// Where a top-level keyword entry of the input spec gets its value.
 enum KwTarget {
@@ -72,6 +72,18 @@ pub struct Program {
     dispatch: Dispatch,
     digest: PyOnceLock<String>,
     signature_obj: PyOnceLock<Py<PyAny>>,
+    /// What each output after the user outputs writes back.
+    writes: Vec<Write>,
+    /// The weights the program writes, if any, and the lock that serializes its calls.
+    state: Option<(State, Mutex<()>)>,
+}
+
+/// Where a mutation's new value goes after a call.
+enum Write {
+    /// `state.tensors[i]`.
+    State(usize),
+    /// The caller's tensor at user leaf `i`.
+    Input(usize),
 }
 
 /// Loads and validates a file. Nothing is returned unless everything checks out.
@@ -89,6 +101,19 @@ pub fn load(
     // SAFETY: a private, copy-on-write map. Another process truncating the file under us
     // would fault, as with any mapped file; kwexport writes files by rename, never in place.
     let map = Arc::new(unsafe { MmapOptions::new().map_copy(&file)? });
+    load_mapped(py, path, map, allow, allow_ops, dispatch)
+}
+
+/// Loads a file already mapped: a copy of a program maps nothing again, so it shares the
+/// read-only weights' pages.
+fn load_mapped(
+    py: Python<'_>,
+    path: &str,
+    map: Arc<memmap2::MmapMut>,
+    allow: &AllowOps,
+    allow_ops: Vec<String>,
+    dispatch: Dispatch,
+) -> RtResult<Program> {
     // Parsing and checking touch no Python object: other threads run meanwhile.
     let mut parsed = py.detach(|| kwexport_core::parse(&map))?;
     let torch = py.import("torch")?;
@@ -98,7 +123,23 @@ pub fn load(
     let doc = &a.document;
 
     let data = Bound::new(py, MappedData::new(map.clone(), &a.layout))?;
-    let weights = weights::materialize(py, &torch, data, &doc.weights, &a.weights)?;
+    let mut weights = weights::materialize(py, &torch, data, &doc.weights, &a.weights)?;
+    let mutable = doc.weights.tensors.iter().filter(|(_, t)| t.mutable).map(|(n, _)| n.clone());
+    let state = weights::take_state(py, &mut weights, mutable)?;
+    let writes = doc
+        .graph
+        .mutations
+        .iter()
+        .map(|m| match &m.target {
+            MutationTarget::Weight(name) => state
+                .names
+                .iter()
+                .position(|n| n == name)
+                .map(Write::State)
+                .ok_or_else(|| RtError::Internal(format!("mutation of {name:?}, which is not state"))),
+            MutationTarget::User(leaf) => Ok(Write::Input(*leaf)),
+        })
+        .collect::<RtResult<Vec<_>>>()?;
     let leaf_is_tensor: Vec<bool> = doc.inputs.leaves.iter().map(|l| matches!(l, LeafSpec::Tensor(_))).collect();
     let cx = plan::Context { torch: &torch, ops: &ops, weights: &weights, subgraphs: &a.subgraphs, dispatch };
     let plan = plan::build(&cx, &a.graph, &leaf_is_tensor)?;
@@ -181,7 +222,24 @@ pub fn load(
         leaf_paths: a.leaf_paths,
         symbols: a.symbols,
         binder: a.binder,
+        state: (!state.names.is_empty()).then(|| (state, Mutex::new(()))),
+        writes,
     })
+}
+
+/// Takes `lock` without ever blocking while holding the GIL: a call that holds the lock may
+/// release and re-take the GIL (long C segments do), so waiting for it with the GIL would
+/// deadlock.
+fn lock_detached<'a>(py: Python<'_>, lock: &'a Mutex<()>) -> MutexGuard<'a, ()> {
+    loop {
+        match lock.try_lock() {
+            Ok(guard) => return guard,
+            // A call that failed midway leaves the state as its ops left it (documented);
+            // the lock itself is still good.
+            Err(TryLockError::Poisoned(p)) => return p.into_inner(),
+            Err(TryLockError::WouldBlock) => py.detach(|| drop(lock.lock())),
+        }
+    }
 }
 
 /// SHA-256 of a whole file's bytes, as hex.
@@ -282,6 +340,25 @@ impl Program {
         Ok(leaves)
     }
 
+    /// Copies each mutation's new value into the state or the caller's input, as
+    /// `torch.export`'s `ep.module()` does.
+    fn write_back<'py>(
+        &self,
+        py: Python<'py>,
+        leaves: &[Bound<'py, PyAny>],
+        values: Vec<Bound<'py, PyAny>>,
+    ) -> RtResult<()> {
+        for (write, value) in self.writes.iter().zip(values) {
+            let target = match (write, &self.state) {
+                (Write::State(i), Some((state, _))) => state.tensors[*i].bind(py),
+                (Write::Input(leaf), _) => &leaves[*leaf],
+                (Write::State(_), None) => return Err(RtError::Internal("a state write without state".into())),
+            };
+            target.call_method1(pyo3::intern!(py, "copy_"), (value,))?;
+        }
+        Ok(())
+    }
+
     fn extra_error(&self, name: &str, missing: bool) -> Error {
         let var = self.binder.var_keyword().map(|i| self.binder.params[i].name.as_str()).unwrap_or("kwargs");
         Error::VarKeywordEntry {
@@ -312,8 +389,55 @@ impl Program {
         let py = args.py();
         let leaves = self.flatten(args, kwargs)?;
         self.check(&leaves, self.tensor_type.bind(py)).map_err(RtError::from)?;
-        let flat = self.plan.run(py, &leaves)?;
+        if self.writes.is_empty() {
+            let flat = self.plan.run(py, &leaves)?;
+            return Ok(self.outputs.unflatten(py, &mut flat.into_iter())?);
+        }
+        // One call at a time reads and writes the state.
+        let _guard = self.state.as_ref().map(|(_, lock)| lock_detached(py, lock));
+        let mut flat = self.plan.run(py, &leaves)?;
+        let new_values = flat.split_off(flat.len() - self.writes.len());
+        self.write_back(py, &leaves, new_values)?;
         Ok(self.outputs.unflatten(py, &mut flat.into_iter())?)
+    }
+
+    /// The program's state: each weight it writes, by name, as a read-only mapping of the
+    /// live tensors (a view of them: writing into one changes the state). Empty for
+    /// programs without state.
+    #[getter]
+    fn state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let d = PyDict::new(py);
+        if let Some((state, _)) = &self.state {
+            for (name, t) in state.names.iter().zip(&state.tensors) {
+                d.set_item(name, t.bind(py))?;
+            }
+        }
+        py.import("types")?.getattr("MappingProxyType")?.call1((d,))
+    }
+
+    /// Restores the state to the file's values.
+    fn reset(&self, py: Python<'_>) -> PyResult<()> {
+        if let Some((state, lock)) = &self.state {
+            let _guard = lock_detached(py, lock);
+            for (t, initial) in state.tensors.iter().zip(&state.initial) {
+                t.bind(py).call_method1("copy_", (initial.bind(py),))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// An independent program over the same mapped file: the read-only weights are shared,
+    /// the state is its own, starting as a copy of this one's.
+    fn __copy__(&self, py: Python<'_>) -> PyResult<Program> {
+        let allow = AllowOps::parse(&self.allow_ops).map_err(pyo3::exceptions::PyValueError::new_err)?;
+        let copy = load_mapped(py, &self.path, self.map.clone(), &allow, self.allow_ops.clone(), self.dispatch)?;
+        if let (Some((mine, lock)), Some((theirs, _))) = (&self.state, &copy.state) {
+            let _guard = lock_detached(py, lock);
+            for (dst, src) in theirs.tensors.iter().zip(&mine.tensors) {
+                dst.bind(py).call_method1("copy_", (src.bind(py),))?;
+            }
+        }
+        Ok(copy)
     }
 
     /// Pickles by reference: the path and the file's content hash, never the weights. The

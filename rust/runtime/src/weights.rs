@@ -44,6 +44,36 @@ impl MappedData {
     unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
 }
 
+/// The weights the program writes: each in memory the program owns, copied from the file
+/// once at load, with the file's values kept (as views of the map) for `reset()`.
+pub struct State {
+    /// The weights' names, in the order mutations name them.
+    pub names: Vec<String>,
+    /// The program's own copies, which the plan reads and each call writes back into.
+    pub tensors: Vec<Py<PyAny>>,
+    /// The file's values: views of the mapped file, never written.
+    pub initial: Vec<Py<PyAny>>,
+}
+
+/// Splits the weights into state the program writes (cloned into owned memory; `weights`
+/// then holds the clones) and weights only read (left as views of the map).
+pub fn take_state(
+    py: Python<'_>,
+    weights: &mut BTreeMap<String, Py<PyAny>>,
+    mutable: impl Iterator<Item = String>,
+) -> PyResult<State> {
+    let mut state = State { names: Vec::new(), tensors: Vec::new(), initial: Vec::new() };
+    for name in mutable {
+        let view = weights[&name].clone_ref(py);
+        let owned = view.bind(py).call_method0("clone")?.unbind();
+        weights.insert(name.clone(), owned.clone_ref(py));
+        state.names.push(name);
+        state.tensors.push(owned);
+        state.initial.push(view);
+    }
+    Ok(state)
+}
+
 /// Builds one torch tensor per checked weight, all views of the mapped data section.
 pub fn materialize<'py>(
     py: Python<'py>,
