@@ -42,12 +42,20 @@ def test_benchmark_workloads_agree_on_every_path(tmp_path, name):
     f, args, kwargs = workloads.build(name)
     progs = load_all(tmp_path, f, args, kwargs)
     check_paths(progs, f, args, kwargs)
-    assert progs["python"].dispatch == {"stable_abi": 0, "python": len_nodes(progs["python"])}
-    assert progs["abi"].dispatch["stable_abi"] > 0
+    n = len_nodes(progs["python"])
+    assert progs["python"].dispatch["stable_abi"] == 0
+    assert progs["python"].dispatch["python"] == n
+    assert progs["python"].dispatch["on_python"][0]["why"] == "dispatch='python' was asked for"
+    # Every node of every benchmark workload runs on the C path.
+    assert progs["abi"].dispatch == {"stable_abi": n, "python": 0, "on_python": []}
 
 
 def len_nodes(prog):
-    return sum(prog.dispatch.values())
+    return prog.dispatch["stable_abi"] + prog.dispatch["python"]
+
+
+def counts(prog):
+    return prog.dispatch["stable_abi"], prog.dispatch["python"]
 
 
 class Zoo(nn.Module):
@@ -112,22 +120,39 @@ def test_dispatch_counts_and_modes(tmp_path):
         return x
 
     progs = load_all(tmp_path, f, (torch.randn(3),))
-    assert progs["abi"].dispatch == {"stable_abi": 10, "python": 0}
-    assert progs["auto"].dispatch == {"stable_abi": 10, "python": 0}
-    assert progs["python"].dispatch == {"stable_abi": 0, "python": 10}
+    assert progs["abi"].dispatch == {"stable_abi": 10, "python": 0, "on_python": []}
+    assert progs["auto"].dispatch == {"stable_abi": 10, "python": 0, "on_python": []}
+    assert progs["python"].dispatch == {
+        "stable_abi": 0,
+        "python": 10,
+        "on_python": [{"op": "aten::relu.default", "nodes": 10, "why": "dispatch='python' was asked for"}],
+    }
     with pytest.raises(ValueError, match="dispatch must be 'auto', 'abi' or 'python', not 'fast'"):
         kwexport.load(tmp_path / "m.kwx", dispatch="fast")
 
 
 def test_auto_keeps_a_lone_c_node_between_python_nodes_on_python(tmp_path):
-    # add.Tensor takes a Scalar (alpha), which the stable ABI cannot pass: it runs in Python.
-    # A single mul between adds would cost more to convert than it saves.
+    # full_like takes its fill value as a Scalar, which no C entry point kwexport uses can
+    # pass: it runs in Python. A single mul between two would cost more to convert than it
+    # saves.
     def f(x, y):
-        return ((x + y) * y) + x
+        return torch.full_like(torch.full_like(x, 2.0) * y, 3.0)
 
     progs = load_all(tmp_path, f, (torch.randn(3), torch.randn(3)))
-    assert progs["abi"].dispatch == {"stable_abi": 1, "python": 2}
-    assert progs["auto"].dispatch == {"stable_abi": 0, "python": 3}
+    assert counts(progs["abi"]) == (1, 2)
+    assert counts(progs["auto"]) == (0, 3)
+    assert progs["abi"].dispatch["on_python"] == [
+        {
+            "op": "aten::full_like.default",
+            "nodes": 2,
+            "why": "argument 'fill_value' is a Scalar, which the stable C ABI can't pass",
+        }
+    ]
+    assert progs["auto"].dispatch["on_python"][1] == {
+        "op": "aten::mul.Tensor",
+        "nodes": 1,
+        "why": "dispatch='auto': moving its values to and from the C path costs more than it saves",
+    }
     check_paths(progs, f, (torch.randn(3), torch.randn(3)))
 
 
@@ -200,3 +225,107 @@ def test_sizes_used_as_tensor_arguments(tmp_path):
     for shape in [(2, 3), (5, 9), (64, 2)]:
         check_paths(progs, M(), (torch.randn(*shape),))
     assert progs["abi"].dispatch["python"] >= 1
+
+
+class Scalars(nn.Module):
+    """Nodes whose schema has a Scalar: per-op shims (add/sub alpha, addmm, pow), Tensor
+    overloads on wrapped numbers (comparisons, masked_fill), factories made at load."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x, i):
+        a = x + self.lin(x)  # add.Tensor, addmm(beta=1, alpha=1)
+        b = torch.add(a, x, alpha=2.5) - torch.sub(x, a, alpha=3)  # alpha given, float and int
+        c = torch.addmm(x[0], x, self.lin.weight, beta=0.5, alpha=2)
+        d = b.pow(2) + b.pow(0.5).nan_to_num() + b.pow(3) + b.pow(-1)
+        e = (x > 0.25) & (i >= 2) | (i == 3)  # comparisons with a float and int Scalar
+        f = b.masked_fill(x < 0, -1e9)
+        n = torch.arange(6) + i  # an integer add: its shim can't take it, the op runs
+        g = x.clone()
+        g += a  # add_.Tensor
+        return a, b, c, d, e, f, n, g, i + 1, (i > 1) + True
+
+
+def scalar_args(dtype=torch.float32):
+    torch.manual_seed(3)
+    return torch.randn(6, 6, dtype=dtype), torch.arange(6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_scalar_nodes_run_on_the_c_path_bitwise_equal(tmp_path, dtype):
+    m = Scalars().to(dtype).eval()
+    progs = load_all(tmp_path, m, scalar_args(dtype))
+    check_paths(progs, m, scalar_args(dtype))
+    assert progs["abi"].dispatch == {"stable_abi": len_nodes(progs["abi"]), "python": 0, "on_python": []}
+    outs = progs["abi"](*scalar_args(dtype))
+    assert [o.dtype for o in outs[-4:]] == [torch.int64, dtype, torch.int64, torch.bool]
+
+
+def test_scalar_shims_fall_back_where_autograd_or_autocast_apply(tmp_path):
+    m = Scalars().eval()
+    progs = load_all(tmp_path, m, scalar_args())
+    x, i = scalar_args()
+    grads = {}
+    for mode in ("abi", "python"):
+        xg = x.clone().requires_grad_()
+        out = progs[mode](xg, i)
+        assert out[0].grad_fn is not None and out[2].grad_fn is not None
+        sum(o.float().sum() for o in out[:3]).backward()
+        grads[mode] = xg.grad
+    assert torch.equal(grads["abi"], grads["python"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = progs["python"](x, i)
+        got = progs["abi"](x, i)
+    assert got[2].dtype == want[2].dtype == torch.bfloat16  # addmm autocasts
+    assert_same(got, want, bitwise=True)
+
+
+def test_arange_made_at_load_gives_each_call_its_own_tensor(tmp_path):
+    def f(x):
+        return torch.arange(4) + x
+
+    prog = load_all(tmp_path, f, (torch.tensor(1),))["abi"]
+    assert counts(prog) == (2, 0)
+    first = prog(torch.tensor(1))
+    first.add_(100)
+    assert torch.equal(prog(torch.tensor(1)), torch.tensor([1, 2, 3, 4]))
+
+
+@pytest.mark.parametrize("symbol", kwexport._rt.SHIM_SYMBOLS + ["torch_call_dispatcher"])
+def test_each_missing_symbol_falls_back_to_python(tmp_path, symbol):
+    """A torch without a symbol runs the nodes that need it through Python: forced here by
+    hiding one symbol at a time, in a fresh process (the ABI is resolved once)."""
+    import subprocess
+
+    m = Scalars().eval()
+    path = tmp_path / "m.kwx"
+    kwexport.save(kwexport.export(m, scalar_args()), path)
+    torch.save(m(*scalar_args()), tmp_path / "want.pt")
+    code = f"""
+import torch, kwexport
+x, i = torch.randn(6, 6, generator=torch.Generator().manual_seed(0)), torch.arange(6)
+prog = kwexport.load({str(path)!r}, dispatch="abi")
+d = prog.dispatch
+print(d["stable_abi"], d["python"], sorted({{e["op"] for e in d["on_python"]}}))
+torch.manual_seed(3)
+args = torch.randn(6, 6), torch.arange(6)
+for got, want in zip(prog(*args), torch.load({str(tmp_path / "want.pt")!r})):
+    assert torch.equal(got, want), (got, want)
+"""
+    env = dict(__import__("os").environ, KWEXPORT_HIDE_SYMBOLS=symbol)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    n_c, n_py, ops = out.stdout.split(maxsplit=2)
+    expected = {
+        "aoti_torch_cpu_add_Tensor": "['aten::add.Tensor', 'aten::add_.Tensor']",
+        "aoti_torch_aten_subtract_Tensor": "['aten::sub.Tensor']",
+        "aoti_torch_cpu_pow_Tensor_Scalar": "['aten::pow.Tensor_Scalar']",
+        "aoti_torch_cpu_addmm_out": "['aten::addmm.default']",
+        "torch_call_dispatcher": None,
+    }[symbol]
+    if expected is None:  # no stable ABI at all
+        assert int(n_c) == 0 and int(n_py) > 0
+    else:
+        assert int(n_c) > 0 and ops.strip() == expected

@@ -65,7 +65,8 @@ def load(path: str | os.PathLike[str], *, allow_ops: Iterable[str] = (), dispatc
     node and saves more than converting values around it costs (no Python; long stretches
     release the GIL), and through torch's Python op objects otherwise; ``"abi"`` uses the
     C ABI for every node it covers; ``"python"`` uses the Python op objects throughout.
-    Results are identical; ``Program.dispatch`` counts the nodes on each path.
+    Results are identical; ``Program.dispatch`` counts the nodes on each path and says
+    why each op that stays on Python does.
     """
     return _load(os.fspath(path), allow_ops=list(allow_ops), dispatch=dispatch)
 

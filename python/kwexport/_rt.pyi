@@ -21,6 +21,7 @@ __all__ = [
     "LAYOUTS",
     "MEMORY_FORMATS",
     "HIGHER_ORDER_OPS",
+    "SHIM_SYMBOLS",
     "Program",
     "load",
     "describe",
@@ -42,6 +43,7 @@ PY_OPERATORS: list[str]
 LAYOUTS: list[str]
 MEMORY_FORMATS: list[str]
 HIGHER_ORDER_OPS: list[str]
+SHIM_SYMBOLS: list[str]
 
 class KwexportError(Exception):
     """Base class of every error kwexport raises."""
@@ -85,7 +87,7 @@ class Program:
     @property
     def producer(self) -> dict[str, str]: ...
     @property
-    def dispatch(self) -> dict[str, int]: ...
+    def dispatch(self) -> dict[str, Any]: ...
     @property
     def load_notes(self) -> list[str]: ...
     @property

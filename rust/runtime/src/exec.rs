@@ -11,10 +11,11 @@ use kwexport_core::hops::HopKind;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyTuple};
 
-use crate::abi::encode::{build, decode, Native};
+use crate::abi::encode::{build, decode, Enc, Native};
+use crate::abi::shims::{Family, ShimFn};
 use crate::abi::{self, Abi, CError, StableIValue, Ty};
 use crate::errors::{RtError, RtResult};
-use crate::plan::{CStep, HopStep, Plan, PyArg, PyOp, PyStep, Segment};
+use crate::plan::{CStep, HopStep, Plan, PyArg, PyOp, PyStep, Segment, ShimStep};
 
 /// C segments that took at least this long last time run with the GIL released. Shorter ones
 /// keep it: with several threads, handing the GIL over costs more than a few small ops.
@@ -29,6 +30,7 @@ impl Plan {
         for &(slot, leaf) in &self.user_inputs {
             pys[slot] = Some(leaves[leaf].clone());
         }
+        let direct = self.direct_kernels_apply(py, leaves)?;
         for segment in &self.segments {
             match segment {
                 Segment::Python { to_py, steps } => {
@@ -44,7 +46,7 @@ impl Plan {
                     let natives = &mut natives;
                     let mut run = move || {
                         let mut stack = Vec::with_capacity(16);
-                        steps.iter().try_for_each(|s| s.run(abi, natives, consts, &mut stack))
+                        steps.iter().try_for_each(|s| s.run(abi, natives, consts, &mut stack, direct))
                     };
                     let started = Instant::now();
                     let result =
@@ -59,6 +61,27 @@ impl Plan {
         }
         self.to_py(py, &self.outputs_to_py, &natives, &mut pys)?;
         self.outputs.iter().map(|a| value(py, a, &pys)).collect()
+    }
+
+    /// Whether shims that skip the dispatcher give this call what the dispatcher would: no
+    /// autocast, and no autograd to record (grad mode off, or no input that requires grad).
+    fn direct_kernels_apply(&self, py: Python<'_>, leaves: &[Bound<'_, PyAny>]) -> RtResult<bool> {
+        let (Some(probe), Some(shims)) = (&self.autocast_probe, self.abi.and_then(|a| a.shims.as_ref())) else {
+            return Ok(true);
+        };
+        if probe.bind(py).call1((pyo3::intern!(py, "cpu"),))?.is_truthy()? {
+            return Ok(false);
+        }
+        if !shims.grad_mode() {
+            return Ok(true);
+        }
+        let tensor_type = self.tensor_type.bind(py);
+        for leaf in leaves {
+            if leaf.is_instance(tensor_type)? && leaf.getattr(pyo3::intern!(py, "requires_grad"))?.is_truthy()? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Python values for native ones: numbers directly, tensors in one call to torch.
@@ -137,19 +160,22 @@ fn c_error(op: &str, e: CError) -> RtError {
     match e {
         CError::Torch(message) => RtError::Op { op: op.to_owned(), message },
         CError::Internal(what) => RtError::Internal(format!("{op}: {what}")),
+        CError::Python(e) => RtError::Python(e),
     }
 }
 
 impl CStep {
-    /// Runs the node. `stack` is scratch space reused across nodes.
+    /// Runs the node. `stack` is scratch space reused across nodes; `direct` says whether
+    /// shims that skip the dispatcher may run on this call.
     fn run(
         &self,
         abi: &Abi,
         slots: &mut [Option<Native>],
         consts: &[abi::Tensor],
         stack: &mut Vec<StableIValue>,
+        direct: bool,
     ) -> RtResult<()> {
-        self.call(abi, slots, consts, stack).map_err(|e| c_error(&self.op_name(), e))
+        self.call(abi, slots, consts, stack, direct).map_err(|e| c_error(&self.op_name(), e))
     }
 
     fn call(
@@ -158,7 +184,11 @@ impl CStep {
         slots: &mut [Option<Native>],
         consts: &[abi::Tensor],
         stack: &mut Vec<StableIValue>,
+        direct: bool,
     ) -> Result<(), CError> {
+        if let Some(shim) = &self.shim {
+            return self.call_shim(abi, shim, slots, consts, direct);
+        }
         stack.clear();
         for (ty, enc) in &self.args {
             match build(abi, ty, enc, slots, consts) {
@@ -204,6 +234,104 @@ impl CStep {
         }
         Ok(())
     }
+}
+
+impl CStep {
+    /// Runs a node through its shim, or its Python op where the shim can't take the tensors.
+    fn call_shim(
+        &self,
+        abi: &Abi,
+        shim: &ShimStep,
+        slots: &mut [Option<Native>],
+        consts: &[abi::Tensor],
+        direct: bool,
+    ) -> Result<(), CError> {
+        let shims = abi.shims.as_ref().ok_or_else(|| CError::Internal("a shim step without shims".into()))?;
+        let mut t = [std::ptr::null_mut(); 3];
+        for ((_, enc), raw) in self.args.iter().zip(t.iter_mut()) {
+            *raw = match enc {
+                Enc::Slot(s) => match &slots[*s] {
+                    Some(Native::Tensor(x)) => x.raw(),
+                    _ => return Err(CError::Internal(format!("slot {s} holds no tensor"))),
+                },
+                Enc::Const(i) => consts[*i].raw(),
+                other => return Err(CError::Internal(format!("{other:?} for a shim"))),
+            };
+        }
+        let tensors = &t[..self.args.len()];
+        // SAFETY: the handles just read from live slots and constants.
+        if (shim.family == Family::Cpu && !direct) || !unsafe { shims.admits(shim.family, tensors, shim.in_place) } {
+            let fallback = shim.fallback.as_ref().ok_or_else(|| CError::Internal("no fallback".into()))?;
+            return Python::attach(|py| run_fallback(py, abi, fallback, slots)).map_err(CError::Python);
+        }
+        let mut out: abi::Raw = std::ptr::null_mut();
+        let d = &shim.scalars;
+        // SAFETY: live handles of the arity the shim's signature takes; scalars as compiled.
+        let status = unsafe {
+            match shim.f {
+                ShimFn::TensorTensorScalar(f) => f(t[0], t[1], d[0], &mut out),
+                ShimFn::TensorScalar(f) => f(t[0], d[0], &mut out),
+                ShimFn::AddmmOut(f) => match shims.empty_like(t[0]) {
+                    Ok(o) => {
+                        out = o;
+                        f(out, t[0], t[1], t[2], d[0], d[1])
+                    }
+                    Err(status) => status,
+                },
+            }
+        };
+        // The shim's new tensor (or, for an out= shim, the one made for it) is owned here.
+        let result = (!out.is_null()).then(|| abi.adopt(out as StableIValue));
+        abi.status(status)?;
+        let mut result = result.ok_or_else(|| CError::Internal("a shim returned no tensor".into()))?;
+        if shim.in_place {
+            // SAFETY: live handles: a slot's tensor and the shim's result.
+            abi.status(unsafe { shims.copy(t[0], result.raw()) })?;
+            let Enc::Slot(s) = &self.args[0].1 else { return Err(CError::Internal("in place on a constant".into())) };
+            let Some(Native::Tensor(this)) = &slots[*s] else { return Err(CError::Internal("in place".into())) };
+            result = abi.adopt(abi.share(this)?);
+        }
+        if let SlotOutputs::One(Some(s)) = &self.outputs {
+            slots[*s] = Some(Native::Tensor(result));
+        }
+        for &s in &self.free {
+            slots[s] = None;
+        }
+        Ok(())
+    }
+}
+
+/// Runs a shim step's node through its Python op, converting what it reads and returns.
+fn run_fallback(py: Python<'_>, abi: &Abi, step: &PyStep, slots: &mut [Option<Native>]) -> PyResult<()> {
+    fn arg<'py>(py: Python<'py>, abi: &Abi, a: &PyArg, slots: &[Option<Native>]) -> PyResult<Bound<'py, PyAny>> {
+        Ok(match a {
+            PyArg::Slot(s) => match &slots[*s] {
+                Some(Native::Tensor(t)) => {
+                    let handle = abi.share(t).map_err(|e| c_error("fallback", e))?;
+                    abi.tensors_of(py, vec![abi.adopt(handle)])?.get_item(0)?
+                }
+                Some(Native::Int(i)) => i.into_pyobject(py)?.into_any(),
+                Some(Native::Float(f)) => f.into_pyobject(py)?.into_any(),
+                Some(Native::Bool(b)) => PyBool::new(py, *b).to_owned().into_any(),
+                None => return Err(read_after_free(*s).into()),
+            },
+            PyArg::Const(c) => c.bind(py).clone(),
+            PyArg::List(items) => {
+                PyList::new(py, items.iter().map(|i| arg(py, abi, i, slots)).collect::<PyResult<Vec<_>>>()?)?.into_any()
+            }
+        })
+    }
+    let PyOp::Call(op) = &step.op else { return Err(RtError::Internal("a fallback to a HOP".into()).into()) };
+    let args = step.args.iter().map(|a| arg(py, abi, a, slots)).collect::<PyResult<Vec<_>>>()?;
+    let kwargs = PyDict::new(py);
+    for (k, a) in &step.kwargs {
+        kwargs.set_item(k.bind(py), arg(py, abi, a, slots)?)?;
+    }
+    let result = op.bind(py).call(PyTuple::new(py, args)?, Some(&kwargs))?;
+    if let SlotOutputs::One(Some(s)) = &step.outputs {
+        slots[*s] = Some(Native::Tensor(abi.handle_of(&result)?));
+    }
+    Ok(())
 }
 
 fn run_python<'py>(

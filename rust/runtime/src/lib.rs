@@ -169,6 +169,7 @@ fn _rt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("LAYOUTS", tables::LAYOUTS.to_vec())?;
     m.add("MEMORY_FORMATS", tables::MEMORY_FORMATS.to_vec())?;
     m.add("HIGHER_ORDER_OPS", kwexport_core::hops::HopKind::NAMES.to_vec())?;
+    m.add("SHIM_SYMBOLS", abi::shims::SYMBOLS.to_vec())?;
     m.add_class::<program::Program>()?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(describe, m)?)?;

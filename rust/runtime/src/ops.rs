@@ -174,6 +174,8 @@ pub struct SchemaArg {
     pub default: Option<Option<SlotArg>>,
     /// The type as the C ABI sees it, if it covers it.
     pub ty: Option<Ty>,
+    /// The type as the schema spells it, for `Program.dispatch`.
+    pub type_name: String,
     /// The op writes to this argument (`Tensor(a!)`).
     pub writes: bool,
 }
@@ -197,6 +199,8 @@ pub struct OpSchema {
     pub returns_list: bool,
     /// Return types as the C ABI sees them; `None` if some isn't covered.
     pub c_returns: Option<Vec<Ty>>,
+    /// Return types as the schema spells them, for `Program.dispatch`.
+    pub return_types: String,
     /// The op's name and overload for the dispatcher (`""` for `default`).
     pub c_name: (CString, CString),
 }
@@ -207,20 +211,25 @@ impl OpSchema {
         for a in schema.getattr("arguments")?.try_iter()? {
             let a = a?;
             let has_default: bool = a.call_method0("has_default_value")?.extract()?;
+            let type_name = a.getattr("real_type")?.str()?.to_string();
             let writes =
                 a.getattr("alias_info")?.getattr("is_write").ok().map(|w| w.is_truthy()).transpose()?.unwrap_or(false);
             args.push(SchemaArg {
                 name: a.getattr("name")?.extract()?,
                 kwarg_only: a.getattr("kwarg_only")?.extract()?,
                 default: has_default.then(|| default_arg(&a.getattr("default_value")?)).transpose()?,
-                ty: Ty::parse(&a.getattr("real_type")?.str()?.to_string()),
+                ty: Ty::parse(&type_name),
+                type_name,
                 writes,
             });
         }
         let returns = schema.getattr("returns")?;
         let mut c_returns = Some(Vec::new());
+        let mut names = Vec::new();
         for r in returns.try_iter()? {
-            let ty = Ty::parse(&r?.getattr("real_type")?.str()?.to_string());
+            let name = r?.getattr("real_type")?.str()?.to_string();
+            let ty = Ty::parse(&name);
+            names.push(name);
             c_returns = c_returns.zip(ty).map(|(mut v, t)| {
                 v.push(t);
                 v
@@ -232,7 +241,8 @@ impl OpSchema {
         let cstring = |s: String| CString::new(s).map_err(|e| RtError::Internal(format!("op name: {e}")));
         let c_name =
             (cstring(schema.getattr("name")?.extract()?)?, cstring(schema.getattr("overload_name")?.extract()?)?);
-        Ok(OpSchema { args, n_returns, returns_list, c_returns, c_name })
+        let return_types = format!("({})", names.join(", "));
+        Ok(OpSchema { args, n_returns, returns_list, c_returns, return_types, c_name })
     }
 
     /// The node's arguments must fit: no more positionals than the op takes, only names it

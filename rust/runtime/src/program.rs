@@ -3,6 +3,7 @@
 //! and checks, before anything is returned; calling binds (core's binder), flattens (tree),
 //! checks (checks), runs (exec) and rebuilds the outputs (tree).
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
@@ -15,13 +16,13 @@ use kwexport_core::Error;
 use memmap2::MmapOptions;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBytes, PyDict, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use crate::checks::LeafCheck;
 use crate::constants::constant_to_py;
 use crate::errors::{RtError, RtResult};
 use crate::ops::{self, AllowOps};
-use crate::plan::{self, Dispatch, Plan};
+use crate::plan::{self, Dispatch, Plan, Why};
 use crate::tree::CompiledSpec;
 use crate::weights::{self, MappedData, State};
 
@@ -539,13 +540,30 @@ impl Program {
         Ok(self.producer.bind(py).copy()?.unbind())
     }
 
-    /// How many graph nodes run on each path: `{"stable_abi": n, "python": m}`. Nodes the
-    /// stable C ABI covers run without Python; the rest through torch's Python op objects.
+    /// How many graph nodes run on each path, and why each op that stayed on Python did:
+    /// `{"stable_abi": n, "python": m, "on_python": [{"op", "nodes", "why"}, ...]}`, most
+    /// nodes first. Nodes the stable C ABI covers run without Python; the rest through
+    /// torch's Python op objects.
     #[getter]
     fn dispatch<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let mut groups: BTreeMap<(&str, &Why), usize> = BTreeMap::new();
+        for (op, why) in &self.plan.on_python {
+            *groups.entry((op.as_str(), why)).or_default() += 1;
+        }
+        let mut groups: Vec<_> = groups.into_iter().collect();
+        groups.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
+        let on_python = PyList::empty(py);
+        for ((op, why), n) in groups {
+            let entry = PyDict::new(py);
+            entry.set_item("op", op)?;
+            entry.set_item("nodes", n)?;
+            entry.set_item("why", why.to_string())?;
+            on_python.append(entry)?;
+        }
         let d = PyDict::new(py);
-        d.set_item("stable_abi", self.plan.counts.0)?;
-        d.set_item("python", self.plan.counts.1)?;
+        d.set_item("stable_abi", self.plan.n_c)?;
+        d.set_item("python", self.plan.on_python.len())?;
+        d.set_item("on_python", on_python)?;
         Ok(d)
     }
 

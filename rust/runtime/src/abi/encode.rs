@@ -93,6 +93,8 @@ fn literal_bits(abi: &Abi, ty: &Ty, lit: &Arg) -> Option<StableIValue> {
         (Ty::Layout, Arg::Layout(l)) => abi.layout_code(l)? as u32 as u64,
         (Ty::MemoryFormat, Arg::MemoryFormat(m)) => abi.memory_format_code(m)? as u32 as u64,
         (Ty::Device, Arg::Device(d)) => abi.device_bits(d)?,
+        // Schemas print enum defaults as torch's codes (`MemoryFormat memory_format=0`).
+        (Ty::ScalarType | Ty::Layout | Ty::MemoryFormat, Arg::Int(i)) if abi.is_code(ty, *i) => *i as u32 as u64,
         _ => return None,
     })
 }

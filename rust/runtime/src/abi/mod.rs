@@ -9,8 +9,10 @@
 //!
 //! - `types`   the schema types the dispatcher converts
 //! - `encode`  values on the C path: how arguments are encoded and returns decoded
+//! - `shims`   per-op C entry points that take a `Scalar` as a `double`
 
 pub mod encode;
+pub mod shims;
 pub mod types;
 
 use std::ffi::{c_char, c_void, CStr};
@@ -21,22 +23,25 @@ use libloading::os::unix::Library;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
+pub use shims::Shims;
 pub use types::Ty;
 
 /// A failure on the C path: torch's message, or a broken kwexport invariant. The run loop
 /// adds the op's name.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum CError {
     /// torch raised; its message without the backtrace.
     Torch(String),
+    /// A node's Python fallback raised: passed on as it is, as the Python path would.
+    Python(PyErr),
     /// A value of the wrong kind reached a node: a bug in kwexport.
     Internal(String),
 }
 
 /// One slot of a dispatcher stack; what it holds depends on the schema type.
 pub type StableIValue = u64;
-type Raw = *mut c_void;
-type Status = i32; // AOTITorchError: 0 is success
+pub(crate) type Raw = *mut c_void;
+pub(crate) type Status = i32; // AOTITorchError: 0 is success
 
 /// The functions kwexport calls, with the codes torch uses for enum-like arguments.
 pub struct Abi {
@@ -60,6 +65,8 @@ pub struct Abi {
     memory_formats: Vec<(&'static str, i32)>,
     /// The running torch's `TORCH_ABI_VERSION`: stacks are built for its schemas.
     version: u64,
+    /// The per-op shims for nodes with a `Scalar`; `None` without the tensor queries.
+    pub shims: Option<Shims>,
     /// `torch._C._aoti`'s conversions: a tensor to a new handle; handles to tensors.
     to_handle: Py<PyAny>,
     to_tensors: Py<PyAny>,
@@ -67,6 +74,26 @@ pub struct Abi {
 }
 
 static ABI: OnceLock<Option<Abi>> = OnceLock::new();
+
+/// A symbol of torch's library, unless `hidden` names it.
+///
+/// # Safety
+/// `T` must be the symbol's type as torch's headers declare it.
+pub(crate) unsafe fn sym<T: Copy>(lib: &Library, hidden: &[String], name: &str) -> Option<T> {
+    if hidden.iter().any(|h| h == name) {
+        return None;
+    }
+    lib.get::<T>(name.as_bytes()).ok().map(|s| *s)
+}
+
+/// torch's codes for the floating and complex dtypes of the core's table.
+fn floating_codes(dtypes: &[(&'static str, i32)]) -> Vec<i32> {
+    dtypes
+        .iter()
+        .filter(|(n, _)| n.starts_with("float") || n.starts_with("bfloat") || n.starts_with("complex"))
+        .map(|(_, c)| *c)
+        .collect()
+}
 
 impl Abi {
     /// The ABI of the running torch, resolved on first use; `None` where it is unavailable.
@@ -97,13 +124,14 @@ impl Abi {
             Ok(lib) => lib,
             Err(_) => return Ok(None),
         };
-        // SAFETY: each symbol is declared in torch's stable shim headers with this signature.
-        unsafe fn sym<T: Copy>(lib: &Library, name: &str) -> Option<T> {
-            lib.get::<T>(name.as_bytes()).ok().map(|s| *s)
-        }
+        // Symbols to treat as missing, so tests can exercise each fallback on one torch.
+        let hidden: Vec<String> = std::env::var("KWEXPORT_HIDE_SYMBOLS")
+            .map(|v| v.split(',').map(str::to_owned).collect())
+            .unwrap_or_default();
+        let hidden = hidden.as_slice();
         let code = |name: String| -> Option<i32> {
             // SAFETY: `aoti_torch_<kind>_<name>()` takes nothing and returns the code.
-            unsafe { sym::<unsafe extern "C" fn() -> i32>(&lib, &name).map(|f| f()) }
+            unsafe { sym::<unsafe extern "C" fn() -> i32>(&lib, hidden, &name).map(|f| f()) }
         };
         let dtypes = DTYPES
             .iter()
@@ -135,20 +163,21 @@ impl Abi {
         Ok(unsafe {
             (|| {
                 Some(Abi {
-                    call_dispatcher: sym(&lib, "torch_call_dispatcher")?,
-                    new_tensor_handle: sym(&lib, "aoti_torch_new_tensor_handle")?,
-                    delete_tensor: sym(&lib, "aoti_torch_delete_tensor_object")?,
-                    new_list: sym(&lib, "torch_new_list_reserve_size")?,
-                    list_push_back: sym(&lib, "torch_list_push_back")?,
-                    list_size: sym(&lib, "torch_list_size")?,
-                    list_get_item: sym(&lib, "torch_list_get_item")?,
-                    delete_list: sym(&lib, "torch_delete_list")?,
-                    new_stable_ivalue: sym(&lib, "torch_new_stable_ivalue")?,
-                    delete_stable_ivalue: sym(&lib, "torch_delete_stable_ivalue")?,
-                    new_string: sym(&lib, "torch_new_string_handle")?,
-                    delete_string: sym(&lib, "torch_delete_string")?,
-                    parse_device: sym(&lib, "torch_parse_device_string")?,
-                    exception_what: sym(&lib, "torch_exception_get_what_without_backtrace")?,
+                    call_dispatcher: sym(&lib, hidden, "torch_call_dispatcher")?,
+                    new_tensor_handle: sym(&lib, hidden, "aoti_torch_new_tensor_handle")?,
+                    delete_tensor: sym(&lib, hidden, "aoti_torch_delete_tensor_object")?,
+                    new_list: sym(&lib, hidden, "torch_new_list_reserve_size")?,
+                    list_push_back: sym(&lib, hidden, "torch_list_push_back")?,
+                    list_size: sym(&lib, hidden, "torch_list_size")?,
+                    list_get_item: sym(&lib, hidden, "torch_list_get_item")?,
+                    delete_list: sym(&lib, hidden, "torch_delete_list")?,
+                    new_stable_ivalue: sym(&lib, hidden, "torch_new_stable_ivalue")?,
+                    delete_stable_ivalue: sym(&lib, hidden, "torch_delete_stable_ivalue")?,
+                    new_string: sym(&lib, hidden, "torch_new_string_handle")?,
+                    delete_string: sym(&lib, hidden, "torch_delete_string")?,
+                    parse_device: sym(&lib, hidden, "torch_parse_device_string")?,
+                    exception_what: sym(&lib, hidden, "torch_exception_get_what_without_backtrace")?,
+                    shims: Shims::open(&lib, hidden, floating_codes(&dtypes)),
                     dtypes,
                     layouts,
                     memory_formats,
@@ -174,6 +203,17 @@ impl Abi {
     /// torch's code for a memory format of the core's table.
     pub fn memory_format_code(&self, name: &str) -> Option<i32> {
         self.memory_formats.iter().find(|(n, _)| *n == name).map(|(_, c)| *c)
+    }
+
+    /// Whether `code` is one of torch's codes for the enum type `ty`.
+    pub fn is_code(&self, ty: &Ty, code: i64) -> bool {
+        let table = match ty {
+            Ty::ScalarType => &self.dtypes,
+            Ty::Layout => &self.layouts,
+            Ty::MemoryFormat => &self.memory_formats,
+            _ => return false,
+        };
+        table.iter().any(|(_, c)| i64::from(*c) == code)
     }
 
     /// A device string as the dispatcher's packed form: index in the low 32 bits, type above.
@@ -204,6 +244,11 @@ impl Abi {
             // SAFETY: non-null, NUL-terminated.
             unsafe { CStr::from_ptr(what) }.to_string_lossy().into_owned()
         })
+    }
+
+    /// torch's error for a failed status.
+    pub fn status(&self, status: Status) -> Result<(), CError> {
+        self.check(status)
     }
 
     fn check(&self, status: Status) -> Result<(), CError> {
@@ -346,6 +391,11 @@ impl std::fmt::Debug for Tensor {
 }
 
 impl Tensor {
+    /// The handle, borrowed: for calls that don't take ownership.
+    pub fn raw(&self) -> Raw {
+        self.0
+    }
+
     fn into_raw(self) -> Raw {
         let raw = self.0;
         std::mem::forget(self);

@@ -88,6 +88,41 @@ impl<'a, 'py> ConstTable<'a, 'py> {
         })
     }
 
+    /// For a factory op whose arguments are all literals (`arange(7)`), its result, made once
+    /// here: an index into the C steps' tensors, which each call clones. `None` for other
+    /// nodes, or where the op fails (the call then fails the same way on the Python path).
+    pub(super) fn folded_factory(&mut self, node: &SlotNode, op: &ResolvedOp, index: usize) -> RtResult<Option<usize>> {
+        let literal = |a: &SlotArg| match a {
+            SlotArg::Literal(_) => true,
+            SlotArg::List(items) => items.iter().all(|i| matches!(i, SlotArg::Literal(_))),
+            SlotArg::Value(_) => false,
+        };
+        let name = node.op_name.to_string();
+        if !PURE_FACTORIES.contains(&name.as_str())
+            || !node.args.iter().chain(node.kwargs.iter().map(|(_, a)| a)).all(literal)
+        {
+            return Ok(None);
+        }
+        let step = self.py_step(node, op, index)?;
+        let value = |a: &PyArg| match a {
+            PyArg::Const(c) => Ok(c.bind(self.py).clone()),
+            _ => Err(crate::errors::RtError::Internal("a literal that is not a constant".into())),
+        };
+        let args = step.args.iter().map(value).collect::<RtResult<Vec<_>>>()?;
+        let kwargs = PyDict::new(self.py);
+        for (k, a) in &step.kwargs {
+            kwargs.set_item(k.bind(self.py), value(a)?)?;
+        }
+        let Ok(tensor) = op.callable.bind(self.py).call(PyTuple::new(self.py, args)?, Some(&kwargs)) else {
+            return Ok(None);
+        };
+        if !tensor.is_instance(&self.torch.getattr("Tensor")?)? {
+            return Ok(None);
+        }
+        self.tensors.push(tensor.unbind());
+        Ok(Some(self.tensors.len() - 1))
+    }
+
     /// An argument for the Python path, for the schema argument `param` where known.
     pub(super) fn py_arg(&mut self, a: &SlotArg, param: Option<&SchemaArg>, entry: &str) -> RtResult<PyArg> {
         let py = self.py;
@@ -118,6 +153,17 @@ impl<'a, 'py> ConstTable<'a, 'py> {
         })
     }
 }
+
+/// Ops that make a new tensor from their arguments alone, the same every call: with only
+/// literals, their result is made at load and cloned per call.
+const PURE_FACTORIES: [&str; 6] = [
+    "aten::arange.default",
+    "aten::arange.start",
+    "aten::arange.start_step",
+    "aten::full.default",
+    "aten::scalar_tensor.default",
+    "aten::linspace.default",
+];
 
 /// A number literal's kind and bits: `1`, `1.0`, `-0.0` and `True` wrap differently.
 fn number_key(lit: &Arg) -> Option<(u8, u64)> {

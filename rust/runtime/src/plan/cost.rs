@@ -5,7 +5,7 @@ use std::collections::HashSet;
 
 use kwexport_core::graph::{visit_slots, SlotGraph};
 
-use super::CStep;
+use super::{CStep, Why};
 
 // Rough costs in tenths of a microsecond (2-core x86 VM, torch 2.13, small tensors): a node
 // through the C ABI saves about 0.5 µs over torch's Python op object; a value crossing
@@ -18,7 +18,7 @@ const SWITCH: usize = 1;
 
 /// Sends a run of C-capable nodes back to Python where converting values into and out of
 /// it would cost more than it saves: a lone `mul` between two Python `add`s, say.
-pub(super) fn keep_profitable(compiled: &mut [Option<CStep>], graph: &SlotGraph) {
+pub(super) fn keep_profitable(compiled: &mut [Result<CStep, Why>], graph: &SlotGraph) {
     // The last node that reads each slot; the outputs read "after" every node.
     let mut last_read = vec![None; graph.n_slots];
     for (i, node) in graph.nodes.iter().enumerate() {
@@ -28,11 +28,11 @@ pub(super) fn keep_profitable(compiled: &mut [Option<CStep>], graph: &SlotGraph)
 
     let mut start = 0;
     while start < compiled.len() {
-        if compiled[start].is_none() {
+        if compiled[start].is_err() {
             start += 1;
             continue;
         }
-        let end = (start..compiled.len()).find(|&i| compiled[i].is_none()).unwrap_or(compiled.len());
+        let end = (start..compiled.len()).find(|&i| compiled[i].is_err()).unwrap_or(compiled.len());
         let mut defined = HashSet::new();
         let (mut to_native, mut to_py) = (HashSet::new(), 0);
         for node in &graph.nodes[start..end] {
@@ -50,7 +50,7 @@ pub(super) fn keep_profitable(compiled: &mut [Option<CStep>], graph: &SlotGraph)
         }
         let cost = 2 * SWITCH + TO_NATIVE * to_native.len() + TO_PY * to_py;
         if cost > SAVED_PER_NODE * (end - start) {
-            compiled[start..end].iter_mut().for_each(|c| *c = None);
+            compiled[start..end].iter_mut().for_each(|c| *c = Err(Why::NotWorthIt));
         }
         start = end;
     }

@@ -3,8 +3,8 @@
 
 use kwexport_core::graph::{SlotArg, SlotNode, SlotOutputs};
 
-use super::CStep;
-use crate::abi::encode::{self, Consts};
+use super::{CStep, Why};
+use crate::abi::encode::{self, Consts, Enc};
 use crate::abi::{Abi, Ty};
 use crate::ops::OpSchema;
 
@@ -19,8 +19,8 @@ impl CStep {
         bound: &[&SlotArg],
         is_tensor: &dyn Fn(usize) -> bool,
         consts: &mut dyn Consts,
-    ) -> Option<CStep> {
-        let returns = op.c_returns.clone()?;
+    ) -> Result<CStep, Why> {
+        let returns = op.c_returns.clone().ok_or_else(|| Why::ReturnType(op.return_types.clone()))?;
         let outputs_fit = match &node.outputs {
             SlotOutputs::None => true,
             SlotOutputs::One(_) => returns.len() == 1 && returns[0] != Ty::List(Box::new(Ty::Tensor)),
@@ -32,15 +32,36 @@ impl CStep {
         if !outputs_fit
             || returns.iter().any(|r| !matches!(r, Ty::Tensor | Ty::Int | Ty::Float | Ty::Bool | Ty::List(_)))
         {
-            return None;
+            return Err(Why::ReturnType(op.return_types.clone()));
         }
         let mut args = Vec::with_capacity(bound.len());
         for (param, value) in op.args.iter().zip(bound) {
-            let ty = param.ty.clone()?;
-            let enc = encode::encode(abi, &ty, param.writes, value, is_tensor, consts)?;
+            let ty = param.ty.clone().ok_or_else(|| Why::ArgType(param.name.clone(), param.type_name.clone()))?;
+            let enc = encode::encode(abi, &ty, param.writes, value, is_tensor, consts)
+                .ok_or_else(|| Why::ArgValue(param.name.clone(), param.type_name.clone()))?;
             args.push((ty, enc));
         }
-        Some(CStep { name: op.c_name.clone(), args, returns, outputs: node.outputs.clone(), free: node.free.clone() })
+        Ok(CStep {
+            name: op.c_name.clone(),
+            args,
+            returns,
+            outputs: node.outputs.clone(),
+            free: node.free.clone(),
+            shim: None,
+        })
+    }
+
+    /// A node whose result was made at load (`consts[constant]`): a clone of it per call, so
+    /// each call still gets a tensor of its own.
+    pub(super) fn clone_of(constant: usize, node: &SlotNode) -> CStep {
+        CStep {
+            name: (c"aten::clone".to_owned(), c"".to_owned()),
+            args: vec![(Ty::Tensor, Enc::Const(constant)), (Ty::Optional(Box::new(Ty::MemoryFormat)), Enc::Bits(0))],
+            returns: vec![Ty::Tensor],
+            outputs: node.outputs.clone(),
+            free: node.free.clone(),
+            shim: None,
+        }
     }
 
     /// Calls `f` with each slot the node reads.

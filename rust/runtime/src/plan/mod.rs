@@ -6,6 +6,7 @@
 //!
 //! - `consts`    weights, wrapped numbers and literals as the objects nodes read
 //! - `cstep`     nodes compiled for the C ABI
+//! - `scalars`   nodes with a `Scalar`: per-op shims, or a tensor overload
 //! - `hop`       higher-order ops' nodes, with a nested plan per subgraph
 //! - `cost`      which C-capable runs are worth their crossings
 //! - `segments`  grouping by path, and the crossings each segment needs
@@ -14,6 +15,7 @@ mod consts;
 mod cost;
 mod cstep;
 mod hop;
+mod scalars;
 mod segments;
 
 use std::collections::BTreeMap;
@@ -26,6 +28,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 
 use crate::abi::encode::Enc;
+use crate::abi::shims::{Family, ShimFn};
 use crate::abi::{self, Abi, Ty};
 use crate::errors::RtResult;
 use crate::ops::ResolvedOp;
@@ -108,11 +111,73 @@ pub struct PyStep {
 pub struct CStep {
     /// The op's name and overload, as the dispatcher takes them.
     pub(crate) name: (CString, CString),
-    /// One encoded argument per schema argument, with its type.
+    /// One encoded argument per schema argument, with its type; for a shim, its tensors.
     pub(crate) args: Vec<(Ty, Enc)>,
     pub(crate) returns: Vec<Ty>,
     pub(crate) outputs: SlotOutputs,
     pub(crate) free: Vec<usize>,
+    /// Set where the node runs through a per-op shim rather than the dispatcher.
+    pub(crate) shim: Option<Box<ShimStep>>,
+}
+
+/// A node with a `Scalar`, run through a per-op shim that takes it as a `double`.
+pub struct ShimStep {
+    pub(crate) f: ShimFn,
+    pub(crate) family: Family,
+    /// The `Scalar` arguments, exactly representable as doubles.
+    pub(crate) scalars: Vec<f64>,
+    /// The op writes its result into its first tensor (`add_`).
+    pub(crate) in_place: bool,
+    /// The node through its Python op, for calls the shim can't take (integer tensors).
+    pub(crate) fallback: Option<PyStep>,
+}
+
+/// Why a node runs on the Python path, as `Program.dispatch` reports it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Why {
+    /// `dispatch="python"`.
+    Asked,
+    /// The running torch has no usable stable C ABI.
+    NoAbi,
+    /// A Python operator on sizes (`operator.mul`, ...).
+    PythonOperator,
+    /// A higher-order op, which kwexport runs; its subgraphs' nodes are counted on their own.
+    HigherOrder,
+    /// An argument whose schema type the ABI can't pass: `(name, type)`.
+    ArgType(String, String),
+    /// An argument whose value the ABI can't pass for its type: `(name, type)`.
+    ArgValue(String, String),
+    /// A default of the schema that kwexport can't express.
+    Default,
+    /// Return types the ABI can't pass back.
+    ReturnType(String),
+    /// `dispatch="auto"`: converting its values to and from the C path costs more than it saves.
+    NotWorthIt,
+}
+
+impl std::fmt::Display for Why {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Why::Asked => write!(f, "dispatch='python' was asked for"),
+            Why::NoAbi => write!(f, "the running torch has no usable stable C ABI (torch >= 2.10 has one)"),
+            Why::PythonOperator => write!(f, "a Python operator on symbolic sizes"),
+            Why::HigherOrder => {
+                write!(f, "a higher-order op: kwexport runs it; its subgraphs' nodes count on their own")
+            }
+            Why::ArgType(name, ty) => {
+                let ty = if ty == "number" { "Scalar" } else { ty }; // as torch prints a Scalar's type
+                write!(f, "argument '{name}' is a {ty}, which the stable C ABI can't pass")
+            }
+            Why::ArgValue(name, ty) => {
+                write!(f, "the value given for argument '{name}' ({ty}) can't be passed as that type")
+            }
+            Why::Default => write!(f, "a default of the op's schema that kwexport can't express"),
+            Why::ReturnType(ty) => write!(f, "it returns {ty}, which the stable C ABI can't pass back"),
+            Why::NotWorthIt => {
+                write!(f, "dispatch='auto': moving its values to and from the C path costs more than it saves")
+            }
+        }
+    }
 }
 
 /// Consecutive nodes on one path, with the crossings they need first.
@@ -149,10 +214,15 @@ pub struct Plan {
     /// Weights and wrapped numbers that C steps read, as handles.
     pub(crate) consts: Vec<abi::Tensor>,
     pub(crate) tensor_type: Py<PyAny>,
-    /// Nodes on each path, subgraphs' included: `(stable ABI, Python)`.
-    pub counts: (usize, usize),
+    /// Nodes on the C path, subgraphs' included.
+    pub n_c: usize,
+    /// Each node on the Python path, subgraphs' included: its op and why.
+    pub on_python: Vec<(String, Why)>,
     /// Whether each output is always a tensor (for the C path of a plan around this one).
     pub(crate) output_is_tensor: Vec<bool>,
+    /// `torch.is_autocast_enabled`, where some step uses a shim that skips the dispatcher:
+    /// each run checks that neither autocast nor autograd would have applied to it.
+    pub(crate) autocast_probe: Option<Py<PyAny>>,
 }
 
 /// A node compiled for one path, before segmenting.
@@ -208,27 +278,51 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
         if let Some(schema) = &op.schema {
             schema.check(node, || format!("graph.nodes[{i}] ({})", node.op_name))?;
         }
-        c_steps.push(
-            abi.zip(op.schema.as_ref()).and_then(|(abi, schema)| {
-                CStep::compile(abi, schema, node, &schema.bind(node)?, &is_tensor, &mut consts)
-            }),
-        );
+        let step = match (cx.dispatch, abi, &op.schema, op.hop) {
+            (Dispatch::Python, ..) => Err(Why::Asked),
+            (_, _, _, Some(_)) => Err(Why::HigherOrder),
+            (_, _, None, _) => Err(Why::PythonOperator),
+            (_, None, ..) => Err(Why::NoAbi),
+            (_, Some(abi), Some(schema), None) => match schema.bind(node) {
+                None => Err(Why::Default),
+                Some(bound) => match CStep::compile(abi, schema, node, &bound, &is_tensor, &mut consts) {
+                    Ok(step) => Ok(step),
+                    Err(why) => match scalars::compile(abi, schema, node, &bound, &is_tensor, &mut consts) {
+                        Some(step) => Ok(step),
+                        None => consts.folded_factory(node, op, i)?.map(|c| CStep::clone_of(c, node)).ok_or(why),
+                    },
+                },
+            },
+        };
+        c_steps.push(step);
     }
     if cx.dispatch == Dispatch::Auto {
         cost::keep_profitable(&mut c_steps, graph);
     }
     let mut compiled = Vec::with_capacity(graph.nodes.len());
-    let mut nested = (0, 0);
+    let (mut n_c, mut on_python) = (0, Vec::new());
     for (i, ((node, c), hop)) in graph.nodes.iter().zip(c_steps).zip(hops).enumerate() {
         compiled.push(match (c, hop) {
-            (Some(s), _) => Compiled::C(s),
-            (None, Some(hop)) => {
-                for body in &hop.bodies {
-                    nested = (nested.0 + body.counts.0, nested.1 + body.counts.1);
+            (Ok(mut s), _) => {
+                n_c += 1;
+                if let Some(shim) = &mut s.shim {
+                    shim.fallback = Some(consts.py_step(node, &cx.ops[node.op], i)?);
                 }
-                Compiled::Python(consts.hop_step(node, hop, i)?)
+                Compiled::C(s)
             }
-            (None, None) => Compiled::Python(consts.py_step(node, &cx.ops[node.op], i)?),
+            (Err(why), hop) => {
+                on_python.push((node.op_name.to_string(), why));
+                match hop {
+                    Some(hop) => {
+                        for body in &hop.bodies {
+                            n_c += body.n_c;
+                            on_python.extend(body.on_python.iter().cloned());
+                        }
+                        Compiled::Python(consts.hop_step(node, hop, i)?)
+                    }
+                    None => Compiled::Python(consts.py_step(node, &cx.ops[node.op], i)?),
+                }
+            }
         });
     }
     let outputs =
@@ -237,8 +331,11 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
         Some(abi) => consts.tensors().iter().map(|t| abi.handle_of(t.bind(py))).collect::<PyResult<Vec<_>>>()?,
         None => Vec::new(),
     };
-    let n_c = compiled.iter().filter(|e| matches!(e, Compiled::C(_))).count();
     let output_is_tensor = graph.outputs.iter().map(|a| is_tensor_arg(a, &tensor_slot)).collect();
+    let skips_dispatcher =
+        compiled.iter().any(|c| matches!(c, Compiled::C(CStep { shim: Some(s), .. }) if s.family == Family::Cpu));
+    let autocast_probe =
+        skips_dispatcher.then(|| cx.torch.getattr("is_autocast_enabled")).transpose()?.map(Bound::unbind);
     let (segments, outputs_to_py) = segments::segment(graph, compiled);
     Ok(Plan {
         n_slots: graph.n_slots,
@@ -249,8 +346,10 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
         abi,
         consts: handles,
         tensor_type: cx.torch.getattr("Tensor")?.unbind(),
-        counts: (n_c + nested.0, graph.nodes.len() - n_c + nested.1),
+        n_c,
+        on_python,
         output_is_tensor,
+        autocast_probe,
     })
 }
 

@@ -1,0 +1,168 @@
+//! torch's per-op C shims (`torch/csrc/inductor/aoti_torch/generated/c_shim_*.h`): unboxed
+//! entry points that AOTInductor's generated code calls, exported by `libtorch_cpu.so`. Unlike
+//! the dispatcher's stack they take a `Scalar` as a `double`, which is how kwexport runs the
+//! nodes that the stable ABI's dispatcher can't (`add.Tensor`'s `alpha`, `addmm`'s `beta`).
+//!
+//! A `double` is not the `Scalar` the node had: an integral `alpha` becomes a floating one,
+//! which torch refuses for integer tensors, and a floating `Scalar` changes type promotion.
+//! So a shim only runs where every tensor it reads is floating (or complex) and on the
+//! device its family is for; [`Shims::admits`] checks that per call, and the node falls back
+//! to its Python op otherwise. Every symbol is optional: a torch without one keeps that
+//! op's nodes on Python.
+
+use std::ffi::c_void;
+
+use libloading::os::unix::Library;
+
+use super::{sym, Status};
+
+type Raw = *mut c_void;
+
+/// The unboxed signatures kwexport calls, by shape.
+#[derive(Clone, Copy)]
+pub enum ShimFn {
+    /// `(Tensor self, Tensor other, double alpha) -> Tensor`: `add.Tensor`, `subtract.Tensor`.
+    TensorTensorScalar(unsafe extern "C" fn(Raw, Raw, f64, *mut Raw) -> Status),
+    /// `(Tensor self, double) -> Tensor`: `pow.Tensor_Scalar`.
+    TensorScalar(unsafe extern "C" fn(Raw, f64, *mut Raw) -> Status),
+    /// `(Tensor out, Tensor self, Tensor mat1, Tensor mat2, double beta, double alpha)`:
+    /// `addmm.out`.
+    AddmmOut(unsafe extern "C" fn(Raw, Raw, Raw, Raw, f64, f64) -> Status),
+}
+
+impl std::fmt::Debug for ShimFn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ShimFn::TensorTensorScalar(_) => "TensorTensorScalar",
+            ShimFn::TensorScalar(_) => "TensorScalar",
+            ShimFn::AddmmOut(_) => "AddmmOut",
+        })
+    }
+}
+
+/// Which device a shim's kernels are for: the generated `cpu` family calls `at::cpu::*`
+/// directly, so it must never see another device's tensor, and it skips what the dispatcher
+/// adds (autograd, autocast): the run loop only uses it on calls where neither applies. The
+/// `aten` family goes through the dispatcher.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Cpu,
+    Aten,
+}
+
+/// The shims kwexport uses, each `None` where the running torch lacks it.
+pub struct Shims {
+    pub add_tensor: Option<ShimFn>,
+    pub subtract_tensor: Option<ShimFn>,
+    pub pow_tensor_scalar: Option<ShimFn>,
+    pub addmm_out: Option<ShimFn>,
+    get_dtype: unsafe extern "C" fn(Raw, *mut i32) -> Status,
+    get_device_type: unsafe extern "C" fn(Raw, *mut i32) -> Status,
+    get_device_index: unsafe extern "C" fn(Raw, *mut i32) -> Status,
+    empty_strided: unsafe extern "C" fn(i64, *const i64, *const i64, i32, i32, i32, *mut Raw) -> Status,
+    copy: unsafe extern "C" fn(Raw, Raw, i32) -> Status,
+    grad_mode_is_enabled: unsafe extern "C" fn() -> bool,
+    /// The dtype codes a shim accepts: floating and complex.
+    floating: Vec<i32>,
+    cpu: i32,
+}
+
+/// Names of the symbols kwexport looks up, for the test that hides each in turn.
+pub const SYMBOLS: [&str; 4] = [
+    "aoti_torch_cpu_add_Tensor",
+    "aoti_torch_aten_subtract_Tensor",
+    "aoti_torch_cpu_pow_Tensor_Scalar",
+    "aoti_torch_cpu_addmm_out",
+];
+
+impl Shims {
+    /// Resolves the shims from torch's library; `hidden` names symbols to treat as missing
+    /// (`KWEXPORT_HIDE_SYMBOLS`, so tests can exercise each fallback). `None` if the tensor
+    /// queries every shim needs are missing.
+    ///
+    /// # Safety
+    /// `lib` must be torch's `libtorch_cpu.so`, whose symbols have the declared signatures.
+    pub unsafe fn open(lib: &Library, hidden: &[String], floating: Vec<i32>) -> Option<Shims> {
+        let cpu_code: unsafe extern "C" fn() -> i32 = sym(lib, hidden, "aoti_torch_device_type_cpu")?;
+        Some(Shims {
+            add_tensor: sym(lib, hidden, SYMBOLS[0]).map(ShimFn::TensorTensorScalar),
+            subtract_tensor: sym(lib, hidden, SYMBOLS[1]).map(ShimFn::TensorTensorScalar),
+            pow_tensor_scalar: sym(lib, hidden, SYMBOLS[2]).map(ShimFn::TensorScalar),
+            addmm_out: sym(lib, hidden, SYMBOLS[3]).map(ShimFn::AddmmOut),
+            get_dtype: sym(lib, hidden, "aoti_torch_get_dtype")?,
+            get_device_type: sym(lib, hidden, "aoti_torch_get_device_type")?,
+            get_device_index: sym(lib, hidden, "aoti_torch_get_device_index")?,
+            empty_strided: sym(lib, hidden, "aoti_torch_empty_strided")?,
+            copy: sym(lib, hidden, "aoti_torch_copy_")?,
+            grad_mode_is_enabled: sym(lib, hidden, "aoti_torch_grad_mode_is_enabled")?,
+            floating,
+            cpu: cpu_code(),
+        })
+    }
+
+    fn dtype(&self, t: Raw) -> Option<i32> {
+        let mut d = 0;
+        // SAFETY: a live handle and an out-pointer.
+        (unsafe { (self.get_dtype)(t, &mut d) } == 0).then_some(d)
+    }
+
+    /// Whether a shim of `family` may run on these tensors: all floating or complex, and on
+    /// the CPU for the `cpu` family. With `same_dtype`, all of one dtype (in-place ops, where
+    /// a promoted result would be cast back).
+    ///
+    /// # Safety
+    /// Each of `tensors` must be a live handle.
+    pub unsafe fn admits(&self, family: Family, tensors: &[Raw], same_dtype: bool) -> bool {
+        let mut first = None;
+        tensors.iter().all(|&t| {
+            let Some(d) = self.dtype(t) else { return false };
+            let mut device = 0;
+            // SAFETY: a live handle and an out-pointer.
+            let on_cpu = unsafe { (self.get_device_type)(t, &mut device) } == 0 && device == self.cpu;
+            self.floating.contains(&d)
+                && (family == Family::Aten || on_cpu)
+                && (!same_dtype || *first.get_or_insert(d) == d)
+        })
+    }
+
+    /// A new empty tensor with `like`'s dtype and device, for an `out=` shim to resize.
+    ///
+    /// # Safety
+    /// `like` must be a live handle.
+    pub unsafe fn empty_like(&self, like: Raw) -> Result<Raw, Status> {
+        let dtype = self.dtype(like).ok_or(1)?;
+        let (mut device, mut index) = (0, 0);
+        let mut out: Raw = std::ptr::null_mut();
+        let (size, stride) = ([0i64], [1i64]);
+        // SAFETY: live handle, out-pointers, one-dimensional size and stride arrays.
+        unsafe {
+            check((self.get_device_type)(like, &mut device))?;
+            check((self.get_device_index)(like, &mut index))?;
+            check((self.empty_strided)(1, size.as_ptr(), stride.as_ptr(), dtype, device, index, &mut out))?;
+        }
+        Ok(out)
+    }
+
+    /// Whether autograd records ops on this thread.
+    pub fn grad_mode(&self) -> bool {
+        // SAFETY: reads a thread-local flag.
+        unsafe { (self.grad_mode_is_enabled)() }
+    }
+
+    /// `dst.copy_(src)`.
+    ///
+    /// # Safety
+    /// Both must be live handles.
+    pub unsafe fn copy(&self, dst: Raw, src: Raw) -> Status {
+        // SAFETY: two live handles.
+        unsafe { (self.copy)(dst, src, 0) }
+    }
+}
+
+fn check(status: Status) -> Result<(), Status> {
+    if status == 0 {
+        Ok(())
+    } else {
+        Err(status)
+    }
+}
