@@ -329,3 +329,32 @@ for got, want in zip(prog(*args), torch.load({str(tmp_path / "want.pt")!r})):
         assert int(n_c) == 0 and int(n_py) > 0
     else:
         assert int(n_c) > 0 and ops.strip() == expected
+
+
+def test_batched_linear_on_a_transposed_input_runs_eagers_kernels(tmp_path):
+    """at::matmul folds a batched, non-contiguous input into one mm only when the weight
+    requires grad, as an nn.Parameter does in eager; else it runs a slower expanded bmm.
+    kwexport's weights behave like eager's, with nothing recorded on plain calls."""
+    from torch.profiler import profile
+
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8)
+
+    def f(x):
+        return lin(x.transpose(0, 1))
+
+    x = torch.randn(5, 4, 16)
+    progs = load_all(tmp_path, f, (x,))
+    with torch.no_grad():
+        want = f(x)
+    for mode, prog in progs.items():
+        with profile() as p:
+            out = prog(x)
+        ops = {e.key for e in p.key_averages()}
+        assert "aten::mm" in ops and "aten::bmm" not in ops, (mode, ops)
+        assert torch.equal(out, want) and not out.requires_grad and out.grad_fn is None
+        xg = x.clone().requires_grad_()
+        prog(xg).sum().backward()
+        xe = x.clone().requires_grad_()
+        f(xe).sum().backward()
+        assert torch.equal(xg.grad, xe.grad)

@@ -24,6 +24,18 @@ const RELEASE_GIL_AFTER_NS: u64 = 20_000;
 impl Plan {
     /// Runs the graph on the flat user leaves and returns the flat outputs.
     pub fn run<'py>(&self, py: Python<'py>, leaves: &[Bound<'py, PyAny>]) -> RtResult<Vec<Bound<'py, PyAny>>> {
+        let Some((is_enabled, set)) = &self.grad_switch else { return self.run_segments(py, leaves) };
+        if !is_enabled.bind(py).call0()?.is_truthy()? || self.any_requires_grad(py, leaves)? {
+            return self.run_segments(py, leaves);
+        }
+        let set = set.bind(py);
+        set.call1((false,))?;
+        let result = self.run_segments(py, leaves);
+        set.call1((true,))?;
+        result
+    }
+
+    fn run_segments<'py>(&self, py: Python<'py>, leaves: &[Bound<'py, PyAny>]) -> RtResult<Vec<Bound<'py, PyAny>>> {
         let mut pys: Vec<Option<Bound<'py, PyAny>>> = vec![None; self.n_slots];
         let mut natives: Vec<Option<Native>> = Vec::new();
         natives.resize_with(self.n_slots, || None);
@@ -72,16 +84,17 @@ impl Plan {
         if probe.bind(py).call1((pyo3::intern!(py, "cpu"),))?.is_truthy()? {
             return Ok(false);
         }
-        if !shims.grad_mode() {
-            return Ok(true);
-        }
+        Ok(!shims.grad_mode() || !self.any_requires_grad(py, leaves)?)
+    }
+
+    fn any_requires_grad(&self, py: Python<'_>, leaves: &[Bound<'_, PyAny>]) -> RtResult<bool> {
         let tensor_type = self.tensor_type.bind(py);
         for leaf in leaves {
             if leaf.is_instance(tensor_type)? && leaf.getattr(pyo3::intern!(py, "requires_grad"))?.is_truthy()? {
-                return Ok(false);
+                return Ok(true);
             }
         }
-        Ok(true)
+        Ok(false)
     }
 
     /// Python values for native ones: numbers directly, tensors in one call to torch.

@@ -99,3 +99,37 @@ pub fn materialize<'py>(
     }
     Ok(out)
 }
+
+/// Ops whose kernel choice depends on whether an operand requires grad: `at::matmul` folds
+/// a batched input into one `mm` only when the weight requires grad (or the input's leading
+/// dimensions are contiguous), and runs an expanded `bmm` otherwise, several times slower.
+const GRAD_SENSITIVE_OPS: [&str; 2] = ["aten::linear.default", "aten::matmul.default"];
+
+/// Marks the read-only weights that a grad-sensitive op reads as requiring grad, as
+/// `nn.Parameter`s are in eager, so that torch picks eager's kernels (and its bits). The run
+/// loop turns grad mode off for calls with no input that requires grad, so nothing records.
+/// Returns whether any weight was marked.
+pub fn mark_grad_sensitive<'a>(
+    py: Python<'_>,
+    weights: &mut BTreeMap<String, Py<PyAny>>,
+    state: &State,
+    graphs: impl IntoIterator<Item = &'a kwexport_core::graph::SlotGraph>,
+) -> PyResult<bool> {
+    use kwexport_core::graph::{SlotArg, ValueRef};
+    let mut marked = false;
+    for graph in graphs {
+        for node in graph.nodes.iter().filter(|n| GRAD_SENSITIVE_OPS.contains(&n.op_name.to_string().as_str())) {
+            for arg in node.args.iter().chain(node.kwargs.iter().map(|(_, a)| a)) {
+                // State is written in place, which a tensor that requires grad refuses.
+                if let SlotArg::Value(ValueRef::Weight(w)) = arg {
+                    if let (Some(t), false) = (weights.get_mut(w), state.names.contains(w)) {
+                        // Detached first: a view of the map would report the map's flag.
+                        *t = t.bind(py).call_method0("detach")?.call_method1("requires_grad_", (true,))?.unbind();
+                        marked = true;
+                    }
+                }
+            }
+        }
+    }
+    Ok(marked)
+}

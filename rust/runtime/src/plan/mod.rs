@@ -223,6 +223,19 @@ pub struct Plan {
     /// `torch.is_autocast_enabled`, where some step uses a shim that skips the dispatcher:
     /// each run checks that neither autocast nor autograd would have applied to it.
     pub(crate) autocast_probe: Option<Py<PyAny>>,
+    /// `torch.is_grad_enabled` and `torch._C._set_grad_enabled`, where weights were marked
+    /// as requiring grad: calls with no input that requires grad run with grad mode off.
+    pub(crate) grad_switch: Option<(Py<PyAny>, Py<PyAny>)>,
+}
+
+impl Plan {
+    /// Runs calls that no input makes differentiable with grad mode off (see
+    /// `weights::mark_grad_sensitive`).
+    pub fn set_grad_off_when_unused(&mut self, torch: &Bound<'_, PyModule>) -> PyResult<()> {
+        let set = torch.getattr("_C")?.getattr("_set_grad_enabled")?;
+        self.grad_switch = Some((torch.getattr("is_grad_enabled")?.unbind(), set.unbind()));
+        Ok(())
+    }
 }
 
 /// A node compiled for one path, before segmenting.
@@ -350,6 +363,7 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
         on_python,
         output_is_tensor,
         autocast_probe,
+        grad_switch: None,
     })
 }
 
