@@ -18,7 +18,7 @@ use pyo3::types::{PyDict, PyTuple};
 /// Embedded Python with the project's venv and exporter importable; `None` (and a note) if
 /// torch can't be imported.
 fn python_ready(py: Python<'_>) -> Option<()> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let sys = py.import("sys").ok()?;
     let path = sys.getattr("path").ok()?;
     let version: (u8, u8) =

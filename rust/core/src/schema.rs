@@ -48,14 +48,38 @@ pub fn check_unique_keys(bytes: &[u8]) -> Result<(), serde_json::Error> {
             Ok(Unique)
         }
         fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Unique, A::Error> {
-            let mut keys = std::collections::HashSet::new();
-            while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
-                if !keys.insert(key.clone()) {
-                    return Err(serde::de::Error::custom(format!("duplicate key {key:?}")));
+            // Most objects have a handful of keys: a linear scan over borrowed keys beats
+            // hashing owned ones.
+            let mut keys: Vec<Key<'de>> = Vec::new();
+            while let Some(key) = map.next_key::<Key<'de>>()? {
+                if keys.contains(&key) {
+                    return Err(serde::de::Error::custom(format!("duplicate key {:?}", key.0)));
                 }
+                keys.push(key);
                 map.next_value::<Unique>()?;
             }
             Ok(Unique)
+        }
+    }
+    /// A key, borrowed from the input unless it has escapes.
+    #[derive(PartialEq)]
+    struct Key<'de>(std::borrow::Cow<'de, str>);
+    impl<'de> Deserialize<'de> for Key<'de> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct KeyVisitor;
+            impl<'de> serde::de::Visitor<'de> for KeyVisitor {
+                type Value = Key<'de>;
+                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    f.write_str("a string key")
+                }
+                fn visit_borrowed_str<E>(self, s: &'de str) -> Result<Key<'de>, E> {
+                    Ok(Key(std::borrow::Cow::Borrowed(s)))
+                }
+                fn visit_str<E>(self, s: &str) -> Result<Key<'de>, E> {
+                    Ok(Key(std::borrow::Cow::Owned(s.to_owned())))
+                }
+            }
+            d.deserialize_str(KeyVisitor)
         }
     }
     serde_json::from_slice::<Unique>(bytes).map(|_| ())

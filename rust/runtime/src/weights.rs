@@ -13,6 +13,8 @@ use kwexport_core::weights::CheckedWeight;
 use memmap2::MmapMut;
 use pyo3::prelude::*;
 
+use crate::abi::Abi;
+
 /// The mapped data section, exposed to torch through the buffer protocol.
 #[pyclass(frozen, module = "kwexport._rt")]
 pub struct MappedData {
@@ -74,7 +76,9 @@ pub fn take_state(
     Ok(state)
 }
 
-/// Builds one torch tensor per checked weight, all views of the mapped data section.
+/// Builds one torch tensor per checked weight, all sharing the mapped data section's memory.
+/// With torch's C ABI each is made by one C call (`_reinterpret_tensor` on a typed view of the
+/// whole section) and all become Python tensors in one pass; otherwise through Python.
 pub fn materialize<'py>(
     py: Python<'py>,
     torch: &Bound<'py, PyModule>,
@@ -85,16 +89,34 @@ pub fn materialize<'py>(
     if checked.is_empty() {
         return Ok(BTreeMap::new());
     }
+    let len = data.get().len;
     let kwargs = pyo3::types::PyDict::new(py);
     kwargs.set_item("dtype", torch.getattr("uint8")?)?;
     let all = torch.getattr("frombuffer")?.call((data,), Some(&kwargs))?;
+    // The whole section as each dtype the weights use (offsets are aligned to every itemsize).
+    let mut typed: BTreeMap<&str, Bound<'py, PyAny>> = BTreeMap::new();
+    for t in checked.values() {
+        if !typed.contains_key(t.dtype.name) {
+            let whole = all.call_method1("narrow", (0, 0, len - len % t.dtype.itemsize as usize))?;
+            typed.insert(t.dtype.name, whole.call_method1("view", (torch.getattr(t.dtype.name)?,))?);
+        }
+    }
+    let offset = |t: &CheckedWeight| (weights.storages[t.storage].offset / t.dtype.itemsize) as i64 + t.storage_offset;
     let mut out = BTreeMap::new();
+    if let Some(abi) = Abi::get(py).filter(|a| a.can_reinterpret()) {
+        let bases = typed.iter().map(|(k, v)| Ok((*k, abi.handle_of(v)?))).collect::<PyResult<BTreeMap<_, _>>>()?;
+        let mut handles = Vec::with_capacity(checked.len());
+        for t in checked.values() {
+            let view = abi.reinterpret(&bases[t.dtype.name], &t.shape, &t.strides, offset(t));
+            handles.push(view.map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(format!("{e:?}")))?);
+        }
+        for (name, tensor) in checked.keys().zip(abi.tensors_of(py, handles)?.iter()) {
+            out.insert(name.clone(), tensor.unbind());
+        }
+        return Ok(out);
+    }
     for (name, t) in checked {
-        let s = weights.storages[t.storage];
-        let bytes = all.call_method1("narrow", (0, s.offset, s.nbytes))?;
-        let typed = bytes.call_method1("view", (torch.getattr(t.dtype.name)?,))?;
-        let base = (s.offset / t.dtype.itemsize) as i64;
-        let tensor = typed.call_method1("as_strided", (t.shape.clone(), t.strides.clone(), base + t.storage_offset))?;
+        let tensor = typed[t.dtype.name].call_method1("as_strided", (t.shape.clone(), t.strides.clone(), offset(t)))?;
         out.insert(name.clone(), tensor.unbind());
     }
     Ok(out)
@@ -123,8 +145,11 @@ pub fn mark_grad_sensitive<'a>(
                 // State is written in place, which a tensor that requires grad refuses.
                 if let SlotArg::Value(ValueRef::Weight(w)) = arg {
                     if let (Some(t), false) = (weights.get_mut(w), state.names.contains(w)) {
-                        // Detached first: a view of the map would report the map's flag.
-                        *t = t.bind(py).call_method0("detach")?.call_method1("requires_grad_", (true,))?.unbind();
+                        // A view reports its base's flag, so a view (of the map) is detached first.
+                        if !t.bind(py).getattr("_base")?.is_none() {
+                            *t = t.bind(py).call_method0("detach")?.unbind();
+                        }
+                        t.bind(py).call_method1("requires_grad_", (true,))?;
                         marked = true;
                     }
                 }

@@ -67,6 +67,11 @@ pub struct Abi {
     version: u64,
     /// The per-op shims for nodes with a `Scalar`; `None` without the tensor queries.
     pub shims: Option<Shims>,
+    /// torch >= 2.14's C conversions between Python tensors and handles (GIL held), which
+    /// save a Python call per tensor over `torch._C._aoti`'s below.
+    from_pyobject: Option<unsafe extern "C" fn(Raw, *mut Raw) -> Status>,
+    reinterpret: Option<unsafe extern "C" fn(Raw, i64, *const i64, *const i64, i64, *mut Raw) -> Status>,
+    to_pyobject: Option<unsafe extern "C" fn(Raw, Raw, *mut Raw) -> Status>,
     /// `torch._C._aoti`'s conversions: a tensor to a new handle; handles to tensors.
     to_handle: Py<PyAny>,
     to_tensors: Py<PyAny>,
@@ -178,6 +183,9 @@ impl Abi {
                     parse_device: sym(&lib, hidden, "torch_parse_device_string")?,
                     exception_what: sym(&lib, hidden, "torch_exception_get_what_without_backtrace")?,
                     shims: Shims::open(&lib, hidden, floating_codes(&dtypes)),
+                    from_pyobject: sym(&lib, hidden, "torch_tensor_from_pyobject"),
+                    reinterpret: sym(&lib, hidden, "aoti_torch__reinterpret_tensor"),
+                    to_pyobject: sym(&lib, hidden, "torch_tensor_to_pyobject"),
                     dtypes,
                     layouts,
                     memory_formats,
@@ -350,8 +358,33 @@ impl Abi {
         }
     }
 
+    /// Whether [`Abi::reinterpret`] is available.
+    pub fn can_reinterpret(&self) -> bool {
+        self.reinterpret.is_some()
+    }
+
+    /// A new tensor over `base`'s storage with these sizes, strides and storage offset (in
+    /// elements): not an autograd view of `base`, so it is a leaf of its own.
+    pub fn reinterpret(&self, base: &Tensor, sizes: &[i64], strides: &[i64], offset: i64) -> Result<Tensor, CError> {
+        let f = self.reinterpret.ok_or_else(|| CError::Internal("no _reinterpret_tensor".into()))?;
+        if sizes.len() != strides.len() {
+            return Err(CError::Internal("sizes and strides differ in length".into()));
+        }
+        let mut out: Raw = std::ptr::null_mut();
+        // SAFETY: a live handle, arrays of `sizes.len()` elements, an out-pointer.
+        self.check(unsafe { f(base.0, sizes.len() as i64, sizes.as_ptr(), strides.as_ptr(), offset, &mut out) })?;
+        Ok(Tensor(out, self.delete_tensor))
+    }
+
     /// An owning handle to a Python tensor.
     pub fn handle_of(&self, t: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+        if let Some(from_pyobject) = self.from_pyobject {
+            let mut out: Raw = std::ptr::null_mut();
+            // SAFETY: a live Python object, the GIL held; torch returns a new handle.
+            let status = unsafe { from_pyobject(t.as_ptr().cast(), &mut out) };
+            self.check(status).map_err(|e| to_pyerr(e, "converting a tensor for the C path"))?;
+            return Ok(Tensor(out, self.delete_tensor));
+        }
         let cap = self.to_handle.bind(t.py()).call1((t,))?;
         // SAFETY: torch's capsule is unnamed and holds a new `at::Tensor*`.
         let ptr = unsafe { pyo3::ffi::PyCapsule_GetPointer(cap.as_ptr(), std::ptr::null()) };
@@ -364,6 +397,19 @@ impl Abi {
     /// Python tensors for handles, in one call; torch takes the handles over. A tensor that
     /// already has a Python object gets that same object back.
     pub fn tensors_of<'py>(&self, py: Python<'py>, handles: Vec<Tensor>) -> PyResult<Bound<'py, PyList>> {
+        if let Some(to_pyobject) = self.to_pyobject {
+            let list = PyList::empty(py);
+            for h in handles {
+                let mut obj: Raw = std::ptr::null_mut();
+                // SAFETY: a live handle, the GIL held; torch returns a new reference (the
+                // handle stays ours and is deleted when `h` drops).
+                let status = unsafe { to_pyobject(h.0, std::ptr::null_mut(), &mut obj) };
+                self.check(status).map_err(|e| to_pyerr(e, "converting a tensor to Python"))?;
+                // SAFETY: a new, non-null reference.
+                list.append(unsafe { Bound::from_owned_ptr(py, obj.cast()) })?;
+            }
+            return Ok(list);
+        }
         let mut capsules = Vec::with_capacity(handles.len());
         for h in handles {
             // SAFETY: an unnamed capsule with no destructor, as torch expects; the handle's
@@ -373,6 +419,13 @@ impl Abi {
             capsules.push(unsafe { Bound::from_owned_ptr_or_err(py, cap)? });
         }
         Ok(self.to_tensors.bind(py).call1((capsules,))?.cast_into::<PyList>()?)
+    }
+}
+
+fn to_pyerr(e: CError, what: &str) -> PyErr {
+    match e {
+        CError::Python(e) => e,
+        CError::Torch(m) | CError::Internal(m) => pyo3::exceptions::PyRuntimeError::new_err(format!("{what}: {m}")),
     }
 }
 
