@@ -17,6 +17,13 @@ use crate::abi::{self, Abi, CError, StableIValue, Ty};
 use crate::errors::{RtError, RtResult};
 use crate::plan::{CStep, HopStep, Plan, PyArg, PyOp, PyStep, Segment, ShimStep};
 
+/// What a call allows of shims that skip the dispatcher (see `Plan::direct_kernels_apply`).
+#[derive(Clone, Copy)]
+struct Direct {
+    no_autograd: bool,
+    no_autocast: bool,
+}
+
 /// C segments that took at least this long last time run with the GIL released. Shorter ones
 /// keep it: with several threads, handing the GIL over costs more than a few small ops.
 const RELEASE_GIL_AFTER_NS: u64 = 20_000;
@@ -76,15 +83,18 @@ impl Plan {
     }
 
     /// Whether shims that skip the dispatcher give this call what the dispatcher would: no
-    /// autocast, and no autograd to record (grad mode off, or no input that requires grad).
-    fn direct_kernels_apply(&self, py: Python<'_>, leaves: &[Bound<'_, PyAny>]) -> RtResult<bool> {
-        let (Some(probe), Some(shims)) = (&self.autocast_probe, self.abi.and_then(|a| a.shims.as_ref())) else {
-            return Ok(true);
+    /// autograd to record (grad mode off, or no input that requires grad) and, for ops that
+    /// autocast changes, no autocast.
+    fn direct_kernels_apply(&self, py: Python<'_>, leaves: &[Bound<'_, PyAny>]) -> RtResult<Direct> {
+        let Some(shims) = self.abi.and_then(|a| a.shims.as_ref()).filter(|_| self.has_direct_shims) else {
+            return Ok(Direct { no_autograd: true, no_autocast: true });
         };
-        if probe.bind(py).call1((pyo3::intern!(py, "cpu"),))?.is_truthy()? {
-            return Ok(false);
-        }
-        Ok(!shims.grad_mode() || !self.any_requires_grad(py, leaves)?)
+        let no_autograd = !shims.grad_mode() || !self.any_requires_grad(py, leaves)?;
+        let no_autocast = match &self.autocast_probe {
+            Some(probe) => !probe.bind(py).call1((pyo3::intern!(py, "cpu"),))?.is_truthy()?,
+            None => true,
+        };
+        Ok(Direct { no_autograd, no_autocast })
     }
 
     fn any_requires_grad(&self, py: Python<'_>, leaves: &[Bound<'_, PyAny>]) -> RtResult<bool> {
@@ -186,7 +196,7 @@ impl CStep {
         slots: &mut [Option<Native>],
         consts: &[abi::Tensor],
         stack: &mut Vec<StableIValue>,
-        direct: bool,
+        direct: Direct,
     ) -> RtResult<()> {
         self.call(abi, slots, consts, stack, direct).map_err(|e| c_error(&self.op_name(), e))
     }
@@ -197,7 +207,7 @@ impl CStep {
         slots: &mut [Option<Native>],
         consts: &[abi::Tensor],
         stack: &mut Vec<StableIValue>,
-        direct: bool,
+        direct: Direct,
     ) -> Result<(), CError> {
         if let Some(shim) = &self.shim {
             return self.call_shim(abi, shim, slots, consts, direct);
@@ -257,7 +267,7 @@ impl CStep {
         shim: &ShimStep,
         slots: &mut [Option<Native>],
         consts: &[abi::Tensor],
-        direct: bool,
+        direct: Direct,
     ) -> Result<(), CError> {
         let shims = abi.shims.as_ref().ok_or_else(|| CError::Internal("a shim step without shims".into()))?;
         let mut t = [std::ptr::null_mut(); 3];
@@ -272,8 +282,13 @@ impl CStep {
             };
         }
         let tensors = &t[..self.args.len()];
+        let skips_dispatcher = shim.family == Family::Cpu;
         // SAFETY: the handles just read from live slots and constants.
-        if (shim.family == Family::Cpu && !direct) || !unsafe { shims.admits(shim.family, tensors, shim.in_place) } {
+        let admitted = unsafe {
+            shims.admits(shim.family, tensors, shim.floating_only, shim.in_place)
+                && shim.dims.is_none_or(|(i, n)| shims.dim(tensors[i]) == Some(n))
+        };
+        if !admitted || (skips_dispatcher && !direct.no_autograd) || (shim.autocast && !direct.no_autocast) {
             let fallback = shim.fallback.as_ref().ok_or_else(|| CError::Internal("no fallback".into()))?;
             return Python::attach(|py| run_fallback(py, abi, fallback, slots)).map_err(CError::Python);
         }
@@ -284,10 +299,20 @@ impl CStep {
             match shim.f {
                 ShimFn::TensorTensorScalar(f) => f(t[0], t[1], d[0], &mut out),
                 ShimFn::TensorScalar(f) => f(t[0], d[0], &mut out),
-                ShimFn::AddmmOut(f) => match shims.empty_like(t[0]) {
+                ShimFn::TensorTensor(f) => f(t[0], t[1], &mut out),
+                // linear's addmm has beta = alpha = 1.
+                ShimFn::AddmmOut(f) => match shims.empty_like(t[1]) {
                     Ok(o) => {
                         out = o;
-                        f(out, t[0], t[1], t[2], d[0], d[1])
+                        let (beta, alpha) = if d.is_empty() { (1.0, 1.0) } else { (d[0], d[1]) };
+                        f(out, t[0], t[1], t[2], beta, alpha)
+                    }
+                    Err(status) => status,
+                },
+                ShimFn::MmOut(f) => match shims.empty_like(t[0]) {
+                    Ok(o) => {
+                        out = o;
+                        f(out, t[0], t[1])
                     }
                     Err(status) => status,
                 },

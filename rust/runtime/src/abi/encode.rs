@@ -37,6 +37,8 @@ pub trait Consts {
     fn weight(&mut self, name: &str) -> usize;
     /// The index of a number wrapped as a tensor, if torch's wrapping could be reproduced.
     fn number(&mut self, lit: &Arg) -> Option<usize>;
+    /// The index of weight `name`'s transpose (`weight.t()`), if it is a matrix.
+    fn weight_t(&mut self, name: &str) -> Option<usize>;
 }
 
 /// Encodes one argument for a parameter of type `ty` (`writes` if the op writes to it);

@@ -28,6 +28,10 @@ pub enum ShimFn {
     /// `(Tensor out, Tensor self, Tensor mat1, Tensor mat2, double beta, double alpha)`:
     /// `addmm.out`.
     AddmmOut(unsafe extern "C" fn(Raw, Raw, Raw, Raw, f64, f64) -> Status),
+    /// `(Tensor self, Tensor other) -> Tensor`: `mul.Tensor`.
+    TensorTensor(unsafe extern "C" fn(Raw, Raw, *mut Raw) -> Status),
+    /// `(Tensor out, Tensor self, Tensor mat2)`: `mm.out`.
+    MmOut(unsafe extern "C" fn(Raw, Raw, Raw) -> Status),
 }
 
 impl std::fmt::Debug for ShimFn {
@@ -36,6 +40,8 @@ impl std::fmt::Debug for ShimFn {
             ShimFn::TensorTensorScalar(_) => "TensorTensorScalar",
             ShimFn::TensorScalar(_) => "TensorScalar",
             ShimFn::AddmmOut(_) => "AddmmOut",
+            ShimFn::TensorTensor(_) => "TensorTensor",
+            ShimFn::MmOut(_) => "MmOut",
         })
     }
 }
@@ -56,9 +62,12 @@ pub struct Shims {
     pub subtract_tensor: Option<ShimFn>,
     pub pow_tensor_scalar: Option<ShimFn>,
     pub addmm_out: Option<ShimFn>,
+    pub mul_tensor: Option<ShimFn>,
+    pub mm_out: Option<ShimFn>,
     get_dtype: unsafe extern "C" fn(Raw, *mut i32) -> Status,
     get_device_type: unsafe extern "C" fn(Raw, *mut i32) -> Status,
     get_device_index: unsafe extern "C" fn(Raw, *mut i32) -> Status,
+    get_dim: unsafe extern "C" fn(Raw, *mut i64) -> Status,
     empty_strided: unsafe extern "C" fn(i64, *const i64, *const i64, i32, i32, i32, *mut Raw) -> Status,
     copy: unsafe extern "C" fn(Raw, Raw, i32) -> Status,
     grad_mode_is_enabled: unsafe extern "C" fn() -> bool,
@@ -68,11 +77,13 @@ pub struct Shims {
 }
 
 /// Names of the symbols kwexport looks up, for the test that hides each in turn.
-pub const SYMBOLS: [&str; 4] = [
+pub const SYMBOLS: [&str; 6] = [
     "aoti_torch_cpu_add_Tensor",
     "aoti_torch_aten_subtract_Tensor",
     "aoti_torch_cpu_pow_Tensor_Scalar",
     "aoti_torch_cpu_addmm_out",
+    "aoti_torch_cpu_mul_Tensor",
+    "aoti_torch_cpu_mm_out",
 ];
 
 impl Shims {
@@ -89,9 +100,12 @@ impl Shims {
             subtract_tensor: sym(lib, hidden, SYMBOLS[1]).map(ShimFn::TensorTensorScalar),
             pow_tensor_scalar: sym(lib, hidden, SYMBOLS[2]).map(ShimFn::TensorScalar),
             addmm_out: sym(lib, hidden, SYMBOLS[3]).map(ShimFn::AddmmOut),
+            mul_tensor: sym(lib, hidden, SYMBOLS[4]).map(ShimFn::TensorTensor),
+            mm_out: sym(lib, hidden, SYMBOLS[5]).map(ShimFn::MmOut),
             get_dtype: sym(lib, hidden, "aoti_torch_get_dtype")?,
             get_device_type: sym(lib, hidden, "aoti_torch_get_device_type")?,
             get_device_index: sym(lib, hidden, "aoti_torch_get_device_index")?,
+            get_dim: sym(lib, hidden, "aoti_torch_get_dim")?,
             empty_strided: sym(lib, hidden, "aoti_torch_empty_strided")?,
             copy: sym(lib, hidden, "aoti_torch_copy_")?,
             grad_mode_is_enabled: sym(lib, hidden, "aoti_torch_grad_mode_is_enabled")?,
@@ -106,23 +120,37 @@ impl Shims {
         (unsafe { (self.get_dtype)(t, &mut d) } == 0).then_some(d)
     }
 
-    /// Whether a shim of `family` may run on these tensors: all floating or complex, and on
-    /// the CPU for the `cpu` family. With `same_dtype`, all of one dtype (in-place ops, where
-    /// a promoted result would be cast back).
+    /// Whether a shim of `family` may run on these tensors: on the CPU for the `cpu` family;
+    /// with `floating`, all floating or complex (a `double` Scalar); with `same_dtype`, all
+    /// of one dtype (in-place ops, where a promoted result would be cast back).
     ///
     /// # Safety
     /// Each of `tensors` must be a live handle.
-    pub unsafe fn admits(&self, family: Family, tensors: &[Raw], same_dtype: bool) -> bool {
+    pub unsafe fn admits(&self, family: Family, tensors: &[Raw], floating: bool, same_dtype: bool) -> bool {
         let mut first = None;
         tensors.iter().all(|&t| {
-            let Some(d) = self.dtype(t) else { return false };
             let mut device = 0;
             // SAFETY: a live handle and an out-pointer.
-            let on_cpu = unsafe { (self.get_device_type)(t, &mut device) } == 0 && device == self.cpu;
-            self.floating.contains(&d)
-                && (family == Family::Aten || on_cpu)
-                && (!same_dtype || *first.get_or_insert(d) == d)
+            let on_device = family == Family::Aten
+                || (unsafe { (self.get_device_type)(t, &mut device) } == 0 && device == self.cpu);
+            if !on_device {
+                return false;
+            }
+            if !floating && !same_dtype {
+                return true;
+            }
+            let Some(d) = self.dtype(t) else { return false };
+            (!floating || self.floating.contains(&d)) && (!same_dtype || *first.get_or_insert(d) == d)
         })
+    }
+
+    /// The number of dimensions of `t`.
+    ///
+    /// # Safety
+    /// `t` must be a live handle.
+    pub unsafe fn dim(&self, t: Raw) -> Option<i64> {
+        let mut d = 0;
+        (unsafe { (self.get_dim)(t, &mut d) } == 0).then_some(d)
     }
 
     /// A new empty tensor with `like`'s dtype and device, for an `out=` shim to resize.

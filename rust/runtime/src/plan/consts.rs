@@ -185,6 +185,20 @@ impl Consts for ConstTable<'_, '_> {
         self.tensors.len() - 1
     }
 
+    fn weight_t(&mut self, name: &str) -> Option<usize> {
+        let key = format!("{name}\u{0}t");
+        if let Some(&i) = self.weight_index.get(&key) {
+            return Some(i);
+        }
+        let w = self.weights.get(name)?.bind(self.py);
+        if w.getattr("dim").and_then(|d| d.call0()).and_then(|d| d.extract::<usize>()).ok()? != 2 {
+            return None;
+        }
+        self.tensors.push(w.call_method0("t").ok()?.unbind());
+        self.weight_index.insert(key, self.tensors.len() - 1);
+        Some(self.tensors.len() - 1)
+    }
+
     fn number(&mut self, lit: &Arg) -> Option<usize> {
         let (i, t) = self.wrapped(lit)?;
         if let Some(at) = self.numbers[i].const_index {

@@ -6,7 +6,7 @@
 //!
 //! - `consts`    weights, wrapped numbers and literals as the objects nodes read
 //! - `cstep`     nodes compiled for the C ABI
-//! - `scalars`   nodes with a `Scalar`: per-op shims, or a tensor overload
+//! - `shims`     nodes through torch's per-op C shims, and Scalar rewrites
 //! - `hop`       higher-order ops' nodes, with a nested plan per subgraph
 //! - `cost`      which C-capable runs are worth their crossings
 //! - `segments`  grouping by path, and the crossings each segment needs
@@ -15,8 +15,8 @@ mod consts;
 mod cost;
 mod cstep;
 mod hop;
-mod scalars;
 mod segments;
+mod shims;
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -120,14 +120,20 @@ pub struct CStep {
     pub(crate) shim: Option<Box<ShimStep>>,
 }
 
-/// A node with a `Scalar`, run through a per-op shim that takes it as a `double`.
+/// A node run through one of torch's per-op C shims (see `shims`).
 pub struct ShimStep {
     pub(crate) f: ShimFn,
     pub(crate) family: Family,
     /// The `Scalar` arguments, exactly representable as doubles.
     pub(crate) scalars: Vec<f64>,
+    /// The shim takes Scalars as doubles: it runs on floating tensors only.
+    pub(crate) floating_only: bool,
     /// The op writes its result into its first tensor (`add_`).
     pub(crate) in_place: bool,
+    /// Autocast changes the op, so a kernel that skips the dispatcher can't run under it.
+    pub(crate) autocast: bool,
+    /// `(tensor, dims)`: the shim's tensor `tensor` must have `dims` dimensions.
+    pub(crate) dims: Option<(usize, i64)>,
     /// The node through its Python op, for calls the shim can't take (integer tensors).
     pub(crate) fallback: Option<PyStep>,
 }
@@ -220,9 +226,11 @@ pub struct Plan {
     pub on_python: Vec<(String, Why)>,
     /// Whether each output is always a tensor (for the C path of a plan around this one).
     pub(crate) output_is_tensor: Vec<bool>,
-    /// `torch.is_autocast_enabled`, where some step uses a shim that skips the dispatcher:
-    /// each run checks that neither autocast nor autograd would have applied to it.
+    /// `torch.is_autocast_enabled`, where some step runs an op that autocast changes through a
+    /// shim that skips the dispatcher: each run checks that autocast is off.
     pub(crate) autocast_probe: Option<Py<PyAny>>,
+    /// Whether some step runs a shim that skips the dispatcher (so autograd is checked).
+    pub(crate) has_direct_shims: bool,
     /// `torch.is_grad_enabled` and `torch._C._set_grad_enabled`, where weights were marked
     /// as requiring grad: calls with no input that requires grad run with grad mode off.
     pub(crate) grad_switch: Option<(Py<PyAny>, Py<PyAny>)>,
@@ -298,11 +306,11 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
             (_, None, ..) => Err(Why::NoAbi),
             (_, Some(abi), Some(schema), None) => match schema.bind(node) {
                 None => Err(Why::Default),
-                Some(bound) => match CStep::compile(abi, schema, node, &bound, &is_tensor, &mut consts) {
-                    Ok(step) => Ok(step),
-                    Err(why) => match scalars::compile(abi, schema, node, &bound, &is_tensor, &mut consts) {
-                        Some(step) => Ok(step),
-                        None => consts.folded_factory(node, op, i)?.map(|c| CStep::clone_of(c, node)).ok_or(why),
+                Some(bound) => match shims::compile(abi, schema, node, &bound, &is_tensor, &mut consts) {
+                    Some(step) => Ok(step),
+                    None => match CStep::compile(abi, schema, node, &bound, &is_tensor, &mut consts) {
+                        Ok(step) => Ok(step),
+                        Err(why) => consts.folded_factory(node, op, i)?.map(|c| CStep::clone_of(c, node)).ok_or(why),
                     },
                 },
             },
@@ -345,10 +353,13 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
         None => Vec::new(),
     };
     let output_is_tensor = graph.outputs.iter().map(|a| is_tensor_arg(a, &tensor_slot)).collect();
-    let skips_dispatcher =
-        compiled.iter().any(|c| matches!(c, Compiled::C(CStep { shim: Some(s), .. }) if s.family == Family::Cpu));
-    let autocast_probe =
-        skips_dispatcher.then(|| cx.torch.getattr("is_autocast_enabled")).transpose()?.map(Bound::unbind);
+    let direct = |autocast: bool| {
+        compiled.iter().any(|c| {
+            matches!(c, Compiled::C(CStep { shim: Some(s), .. }) if s.family == Family::Cpu && (s.autocast || !autocast))
+        })
+    };
+    let has_direct_shims = direct(false);
+    let autocast_probe = direct(true).then(|| cx.torch.getattr("is_autocast_enabled")).transpose()?.map(Bound::unbind);
     let (segments, outputs_to_py) = segments::segment(graph, compiled);
     Ok(Plan {
         n_slots: graph.n_slots,
@@ -363,6 +374,7 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
         on_python,
         output_is_tensor,
         autocast_probe,
+        has_direct_shims,
         grad_switch: None,
     })
 }

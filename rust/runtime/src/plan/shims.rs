@@ -1,0 +1,179 @@
+//! Nodes run through torch's per-op C shims (see `abi::shims`) or rewritten for the
+//! dispatcher, each giving the same bits as the op itself:
+//!
+//! - nodes with a `Scalar`, which the dispatcher's stable stack can't carry: a shim that takes
+//!   it as a `double` (`add.Tensor`'s `alpha`, `addmm`'s `beta` and `alpha`,
+//!   `pow.Tensor_Scalar`'s exponent), where the literal is exactly a double, run only on
+//!   floating tensors;
+//! - hot ops, where calling the kernel unboxed saves the dispatcher's boxing and lookup:
+//!   `mul.Tensor`, and `linear` on a 2-D input, which is what `at::linear` runs for it
+//!   (`addmm(bias, input, weight.t())`, or `mm` without a bias) with `weight.t()` made once;
+//! - the `Tensor` overload with the number wrapped as torch wraps it, where torch defines the
+//!   `Scalar` overload as exactly that (`ge.Scalar` is `ge.Tensor` on a wrapped number).
+//!
+//! A shim step checks its tensors on each call and runs the node's Python op where they
+//! don't qualify (integer tensors for a `double` Scalar, a 3-D input to `linear`, autograd
+//! or autocast for a kernel that skips the dispatcher).
+
+use std::ffi::CString;
+
+use kwexport_core::graph::{SlotArg, SlotNode, SlotOutputs, ValueRef};
+use kwexport_core::schema::Arg;
+
+use super::{CStep, ShimStep};
+use crate::abi::encode::{self, Consts, Enc};
+use crate::abi::shims::{Family, ShimFn};
+use crate::abi::{Abi, Ty};
+use crate::ops::OpSchema;
+
+/// Comparisons whose `Scalar` overload is the `Tensor` overload on a wrapped number.
+const WRAPPING_COMPARISONS: [&str; 6] = ["aten::eq", "aten::ne", "aten::lt", "aten::le", "aten::gt", "aten::ge"];
+
+/// Which tensors a shim reads, in its order.
+enum Operand {
+    /// Schema argument `i`.
+    Arg(usize),
+    /// The transpose of schema argument `i`, a weight, made once at load.
+    WeightT(usize),
+}
+
+/// How a node maps onto a shim.
+struct ShimUse {
+    f: Option<ShimFn>,
+    family: Family,
+    tensors: Vec<Operand>,
+    /// Schema arguments passed as doubles.
+    scalars: &'static [usize],
+    in_place: bool,
+    /// Whether autocast changes the op (`addmm`, `linear`): then a kernel that skips the
+    /// dispatcher can't run under autocast.
+    autocast: bool,
+    /// `(tensor, dims)`: the shim's tensor `tensor` must have `dims` dimensions.
+    dims: Option<(usize, i64)>,
+}
+
+/// The C step for a node that a shim or a rewrite covers, if one does.
+pub(super) fn compile(
+    abi: &Abi,
+    op: &OpSchema,
+    node: &SlotNode,
+    bound: &[&SlotArg],
+    is_tensor: &dyn Fn(usize) -> bool,
+    consts: &mut dyn Consts,
+) -> Option<CStep> {
+    let name = (op.c_name.0.to_str().ok()?, op.c_name.1.to_str().ok()?);
+    if name.1 == "Scalar" && WRAPPING_COMPARISONS.contains(&name.0) && bound.len() == 2 {
+        return wrapped_overload(abi, op, node, bound, is_tensor, consts);
+    }
+    // `masked_fill(_).Tensor` takes its 0-dim value's `item()`: the Scalar the node has.
+    if name.1 == "Scalar" && matches!(name.0, "aten::masked_fill" | "aten::masked_fill_") && bound.len() == 3 {
+        return wrapped_overload(abi, op, node, bound, is_tensor, consts);
+    }
+    let shims = abi.shims.as_ref()?;
+    let cpu = |f, tensors: &[usize], scalars, in_place, autocast| ShimUse {
+        f,
+        family: Family::Cpu,
+        tensors: tensors.iter().map(|&i| Operand::Arg(i)).collect(),
+        scalars,
+        in_place,
+        autocast,
+        dims: None,
+    };
+    let bias_given = matches!(bound.get(2), Some(a) if !matches!(a, SlotArg::Literal(Arg::None(()))));
+    let uses = match name {
+        ("aten::add", "Tensor") => cpu(shims.add_tensor, &[0, 1], &[2], false, false),
+        ("aten::add_", "Tensor") => cpu(shims.add_tensor, &[0, 1], &[2], true, false),
+        ("aten::sub", "Tensor") => {
+            ShimUse { family: Family::Aten, ..cpu(shims.subtract_tensor, &[0, 1], &[2], false, false) }
+        }
+        ("aten::pow", "Tensor_Scalar") => cpu(shims.pow_tensor_scalar, &[0], &[1], false, true),
+        ("aten::addmm", "") => cpu(shims.addmm_out, &[0, 1, 2], &[3, 4], false, true),
+        ("aten::mul", "Tensor") => cpu(shims.mul_tensor, &[0, 1], &[], false, false),
+        ("aten::linear", "") if bias_given => ShimUse {
+            tensors: vec![Operand::Arg(2), Operand::Arg(0), Operand::WeightT(1)],
+            dims: Some((1, 2)),
+            ..cpu(shims.addmm_out, &[], &[], false, true)
+        },
+        ("aten::linear", "") => ShimUse {
+            tensors: vec![Operand::Arg(0), Operand::WeightT(1)],
+            dims: Some((0, 2)),
+            ..cpu(shims.mm_out, &[], &[], false, true)
+        },
+        _ => return None,
+    };
+    if !matches!(node.outputs, SlotOutputs::One(_)) {
+        return None;
+    }
+    let f = uses.f?;
+    let mut args = Vec::with_capacity(uses.tensors.len());
+    for (k, operand) in uses.tensors.iter().enumerate() {
+        let enc = match operand {
+            Operand::Arg(i) => {
+                let writes = uses.in_place && k == 0;
+                encode::encode(abi, &Ty::Tensor, writes, bound.get(*i)?, is_tensor, consts)?
+            }
+            Operand::WeightT(i) => match bound.get(*i)? {
+                SlotArg::Value(ValueRef::Weight(w)) => Enc::Const(consts.weight_t(w)?),
+                _ => return None,
+            },
+        };
+        args.push((Ty::Tensor, enc));
+    }
+    if uses.in_place && !matches!(args[0].1, Enc::Slot(_)) {
+        return None;
+    }
+    let scalars = uses.scalars.iter().map(|&i| exact_double(bound.get(i)?)).collect::<Option<Vec<_>>>()?;
+    Some(CStep {
+        name: op.c_name.clone(),
+        args,
+        returns: vec![Ty::Tensor],
+        outputs: node.outputs.clone(),
+        free: node.free.clone(),
+        shim: Some(Box::new(ShimStep {
+            f,
+            family: uses.family,
+            floating_only: !scalars.is_empty(),
+            scalars,
+            in_place: uses.in_place,
+            autocast: uses.autocast,
+            dims: uses.dims,
+            fallback: None,
+        })),
+    })
+}
+
+/// `op.Scalar(..., value)` as `op.Tensor(..., wrapped(value))`, for a literal last argument.
+fn wrapped_overload(
+    abi: &Abi,
+    op: &OpSchema,
+    node: &SlotNode,
+    bound: &[&SlotArg],
+    is_tensor: &dyn Fn(usize) -> bool,
+    consts: &mut dyn Consts,
+) -> Option<CStep> {
+    let (last, tensors) = bound.split_last()?;
+    let SlotArg::Literal(value) = last else { return None };
+    let mut args = Vec::with_capacity(bound.len());
+    for (param, a) in op.args.iter().zip(tensors) {
+        args.push((Ty::Tensor, encode::encode(abi, &Ty::Tensor, param.writes, a, is_tensor, consts)?));
+    }
+    args.push((Ty::Tensor, Enc::Const(consts.number(value)?)));
+    Some(CStep {
+        name: (op.c_name.0.clone(), CString::new("Tensor").ok()?),
+        args,
+        returns: vec![Ty::Tensor],
+        outputs: node.outputs.clone(),
+        free: node.free.clone(),
+        shim: None,
+    })
+}
+
+/// A `Scalar` literal as the double a shim takes, if that double is exactly it: an int
+/// within 2^53 or a float. Bools and symbolic values stay on the Python path.
+fn exact_double(a: &SlotArg) -> Option<f64> {
+    match a {
+        SlotArg::Literal(Arg::Float(f)) => Some(f.0),
+        SlotArg::Literal(Arg::Int(i)) if i.unsigned_abs() <= 1 << 53 => Some(*i as f64),
+        _ => None,
+    }
+}
