@@ -9,9 +9,8 @@
 use std::path::{Path, PathBuf};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use kwexport_runtime::ops::AllowOps;
 use kwexport_runtime::plan::Dispatch;
-use kwexport_runtime::program::{load, Program};
+use kwexport_runtime::program::{load, LoadOptions, Program};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
@@ -58,7 +57,7 @@ fn export<'py>(
 }
 
 fn load_as(py: Python<'_>, path: &Path, dispatch: Dispatch) -> PyResult<Program> {
-    Ok(load(py, path.to_str().unwrap(), &AllowOps::default(), Vec::new(), dispatch)?)
+    Ok(load(py, path.to_str().unwrap(), &LoadOptions::new(Vec::new(), dispatch, None).unwrap())?)
 }
 
 /// Binding the call to the signature, flattening it against the treespec and checking

@@ -32,6 +32,8 @@ from kwexport._standin import StandIn
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    import torch
+
     from kwexport._trace import Exported
 
 __version__ = "0.1.0"
@@ -53,7 +55,13 @@ __all__ = [
 ]
 
 
-def load(path: str | os.PathLike[str], *, allow_ops: Iterable[str] = (), dispatch: str = "auto") -> Program:
+def load(
+    path: str | os.PathLike[str],
+    *,
+    allow_ops: Iterable[str] = (),
+    dispatch: str = "auto",
+    device: str | torch.device | None = None,
+) -> Program:
     """Load a kwexport file. Parses and validates everything before returning; never
     unpickles, evaluates or imports anything named in the file.
 
@@ -67,8 +75,13 @@ def load(path: str | os.PathLike[str], *, allow_ops: Iterable[str] = (), dispatc
     C ABI for every node it covers; ``"python"`` uses the Python op objects throughout.
     Results are identical; ``Program.dispatch`` counts the nodes on each path and says
     why each op that stays on Python does.
+
+    ``device`` places the program (``"cuda:1"``, ``torch.device("meta")``, ...); by default it
+    runs where it was exported. Its weights are moved there once (on the CPU they stay views
+    of the mapped file), device literals in the graph (``arange(..., device=...)``, ``to``)
+    follow it, and calls must pass their tensors on it.
     """
-    return _load(os.fspath(path), allow_ops=list(allow_ops), dispatch=dispatch)
+    return _load(os.fspath(path), allow_ops=list(allow_ops), dispatch=dispatch, device=device)
 
 
 def export(

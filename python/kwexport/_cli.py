@@ -32,6 +32,7 @@ def _print_text(info: dict[str, Any]) -> None:
     prod = info["producer"]
     print(f"written by:   kwexport {prod['kwexport']}, torch {prod['torch']}, python {prod.get('python') or '?'}")
     print(f"signature:    {info['signature']}")
+    print(f"device:       {info['device']} (where it was exported; kwexport.load(..., device=...) moves it)")
     print("inputs:")
     for i in info["inputs"]:
         if i["kind"] == "tensor":

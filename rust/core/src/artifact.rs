@@ -80,6 +80,29 @@ pub fn parse(bytes: &[u8]) -> Result<Parsed> {
     Ok(Parsed { layout, document, file_format_version: up.from, upgraders: up.applied })
 }
 
+impl Artifact {
+    /// The device the program was exported on; see [`Document::home_device`].
+    pub fn home_device(&self) -> &str {
+        self.document.home_device()
+    }
+}
+
+impl Document {
+    /// The device the program was exported on: its tensor inputs' (the first one's), or the
+    /// CPU for a program without tensor inputs. Device literals of the graph on this device's
+    /// type follow the device a program is loaded on.
+    pub fn home_device(&self) -> &str {
+        self.inputs
+            .leaves
+            .iter()
+            .find_map(|l| match l {
+                LeafSpec::Tensor(t) => Some(t.device.as_str()),
+                LeafSpec::Constant(_) => None,
+            })
+            .unwrap_or("cpu")
+    }
+}
+
 /// Parses and validates a whole file's bytes.
 pub fn open(bytes: &[u8]) -> Result<Artifact> {
     parse(bytes)?.validate(bytes)

@@ -24,6 +24,8 @@ pub struct Description {
     pub producer: Producer,
     /// The signature as Python prints it: `forward(x, *, mask=None)`.
     pub signature: String,
+    /// The device it was exported on, which loading places it on unless told otherwise.
+    pub device: String,
     /// Every input leaf.
     pub inputs: Vec<InputLeaf>,
     /// The symbolic sizes.
@@ -140,6 +142,7 @@ impl Artifact {
             upgraders: self.upgraders.clone(),
             producer: doc.producer.clone(),
             signature: signature_text(&doc.signature),
+            device: self.home_device().to_owned(),
             inputs,
             symbols: doc.symbols.clone(),
             ops: OpCounts(doc.ops.iter().map(|o| o.name.clone()).zip(counts).collect()),

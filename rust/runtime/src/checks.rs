@@ -9,6 +9,7 @@ use kwexport_core::Error;
 use pyo3::prelude::*;
 
 use crate::constants::{constant_to_py, device};
+use crate::device::Placement;
 use crate::errors::{RtError, RtResult};
 use crate::tree::describe;
 
@@ -44,13 +45,14 @@ impl LeafCheck {
         spec: &LeafSpec,
         dims: Option<&Vec<DimCheck>>,
         index: usize,
+        placement: &Placement,
     ) -> RtResult<Self> {
         let entry = format!("inputs.leaves[{index}]");
         Ok(match (spec, dims) {
             (LeafSpec::Tensor(t), Some(dims)) => {
                 let dt = DType::parse(&t.dtype)
                     .ok_or_else(|| Error::UnsupportedDtype { entry: entry.clone(), dtype: t.dtype.clone() })?;
-                let device = device(torch, &t.device, &entry)?;
+                let device = device(torch, placement.place(&t.device), &entry)?;
                 LeafCheck::Tensor {
                     dtype: torch.getattr(dt.name)?.unbind(),
                     dtype_name: dt.name,

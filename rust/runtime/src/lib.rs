@@ -18,6 +18,7 @@
 pub mod abi;
 pub mod checks;
 pub mod constants;
+pub mod device;
 pub mod errors;
 pub mod exec;
 pub mod ops;
@@ -37,33 +38,65 @@ use crate::errors::{IntoPyErr, RtError, RtResult};
 /// Loads a kwexport file and returns a callable `Program`. `allow_ops` names custom op
 /// namespaces or ops (`"mylib::*"`) the file may call beyond torch's own. `dispatch` is
 /// `"auto"` (torch's stable C ABI where it covers a node and pays off), `"abi"` (wherever it
-/// covers a node) or `"python"` (torch's Python op objects throughout).
+/// covers a node) or `"python"` (torch's Python op objects throughout). `device` places the
+/// program (a torch device string or `torch.device`); by default it runs where it was
+/// exported.
 #[pyfunction]
-#[pyo3(signature = (path, *, allow_ops = Vec::new(), dispatch = "auto"))]
+#[pyo3(signature = (path, *, allow_ops = Vec::new(), dispatch = "auto", device = None))]
 fn load(
     py: Python<'_>,
     path: std::path::PathBuf,
     allow_ops: Vec<String>,
     dispatch: &str,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<program::Program> {
     let path = path.to_str().ok_or_else(|| PyValueError::new_err("path is not valid UTF-8"))?;
-    let allow = ops::AllowOps::parse(&allow_ops).map_err(PyValueError::new_err)?;
     let dispatch = plan::Dispatch::parse(dispatch).ok_or_else(|| {
         PyValueError::new_err(format!("dispatch must be 'auto', 'abi' or 'python', not '{dispatch}'"))
     })?;
-    Ok(program::load(py, path, &allow, allow_ops, dispatch)?)
+    let device = device.map(|d| normalize_device(py, d)).transpose()?;
+    let options = program::LoadOptions::new(allow_ops, dispatch, device).map_err(PyValueError::new_err)?;
+    Ok(program::load(py, path, &options)?)
+}
+
+/// A device as torch prints it, with an index for CUDA (`cuda` is the current one), checked
+/// to exist here.
+fn normalize_device(py: Python<'_>, d: &Bound<'_, PyAny>) -> PyResult<String> {
+    let torch = py.import("torch")?;
+    let given = d.str()?.to_string();
+    let bad = |why: String| PyValueError::new_err(format!("device {given:?}: {why}"));
+    let device = torch.getattr("device")?.call1((d,)).map_err(|e| bad(e.value(py).to_string()))?;
+    let kind: String = device.getattr("type")?.extract()?;
+    if kind == "cuda" {
+        let cuda = torch.getattr("cuda")?;
+        if !cuda.call_method0("is_available")?.is_truthy()? {
+            return Err(bad("CUDA is not available in this process".into()));
+        }
+        let count: i64 = cuda.call_method0("device_count")?.extract()?;
+        let index: i64 = match device.getattr("index")?.extract::<Option<i64>>()? {
+            Some(i) => i,
+            None => cuda.call_method0("current_device")?.extract()?,
+        };
+        if index >= count {
+            return Err(bad(format!("this process sees {count} CUDA device(s)")));
+        }
+        return Ok(format!("cuda:{index}"));
+    }
+    Ok(device.str()?.to_string())
 }
 
 /// Unpickles a `Program`: loads `path` and checks that its content hash is `digest`.
 #[pyfunction]
+#[pyo3(signature = (path, digest, allow_ops, dispatch, device = None))]
 fn _load_verified(
     py: Python<'_>,
     path: std::path::PathBuf,
     digest: &str,
     allow_ops: Vec<String>,
     dispatch: &str,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<program::Program> {
-    let prog = load(py, path.clone(), allow_ops, dispatch)?;
+    let prog = load(py, path.clone(), allow_ops, dispatch, device)?;
     if prog.digest(py) != digest {
         let found = prog.digest(py).to_owned();
         let path = path.display().to_string();

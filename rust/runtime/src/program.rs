@@ -20,6 +20,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use crate::checks::LeafCheck;
 use crate::constants::constant_to_py;
+use crate::device::Placement;
 use crate::errors::{RtError, RtResult};
 use crate::ops::{self, AllowOps};
 use crate::plan::{self, Dispatch, Plan, Why};
@@ -45,8 +46,9 @@ struct TopLevel {
     extra_names: Vec<String>,
 }
 
-/// What `_load_verified` takes to unpickle a program: path, digest, allow_ops, dispatch.
-type PickledArgs = (String, String, Vec<String>, &'static str);
+/// What `_load_verified` takes to unpickle a program: path, digest, allow_ops, dispatch,
+/// device.
+type PickledArgs = (String, String, Vec<String>, &'static str, Option<String>);
 
 #[pyclass(frozen, module = "kwexport", name = "Program")]
 pub struct Program {
@@ -69,8 +71,8 @@ pub struct Program {
     notes: Vec<String>,
     /// The mapped file, kept for its content hash when the program is pickled.
     map: Arc<memmap2::MmapMut>,
-    allow_ops: Vec<String>,
-    dispatch: Dispatch,
+    options: LoadOptions,
+    placement: Placement,
     digest: PyOnceLock<String>,
     signature_obj: PyOnceLock<Py<PyAny>>,
     /// What each output after the user outputs writes back.
@@ -87,14 +89,29 @@ enum Write {
     Input(usize),
 }
 
+/// How to load a file: what `kwexport.load` takes besides the path.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// The `allow_ops` patterns, as given (a pickled program carries them).
+    pub allow_ops: Vec<String>,
+    /// The same, parsed.
+    pub allow: AllowOps,
+    /// Which dispatch paths the plan may use.
+    pub dispatch: Dispatch,
+    /// A normalized torch device string to place the program on; `None` for where it was
+    /// exported.
+    pub device: Option<String>,
+}
+
+impl LoadOptions {
+    /// Parses `allow_ops`; the other options as given.
+    pub fn new(allow_ops: Vec<String>, dispatch: Dispatch, device: Option<String>) -> Result<Self, String> {
+        Ok(LoadOptions { allow: AllowOps::parse(&allow_ops)?, allow_ops, dispatch, device })
+    }
+}
+
 /// Loads and validates a file. Nothing is returned unless everything checks out.
-pub fn load(
-    py: Python<'_>,
-    path: &str,
-    allow: &AllowOps,
-    allow_ops: Vec<String>,
-    dispatch: Dispatch,
-) -> RtResult<Program> {
+pub fn load(py: Python<'_>, path: &str, options: &LoadOptions) -> RtResult<Program> {
     let file = File::open(path)?;
     if file.metadata()?.len() == 0 {
         return Err(Error::EmptyFile.into()); // nothing to map
@@ -102,29 +119,32 @@ pub fn load(
     // SAFETY: a private, copy-on-write map. Another process truncating the file under us
     // would fault, as with any mapped file; kwexport writes files by rename, never in place.
     let map = Arc::new(unsafe { MmapOptions::new().map_copy(&file)? });
-    load_mapped(py, path, map, allow, allow_ops, dispatch)
+    load_mapped(py, path, map, options)
 }
 
 /// Loads a file already mapped: a copy of a program maps nothing again, so it shares the
 /// read-only weights' pages.
-fn load_mapped(
-    py: Python<'_>,
-    path: &str,
-    map: Arc<memmap2::MmapMut>,
-    allow: &AllowOps,
-    allow_ops: Vec<String>,
-    dispatch: Dispatch,
-) -> RtResult<Program> {
+fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: &LoadOptions) -> RtResult<Program> {
+    let dispatch = options.dispatch;
     // Parsing and checking touch no Python object: other threads run meanwhile.
     let mut parsed = py.detach(|| kwexport_core::parse(&map))?;
     let torch = py.import("torch")?;
     // Op upgraders may rewrite nodes, so ops are resolved before the graph is checked.
-    let (ops, notes) = ops::resolve_ops(py, &torch, &mut parsed.document, allow)?;
-    let a = py.detach(|| parsed.validate(&map))?;
+    let placement = Placement::new(parsed.document.home_device(), options.device.as_deref());
+    placement.adapt_ops(&mut parsed.document);
+    let (ops, notes) = ops::resolve_ops(py, &torch, &mut parsed.document, &options.allow)?;
+    let mut a = py.detach(|| parsed.validate(&map))?;
+    if placement.moves() {
+        placement.place_literals(&mut a.graph);
+        a.subgraphs.values_mut().for_each(|g| placement.place_literals(g));
+    }
     let doc = &a.document;
 
     let data = Bound::new(py, MappedData::new(map.clone(), &a.layout))?;
     let mut weights = weights::materialize(py, &torch, data, &doc.weights, &a.weights)?;
+    if placement.moves() {
+        placement.place_weights(py, &mut weights)?;
+    }
     let mutable = doc.weights.tensors.iter().filter(|(_, t)| t.mutable).map(|(n, _)| n.clone());
     let state = weights::take_state(py, &mut weights, mutable)?;
     let writes = doc
@@ -156,7 +176,7 @@ fn load_mapped(
         .iter()
         .zip(&a.leaf_dims)
         .enumerate()
-        .map(|(i, (leaf, dims))| LeafCheck::new(py, &torch, leaf, dims.as_ref(), i))
+        .map(|(i, (leaf, dims))| LeafCheck::new(py, &torch, leaf, dims.as_ref(), i, &placement))
         .collect::<RtResult<Vec<_>>>()?;
     let defaults = a
         .binder
@@ -219,8 +239,8 @@ fn load_mapped(
         producer: producer.unbind(),
         notes,
         map,
-        allow_ops,
-        dispatch,
+        options: options.clone(),
+        placement,
         digest: PyOnceLock::new(),
         signature_obj: PyOnceLock::new(),
         upgraded_from: a.file_format_version,
@@ -435,8 +455,7 @@ impl Program {
     /// An independent program over the same mapped file: the read-only weights are shared,
     /// the state is its own, starting as a copy of this one's.
     fn __copy__(&self, py: Python<'_>) -> PyResult<Program> {
-        let allow = AllowOps::parse(&self.allow_ops).map_err(pyo3::exceptions::PyValueError::new_err)?;
-        let copy = load_mapped(py, &self.path, self.map.clone(), &allow, self.allow_ops.clone(), self.dispatch)?;
+        let copy = load_mapped(py, &self.path, self.map.clone(), &self.options)?;
         if let (Some((mine, lock)), Some((theirs, _))) = (&self.state, &copy.state) {
             let _guard = lock_detached(py, lock);
             for (dst, src) in theirs.tensors.iter().zip(&mine.tensors) {
@@ -450,7 +469,10 @@ impl Program {
     /// receiving process maps the same file and checks the hash.
     fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, PickledArgs)> {
         let load = py.import("kwexport._rt")?.getattr("_load_verified")?;
-        Ok((load, (self.path.clone(), self.digest(py).to_owned(), self.allow_ops.clone(), self.dispatch.name())))
+        let o = &self.options;
+        let args =
+            (self.path.clone(), self.digest(py).to_owned(), o.allow_ops.clone(), o.dispatch.name(), o.device.clone());
+        Ok((load, args))
     }
 
     /// Runs the graph on already-flat leaves with no binding, no checks and no rebuilding:
@@ -581,6 +603,12 @@ impl Program {
     #[getter]
     fn path(&self) -> &str {
         &self.path
+    }
+
+    /// The device the program runs on: given at load, or where it was exported.
+    #[getter]
+    fn device<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        py.import("torch")?.getattr("device")?.call1((self.placement.target.as_str(),))
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
