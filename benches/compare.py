@@ -174,6 +174,31 @@ class _Fn(torch.nn.Module):
         return self.f(*args, **kwargs)
 
 
+def onnx_runtime(mod, args, kwargs, path):
+    """ONNX Runtime's `session.run` on inputs prepared once (its best case: no conversion per
+    call), one intra-op thread; `None` where the model doesn't export to ONNX or the optional
+    `bench` extra (onnxruntime, onnx, onnxscript) isn't installed."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    try:
+        torch.onnx.export(mod, args, path, kwargs=kwargs, dynamo=True, verbose=False)
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = opts.inter_op_num_threads = 1
+        sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    except Exception as e:  # the exporter refuses some graphs
+        print(f"ONNX: {type(e).__name__}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
+        return None
+    tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    names = [i.name for i in sess.get_inputs()]
+    if len(names) != len(tensors):
+        print(f"ONNX: {len(names)} inputs for {len(tensors)} tensors", file=sys.stderr)
+        return None
+    feeds = {n: t.numpy() for n, t in zip(names, tensors)}
+    return lambda: sess.run(None, feeds)
+
+
 def bench(name, tmp, quick):
     f, args, kwargs = workloads.build(name)
     mod = f if isinstance(f, torch.nn.Module) else _Fn(f)
@@ -216,6 +241,7 @@ def bench(name, tmp, quick):
     row["load_te"] = median_time(lambda: torch.export.load(te_path).module(), max(3, n_loads // 4), warmup=1)
     row["load_ts"] = median_time(lambda: torch.jit.load(js_path), n_loads, warmup=2) if has_ts else None
 
+    ort_call = onnx_runtime(mod, args, kwargs, os.path.join(tmp, f"{name}.onnx"))
     prog = kwexport.load(kw_path)
     prog_py = kwexport.load(kw_path, dispatch="python")
     row["dispatch"] = prog.dispatch
@@ -232,6 +258,7 @@ def bench(name, tmp, quick):
                     "floor_kw": lambda: prog._run_flat(leaves),
                     "call_te": lambda: gm(*args, **kwargs),
                     "call_ts": (lambda: ts(*args, **kwargs)) if has_ts else None,
+                    "call_ort": ort_call,
                 },
                 n_calls,
             )
@@ -375,23 +402,29 @@ def report(rows, quick):
     lines.append("\n## Calling\n")
     lines.append(
         "Call time: the lowest per-round median over five rounds in which the variants take turns. Overhead is the call minus the floor (the same plan run on flat leaves: no binding, "
-        "no checks, no pytree work); torch.export's overhead is its call minus the same floor.\n"
+        "no checks, no pytree work); torch.export's overhead is its call minus the same floor. ONNX Runtime: "
+        "`session.run` on numpy inputs prepared once (no conversion or checks per call), one thread, where the "
+        "model exports to ONNX (`torch.onnx.export(..., dynamo=True)`).\n"
     )
     lines.append(
         "| workload | nodes on C ABI | eager | kwexport | kwexport, Python ops only | torch.export | TorchScript "
-        "| kwexport / eager | kwexport / torch.export | kwexport / TorchScript | kwexport overhead "
-        "| torch.export overhead | overhead ratio |"
+        "| ONNX Runtime | kwexport / eager | kwexport / torch.export | kwexport / TorchScript | kwexport / ONNX Runtime "
+        "| kwexport overhead | torch.export overhead | overhead ratio |"
     )
-    lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    lines.append(
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    )
     for r in rows:
         kw_over = r["call_kw"] - r["floor_kw"]
         te_over = r["call_te"] - r["floor_kw"]
         d = r["dispatch"]
         ts_ratio = "n/a" if r["call_ts"] is None else f"{r['call_kw'] / r['call_ts']:.2f}"
+        ort_ratio = "n/a" if r.get("call_ort") is None else f"{r['call_kw'] / r['call_ort']:.2f}"
         lines.append(
             f"| {r['workload']} | {d['stable_abi']} of {d['stable_abi'] + d['python']} | {fmt_us(r['call_eager'])} "
             f"| {fmt_us(r['call_kw'])} | {fmt_us(r['call_kw_py'])} | {fmt_us(r['call_te'])} | {fmt_us(r['call_ts'])} "
-            f"| {r['call_kw'] / r['call_eager']:.2f} | {r['call_kw'] / r['call_te']:.2f} | {ts_ratio} "
+            f"| {fmt_us(r.get('call_ort'))} | {r['call_kw'] / r['call_eager']:.2f} | {r['call_kw'] / r['call_te']:.2f} "
+            f"| {ts_ratio} | {ort_ratio} "
             f"| {fmt_us(max(kw_over, 0))} | {fmt_us(te_over)} | {ratio(te_over, max(kw_over, 1e-7))} |"
         )
     lines.append("\n## Threads\n")
