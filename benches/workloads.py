@@ -105,11 +105,46 @@ def build(name):
         ids = torch.randint(0, 1000, (1, 32))
         kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
         return transformers.GPT2LMHeadModel(cfg).eval(), (), kwargs
+    if name == "mobilenet_v3_small":
+        import torchvision
+
+        return torchvision.models.mobilenet_v3_small(num_classes=10).eval(), (torch.randn(1, 3, 64, 64),), {}
+    if name in ("bert", "llama"):
+        import transformers
+
+        common = dict(vocab_size=1000, hidden_size=128, num_hidden_layers=4, num_attention_heads=4)
+        if name == "bert":
+            model = transformers.BertModel(transformers.BertConfig(intermediate_size=512, **common))
+            ids = torch.randint(0, 1000, (1, 32))
+            return model.eval(), (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        cfg = transformers.LlamaConfig(
+            intermediate_size=256, num_key_value_heads=2, max_position_embeddings=128, **common
+        )
+        ids = torch.randint(0, 1000, (1, 32))
+        kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
+        return transformers.LlamaForCausalLM(cfg).eval(), (), kwargs
+    if name == "vit":
+        import transformers
+
+        cfg = transformers.ViTConfig(
+            image_size=64,
+            patch_size=8,
+            hidden_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=512,
+            num_labels=10,
+        )
+        return transformers.ViTForImageClassification(cfg).eval(), (), {"pixel_values": torch.randn(1, 3, 64, 64)}
     raise KeyError(name)
 
 
-NAMES = ["two_op", "kwargs_mlp", "transformer", "convnet", "deep_mlp", "resnet18", "gpt2"]
+NAMES = ["two_op", "kwargs_mlp", "transformer", "convnet", "deep_mlp"]
+# Real models no one here wrote, built from config with random weights and called as their
+# users call them (the zoo of tests/test_zoo.py, at benchmark sizes).
+ZOO = ["resnet18", "mobilenet_v3_small", "gpt2", "bert", "llama", "vit"]
 # Modules a serving process of each workload imports before it loads the model (torch.export
 # can't load a ModelOutput it hasn't seen registered; kwexport can): the
 # fresh-process timings import them before the clock starts, for every runtime alike.
-PREIMPORT = {"gpt2": "transformers.modeling_outputs"}  # torch.export.load needs the output class
+# torch.export.load needs the output class registered.
+PREIMPORT = {name: "transformers.modeling_outputs" for name in ("gpt2", "bert", "llama", "vit")}

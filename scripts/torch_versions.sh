@@ -24,25 +24,15 @@ for v in "${VERSIONS[@]}"; do
         summary+=("torch $v: could not install")
         continue
     }
-    VIRTUAL_ENV="$PWD/$env" PATH="$PWD/$env/bin:$PATH" "$env/bin/maturin" develop --release -q
+    # A wheel, not `maturin develop`: an editable install would put this torch's build of the
+    # extension into python/, over the dev venv's.
+    rm -rf "$env/wheel"
+    VIRTUAL_ENV="$PWD/$env" PATH="$PWD/$env/bin:$PATH" "$env/bin/maturin" build --release -q -o "$env/wheel"
+    "$env/bin/python" -m pip install -q --force-reinstall --no-deps "$env"/wheel/kwexport-*.whl
     result=$("$env/bin/python" -m pytest -q -p no:cacheprovider tests \
-        --ignore=tests/test_ray_serve.py --ignore=tests/test_wheel.py 2>&1 | tail -1)
+        --ignore=tests/test_ray_serve.py --ignore=tests/test_wheel.py 2>&1 | tee "$env/pytest.log" | tail -1)
     # The first version saves a file; every later one loads and runs it.
-    cross=$("$env/bin/python" - "$shared" <<'PY'
-import os, sys, torch, kwexport
-path = sys.argv[1]
-torch.manual_seed(0)
-m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8)).eval()
-x = torch.randn(3, 8)
-if not os.path.exists(path):
-    kwexport.save(kwexport.export(m, (x,)), path)
-    print(f"saved with torch {torch.__version__}")
-else:
-    prog = kwexport.load(path)
-    torch.testing.assert_close(prog(x), m(x))
-    print(f"loaded and ran a file saved by torch {prog.producer['torch']}; dispatch {prog.dispatch['stable_abi']} C / {prog.dispatch['python']} Python")
-PY
-)
+    cross=$("$env/bin/python" scripts/cross_version.py "$shared" 2>&1 | tail -1)
     summary+=("torch $v: $result; $cross")
 done
 printf '%s\n' "${summary[@]}"

@@ -68,3 +68,10 @@ def in_threads(work, n):
 
 def reversed_kwargs(kwargs):
     return dict(reversed(list(kwargs.items())))
+
+
+# Tests of what runs on the C path need torch's stable C ABI (torch 2.13 and later); on an
+# older torch every node runs through Python, which the other tests cover.
+requires_abi = pytest.mark.skipif(
+    not kwexport._rt.stable_abi_available(), reason="the running torch has no usable stable C ABI"
+)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_same, in_threads
+from conftest import assert_same, in_threads, requires_abi
 from torch import nn
 from torch.export import Dim
 
@@ -37,8 +37,10 @@ def check_paths(progs, f, args, kwargs=None):
     assert_same(outs["auto"], outs["python"], bitwise=True)
 
 
-@pytest.mark.parametrize("name", workloads.NAMES)
+@requires_abi
+@pytest.mark.parametrize("name", [*workloads.NAMES, "resnet18", "gpt2"])
 def test_benchmark_workloads_agree_on_every_path(tmp_path, name):
+    pytest.importorskip({"resnet18": "torchvision", "gpt2": "transformers"}.get(name, "torch"))
     f, args, kwargs = workloads.build(name)
     progs = load_all(tmp_path, f, args, kwargs)
     check_paths(progs, f, args, kwargs)
@@ -78,6 +80,7 @@ class Zoo(nn.Module):
         return y, h, z, m.values, m.indices, (x > 0).sum()  # bool tensor, int64 reduction
 
 
+@requires_abi
 def test_argument_kinds_agree(tmp_path):
     torch.manual_seed(0)
     m = Zoo().eval()
@@ -113,6 +116,7 @@ def test_symbolic_sizes_cross_the_c_path(tmp_path):
         check_paths(progs, M(), (x,))
 
 
+@requires_abi
 def test_dispatch_counts_and_modes(tmp_path):
     def f(x):
         for _ in range(10):
@@ -131,6 +135,7 @@ def test_dispatch_counts_and_modes(tmp_path):
         kwexport.load(tmp_path / "m.kwx", dispatch="fast")
 
 
+@requires_abi
 def test_auto_keeps_a_lone_c_node_between_python_nodes_on_python(tmp_path):
     # full_like takes its fill value as a Scalar, which no C entry point kwexport uses can
     # pass: it runs in Python. A single mul between two would cost more to convert than it
@@ -156,6 +161,7 @@ def test_auto_keeps_a_lone_c_node_between_python_nodes_on_python(tmp_path):
     check_paths(progs, f, (torch.randn(3), torch.randn(3)))
 
 
+@requires_abi
 def test_op_errors_on_the_c_path_name_the_op(tmp_path):
     def f(x, idx):
         return x.index_select(0, idx)
@@ -253,6 +259,7 @@ def scalar_args(dtype=torch.float32):
     return torch.randn(6, 6, dtype=dtype), torch.arange(6)
 
 
+@requires_abi
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_scalar_nodes_run_on_the_c_path_bitwise_equal(tmp_path, dtype):
     m = Scalars().to(dtype).eval()
@@ -282,6 +289,7 @@ def test_scalar_shims_fall_back_where_autograd_or_autocast_apply(tmp_path):
     assert_same(got, want, bitwise=True)
 
 
+@requires_abi
 def test_arange_made_at_load_gives_each_call_its_own_tensor(tmp_path):
     def f(x):
         return torch.arange(4) + x
@@ -293,6 +301,7 @@ def test_arange_made_at_load_gives_each_call_its_own_tensor(tmp_path):
     assert torch.equal(prog(torch.tensor(1)), torch.tensor([1, 2, 3, 4]))
 
 
+@requires_abi
 @pytest.mark.parametrize("symbol", kwexport._rt.SHIM_SYMBOLS + ["torch_call_dispatcher"])
 def test_each_missing_symbol_falls_back_to_python(tmp_path, symbol):
     """A torch without a symbol runs the nodes that need it through Python: forced here by

@@ -4,7 +4,7 @@ Any other higher-order op is refused at export, by name."""
 
 import pytest
 import torch
-from conftest import assert_same
+from conftest import assert_same, requires_abi
 
 import kwexport
 
@@ -81,6 +81,7 @@ def test_autocast_region(roundtrip):
     assert_same(prog(x, w), M()(x, w))
 
 
+@requires_abi
 def test_region_nodes_run_on_the_c_path(tmp_path):
     class M(torch.nn.Module):
         def forward(self, x):

@@ -85,6 +85,13 @@ fn normalize_device(py: Python<'_>, d: &Bound<'_, PyAny>) -> PyResult<String> {
     Ok(device.str()?.to_string())
 }
 
+/// Whether the running torch has the stable C ABI the C path needs (torch 2.13 and later);
+/// without it every node runs through torch's Python op objects.
+#[pyfunction]
+fn stable_abi_available(py: Python<'_>) -> bool {
+    abi::Abi::get(py).is_some()
+}
+
 /// Unpickles a `Program`: loads `path` and checks that its content hash is `digest`.
 #[pyfunction]
 #[pyo3(signature = (path, digest, allow_ops, dispatch, device = None))]
@@ -203,6 +210,7 @@ fn _rt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MEMORY_FORMATS", tables::MEMORY_FORMATS.to_vec())?;
     m.add("HIGHER_ORDER_OPS", kwexport_core::hops::HopKind::NAMES.to_vec())?;
     m.add("SHIM_SYMBOLS", abi::shims::SYMBOLS.to_vec())?;
+    m.add_function(wrap_pyfunction!(stable_abi_available, m)?)?;
     m.add_class::<program::Program>()?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(describe, m)?)?;

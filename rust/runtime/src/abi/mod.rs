@@ -5,7 +5,8 @@
 //! kwexport is not built against torch headers: the symbols are looked up by name in
 //! `libtorch_cpu.so`, opened with `RTLD_NOLOAD` so that nothing new is ever loaded (the path
 //! comes from the imported `torch` module, never from a file). If any symbol is missing (a
-//! torch older than 2.10), the ABI is unavailable and every node runs through Python.
+//! torch older than 2.13: 2.11 lacks `torch_new_stable_ivalue`), the ABI is unavailable and
+//! every node runs through Python.
 //!
 //! - `types`   the schema types the dispatcher converts
 //! - `encode`  values on the C path: how arguments are encoded and returns decoded

@@ -165,7 +165,7 @@ impl std::fmt::Display for Why {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Why::Asked => write!(f, "dispatch='python' was asked for"),
-            Why::NoAbi => write!(f, "the running torch has no usable stable C ABI (torch >= 2.10 has one)"),
+            Why::NoAbi => write!(f, "the running torch has no usable stable C ABI (torch 2.13 and later have one)"),
             Why::PythonOperator => write!(f, "a Python operator on symbolic sizes"),
             Why::HigherOrder => {
                 write!(f, "a higher-order op: kwexport runs it; its subgraphs' nodes count on their own")
