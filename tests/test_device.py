@@ -144,3 +144,21 @@ def test_views_become_reshapes_on_another_kind_of_device(tmp_path):
     assert "aten::view.default" in on_cpu
     out = kwexport.load(path, device="meta")(torch.empty(3, 4, device="meta"))
     assert [o.shape for o in out] == [(12,), (2, 6)]
+
+
+def test_off_the_cpu_adds_run_through_a_dispatching_shim(tmp_path):
+    """The shims that call CPU kernels directly are for the CPU alone; elsewhere add.Tensor
+    runs as subtract.Tensor with the opposite alpha (torch's own subtraction), which
+    dispatches to the device's kernel."""
+    if not kwexport._rt.stable_abi_available():
+        pytest.skip("the running torch has no usable stable C ABI")
+
+    def f(x, y):
+        return torch.add(x, y, alpha=2) * y
+
+    path = tmp_path / "a.kwx"
+    kwexport.save(kwexport.export(f, (torch.randn(3), torch.randn(3))), path)
+    prog = kwexport.load(path, device="meta", dispatch="abi")
+    assert prog.dispatch == {"stable_abi": 2, "python": 0, "on_python": []}
+    out = prog(torch.empty(3, device="meta"), torch.empty(3, device="meta"))
+    assert out.device == torch.device("meta") and out.shape == (3,)

@@ -164,7 +164,8 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
     let leaf_is_tensor: Vec<bool> = doc.inputs.leaves.iter().map(|l| matches!(l, LeafSpec::Tensor(_))).collect();
     let grad_weights =
         weights::mark_grad_sensitive(py, &mut weights, &state, std::iter::once(&a.graph).chain(a.subgraphs.values()))?;
-    let cx = plan::Context { torch: &torch, ops: &ops, weights: &weights, subgraphs: &a.subgraphs, dispatch };
+    let on_cpu = placement.target == "cpu";
+    let cx = plan::Context { torch: &torch, ops: &ops, weights: &weights, subgraphs: &a.subgraphs, dispatch, on_cpu };
     let mut plan = plan::build(&cx, &a.graph, &leaf_is_tensor)?;
     if grad_weights {
         plan.set_grad_off_when_unused(&torch)?;

@@ -265,6 +265,9 @@ pub struct Context<'a, 'py> {
     pub subgraphs: &'a BTreeMap<String, SlotGraph>,
     /// Which paths plans may use.
     pub dispatch: Dispatch,
+    /// Whether the program runs on the CPU: the shims that call CPU kernels directly are
+    /// compiled only then.
+    pub on_cpu: bool,
 }
 
 /// Resolves weights and literals, checks each node against its op's schema, and chooses
@@ -306,7 +309,7 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
             (_, None, ..) => Err(Why::NoAbi),
             (_, Some(abi), Some(schema), None) => match schema.bind(node) {
                 None => Err(Why::Default),
-                Some(bound) => match shims::compile(abi, schema, node, &bound, &is_tensor, &mut consts) {
+                Some(bound) => match shims::compile(abi, schema, node, &bound, &is_tensor, &mut consts, cx.on_cpu) {
                     Some(step) => Ok(step),
                     None => match CStep::compile(abi, schema, node, &bound, &is_tensor, &mut consts) {
                         Ok(step) => Ok(step),

@@ -52,7 +52,10 @@ struct ShimUse {
     dims: Option<(usize, i64)>,
 }
 
-/// The C step for a node that a shim or a rewrite covers, if one does.
+/// The C step for a node that a shim or a rewrite covers, if one does. Off the CPU
+/// (`on_cpu` false) only the shims that dispatch are used: `add.Tensor` becomes
+/// `subtract.Tensor` with the opposite `alpha`, which is how torch computes a subtraction
+/// (the same kernel, `a + alpha * b`), so the bits are the same.
 pub(super) fn compile(
     abi: &Abi,
     op: &OpSchema,
@@ -60,6 +63,7 @@ pub(super) fn compile(
     bound: &[&SlotArg],
     is_tensor: &dyn Fn(usize) -> bool,
     consts: &mut dyn Consts,
+    on_cpu: bool,
 ) -> Option<CStep> {
     let name = (op.c_name.0.to_str().ok()?, op.c_name.1.to_str().ok()?);
     if name.1 == "Scalar" && WRAPPING_COMPARISONS.contains(&name.0) && bound.len() == 2 {
@@ -80,6 +84,20 @@ pub(super) fn compile(
         dims: None,
     };
     let bias_given = matches!(bound.get(2), Some(a) if !matches!(a, SlotArg::Literal(Arg::None(()))));
+    let aten = |f, tensors, scalars| ShimUse { family: Family::Aten, ..cpu(f, tensors, scalars, false, false) };
+    if !on_cpu {
+        let (uses, negate) = match name {
+            ("aten::add", "Tensor") => (aten(shims.subtract_tensor, &[0, 1], &[2]), true),
+            ("aten::sub", "Tensor") => (aten(shims.subtract_tensor, &[0, 1], &[2]), false),
+            _ => return None,
+        };
+        let mut step = shim_step(abi, op, node, bound, is_tensor, consts, uses)?;
+        if negate {
+            let shim = step.shim.as_mut()?;
+            shim.scalars[0] = -shim.scalars[0];
+        }
+        return Some(step);
+    }
     let uses = match name {
         ("aten::add", "Tensor") => cpu(shims.add_tensor, &[0, 1], &[2], false, false),
         ("aten::add_", "Tensor") => cpu(shims.add_tensor, &[0, 1], &[2], true, false),
@@ -101,6 +119,19 @@ pub(super) fn compile(
         },
         _ => return None,
     };
+    shim_step(abi, op, node, bound, is_tensor, consts, uses)
+}
+
+/// The step for a node through the shim `uses` describes.
+fn shim_step(
+    abi: &Abi,
+    op: &OpSchema,
+    node: &SlotNode,
+    bound: &[&SlotArg],
+    is_tensor: &dyn Fn(usize) -> bool,
+    consts: &mut dyn Consts,
+    uses: ShimUse,
+) -> Option<CStep> {
     if !matches!(node.outputs, SlotOutputs::One(_)) {
         return None;
     }
