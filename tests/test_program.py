@@ -124,6 +124,38 @@ def test_loading_from_threads(tmp_path):
         assert torch.allclose(p(x), m(x))
 
 
+def test_worker_threads_use_torchs_thread_count(tmp_path):
+    # OpenMP's thread count is per thread: a thread Python starts has every core, whatever
+    # torch.set_num_threads said, until torch initialises it; a Program does that first.
+    path = tmp_path / "m.kwx"
+    kwexport.save(kwexport.export(torch.nn.Linear(32, 32), (torch.ones(4, 32),)), path)
+    script = textwrap.dedent("""
+        import ctypes, os, sys, threading
+        import torch, kwexport
+        torch.set_num_threads(1)
+        gomp = [l.split()[-1] for l in open("/proc/self/maps") if "libgomp" in l]
+        if not gomp or os.cpu_count() < 2:
+            print("skip"); sys.exit()
+        omp_threads = ctypes.CDLL(gomp[0]).omp_get_max_threads
+        prog = kwexport.load(sys.argv[1])
+        seen = {}
+        def work(key, call):
+            if call:
+                prog(torch.ones(4, 32))
+            seen[key] = omp_threads()
+        for key, call in (("plain", False), ("program", True)):
+            t = threading.Thread(target=work, args=(key, call)); t.start(); t.join()
+        print(seen["plain"], seen["program"])
+    """)
+    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    if out.stdout.strip() == "skip":
+        pytest.skip("needs torch's libgomp and two cores")
+    plain, program = map(int, out.stdout.split())
+    assert plain == os.cpu_count()  # what the fix is for: the thread's default
+    assert program == 1
+
+
 def test_pickles_by_reference(tmp_path):
     import pickle
 

@@ -28,9 +28,31 @@ struct Direct {
 /// keep it: with several threads, handing the GIL over costs more than a few small ops.
 const RELEASE_GIL_AFTER_NS: u64 = 20_000;
 
+thread_local! {
+    static INTRA_OP_THREADS_SET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Applies `torch.set_num_threads` to the calling thread, once per thread.
+///
+/// OpenMP's thread count is per thread: a thread that Python starts gets the default
+/// (every core), whatever the main thread set, and torch only corrects that inside its own
+/// `parallel_for`, not before MKL's GEMMs. In a worker thread a 4x32 `mm` then starts an
+/// OpenMP team whose spinning threads take the other cores (3x slower alone, and two workers
+/// scale to less than one). `torch.get_num_threads()` runs torch's per-thread
+/// initialisation.
+fn sync_intra_op_threads(py: Python<'_>) -> PyResult<()> {
+    if INTRA_OP_THREADS_SET.get() {
+        return Ok(());
+    }
+    py.import("torch")?.getattr("get_num_threads")?.call0()?;
+    INTRA_OP_THREADS_SET.set(true);
+    Ok(())
+}
+
 impl Plan {
     /// Runs the graph on the flat user leaves and returns the flat outputs.
     pub fn run<'py>(&self, py: Python<'py>, leaves: &[Bound<'py, PyAny>]) -> RtResult<Vec<Bound<'py, PyAny>>> {
+        sync_intra_op_threads(py)?;
         let Some((is_enabled, set)) = &self.grad_switch else { return self.run_segments(py, leaves) };
         if !is_enabled.bind(py).call0()?.is_truthy()? || self.any_requires_grad(py, leaves)? {
             return self.run_segments(py, leaves);
