@@ -299,8 +299,10 @@ impl CStep {
                     Some(Native::Tensor(x)) => x.raw(),
                     _ => return Err(CError::Internal(format!("slot {s} holds no tensor"))),
                 },
-                Enc::Const(i) => consts[*i].raw(),
-                other => return Err(CError::Internal(format!("{other:?} for a shim"))),
+                other => match other.const_index(abi, slots) {
+                    Some(i) => consts[i].raw(),
+                    None => return Err(CError::Internal(format!("{other:?} for a shim"))),
+                },
             };
         }
         let tensors = &t[..self.args.len()];

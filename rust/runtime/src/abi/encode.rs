@@ -25,6 +25,15 @@ pub enum Enc {
     Slot(usize),
     /// An index into the plan's constant tensors.
     Const(usize),
+    /// A number literal beside the tensor in slot `like`: the constant `cast` (the wrapped
+    /// number already cast to dtype code `dtype`) when that tensor has that dtype, else the
+    /// wrapped number `wrapped`. See `CStep::cast_numbers_ahead`.
+    Number {
+        wrapped: usize,
+        cast: usize,
+        dtype: i32,
+        like: usize,
+    },
     Some(Box<Enc>),
     List(Vec<Enc>),
     Str(String),
@@ -39,6 +48,9 @@ pub trait Consts {
     fn number(&mut self, lit: &Arg) -> Option<usize>;
     /// The index of weight `name`'s transpose (`weight.t()`), if it is a matrix.
     fn weight_t(&mut self, name: &str) -> Option<usize>;
+    /// The index of the wrapped number `wrapped` (an index `number` gave) cast to `dtype`
+    /// as torch's type promotion casts it.
+    fn number_cast(&mut self, wrapped: usize, dtype: &str) -> Option<usize>;
 }
 
 /// Encodes one argument for a parameter of type `ty` (`writes` if the op writes to it);
@@ -72,10 +84,27 @@ pub fn encode(
 }
 
 impl Enc {
+    /// The constant a constant tensor argument reads on this call; `None` for other
+    /// encodings.
+    pub fn const_index(&self, abi: &Abi, slots: &[Option<Native>]) -> Option<usize> {
+        match self {
+            Enc::Const(i) => Some(*i),
+            Enc::Number { wrapped, cast, dtype, like } => {
+                let same = match (&slots[*like], &abi.shims) {
+                    (Some(Native::Tensor(t)), Some(shims)) => shims.dtype(t.raw()) == Some(*dtype),
+                    _ => false,
+                };
+                Some(if same { *cast } else { *wrapped })
+            }
+            _ => None,
+        }
+    }
+
     /// Calls `f` with each slot the encoding reads.
     pub fn visit_slots(&self, f: &mut impl FnMut(usize)) {
         match self {
             Enc::Slot(s) => f(*s),
+            Enc::Number { like, .. } => f(*like),
             Enc::Some(inner) => inner.visit_slots(f),
             Enc::List(items) => items.iter().for_each(|i| i.visit_slots(f)),
             Enc::Bits(_) | Enc::Const(_) | Enc::Str(_) => {}
@@ -111,7 +140,10 @@ pub fn build(
 ) -> Result<StableIValue, CError> {
     match (ty, enc) {
         (_, Enc::Bits(b)) => Ok(*b),
-        (Ty::Tensor, Enc::Const(i)) => abi.share(&consts[*i]),
+        (Ty::Tensor, Enc::Const(_) | Enc::Number { .. }) => match enc.const_index(abi, slots) {
+            Some(i) => abi.share(&consts[i]),
+            None => Err(CError::Internal(format!("{enc:?} names no constant"))),
+        },
         (_, Enc::Str(s)) => abi.new_string(s),
         (Ty::Optional(inner), Enc::Some(e)) => {
             let v = build(abi, inner, e, slots, consts)?;

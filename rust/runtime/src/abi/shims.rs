@@ -114,7 +114,7 @@ impl Shims {
         })
     }
 
-    fn dtype(&self, t: Raw) -> Option<i32> {
+    pub(crate) fn dtype(&self, t: Raw) -> Option<i32> {
         let mut d = 0;
         // SAFETY: a live handle and an out-pointer.
         (unsafe { (self.get_dtype)(t, &mut d) } == 0).then_some(d)

@@ -32,6 +32,8 @@ struct WrappedNumber {
     key: (u8, u64),
     tensor: Option<Py<PyAny>>,
     const_index: Option<usize>,
+    /// `(dtype, index)` of the number cast to `dtype`, once a C step uses it.
+    casts: Vec<(String, usize)>,
 }
 
 impl<'a, 'py> ConstTable<'a, 'py> {
@@ -54,7 +56,7 @@ impl<'a, 'py> ConstTable<'a, 'py> {
             Some(i) => i,
             None => {
                 let tensor = wrapped_number(self.py, self.torch, lit).ok().flatten();
-                self.numbers.push(WrappedNumber { key, tensor, const_index: None });
+                self.numbers.push(WrappedNumber { key, tensor, const_index: None, casts: Vec::new() });
                 self.numbers.len() - 1
             }
         };
@@ -196,6 +198,18 @@ impl Consts for ConstTable<'_, '_> {
         }
         self.tensors.push(w.call_method0("t").ok()?.unbind());
         self.weight_index.insert(key, self.tensors.len() - 1);
+        Some(self.tensors.len() - 1)
+    }
+
+    fn number_cast(&mut self, wrapped: usize, dtype: &str) -> Option<usize> {
+        let n = self.numbers.iter().position(|n| n.const_index == Some(wrapped))?;
+        if let Some((_, at)) = self.numbers[n].casts.iter().find(|(d, _)| d == dtype) {
+            return Some(*at);
+        }
+        // What TensorIterator does to a wrapped number of another dtype than the tensor's.
+        let cast = self.tensors[wrapped].bind(self.py).call_method1("to", (self.torch.getattr(dtype).ok()?,)).ok()?;
+        self.tensors.push(cast.unbind());
+        self.numbers[n].casts.push((dtype.to_owned(), self.tensors.len() - 1));
         Some(self.tensors.len() - 1)
     }
 

@@ -64,6 +64,45 @@ impl CStep {
         }
     }
 
+    /// Lets a number literal of a binary op reach the kernel already cast to float32 when
+    /// the other operand is float32. torch wraps the number as a float64 tensor, and
+    /// TensorIterator then makes a float32 copy of it on every call (`x + 1.0` costs about
+    /// twice `x + y`); casting it once at load gives the kernel the same value. Only ops
+    /// whose kernels read the number as the common dtype (or as float32 through its
+    /// `original_scalar_value`) qualify, and only float32: half and bfloat16 kernels read
+    /// the float64 number in float32, which a cast to the tensor's dtype would round first.
+    pub(super) fn cast_numbers_ahead(&mut self, abi: &Abi, consts: &mut dyn Consts) {
+        const BINARY: [&str; 14] = [
+            "aten::add",
+            "aten::add_",
+            "aten::sub",
+            "aten::sub_",
+            "aten::mul",
+            "aten::mul_",
+            "aten::div",
+            "aten::div_",
+            "aten::eq",
+            "aten::ne",
+            "aten::lt",
+            "aten::le",
+            "aten::gt",
+            "aten::ge",
+        ];
+        let op = self.name.0.to_str().unwrap_or_default();
+        if self.name.1.to_bytes() != b"Tensor" || !BINARY.contains(&op) || self.args.len() < 2 {
+            return;
+        }
+        let Some(float32) = abi.dtype_code("float32") else { return };
+        let (like, number) = match (&self.args[0].1, &self.args[1].1) {
+            (Enc::Slot(s), Enc::Const(c)) => (*s, (1, *c)),
+            (Enc::Const(c), Enc::Slot(s)) => (*s, (0, *c)),
+            _ => return,
+        };
+        if let Some(cast) = consts.number_cast(number.1, "float32") {
+            self.args[number.0].1 = Enc::Number { wrapped: number.1, cast, dtype: float32, like };
+        }
+    }
+
     /// Calls `f` with each slot the node reads.
     pub(crate) fn visit_reads(&self, f: &mut impl FnMut(usize)) {
         self.args.iter().for_each(|(_, e)| e.visit_slots(f));

@@ -329,6 +329,9 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
         compiled.push(match (c, hop) {
             (Ok(mut s), _) => {
                 n_c += 1;
+                if let Some(abi) = abi {
+                    s.cast_numbers_ahead(abi, &mut consts);
+                }
                 if let Some(shim) = &mut s.shim {
                     shim.fallback = Some(consts.py_step(node, &cx.ops[node.op], i)?);
                 }
