@@ -64,15 +64,16 @@ pub fn parse(bytes: &[u8]) -> Result<Parsed> {
     let layout = container::parse_layout(bytes)?;
     let header = &bytes[layout.header.clone()];
     let invalid = |e: serde_json::Error| Error::InvalidJson { message: e.to_string() };
-    schema::check_unique_keys(header).map_err(invalid)?;
-    // A file in the current format parses straight into the schema; anything else (older
-    // formats, or a document the schema refuses) goes through the upgraders, which also
-    // give the precise error.
+    // A file in the current format parses straight into the schema, which refuses a
+    // repeated key wherever it reads one. Anything else (older formats, a document the schema
+    // refuses) is checked for repeated keys anywhere and goes through the upgraders, which
+    // also give the precise error.
     if let Ok(document) = serde_json::from_slice::<Document>(header) {
         if document.format_version == upgrade::CURRENT {
             return Ok(Parsed { layout, document, file_format_version: upgrade::CURRENT, upgraders: Vec::new() });
         }
     }
+    schema::check_unique_keys(header).map_err(invalid)?;
     let header: serde_json::Value = serde_json::from_slice(header).map_err(invalid)?;
     let up = upgrade::upgrade(header)?;
     let document: Document =

@@ -9,6 +9,34 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+/// A JSON object as a map, refusing a repeated key (serde keeps the last one silently).
+/// With serde's derive, which refuses a repeated struct field, the typed parse refuses a
+/// repeated key wherever kwexport reads one, in the same pass.
+fn unique_map<'de, D, V>(d: D) -> Result<BTreeMap<String, V>, D::Error>
+where
+    D: Deserializer<'de>,
+    V: Deserialize<'de>,
+{
+    struct Visitor<V>(std::marker::PhantomData<V>);
+    impl<'de, V: Deserialize<'de>> serde::de::Visitor<'de> for Visitor<V> {
+        type Value = BTreeMap<String, V>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut out = BTreeMap::new();
+            while let Some((key, value)) = map.next_entry::<String, V>()? {
+                if out.contains_key(&key) {
+                    return Err(serde::de::Error::custom(format!("duplicate key {key:?}")));
+                }
+                out.insert(key, value);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_map(Visitor(std::marker::PhantomData))
+}
+
 /// Checks that no JSON object in `bytes` repeats a key. serde_json keeps the last of two
 /// equal keys silently, so a file could show one reader one entry and another the other;
 /// kwexport refuses such files. One pass, no allocation beyond each object's key set.
@@ -122,12 +150,12 @@ pub struct Document {
     pub graph: Graph,
     /// Graphs that higher-order ops run (`cond`'s branches, `wrap_with_set_grad_enabled`'s
     /// body), by name (format 3.0 on).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "unique_map")]
     pub subgraphs: BTreeMap<String, Subgraph>,
     /// The weight tensors and the storages they view.
     pub weights: Weights,
     /// Files the user saved alongside, by name.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "unique_map")]
     pub extra_files: BTreeMap<String, ExtraFile>,
 }
 
@@ -517,7 +545,7 @@ pub struct Node {
     #[serde(default)]
     pub args: Vec<Arg>,
     /// Keyword arguments, by the op schema's names.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "unique_map")]
     pub kwargs: BTreeMap<String, Arg>,
     /// The names it defines.
     pub outputs: Outputs,
@@ -564,6 +592,7 @@ pub struct Weights {
     /// Byte ranges of the data section.
     pub storages: Vec<Storage>,
     /// Tensors viewing them, by name.
+    #[serde(deserialize_with = "unique_map")]
     pub tensors: BTreeMap<String, WeightTensor>,
 }
 
@@ -627,6 +656,20 @@ mod tests {
         let err = check_unique_keys(br#"{"a": [{"b": 1, "b": 2}]}"#).unwrap_err().to_string();
         assert!(err.contains("duplicate key \"b\""), "{err}");
         assert!(check_unique_keys(br#"{"k\u0061": 1, "ka": 2}"#).is_err()); // escapes too
+    }
+
+    #[test]
+    fn the_typed_parse_refuses_repeated_keys_it_reads() {
+        let node = |s: &str| serde_json::from_str::<Node>(s).map_err(|e| e.to_string());
+        assert!(node(r#"{"op": 0, "kwargs": {"a": {"int": 1}, "b": {"int": 1}}, "outputs": {"one": "x"}}"#).is_ok());
+        let err = node(r#"{"op": 0, "kwargs": {"a": {"int": 1}, "a": {"int": 2}}, "outputs": {"one": "x"}}"#);
+        assert!(err.unwrap_err().contains("duplicate key \"a\""));
+        let err = node(r#"{"op": 0, "op": 1, "outputs": {"one": "x"}}"#);
+        assert!(err.unwrap_err().contains("duplicate field `op`"));
+        assert!(node(r#"{"op": 0, "args": [{"int": 1, "int": 2}], "outputs": {"one": "x"}}"#).is_err());
+        let w = r#"{"dtype": "float32", "shape": [1], "strides": [1], "storage": 0}"#;
+        let weights = format!(r#"{{"storages": [], "tensors": {{"w": {w}, "w": {w}}}}}"#);
+        assert!(serde_json::from_str::<Weights>(&weights).unwrap_err().to_string().contains("duplicate key \"w\""));
     }
 
     #[test]

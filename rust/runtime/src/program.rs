@@ -166,7 +166,15 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
         weights::mark_grad_sensitive(py, &mut weights, &state, std::iter::once(&a.graph).chain(a.subgraphs.values()))?;
     let on_cpu = placement.target == "cpu";
     let cx = plan::Context { torch: &torch, ops: &ops, weights: &weights, subgraphs: &a.subgraphs, dispatch, on_cpu };
-    let mut plan = plan::build(&cx, &a.graph, &leaf_is_tensor)?;
+    // Constants made while planning (weights' transposes, cast numbers) are plain tensors:
+    // made with grad mode on, a transpose of a weight that requires grad records a view
+    // node, which costs more than the view.
+    let set_grad_enabled = torch.getattr("_C")?.getattr("_set_grad_enabled")?;
+    let grad_was_enabled = torch.call_method0("is_grad_enabled")?;
+    set_grad_enabled.call1((false,))?;
+    let plan = plan::build(&cx, &a.graph, &leaf_is_tensor);
+    set_grad_enabled.call1((grad_was_enabled,))?;
+    let mut plan = plan?;
     if grad_weights {
         plan.set_grad_off_when_unused(&torch)?;
     }
