@@ -169,12 +169,7 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
     // Constants made while planning (weights' transposes, cast numbers) are plain tensors:
     // made with grad mode on, a transpose of a weight that requires grad records a view
     // node, which costs more than the view.
-    let set_grad_enabled = torch.getattr("_C")?.getattr("_set_grad_enabled")?;
-    let grad_was_enabled = torch.call_method0("is_grad_enabled")?;
-    set_grad_enabled.call1((false,))?;
-    let plan = plan::build(&cx, &a.graph, &leaf_is_tensor);
-    set_grad_enabled.call1((grad_was_enabled,))?;
-    let mut plan = plan?;
+    let mut plan = plan::with_grad_mode(&torch, false, || plan::build(&cx, &a.graph, &leaf_is_tensor))??;
     if grad_weights {
         plan.set_grad_off_when_unused(&torch)?;
     }

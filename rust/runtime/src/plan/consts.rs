@@ -236,16 +236,12 @@ fn wrapped_number<'py>(py: Python<'py>, torch: &Bound<'py, PyModule>, lit: &Arg)
         Arg::Bool(b) => PyBool::new(py, *b).to_owned().into_any(),
         _ => return Ok(None),
     };
-    let c = torch.getattr("_C")?;
-    let was_enabled = torch.call_method0("is_grad_enabled")?;
-    c.call_method1("_set_grad_enabled", (true,))?;
-    let taken = (|| -> PyResult<Bound<'py, PyAny>> {
+    let taken = super::with_grad_mode(torch, true, || -> PyResult<Bound<'py, PyAny>> {
         let kw = PyDict::new(py);
         kw.set_item("requires_grad", true)?;
         let probe = torch.call_method("zeros", (PyTuple::empty(py),), Some(&kw))?;
         probe.call_method1("mul", (&value,))?.getattr("grad_fn")?.getattr("_saved_other")
-    })();
-    c.call_method1("_set_grad_enabled", (was_enabled,))?;
+    })?;
     let Ok(wrapped) = taken else { return Ok(None) };
     let promotes_alike = |dtype: &str, shape: Vec<usize>| -> PyResult<bool> {
         let kw = PyDict::new(py);

@@ -270,6 +270,16 @@ pub struct Context<'a, 'py> {
     pub on_cpu: bool,
 }
 
+/// Runs `f` with torch's grad mode set to `enabled`, then restores it (also when `f` fails).
+pub fn with_grad_mode<T>(torch: &Bound<'_, PyModule>, enabled: bool, f: impl FnOnce() -> T) -> PyResult<T> {
+    let set = torch.getattr("_C")?.getattr("_set_grad_enabled")?;
+    let was_enabled = torch.call_method0("is_grad_enabled")?;
+    set.call1((enabled,))?;
+    let out = f();
+    set.call1((was_enabled,))?;
+    Ok(out)
+}
+
 /// Resolves weights and literals, checks each node against its op's schema, and chooses
 /// each node's path. `leaf_is_tensor` says which of the graph's leaves are tensors.
 pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -> RtResult<Plan> {
