@@ -50,7 +50,7 @@ pub struct Artifact {
     /// Each input leaf's shape checks; `None` for constant leaves.
     pub leaf_dims: Vec<Option<Vec<DimCheck>>>,
     /// The op table's names.
-    pub ops: Vec<OpName>,
+    pub ops: Vec<std::sync::Arc<OpName>>,
     /// The graph, in slots.
     pub graph: SlotGraph,
     /// The subgraphs higher-order ops run, in slots, by name.

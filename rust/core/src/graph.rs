@@ -5,6 +5,7 @@
 //! after which nothing reads it, so the interpreter frees values at their last use.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use crate::error::{Error, GraphProblem, Result};
 use crate::schema::{Arg, Graph, InputSource, OpEntry, Outputs};
@@ -95,8 +96,8 @@ impl SlotOutputs {
 pub struct SlotNode {
     /// Index into the document's `ops` table.
     pub op: usize,
-    /// That op's name.
-    pub op_name: OpName,
+    /// That op's name, shared with the op table.
+    pub op_name: Arc<OpName>,
     /// Positional arguments.
     pub args: Vec<SlotArg>,
     /// Keyword arguments, in the file's (sorted) order.
@@ -132,8 +133,8 @@ pub struct SlotGraph {
     pub n_user_outputs: usize,
 }
 
-/// Parses every entry of the op table.
-pub fn op_names(ops: &[OpEntry]) -> Result<Vec<OpName>> {
+/// Parses every entry of the op table; nodes share the names.
+pub fn op_names(ops: &[OpEntry]) -> Result<Vec<Arc<OpName>>> {
     let mut seen = std::collections::HashSet::new();
     ops.iter()
         .enumerate()
@@ -141,7 +142,9 @@ pub fn op_names(ops: &[OpEntry]) -> Result<Vec<OpName>> {
             if !seen.insert(e.name.as_str()) {
                 return Err(Error::DuplicateOp { index: i, name: e.name.clone() });
             }
-            OpName::parse(&e.name).ok_or_else(|| Error::MalformedOpName { index: i, name: e.name.clone() })
+            OpName::parse(&e.name)
+                .map(Arc::new)
+                .ok_or_else(|| Error::MalformedOpName { index: i, name: e.name.clone() })
         })
         .collect()
 }
@@ -149,7 +152,7 @@ pub fn op_names(ops: &[OpEntry]) -> Result<Vec<OpName>> {
 /// Validates `graph` against the op table, the number of user leaves and the weight names.
 pub fn validate<'g>(
     graph: &'g Graph,
-    ops: &[OpName],
+    ops: &[Arc<OpName>],
     n_leaves: usize,
     has_weight: impl Fn(&str) -> bool,
 ) -> Result<SlotGraph> {
@@ -264,7 +267,7 @@ fn resolve(arg: &Arg, defs: &HashMap<&str, ValueRef>, what: &dyn Fn() -> String)
 }
 
 /// Validates a subgraph: its inputs are its positional arguments, in order.
-pub fn validate_subgraph(sub: &crate::schema::Subgraph, ops: &[OpName], name: &str) -> Result<SlotGraph> {
+pub fn validate_subgraph(sub: &crate::schema::Subgraph, ops: &[Arc<OpName>], name: &str) -> Result<SlotGraph> {
     let graph = Graph {
         inputs: sub
             .inputs
@@ -302,10 +305,10 @@ mod tests {
     fn node(op: usize, args: Vec<Arg>, out: &str) -> Node {
         Node { op, args, kwargs: Default::default(), outputs: Outputs::One(out.into()) }
     }
-    fn ops() -> Vec<OpName> {
+    fn ops() -> Vec<Arc<OpName>> {
         ["aten::mul.Tensor", "aten::add.Tensor", "aten::neg.default"]
             .iter()
-            .map(|o| OpName::parse(o).unwrap())
+            .map(|o| Arc::new(OpName::parse(o).unwrap()))
             .collect()
     }
     fn r(n: &str) -> Arg {

@@ -203,7 +203,7 @@ mod tests {
     fn node(name: &str, args: Vec<SlotArg>, outputs: usize) -> SlotNode {
         SlotNode {
             op: 0,
-            op_name: OpName::parse(&format!("higher_order::{name}")).unwrap(),
+            op_name: std::sync::Arc::new(OpName::parse(&format!("higher_order::{name}")).unwrap()),
             args,
             kwargs: vec![],
             outputs: SlotOutputs::Many((0..outputs).map(Some).collect()),

@@ -8,9 +8,11 @@ use std::ffi::c_int;
 use std::sync::Arc;
 
 use kwexport_core::container::Layout;
+use kwexport_core::graph::OpName;
 use kwexport_core::schema::Weights;
 use kwexport_core::weights::CheckedWeight;
 use memmap2::MmapMut;
+use pyo3::intern;
 use pyo3::prelude::*;
 
 use crate::abi::Abi;
@@ -101,6 +103,7 @@ pub fn materialize<'py>(
             typed.insert(t.dtype.name, whole.call_method1("view", (torch.getattr(t.dtype.name)?,))?);
         }
     }
+    // The typed views start where the section does, so offsets from them are offsets in it.
     let offset = |t: &CheckedWeight| (weights.storages[t.storage].offset / t.dtype.itemsize) as i64 + t.storage_offset;
     let mut out = BTreeMap::new();
     if let Some(abi) = Abi::get(py).filter(|a| a.can_reinterpret()) {
@@ -122,15 +125,23 @@ pub fn materialize<'py>(
     Ok(out)
 }
 
-/// Ops whose kernel choice depends on whether an operand requires grad: `at::matmul` folds
-/// a batched input into one `mm` only when the weight requires grad (or the input's leading
-/// dimensions are contiguous), and runs an expanded `bmm` otherwise, several times slower.
-const GRAD_SENSITIVE_OPS: [&str; 2] = ["aten::linear.default", "aten::matmul.default"];
+/// The weight arguments, by position and name, whose `requires_grad` decides the kernel of
+/// a node's op: `at::matmul` folds a batched input into one `mm` only when the weight
+/// requires grad (or the input's leading dimensions are contiguous), and runs an expanded
+/// `bmm` otherwise, several times slower. `linear` reaches it through `weight.t()`; its
+/// bias chooses nothing.
+fn grad_sensitive_args(op: &OpName) -> &'static [(usize, &'static str)] {
+    match (op.namespace.as_str(), op.name.as_str(), op.overload.as_deref()) {
+        ("aten", "linear", Some("default")) => &[(1, "weight")],
+        ("aten", "matmul", Some("default")) => &[(0, "self"), (1, "other")],
+        _ => &[],
+    }
+}
 
-/// Marks the read-only weights that a grad-sensitive op reads as requiring grad, as
-/// `nn.Parameter`s are in eager, so that torch picks eager's kernels (and its bits). The run
-/// loop turns grad mode off for calls with no input that requires grad, so nothing records.
-/// Returns whether any weight was marked.
+/// Marks the read-only weights whose flag decides a kernel (see `grad_sensitive_args`) as
+/// requiring grad, as `nn.Parameter`s are in eager, so that torch picks eager's kernels (and
+/// its bits). The run loop turns grad mode off for calls with no input that requires grad,
+/// so nothing records. Returns whether any weight was marked.
 pub fn mark_grad_sensitive<'a>(
     py: Python<'_>,
     weights: &mut BTreeMap<String, Py<PyAny>>,
@@ -140,16 +151,18 @@ pub fn mark_grad_sensitive<'a>(
     use kwexport_core::graph::{SlotArg, ValueRef};
     let mut marked = false;
     for graph in graphs {
-        for node in graph.nodes.iter().filter(|n| GRAD_SENSITIVE_OPS.contains(&n.op_name.to_string().as_str())) {
-            for arg in node.args.iter().chain(node.kwargs.iter().map(|(_, a)| a)) {
+        for node in &graph.nodes {
+            for &(position, name) in grad_sensitive_args(&node.op_name) {
+                let arg =
+                    node.args.get(position).or_else(|| node.kwargs.iter().find(|(k, _)| k == name).map(|(_, a)| a));
                 // State is written in place, which a tensor that requires grad refuses.
-                if let SlotArg::Value(ValueRef::Weight(w)) = arg {
+                if let Some(SlotArg::Value(ValueRef::Weight(w))) = arg {
                     if let (Some(t), false) = (weights.get_mut(w), state.names.contains(w)) {
                         // A view reports its base's flag, so a view (of the map) is detached first.
-                        if !t.bind(py).getattr("_base")?.is_none() {
-                            *t = t.bind(py).call_method0("detach")?.unbind();
+                        if !t.bind(py).getattr(intern!(py, "_base"))?.is_none() {
+                            *t = t.bind(py).call_method0(intern!(py, "detach"))?.unbind();
                         }
-                        t.bind(py).call_method1("requires_grad_", (true,))?;
+                        t.bind(py).call_method1(intern!(py, "requires_grad_"), (true,))?;
                         marked = true;
                     }
                 }

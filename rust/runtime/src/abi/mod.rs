@@ -72,6 +72,8 @@ pub struct Abi {
     /// save a Python call per tensor over `torch._C._aoti`'s below.
     from_pyobject: Option<unsafe extern "C" fn(Raw, *mut Raw) -> Status>,
     reinterpret: Option<unsafe extern "C" fn(Raw, i64, *const i64, *const i64, i64, *mut Raw) -> Status>,
+    /// A tensor's dims, sizes and strides, for views made with `reinterpret`.
+    geometry: Option<Geometry>,
     to_pyobject: Option<unsafe extern "C" fn(Raw, Raw, *mut Raw) -> Status>,
     /// `torch._C._aoti`'s conversions: a tensor to a new handle; handles to tensors.
     to_handle: Py<PyAny>,
@@ -80,6 +82,13 @@ pub struct Abi {
 }
 
 static ABI: OnceLock<Option<Abi>> = OnceLock::new();
+
+/// Queries of a tensor's shape in memory (sizes and strides are borrowed arrays).
+struct Geometry {
+    dim: unsafe extern "C" fn(Raw, *mut i64) -> Status,
+    sizes: unsafe extern "C" fn(Raw, *mut *mut i64) -> Status,
+    strides: unsafe extern "C" fn(Raw, *mut *mut i64) -> Status,
+}
 
 /// A symbol of torch's library, unless `hidden` names it.
 ///
@@ -186,6 +195,13 @@ impl Abi {
                     shims: Shims::open(&lib, hidden, floating_codes(&dtypes)),
                     from_pyobject: sym(&lib, hidden, "torch_tensor_from_pyobject"),
                     reinterpret: sym(&lib, hidden, "aoti_torch__reinterpret_tensor"),
+                    geometry: (|| {
+                        Some(Geometry {
+                            dim: sym(&lib, hidden, "aoti_torch_get_dim")?,
+                            sizes: sym(&lib, hidden, "aoti_torch_get_sizes")?,
+                            strides: sym(&lib, hidden, "aoti_torch_get_strides")?,
+                        })
+                    })(),
                     to_pyobject: sym(&lib, hidden, "torch_tensor_to_pyobject"),
                     dtypes,
                     layouts,
@@ -364,8 +380,9 @@ impl Abi {
         self.reinterpret.is_some()
     }
 
-    /// A new tensor over `base`'s storage with these sizes, strides and storage offset (in
-    /// elements): not an autograd view of `base`, so it is a leaf of its own.
+    /// A new tensor over `base`'s storage with these sizes and strides, starting `offset`
+    /// elements after `base` starts (torch's shim header names it the storage offset, but it
+    /// is added to `base`'s): not an autograd view of `base`, so it is a leaf of its own.
     pub fn reinterpret(&self, base: &Tensor, sizes: &[i64], strides: &[i64], offset: i64) -> Result<Tensor, CError> {
         let f = self.reinterpret.ok_or_else(|| CError::Internal("no _reinterpret_tensor".into()))?;
         if sizes.len() != strides.len() {
@@ -375,6 +392,27 @@ impl Abi {
         // SAFETY: a live handle, arrays of `sizes.len()` elements, an out-pointer.
         self.check(unsafe { f(base.0, sizes.len() as i64, sizes.as_ptr(), strides.as_ptr(), offset, &mut out) })?;
         Ok(Tensor(out, self.delete_tensor))
+    }
+
+    /// `t.t()` for a 2-D tensor, as a tensor of its own over the same memory: the view
+    /// without a Python call or the dispatcher. `None` for another number of dimensions, or
+    /// where the running torch lacks the calls.
+    pub fn transpose_2d(&self, t: &Tensor) -> Option<Tensor> {
+        let g = self.geometry.as_ref()?;
+        let (mut dim, mut sizes, mut strides) = (0, std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: a live handle and out-pointers; the arrays are borrowed from the tensor,
+        // which outlives their use here, and have `dim` elements.
+        let (sizes, strides) = unsafe {
+            let ok = (g.dim)(t.0, &mut dim) == 0
+                && dim == 2
+                && (g.sizes)(t.0, &mut sizes) == 0
+                && (g.strides)(t.0, &mut strides) == 0;
+            if !ok {
+                return None;
+            }
+            ([*sizes.add(1), *sizes], [*strides.add(1), *strides])
+        };
+        self.reinterpret(t, &sizes, &strides, 0).ok()
     }
 
     /// An owning handle to a Python tensor.

@@ -10,6 +10,7 @@ use pyo3::types::{PyBool, PyDict, PyList, PyString, PyTuple};
 
 use super::{PyArg, PyOp, PyStep};
 use crate::abi::encode::Consts;
+use crate::abi::{self, Abi};
 use crate::constants::literal_to_py;
 use crate::errors::RtResult;
 use crate::ops::{ResolvedOp, SchemaArg};
@@ -19,11 +20,18 @@ pub(super) struct ConstTable<'a, 'py> {
     py: Python<'py>,
     torch: &'a Bound<'py, PyModule>,
     weights: &'a BTreeMap<String, Py<PyAny>>,
-    /// Tensors C steps read, by index; handles are made for all of them at the end.
-    tensors: Vec<Py<PyAny>>,
+    abi: Option<&'static Abi>,
+    /// Tensors C steps read, by index.
+    tensors: Vec<Const>,
     weight_index: HashMap<String, usize>,
     /// Wrapped numbers, one per distinct number literal.
     numbers: Vec<WrappedNumber>,
+}
+
+/// A tensor C steps read: a Python tensor (made a handle at the end), or one made in C.
+enum Const {
+    Py(Py<PyAny>),
+    Native(abi::Tensor),
 }
 
 /// A number literal and its wrapped tensor (`None` if torch's wrapping couldn't be
@@ -41,13 +49,26 @@ impl<'a, 'py> ConstTable<'a, 'py> {
         py: Python<'py>,
         torch: &'a Bound<'py, PyModule>,
         weights: &'a BTreeMap<String, Py<PyAny>>,
+        abi: Option<&'static Abi>,
     ) -> Self {
-        ConstTable { py, torch, weights, tensors: Vec::new(), weight_index: HashMap::new(), numbers: Vec::new() }
+        ConstTable { py, torch, weights, abi, tensors: Vec::new(), weight_index: HashMap::new(), numbers: Vec::new() }
     }
 
-    /// The tensors C steps read, in the order their encodings name them.
-    pub(super) fn tensors(&self) -> &[Py<PyAny>] {
-        &self.tensors
+    /// Handles to the tensors C steps read, in the order their encodings name them.
+    pub(super) fn into_handles(self, abi: &Abi) -> PyResult<Vec<abi::Tensor>> {
+        let py = self.py;
+        self.tensors
+            .into_iter()
+            .map(|t| match t {
+                Const::Py(t) => abi.handle_of(t.bind(py)),
+                Const::Native(t) => Ok(t),
+            })
+            .collect()
+    }
+
+    fn push(&mut self, t: Const) -> usize {
+        self.tensors.push(t);
+        self.tensors.len() - 1
     }
 
     fn wrapped(&mut self, lit: &Arg) -> Option<(usize, Py<PyAny>)> {
@@ -65,7 +86,8 @@ impl<'a, 'py> ConstTable<'a, 'py> {
 
     /// A node for the Python path; `index` names it for errors.
     pub(super) fn py_step(&mut self, node: &SlotNode, op: &ResolvedOp, index: usize) -> RtResult<PyStep> {
-        let entry = format!("graph.nodes[{index}] ({})", node.op_name);
+        // Only formatted where a literal needs it for an error: this runs for most nodes.
+        let entry = || format!("graph.nodes[{index}] ({})", node.op_name);
         let schema = op.schema.as_ref();
         let args = node
             .args
@@ -121,12 +143,17 @@ impl<'a, 'py> ConstTable<'a, 'py> {
         if !tensor.is_instance(&self.torch.getattr("Tensor")?)? {
             return Ok(None);
         }
-        self.tensors.push(tensor.unbind());
-        Ok(Some(self.tensors.len() - 1))
+        Ok(Some(self.push(Const::Py(tensor.unbind()))))
     }
 
-    /// An argument for the Python path, for the schema argument `param` where known.
-    pub(super) fn py_arg(&mut self, a: &SlotArg, param: Option<&SchemaArg>, entry: &str) -> RtResult<PyArg> {
+    /// An argument for the Python path, for the schema argument `param` where known; `entry`
+    /// names it for errors.
+    pub(super) fn py_arg(
+        &mut self,
+        a: &SlotArg,
+        param: Option<&SchemaArg>,
+        entry: &dyn Fn() -> String,
+    ) -> RtResult<PyArg> {
         let py = self.py;
         Ok(match a {
             SlotArg::Value(ValueRef::Slot(s)) => PyArg::Slot(*s),
@@ -136,7 +163,7 @@ impl<'a, 'py> ConstTable<'a, 'py> {
                 // every call.
                 match param.is_some_and(SchemaArg::takes_tensor).then(|| self.wrapped(lit)).flatten() {
                     Some((_, wrapped)) => PyArg::Const(wrapped),
-                    None => PyArg::Const(literal_to_py(py, self.torch, lit, entry)?),
+                    None => PyArg::Const(literal_to_py(py, self.torch, lit, &entry())?),
                 }
             }
             SlotArg::List(items) => {
@@ -182,9 +209,9 @@ impl Consts for ConstTable<'_, '_> {
         if let Some(&i) = self.weight_index.get(name) {
             return i;
         }
-        self.tensors.push(self.weights[name].clone_ref(self.py));
-        self.weight_index.insert(name.to_owned(), self.tensors.len() - 1);
-        self.tensors.len() - 1
+        let i = self.push(Const::Py(self.weights[name].clone_ref(self.py)));
+        self.weight_index.insert(name.to_owned(), i);
+        i
     }
 
     fn weight_t(&mut self, name: &str) -> Option<usize> {
@@ -192,13 +219,11 @@ impl Consts for ConstTable<'_, '_> {
         if let Some(&i) = self.weight_index.get(&key) {
             return Some(i);
         }
-        let w = self.weights.get(name)?.bind(self.py);
-        if w.getattr("dim").and_then(|d| d.call0()).and_then(|d| d.extract::<usize>()).ok()? != 2 {
-            return None;
-        }
-        self.tensors.push(w.call_method0("t").ok()?.unbind());
-        self.weight_index.insert(key, self.tensors.len() - 1);
-        Some(self.tensors.len() - 1)
+        let abi = self.abi?;
+        let w = abi.handle_of(self.weights.get(name)?.bind(self.py)).ok()?;
+        let i = self.push(Const::Native(abi.transpose_2d(&w)?));
+        self.weight_index.insert(key, i);
+        Some(i)
     }
 
     fn number_cast(&mut self, wrapped: usize, dtype: &str) -> Option<usize> {
@@ -207,10 +232,11 @@ impl Consts for ConstTable<'_, '_> {
             return Some(*at);
         }
         // What TensorIterator does to a wrapped number of another dtype than the tensor's.
-        let cast = self.tensors[wrapped].bind(self.py).call_method1("to", (self.torch.getattr(dtype).ok()?,)).ok()?;
-        self.tensors.push(cast.unbind());
-        self.numbers[n].casts.push((dtype.to_owned(), self.tensors.len() - 1));
-        Some(self.tensors.len() - 1)
+        let Const::Py(number) = &self.tensors[wrapped] else { return None };
+        let cast = number.bind(self.py).call_method1("to", (self.torch.getattr(dtype).ok()?,)).ok()?;
+        let i = self.push(Const::Py(cast.unbind()));
+        self.numbers[n].casts.push((dtype.to_owned(), i));
+        Some(i)
     }
 
     fn number(&mut self, lit: &Arg) -> Option<usize> {
@@ -218,9 +244,9 @@ impl Consts for ConstTable<'_, '_> {
         if let Some(at) = self.numbers[i].const_index {
             return Some(at);
         }
-        self.tensors.push(t);
-        self.numbers[i].const_index = Some(self.tensors.len() - 1);
-        self.numbers[i].const_index
+        let at = self.push(Const::Py(t));
+        self.numbers[i].const_index = Some(at);
+        Some(at)
     }
 }
 

@@ -80,10 +80,11 @@ impl ConstTable<'_, '_> {
         let entry = format!("graph.nodes[{index}] ({})", node.op_name);
         let call = HopCall::new(hop.kind, node).map_err(|problem| Error::Hop { at: entry.clone(), problem })?;
         let pred = match hop.kind {
-            HopKind::Cond => Some(self.py_arg(&call.params[0], None, &entry)?),
+            HopKind::Cond => Some(self.py_arg(&call.params[0], None, &|| entry.clone())?),
             _ => None,
         };
-        let operands = call.operands.iter().map(|a| self.py_arg(a, None, &entry)).collect::<RtResult<Vec<_>>>()?;
+        let operands =
+            call.operands.iter().map(|a| self.py_arg(a, None, &|| entry.clone())).collect::<RtResult<Vec<_>>>()?;
         Ok(PyStep {
             op: PyOp::Hop(Box::new(hop)),
             args: pred.into_iter().chain(operands).collect(),

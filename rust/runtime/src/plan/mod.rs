@@ -288,7 +288,7 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
         Dispatch::Auto | Dispatch::Abi => Abi::get(py),
         Dispatch::Python => None,
     };
-    let mut consts = consts::ConstTable::new(py, cx.torch, cx.weights);
+    let mut consts = consts::ConstTable::new(py, cx.torch, cx.weights, abi);
     // Plans of the higher-order nodes' subgraphs first: what they return says which of the
     // nodes' outputs are tensors.
     let mut tensor_slot = vec![false; graph.n_slots];
@@ -362,10 +362,13 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
             }
         });
     }
-    let outputs =
-        graph.outputs.iter().map(|a| consts.py_arg(a, None, "graph.outputs")).collect::<RtResult<Vec<_>>>()?;
+    let outputs = graph
+        .outputs
+        .iter()
+        .map(|a| consts.py_arg(a, None, &|| "graph.outputs".to_owned()))
+        .collect::<RtResult<Vec<_>>>()?;
     let handles = match abi {
-        Some(abi) => consts.tensors().iter().map(|t| abi.handle_of(t.bind(py))).collect::<PyResult<Vec<_>>>()?,
+        Some(abi) => consts.into_handles(abi)?,
         None => Vec::new(),
     };
     let output_is_tensor = graph.outputs.iter().map(|a| is_tensor_arg(a, &tensor_slot)).collect();
