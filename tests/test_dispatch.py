@@ -338,7 +338,11 @@ def test_arange_made_at_load_gives_each_call_its_own_tensor(tmp_path):
 
 
 @requires_abi
-@pytest.mark.parametrize("symbol", kwexport._rt.SHIM_SYMBOLS + ["torch_call_dispatcher"])
+@pytest.mark.parametrize(
+    "symbol",
+    # With the shims: what weights (and linear's transposed weights) are made with in C.
+    kwexport._rt.SHIM_SYMBOLS + ["aoti_torch__reinterpret_tensor", "aoti_torch_get_strides", "torch_call_dispatcher"],
+)
 def test_each_missing_symbol_falls_back_to_python(tmp_path, symbol):
     """A torch without a symbol runs the nodes that need it through Python: forced here by
     hiding one symbol at a time, in a fresh process (the ABI is resolved once)."""
@@ -371,6 +375,9 @@ for got, want in zip(prog(*args), torch.load({str(tmp_path / "want.pt")!r})):
         # Ops the dispatcher also runs: without their shim they stay on the C path.
         "aoti_torch_cpu_mul_Tensor": "[]",
         "aoti_torch_cpu_mm_out": "[]",
+        # Weights through Python; linear through the dispatcher.
+        "aoti_torch__reinterpret_tensor": "[]",
+        "aoti_torch_get_strides": "[]",
         "torch_call_dispatcher": None,
     }[symbol]
     if expected is None:  # no stable ABI at all
