@@ -237,7 +237,8 @@ def bench(name, tmp, quick):
     row["cold_te"] = cold("torch.export", te_path, repeats, pre)
     row["cold_ts"] = cold("torchscript", js_path, repeats, pre) if has_ts else None
 
-    row["load_kw"] = median_time(lambda: kwexport.load(kw_path), n_loads, warmup=2)
+    # kwexport's loads are cheap: more of them steady the median.
+    row["load_kw"] = median_time(lambda: kwexport.load(kw_path), max(n_loads, 40), warmup=5)
     row["load_te"] = median_time(lambda: torch.export.load(te_path).module(), max(3, n_loads // 4), warmup=1)
     row["load_ts"] = median_time(lambda: torch.jit.load(js_path), n_loads, warmup=2) if has_ts else None
 
