@@ -85,15 +85,16 @@ impl Plan {
                     self.to_native(py, abi, to_native, &pys, &mut natives)?;
                     let consts = &self.consts;
                     let natives = &mut natives;
+                    // Timed inside: waiting to take the GIL back is not the segment's cost,
+                    // and counting it would keep a short segment releasing under contention.
                     let mut run = move || {
+                        let started = Instant::now();
                         let mut stack = Vec::with_capacity(16);
-                        steps.iter().try_for_each(|s| s.run(abi, natives, consts, &mut stack, direct))
+                        let result = steps.iter().try_for_each(|s| s.run(abi, natives, consts, &mut stack, direct));
+                        last_ns.store(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                        result
                     };
-                    let started = Instant::now();
-                    let result =
-                        if last_ns.load(Ordering::Relaxed) >= RELEASE_GIL_AFTER_NS { py.detach(run) } else { run() };
-                    last_ns.store(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                    result?;
+                    if last_ns.load(Ordering::Relaxed) >= RELEASE_GIL_AFTER_NS { py.detach(run) } else { run() }?;
                     for &s in free_py {
                         pys[s] = None;
                     }
