@@ -72,7 +72,7 @@ pub struct Abi {
     /// save a Python call per tensor over `torch._C._aoti`'s below.
     from_pyobject: Option<unsafe extern "C" fn(Raw, *mut Raw) -> Status>,
     reinterpret: Option<unsafe extern "C" fn(Raw, i64, *const i64, *const i64, i64, *mut Raw) -> Status>,
-    /// A tensor's dims, sizes and strides, for views made with `reinterpret`.
+    /// A tensor's sizes and strides, for views made with `reinterpret`.
     geometry: Option<Geometry>,
     to_pyobject: Option<unsafe extern "C" fn(Raw, Raw, *mut Raw) -> Status>,
     /// `torch._C._aoti`'s conversions: a tensor to a new handle; handles to tensors.
@@ -83,9 +83,8 @@ pub struct Abi {
 
 static ABI: OnceLock<Option<Abi>> = OnceLock::new();
 
-/// Queries of a tensor's shape in memory (sizes and strides are borrowed arrays).
+/// Queries of a tensor's shape in memory (borrowed arrays of its `dim` elements).
 struct Geometry {
-    dim: unsafe extern "C" fn(Raw, *mut i64) -> Status,
     sizes: unsafe extern "C" fn(Raw, *mut *mut i64) -> Status,
     strides: unsafe extern "C" fn(Raw, *mut *mut i64) -> Status,
 }
@@ -197,7 +196,6 @@ impl Abi {
                     reinterpret: sym(&lib, hidden, "aoti_torch__reinterpret_tensor"),
                     geometry: (|| {
                         Some(Geometry {
-                            dim: sym(&lib, hidden, "aoti_torch_get_dim")?,
                             sizes: sym(&lib, hidden, "aoti_torch_get_sizes")?,
                             strides: sym(&lib, hidden, "aoti_torch_get_strides")?,
                         })
@@ -396,17 +394,15 @@ impl Abi {
 
     /// `t.t()` for a 2-D tensor, as a tensor of its own over the same memory: the view
     /// without a Python call or the dispatcher. `None` for another number of dimensions, or
-    /// where the running torch lacks the calls.
+    /// where the running torch lacks the calls (the shims' tensor queries included).
     pub fn transpose_2d(&self, t: &Tensor) -> Option<Tensor> {
-        let g = self.geometry.as_ref()?;
-        let (mut dim, mut sizes, mut strides) = (0, std::ptr::null_mut(), std::ptr::null_mut());
+        let (g, shims) = (self.geometry.as_ref()?, self.shims.as_ref()?);
+        let (mut sizes, mut strides) = (std::ptr::null_mut(), std::ptr::null_mut());
         // SAFETY: a live handle and out-pointers; the arrays are borrowed from the tensor,
-        // which outlives their use here, and have `dim` elements.
+        // which outlives their use here, and have two elements.
         let (sizes, strides) = unsafe {
-            let ok = (g.dim)(t.0, &mut dim) == 0
-                && dim == 2
-                && (g.sizes)(t.0, &mut sizes) == 0
-                && (g.strides)(t.0, &mut strides) == 0;
+            let ok =
+                shims.dim(t.0) == Some(2) && (g.sizes)(t.0, &mut sizes) == 0 && (g.strides)(t.0, &mut strides) == 0;
             if !ok {
                 return None;
             }
