@@ -61,6 +61,7 @@ def load(
     allow_ops: Iterable[str] = (),
     dispatch: str = "auto",
     device: str | torch.device | None = None,
+    mmap: bool = True,
 ) -> Program:
     """Load a kwexport file. Parses and validates everything before returning; never
     unpickles, evaluates or imports anything named in the file.
@@ -80,8 +81,12 @@ def load(
     runs where it was exported. Its weights are moved there once (on the CPU they stay views
     of the mapped file), device literals in the graph (``arange(..., device=...)``, ``to``)
     follow it, and calls must pass their tensors on it.
+
+    ``mmap=False`` reads the file into memory instead of mapping it: for files that may be
+    changed in place or truncated while the program runs, or that live on network
+    filesystems. A mapped file must only be replaced by rename (as ``kwexport.save`` does).
     """
-    return _load(os.fspath(path), allow_ops=list(allow_ops), dispatch=dispatch, device=device)
+    return _load(os.fspath(path), allow_ops=list(allow_ops), dispatch=dispatch, device=device, mmap=mmap)
 
 
 def export(

@@ -24,6 +24,7 @@ __all__ = [
     "MEMORY_FORMATS",
     "HIGHER_ORDER_OPS",
     "SHIM_SYMBOLS",
+    "FALLBACK_CALLS_AFTER_ERROR",
     "stable_abi_available",
     "Program",
     "load",
@@ -47,6 +48,7 @@ LAYOUTS: list[str]
 MEMORY_FORMATS: list[str]
 HIGHER_ORDER_OPS: list[str]
 SHIM_SYMBOLS: list[str]
+FALLBACK_CALLS_AFTER_ERROR: int
 
 class KwexportError(Exception):
     """Base class of every error kwexport raises."""
@@ -104,6 +106,7 @@ def load(
     allow_ops: list[str] = ...,
     dispatch: str = "auto",
     device: str | torch.device | None = None,
+    mmap: bool = True,
 ) -> Program: ...
 def describe(path: str | os.PathLike[str]) -> dict[str, Any]: ...
 def stable_abi_available() -> bool: ...
@@ -116,4 +119,5 @@ def _load_verified(
     allow_ops: list[str],
     dispatch: str,
     device: str | torch.device | None = None,
+    mmap: bool = True,
 ) -> Program: ...

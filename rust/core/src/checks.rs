@@ -52,6 +52,11 @@ impl<'a> Checker<'a> {
         &self.leaf_paths[leaf]
     }
 
+    /// Every leaf's path: borrowed for as long as the checker's tables, not the checker.
+    pub fn leaf_paths(&self) -> &'a [String] {
+        self.leaf_paths
+    }
+
     /// Checks the sizes of leaf `leaf`.
     pub fn shape(&mut self, dims: &[DimCheck], shape: &[i64], leaf: usize) -> Result<()> {
         check_shape(dims, shape, self.symbols, &mut self.seen, leaf, self.leaf_paths)

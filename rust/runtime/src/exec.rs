@@ -221,7 +221,8 @@ impl CStep {
         stack: &mut Vec<StableIValue>,
         direct: Direct,
     ) -> RtResult<()> {
-        self.call(abi, slots, consts, stack, direct).map_err(|e| c_error(&self.op_name(), e))
+        self.call(abi, slots, consts, stack, direct)
+            .map_err(|e| c_error(&format!("graph.nodes[{}] ({})", self.node, self.op_name()), e))
     }
 
     fn call(
@@ -390,7 +391,7 @@ fn run_fallback(py: Python<'_>, abi: &Abi, step: &PyStep, slots: &mut [Option<Na
     for (k, a) in &step.kwargs {
         kwargs.set_item(k.bind(py), arg(py, abi, a, slots)?)?;
     }
-    let result = op.bind(py).call(PyTuple::new(py, args)?, Some(&kwargs))?;
+    let result = op.bind(py).call(PyTuple::new(py, args)?, Some(&kwargs)).map_err(|e| noted(py, e, step))?;
     if let SlotOutputs::One(Some(s)) = &step.outputs {
         slots[*s] = Some(Native::Tensor(abi.handle_of(&result)?));
     }
@@ -424,14 +425,15 @@ fn run_python<'py>(
     };
     let args = PyTuple::new(py, args)?;
     let result = if step.kwargs.is_empty() {
-        op.bind(py).call1(args)?
+        op.bind(py).call1(args)
     } else {
         let kwargs = PyDict::new(py);
         for (k, a) in &step.kwargs {
             kwargs.set_item(k.bind(py), value(py, a, pys)?)?;
         }
-        op.bind(py).call(args, Some(&kwargs))?
-    };
+        op.bind(py).call(args, Some(&kwargs))
+    }
+    .map_err(|e| noted(py, e, step))?;
     match &step.outputs {
         SlotOutputs::None => {}
         SlotOutputs::One(slot) => {
@@ -482,6 +484,14 @@ impl HopStep {
             }
         }
     }
+}
+
+/// torch's exception, as raised, with a note naming the node that raised it.
+fn noted(py: Python<'_>, e: PyErr, step: &PyStep) -> PyErr {
+    let note = format!("kwexport: raised by graph.nodes[{}] ({})", step.node, step.op_name);
+    // `add_note` is Python 3.11's; on 3.10 the exception goes on without it.
+    let _ = e.value(py).call_method1(pyo3::intern!(py, "add_note"), (note,));
+    e
 }
 
 fn value<'py>(py: Python<'py>, a: &PyArg, slots: &[Option<Bound<'py, PyAny>>]) -> RtResult<Bound<'py, PyAny>> {

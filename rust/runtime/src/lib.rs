@@ -11,7 +11,7 @@
 //!   depending only on the core's tables (`tests/layering.rs` holds the order)
 //!
 //! The call path around them: `tree` (compiled treespecs: flatten inputs, rebuild outputs),
-//! `checks` (input checks on Python values), `constants` (the file's constants as Python
+//! `calllock` (the fork-safe lock around stateful calls), `checks` (input checks on Python values), `constants` (the file's constants as Python
 //! objects), `weights` (zero-copy tensors over the mapped file), `program` (the `Program`
 //! class: load and call) and `errors` (one error type, and the Python exception classes).
 
@@ -21,11 +21,13 @@
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 pub mod abi;
+pub mod calllock;
 pub mod checks;
 pub mod constants;
 pub mod device;
 pub mod errors;
 pub mod exec;
+pub mod fallback;
 pub mod ops;
 pub mod plan;
 pub mod program;
@@ -47,20 +49,21 @@ use crate::errors::{IntoPyErr, RtError, RtResult};
 /// program (a torch device string or `torch.device`); by default it runs where it was
 /// exported.
 #[pyfunction]
-#[pyo3(signature = (path, *, allow_ops = Vec::new(), dispatch = "auto", device = None))]
+#[pyo3(signature = (path, *, allow_ops = Vec::new(), dispatch = "auto", device = None, mmap = true))]
 fn load(
     py: Python<'_>,
     path: std::path::PathBuf,
     allow_ops: Vec<String>,
     dispatch: &str,
     device: Option<&Bound<'_, PyAny>>,
+    mmap: bool,
 ) -> PyResult<program::Program> {
     let path = path.to_str().ok_or_else(|| PyValueError::new_err("path is not valid UTF-8"))?;
     let dispatch = plan::Dispatch::parse(dispatch).ok_or_else(|| {
         PyValueError::new_err(format!("dispatch must be 'auto', 'abi' or 'python', not '{dispatch}'"))
     })?;
     let device = device.map(|d| normalize_device(py, d)).transpose()?;
-    let options = program::LoadOptions::new(allow_ops, dispatch, device).map_err(PyValueError::new_err)?;
+    let options = program::LoadOptions::new(allow_ops, dispatch, device, mmap).map_err(PyValueError::new_err)?;
     Ok(program::load(py, path, &options)?)
 }
 
@@ -99,7 +102,7 @@ fn stable_abi_available(py: Python<'_>) -> bool {
 
 /// Unpickles a `Program`: loads `path` and checks that its content hash is `digest`.
 #[pyfunction]
-#[pyo3(signature = (path, digest, allow_ops, dispatch, device = None))]
+#[pyo3(signature = (path, digest, allow_ops, dispatch, device = None, mmap = true))]
 fn _load_verified(
     py: Python<'_>,
     path: std::path::PathBuf,
@@ -107,8 +110,9 @@ fn _load_verified(
     allow_ops: Vec<String>,
     dispatch: &str,
     device: Option<&Bound<'_, PyAny>>,
+    mmap: bool,
 ) -> PyResult<program::Program> {
-    let prog = load(py, path.clone(), allow_ops, dispatch, device)?;
+    let prog = load(py, path.clone(), allow_ops, dispatch, device, mmap)?;
     if prog.digest(py) != digest {
         let found = prog.digest(py).to_owned();
         let path = path.display().to_string();
@@ -215,6 +219,7 @@ fn _rt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MEMORY_FORMATS", tables::MEMORY_FORMATS.to_vec())?;
     m.add("HIGHER_ORDER_OPS", kwexport_core::hops::HopKind::NAMES.to_vec())?;
     m.add("SHIM_SYMBOLS", abi::shims::SYMBOLS.to_vec())?;
+    m.add("FALLBACK_CALLS_AFTER_ERROR", fallback::CALLS_AFTER_ERROR)?;
     m.add_function(wrap_pyfunction!(stable_abi_available, m)?)?;
     m.add_class::<program::Program>()?;
     m.add_function(wrap_pyfunction!(load, m)?)?;

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::Arc;
 
 use kwexport_core::binder::{Binder, Binding, Source};
 use kwexport_core::checks::{Checker, Symbol};
@@ -18,10 +18,12 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
-use crate::checks::LeafCheck;
+use crate::calllock::CallLock;
+use crate::checks::{LeafCheck, Seen, TensorTypes};
 use crate::constants::constant_to_py;
 use crate::device::Placement;
 use crate::errors::{RtError, RtResult};
+use crate::fallback::Fallback;
 use crate::ops::{self, AllowOps};
 use crate::plan::{self, Dispatch, Plan, Why};
 use crate::tree::CompiledSpec;
@@ -48,7 +50,7 @@ struct TopLevel {
 
 /// What `_load_verified` takes to unpickle a program: path, digest, allow_ops, dispatch,
 /// device.
-type PickledArgs = (String, String, Vec<String>, &'static str, Option<String>);
+type PickledArgs = (String, String, Vec<String>, &'static str, Option<String>, bool);
 
 #[pyclass(frozen, module = "kwexport", name = "Program")]
 pub struct Program {
@@ -61,7 +63,10 @@ pub struct Program {
     symbols: Vec<Symbol>,
     plan: Plan,
     outputs: CompiledSpec,
-    tensor_type: Py<PyAny>,
+    types: TensorTypes,
+    /// The all-Python plan for calls the C path must not take; `None` where `plan` has no
+    /// C steps.
+    fallback: Option<Fallback>,
     extra_files: Py<PyDict>,
     format_version: FormatVersion,
     upgraded_from: FormatVersion,
@@ -78,7 +83,7 @@ pub struct Program {
     /// What each output after the user outputs writes back.
     writes: Vec<Write>,
     /// The weights the program writes, if any, and the lock that serializes its calls.
-    state: Option<(State, Mutex<()>)>,
+    state: Option<(State, CallLock)>,
 }
 
 /// Where a mutation's new value goes after a call.
@@ -101,12 +106,14 @@ pub struct LoadOptions {
     /// A normalized torch device string to place the program on; `None` for where it was
     /// exported.
     pub device: Option<String>,
+    /// Whether the file is mapped (weights are views of it) or read into memory.
+    pub mmap: bool,
 }
 
 impl LoadOptions {
     /// Parses `allow_ops`; the other options as given.
-    pub fn new(allow_ops: Vec<String>, dispatch: Dispatch, device: Option<String>) -> Result<Self, String> {
-        Ok(LoadOptions { allow: AllowOps::parse(&allow_ops)?, allow_ops, dispatch, device })
+    pub fn new(allow_ops: Vec<String>, dispatch: Dispatch, device: Option<String>, mmap: bool) -> Result<Self, String> {
+        Ok(LoadOptions { allow: AllowOps::parse(&allow_ops)?, allow_ops, dispatch, device, mmap })
     }
 }
 
@@ -116,10 +123,19 @@ pub fn load(py: Python<'_>, path: &str, options: &LoadOptions) -> RtResult<Progr
     if file.metadata()?.len() == 0 {
         return Err(Error::EmptyFile.into()); // nothing to map
     }
-    // SAFETY: a private, copy-on-write map. Another process truncating the file under us
-    // would fault, as with any mapped file; kwexport writes files by rename, never in place.
-    let map = Arc::new(unsafe { MmapOptions::new().map_copy(&file)? });
-    load_mapped(py, path, map, options)
+    let map = if options.mmap {
+        // SAFETY: a private, copy-on-write map. A file truncated under it faults on the next
+        // read of a lost page, and pages not yet read see in-place writes, as with any mapped
+        // file (the README says so); kwexport writes files by rename, never in place.
+        unsafe { MmapOptions::new().map_copy(&file)? }
+    } else {
+        // Read into anonymous memory: nothing done to the file later reaches the program.
+        let len = usize::try_from(file.metadata()?.len()).map_err(|_| Error::EmptyFile)?;
+        let mut memory = MmapOptions::new().len(len).map_anon()?;
+        std::io::Read::read_exact(&mut &file, &mut memory[..])?;
+        memory
+    };
+    load_mapped(py, path, Arc::new(map), options)
 }
 
 /// Loads a file already mapped: a copy of a program maps nothing again, so it shares the
@@ -174,6 +190,7 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
         plan.set_grad_off_when_unused(&torch)?;
     }
 
+    let plan_has_c_steps = plan.n_c > 0;
     let leaf_checks = doc
         .inputs
         .leaves
@@ -237,7 +254,7 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
         leaf_checks,
         plan,
         outputs: CompiledSpec::new(py, &doc.outputs)?,
-        tensor_type: torch.getattr("Tensor")?.unbind(),
+        types: TensorTypes::new(&torch)?,
         extra_files: extra_files.unbind(),
         format_version: doc.format_version,
         producer: producer.unbind(),
@@ -252,24 +269,11 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
         leaf_paths: a.leaf_paths,
         symbols: a.symbols,
         binder: a.binder,
-        state: (!state.names.is_empty()).then(|| (state, Mutex::new(()))),
+        state: (!state.names.is_empty()).then(|| (state, CallLock::new())),
         writes,
+        fallback: (plan_has_c_steps)
+            .then(|| Fallback::new(ops, weights, a.graph, a.subgraphs, leaf_is_tensor, on_cpu, grad_weights)),
     })
-}
-
-/// Takes `lock` without ever blocking while holding the GIL: a call that holds the lock may
-/// release and re-take the GIL (long C segments do), so waiting for it with the GIL would
-/// deadlock.
-fn lock_detached<'a>(py: Python<'_>, lock: &'a Mutex<()>) -> MutexGuard<'a, ()> {
-    loop {
-        match lock.try_lock() {
-            Ok(guard) => return guard,
-            // A call that failed midway leaves the state as its ops left it (documented);
-            // the lock itself is still good.
-            Err(TryLockError::Poisoned(p)) => return p.into_inner(),
-            Err(TryLockError::WouldBlock) => py.detach(|| drop(lock.lock())),
-        }
-    }
 }
 
 /// SHA-256 of a whole file's bytes, as hex.
@@ -399,12 +403,34 @@ impl Program {
         }
     }
 
-    fn check(&self, leaves: &[Bound<'_, PyAny>], tensor_type: &Bound<'_, PyAny>) -> Result<(), Error> {
+    /// Checks a call's leaves; says whether any is a tensor subclass.
+    fn check(&self, leaves: &[Bound<'_, PyAny>]) -> Result<bool, Error> {
         let mut checker = Checker::new(&self.symbols, &self.leaf_paths);
+        let mut subclass = false;
         for (i, (leaf, check)) in leaves.iter().zip(&self.leaf_checks).enumerate() {
-            check.check(leaf, tensor_type, i, &mut checker)?;
+            subclass |= check.check(leaf, &self.types, i, &mut checker)? == Seen::Subclass;
         }
-        Ok(())
+        Ok(subclass)
+    }
+
+    /// Runs the graph on checked leaves: on the all-Python plan where the call passes a
+    /// subclass or the C path failed recently (see `fallback`), else on the plan.
+    fn run<'py>(
+        &self,
+        py: Python<'py>,
+        leaves: &[Bound<'py, PyAny>],
+        subclass: bool,
+    ) -> RtResult<Vec<Bound<'py, PyAny>>> {
+        let Some(fallback) = &self.fallback else { return self.plan.run(py, leaves) };
+        let on_python = fallback.wanted(subclass);
+        let result = if on_python { fallback.plan(py)?.run(py, leaves) } else { self.plan.run(py, leaves) };
+        let failed = match &result {
+            Err(RtError::Op { .. }) => true,
+            Err(_) => on_python,
+            Ok(_) => false,
+        };
+        fallback.record(on_python, failed);
+        result
     }
 }
 
@@ -418,14 +444,14 @@ impl Program {
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = args.py();
         let leaves = self.flatten(args, kwargs)?;
-        self.check(&leaves, self.tensor_type.bind(py)).map_err(RtError::from)?;
+        let subclass = self.check(&leaves).map_err(RtError::from)?;
         if self.writes.is_empty() {
-            let flat = self.plan.run(py, &leaves)?;
+            let flat = self.run(py, &leaves, subclass)?;
             return Ok(self.outputs.unflatten(py, &mut flat.into_iter())?);
         }
         // One call at a time reads and writes the state.
-        let _guard = self.state.as_ref().map(|(_, lock)| lock_detached(py, lock));
-        let mut flat = self.plan.run(py, &leaves)?;
+        let _guard = self.state.as_ref().map(|(_, lock)| lock.lock(py));
+        let mut flat = self.run(py, &leaves, subclass)?;
         let new_values = flat.split_off(flat.len() - self.writes.len());
         self.write_back(py, &leaves, new_values)?;
         Ok(self.outputs.unflatten(py, &mut flat.into_iter())?)
@@ -448,7 +474,7 @@ impl Program {
     /// Restores the state to the file's values.
     fn reset(&self, py: Python<'_>) -> PyResult<()> {
         if let Some((state, lock)) = &self.state {
-            let _guard = lock_detached(py, lock);
+            let _guard = lock.lock(py);
             for (t, initial) in state.tensors.iter().zip(&state.initial) {
                 t.bind(py).call_method1("copy_", (initial.bind(py),))?;
             }
@@ -461,7 +487,7 @@ impl Program {
     fn __copy__(&self, py: Python<'_>) -> PyResult<Program> {
         let copy = load_mapped(py, &self.path, self.map.clone(), &self.options)?;
         if let (Some((mine, lock)), Some((theirs, _))) = (&self.state, &copy.state) {
-            let _guard = lock_detached(py, lock);
+            let _guard = lock.lock(py);
             for (dst, src) in theirs.tensors.iter().zip(&mine.tensors) {
                 dst.bind(py).call_method1("copy_", (src.bind(py),))?;
             }
@@ -474,8 +500,14 @@ impl Program {
     fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, PickledArgs)> {
         let load = py.import("kwexport._rt")?.getattr("_load_verified")?;
         let o = &self.options;
-        let args =
-            (self.path.clone(), self.digest(py).to_owned(), o.allow_ops.clone(), o.dispatch.name(), o.device.clone());
+        let args = (
+            self.path.clone(),
+            self.digest(py).to_owned(),
+            o.allow_ops.clone(),
+            o.dispatch.name(),
+            o.device.clone(),
+            o.mmap,
+        );
         Ok((load, args))
     }
 
@@ -500,7 +532,7 @@ impl Program {
         kwargs: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let leaves = self.flatten(args, kwargs)?;
-        self.check(&leaves, self.tensor_type.bind(args.py())).map_err(RtError::from)?;
+        self.check(&leaves).map_err(RtError::from)?;
         Ok(leaves)
     }
 

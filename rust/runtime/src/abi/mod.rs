@@ -74,6 +74,8 @@ pub struct Abi {
     reinterpret: Option<unsafe extern "C" fn(Raw, i64, *const i64, *const i64, i64, *mut Raw) -> Status>,
     /// A tensor's sizes and strides, for views made with `reinterpret`.
     geometry: Option<Geometry>,
+    /// A tensor's layout and storage, for the input checks.
+    storage: Option<StorageQueries>,
     to_pyobject: Option<unsafe extern "C" fn(Raw, Raw, *mut Raw) -> Status>,
     /// `torch._C._aoti`'s conversions: a tensor to a new handle; handles to tensors.
     to_handle: Py<PyAny>,
@@ -87,6 +89,26 @@ static ABI: OnceLock<Option<Abi>> = OnceLock::new();
 struct Geometry {
     sizes: unsafe extern "C" fn(Raw, *mut *mut i64) -> Status,
     strides: unsafe extern "C" fn(Raw, *mut *mut i64) -> Status,
+}
+
+/// Queries of where a tensor's elements live.
+struct StorageQueries {
+    layout: unsafe extern "C" fn(Raw, *mut i32) -> Status,
+    /// torch's code for the strided layout.
+    strided: i32,
+    nbytes: unsafe extern "C" fn(Raw, *mut i64) -> Status,
+    offset: unsafe extern "C" fn(Raw, *mut i64) -> Status,
+}
+
+/// Whether a tensor's elements are where its sizes and strides say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Storage {
+    /// Strided, and its storage holds every element its view reads.
+    Fits,
+    /// Not strided (sparse, mkldnn, ...): torch's layout code.
+    Layout(i32),
+    /// Its view reaches past the end of its storage, which has this many bytes.
+    TooSmall { needs: i64, has: i64 },
 }
 
 /// A symbol of torch's library, unless `hidden` names it.
@@ -198,6 +220,14 @@ impl Abi {
                         Some(Geometry {
                             sizes: sym(&lib, hidden, "aoti_torch_get_sizes")?,
                             strides: sym(&lib, hidden, "aoti_torch_get_strides")?,
+                        })
+                    })(),
+                    storage: (|| {
+                        Some(StorageQueries {
+                            layout: sym(&lib, hidden, "aoti_torch_get_layout")?,
+                            strided: layouts.iter().find(|(n, _)| *n == "strided")?.1,
+                            nbytes: sym(&lib, hidden, "aoti_torch_get_storage_size")?,
+                            offset: sym(&lib, hidden, "aoti_torch_get_storage_offset")?,
                         })
                     })(),
                     to_pyobject: sym(&lib, hidden, "torch_tensor_to_pyobject"),
@@ -373,6 +403,11 @@ impl Abi {
         }
     }
 
+    /// Whether [`Abi::storage`] is available.
+    pub fn can_query_storage(&self) -> bool {
+        self.storage.is_some() && self.geometry.is_some()
+    }
+
     /// Whether [`Abi::reinterpret`] is available.
     pub fn can_reinterpret(&self) -> bool {
         self.reinterpret.is_some()
@@ -409,6 +444,37 @@ impl Abi {
             ([*sizes.add(1), *sizes], [*strides.add(1), *strides])
         };
         self.reinterpret(t, &sizes, &strides, 0).ok()
+    }
+
+    /// Where a tensor's elements live, checked against its view: a tensor whose storage was
+    /// resized under it (`x.untyped_storage().resize_(0)`) would have kernels read and write
+    /// past its end (eager crashes too). `None` where the running torch lacks the queries.
+    pub fn storage(&self, t: &Tensor, sizes: &[i64], itemsize: i64) -> Option<Storage> {
+        let (q, g) = (self.storage.as_ref()?, self.geometry.as_ref()?);
+        let (mut layout, mut nbytes, mut offset) = (0, 0, 0);
+        let mut strides = std::ptr::null_mut();
+        // SAFETY: a live handle and out-pointers; `strides` is borrowed from the tensor, which
+        // outlives its use here, and has as many elements as its sizes (`sizes`, read by the
+        // caller from the same tensor).
+        unsafe {
+            if (q.layout)(t.0, &mut layout) != 0 {
+                return None;
+            }
+            if layout != q.strided {
+                return Some(Storage::Layout(layout));
+            }
+            if sizes.contains(&0) {
+                return Some(Storage::Fits);
+            }
+            let ok = (q.nbytes)(t.0, &mut nbytes) == 0
+                && (q.offset)(t.0, &mut offset) == 0
+                && (g.strides)(t.0, &mut strides) == 0;
+            if !ok {
+                return None;
+            }
+            let strides = if sizes.is_empty() { &[][..] } else { std::slice::from_raw_parts(strides, sizes.len()) };
+            Some(storage_fits(sizes, strides, offset, itemsize, nbytes))
+        }
     }
 
     /// An owning handle to a Python tensor.
@@ -457,6 +523,26 @@ impl Abi {
     }
 }
 
+/// Whether a strided view (`sizes`, `strides`, `offset` in elements of `itemsize` bytes)
+/// stays inside a storage of `nbytes`: the same bound torch's `as_strided` checks.
+pub fn storage_fits(sizes: &[i64], strides: &[i64], offset: i64, itemsize: i64, nbytes: i64) -> Storage {
+    if sizes.contains(&0) {
+        return Storage::Fits; // no element is read
+    }
+    let last = sizes.iter().zip(strides).try_fold(offset, |acc, (&n, &s)| {
+        if n < 0 || s < 0 {
+            return None;
+        }
+        (n - 1).checked_mul(s).and_then(|d| acc.checked_add(d))
+    });
+    let needs = last.and_then(|l| l.checked_add(1)).and_then(|n| n.checked_mul(itemsize));
+    match needs {
+        Some(needs) if offset >= 0 && needs <= nbytes => Storage::Fits,
+        Some(needs) => Storage::TooSmall { needs, has: nbytes },
+        None => Storage::TooSmall { needs: i64::MAX, has: nbytes },
+    }
+}
+
 fn to_pyerr(e: CError, what: &str) -> PyErr {
     match e {
         CError::Python(e) => e,
@@ -495,5 +581,23 @@ impl Drop for Tensor {
     fn drop(&mut self) {
         // SAFETY: an owned handle, deleted once.
         unsafe { (self.1)(self.0) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn storage_bounds() {
+        assert_eq!(storage_fits(&[2, 4], &[4, 1], 0, 4, 32), Storage::Fits);
+        assert_eq!(storage_fits(&[2, 4], &[4, 1], 0, 4, 0), Storage::TooSmall { needs: 32, has: 0 });
+        assert_eq!(storage_fits(&[2, 4], &[1, 2], 0, 4, 32), Storage::Fits);
+        assert_eq!(storage_fits(&[2, 4], &[1, 2], 1, 4, 32), Storage::TooSmall { needs: 36, has: 32 });
+        assert_eq!(storage_fits(&[0, 4], &[4, 1], 0, 4, 0), Storage::Fits);
+        assert_eq!(storage_fits(&[], &[], 3, 8, 32), Storage::Fits);
+        assert_eq!(storage_fits(&[], &[], 4, 8, 32), Storage::TooSmall { needs: 40, has: 32 });
+        assert_eq!(storage_fits(&[3], &[0], 0, 4, 4), Storage::Fits); // expanded
+        assert_eq!(storage_fits(&[i64::MAX], &[i64::MAX], 0, 4, 4), Storage::TooSmall { needs: i64::MAX, has: 4 });
     }
 }

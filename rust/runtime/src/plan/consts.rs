@@ -105,6 +105,8 @@ impl<'a, 'py> ConstTable<'a, 'py> {
             .collect::<RtResult<Vec<_>>>()?;
         Ok(PyStep {
             op: PyOp::Call(op.callable.clone_ref(self.py)),
+            node: index,
+            op_name: node.op_name.clone(),
             args,
             kwargs,
             outputs: node.outputs.clone(),

@@ -48,6 +48,7 @@ impl CStep {
             outputs: node.outputs.clone(),
             free: node.free.clone(),
             shim: None,
+            node: 0,
         })
     }
 
@@ -61,6 +62,7 @@ impl CStep {
             outputs: node.outputs.clone(),
             free: node.free.clone(),
             shim: None,
+            node: 0,
         }
     }
 
@@ -111,10 +113,6 @@ impl CStep {
     /// `aten::add.Tensor`, as errors name the op.
     pub(crate) fn op_name(&self) -> String {
         let (op, overload) = (self.name.0.to_string_lossy(), self.name.1.to_string_lossy());
-        if overload.is_empty() {
-            op.into_owned()
-        } else {
-            format!("{op}.{overload}")
-        }
+        format!("{op}.{}", if overload.is_empty() { "default" } else { &overload })
     }
 }

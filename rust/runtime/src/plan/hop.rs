@@ -87,6 +87,8 @@ impl ConstTable<'_, '_> {
             call.operands.iter().map(|a| self.py_arg(a, None, &|| entry.clone())).collect::<RtResult<Vec<_>>>()?;
         Ok(PyStep {
             op: PyOp::Hop(Box::new(hop)),
+            node: index,
+            op_name: node.op_name.clone(),
             args: pred.into_iter().chain(operands).collect(),
             kwargs: Vec::new(),
             outputs: node.outputs.clone(),

@@ -101,6 +101,9 @@ pub struct HopStep {
 /// A node run through torch's Python op object, or a higher-order op.
 pub struct PyStep {
     pub(crate) op: PyOp,
+    /// The node's index in its graph and its op, for errors.
+    pub(crate) node: usize,
+    pub(crate) op_name: std::sync::Arc<kwexport_core::graph::OpName>,
     pub(crate) args: Vec<PyArg>,
     pub(crate) kwargs: Vec<(Py<PyString>, PyArg)>,
     pub(crate) outputs: SlotOutputs,
@@ -118,6 +121,8 @@ pub struct CStep {
     pub(crate) free: Vec<usize>,
     /// Set where the node runs through a per-op shim rather than the dispatcher.
     pub(crate) shim: Option<Box<ShimStep>>,
+    /// The node's index in its graph, for errors.
+    pub(crate) node: usize,
 }
 
 /// A node run through one of torch's per-op C shims (see `shims`).
@@ -339,6 +344,7 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
         compiled.push(match (c, hop) {
             (Ok(mut s), _) => {
                 n_c += 1;
+                s.node = i;
                 if let Some(abi) = abi {
                     s.cast_numbers_ahead(abi, &mut consts);
                 }

@@ -170,6 +170,7 @@ fn shim_step(
             dims: uses.dims,
             fallback: None,
         })),
+        node: 0,
     })
 }
 
@@ -196,6 +197,7 @@ fn wrapped_overload(
         outputs: node.outputs.clone(),
         free: node.free.clone(),
         shim: None,
+        node: 0,
     })
 }
 
