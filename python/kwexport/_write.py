@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable
 from typing import Any
 
@@ -54,26 +53,30 @@ def _file_mode(path: str) -> int:
 
 
 def write_atomic(path: str, head: bytes, chunks: Iterable[tuple[int, Any]]) -> None:
-    """Temp file in the same folder, fsync, rename: readers see the old file or the new one.
-    ``head`` ends where the data section starts."""
-    data_start = len(head)
+    """Writes the file under no name, then names it: readers see the old file or the new one,
+    and a save killed midway leaves nothing behind. On Linux the file is made with
+    ``O_TMPFILE`` (no name until complete), linked to a temporary name once written and
+    renamed over ``path``; elsewhere it is a named temporary file, and whatever a killed save
+    left is removed by the next save into the same folder. ``head`` ends where the data
+    section starts."""
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    base = os.path.basename(path)
+    _remove_orphans(folder, base)
+    fd, tmp = _open_unnamed(folder, base)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(head)
-            for offset, buf in chunks:
-                f.write(b"\0" * (data_start + offset - f.tell()))
-                f.write(buf)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _file_mode(path))  # mkstemp makes 0600; give what open() would
+            _write_body(f, head, chunks)
+            os.fchmod(f.fileno(), _file_mode(path))  # what open() would give
+            if tmp is None:  # name it now that it is whole
+                tmp = _temp_name(folder, base)
+                _link_unnamed(f.fileno(), tmp)
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
         raise
     try:
         dir_fd = os.open(folder, os.O_RDONLY)
@@ -83,6 +86,74 @@ def write_atomic(path: str, head: bytes, chunks: Iterable[tuple[int, Any]]) -> N
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _write_body(f, head: bytes, chunks: Iterable[tuple[int, Any]]) -> None:
+    data_start = len(head)
+    f.write(head)
+    for offset, buf in chunks:
+        f.write(b"\0" * (data_start + offset - f.tell()))
+        f.write(buf)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _temp_name(folder: str, base: str) -> str:
+    """A new temporary name that says which process made it: ``.<base>.<pid>.<random>.tmp``."""
+    return os.path.join(folder, f".{base}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
+
+
+def _open_unnamed(folder: str, base: str) -> tuple[int, str | None]:
+    """A file to write: unnamed (``O_TMPFILE``, name ``None``) where the filesystem allows it,
+    else a named temporary file."""
+    if hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd"):
+        try:
+            return os.open(folder, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600), None
+        except OSError:
+            pass  # a filesystem without it: named below
+    tmp = _temp_name(folder, base)
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), tmp
+
+
+def _link_unnamed(fd: int, name: str) -> None:
+    """Gives the ``O_TMPFILE`` file ``fd`` a name. Through ``/proc/self/fd`` as a directory:
+    with a ``src_dir_fd`` CPython calls ``linkat`` with ``AT_SYMLINK_FOLLOW``, without one
+    ``link``, which doesn't follow the magic link."""
+    proc = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.link(str(fd), name, src_dir_fd=proc, follow_symlinks=True)
+    finally:
+        os.close(proc)
+
+
+def _remove_orphans(folder: str, base: str) -> None:
+    """Removes temporary files of earlier saves of ``base`` whose process has died."""
+    prefix = f".{base}."
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        parts = name[len(prefix) :].split(".")
+        if not (name.startswith(prefix) and name.endswith(".tmp") and len(parts) == 3 and parts[0].isdigit()):
+            continue
+        pid = int(parts[0])
+        if pid == os.getpid() or _alive(pid):
+            continue
+        try:
+            os.unlink(os.path.join(folder, name))
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def save(ex: Any, path: str | os.PathLike[str], *, extra_files: dict[str, str | bytes] | None = None) -> None:
