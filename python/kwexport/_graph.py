@@ -80,9 +80,18 @@ def header_json(
     outputs = [value for value, role in zip(graph["outputs"], roles) if role is None]
     mutations = [{"target": role, "value": value} for value, role in zip(graph["outputs"], roles) if role]
 
+    # Only the symbols input dimensions use: the table serves the input checks. Unbacked
+    # symbols (``u0`` from ``.item()``) can be unbounded both ways and are never an input's.
+    used = {
+        d["symbolic"]["symbol"]
+        for leaf in leaf_specs
+        if "tensor" in leaf
+        for d in leaf["tensor"]["shape"]
+        if "symbolic" in d
+    }
     symbols = []
     for sym, rng in ep.range_constraints.items():
-        if getattr(sym, "is_Symbol", False):
+        if getattr(sym, "is_Symbol", False) and str(sym) in used:
             upper = rng.upper
             symbols.append(
                 {
