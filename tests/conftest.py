@@ -13,8 +13,8 @@ def roundtrip(tmp_path, request):
     C ABI covers run through it, once with every node through torch's Python ops."""
     counter = iter(range(10**6))
 
-    def go(f, args, kwargs=None, *, dynamic_shapes=None, extra_files=None):
-        ex = kwexport.export(f, args, kwargs, dynamic_shapes=dynamic_shapes)
+    def go(f, args, kwargs=None, *, dynamic_shapes=None, dynamic=False, extra_files=None):
+        ex = kwexport.export(f, args, kwargs, dynamic_shapes=dynamic_shapes, dynamic=dynamic)
         path = tmp_path / f"p{next(counter)}.kwx"
         kwexport.save(ex, path, extra_files=extra_files)
         return kwexport.load(path, dispatch=request.param)

@@ -154,3 +154,28 @@ print(repr(out).split("(")[0])
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "<kwexport stand-in for transformers.modeling_outputs.SequenceClassifierOutput>"
+
+
+def test_bert_exported_with_dynamic_true_takes_any_batch_and_length(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        max_position_embeddings=128,
+    )
+    model = transformers.BertForSequenceClassification(cfg).eval()
+    path = tmp_path / "bert.kwx"
+    kwexport.save(kwexport.export(model, (), {"input_ids": IDS, "attention_mask": MASK}, dynamic=True), path)
+    prog = kwexport.load(path)
+    for batch in (1, 3, 8):
+        for length in (5, 31, 128):
+            ids = torch.randint(0, 100, (batch, length))
+            mask = torch.ones(batch, length, dtype=torch.long)
+            mask[:, length // 2 :] = torch.randint(0, 2, (batch, length - length // 2))
+            with torch.no_grad():
+                want = model(input_ids=ids, attention_mask=mask).logits
+            got = prog(attention_mask=mask, input_ids=ids).logits
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -90,12 +90,23 @@ def load(
 
 
 def export(
-    f: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, *, dynamic_shapes: Any = None
+    f: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    dynamic_shapes: Any = None,
+    dynamic: bool = False,
 ) -> Exported:
-    """Trace ``f`` (an ``nn.Module`` or a function) with torch.export, keeping its signature."""
+    """Trace ``f`` (an ``nn.Module`` or a function) with torch.export, keeping its signature.
+
+    ``dynamic_shapes`` is torch.export's, by parameter name or in parameter order; the names
+    of its ``Dim``s name the dimensions in errors and ``kwexport inspect``. ``dynamic=True``
+    makes every dimension of every tensor input dynamic (torch's ``Dim.AUTO``: torch keeps
+    static what the model needs static): export once, call with any batch and length.
+    """
     from kwexport._trace import export as _export
 
-    return _export(f, args, kwargs, dynamic_shapes=dynamic_shapes)
+    return _export(f, args, kwargs, dynamic_shapes=dynamic_shapes, dynamic=dynamic)
 
 
 def save(

@@ -23,10 +23,11 @@ _PY_OPERATORS = {getattr(operator, name): name for name in PY_OPERATORS}
 
 
 def header_json(
-    ep, sig_json: dict[str, Any], leaves: list[Any], in_spec
+    ep, sig_json: dict[str, Any], leaves: list[Any], in_spec, dim_names: list[dict[int, str]] | None = None
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], set[str]]:
     """The header for ``ep``, less its weight tables; the weights by name; and the names of
-    the weights the program writes (its state)."""
+    the weights the program writes (its state). ``dim_names`` names, per leaf, the user's
+    ``Dim`` at a dimension; their symbols are saved under those names."""
     gs = ep.graph_signature
     InputKind = torch.export.graph_signature.InputKind
     OutputKind = torch.export.graph_signature.OutputKind
@@ -89,13 +90,18 @@ def header_json(
         for d in leaf["tensor"]["shape"]
         if "symbolic" in d
     }
+    rename = _symbol_names(leaf_specs, dim_names or [], used)
+    for leaf in leaf_specs:
+        for d in leaf.get("tensor", {}).get("shape", []):
+            if "symbolic" in d:
+                d["symbolic"]["symbol"] = rename.get(d["symbolic"]["symbol"], d["symbolic"]["symbol"])
     symbols = []
     for sym, rng in ep.range_constraints.items():
         if getattr(sym, "is_Symbol", False) and str(sym) in used:
             upper = rng.upper
             symbols.append(
                 {
-                    "name": str(sym),
+                    "name": rename.get(str(sym), str(sym)),
                     "min": int(rng.lower),
                     "max": None if _is_inf(upper) else int(upper),
                 }
@@ -117,6 +123,24 @@ def header_json(
         "subgraphs": subgraphs,
     }
     return header, weights, {m["target"]["weight"] for m in mutations if "weight" in m["target"]}
+
+
+def _symbol_names(leaf_specs: list, dim_names: list[dict[int, str]], used: set[str]) -> dict[str, str]:
+    """torch's symbol -> the user's ``Dim`` name, where the user named the dimension it sizes
+    and the name is free (no other symbol has it)."""
+    rename: dict[str, str] = {}
+    for leaf, names in zip(leaf_specs, dim_names):
+        shape = leaf.get("tensor", {}).get("shape", []) if leaf else []
+        for i, name in names.items():
+            d = shape[i] if i < len(shape) else {}
+            if "symbolic" in d:
+                rename.setdefault(d["symbolic"]["symbol"], name)
+    taken = set(used) - set(rename)
+    chosen: dict[str, str] = {}
+    for sym, name in rename.items():
+        if name not in taken and name not in chosen.values():
+            chosen[sym] = name
+    return chosen
 
 
 def _is_inf(v) -> bool:

@@ -37,9 +37,11 @@ class Exported:
         return f"<kwexport.Exported {self._header['signature']['name']}{self.signature}>"
 
 
-def export(f, args, kwargs=None, *, dynamic_shapes=None) -> Exported:
+def export(f, args, kwargs=None, *, dynamic_shapes=None, dynamic: bool = False) -> Exported:
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+    if dynamic and dynamic_shapes is not None:
+        raise ValueError("pass dynamic=True or dynamic_shapes, not both")
     kwargs = dict(kwargs or {})
     if isinstance(f, torch.nn.Module):
         module, target = f, f.forward
@@ -60,7 +62,12 @@ def export(f, args, kwargs=None, *, dynamic_shapes=None) -> Exported:
     canonical = (tuple(bound.args), dict(bound.kwargs))
     leaves, in_spec = pytree.tree_flatten(canonical)
     leaves = _unaliased(leaves)
-    flat_shapes = _leaf_dynamic_shapes(sig, bound, dynamic_shapes, len(leaves))
+    if dynamic:
+        # torch's Dim.AUTO on every dimension of every tensor: torch decides what stays dynamic.
+        auto = torch.export.Dim.AUTO
+        flat_shapes = [{i: auto for i in range(x.dim())} if isinstance(x, torch.Tensor) else None for x in leaves]
+    else:
+        flat_shapes = _leaf_dynamic_shapes(sig, bound, dynamic_shapes, len(leaves))
 
     call_as_given = _call_as_given(sig, args, kwargs)
 
@@ -79,10 +86,27 @@ def export(f, args, kwargs=None, *, dynamic_shapes=None) -> Exported:
     finally:
         del module.forward
 
-    return _encode(ep, sig_json, leaves, in_spec)
+    return _encode(ep, sig_json, leaves, in_spec, _dim_names(flat_shapes))
 
 
-def _encode(ep, sig_json: dict, leaves: list, in_spec) -> Exported:
+def _dim_names(flat_shapes: list) -> list[dict[int, str]]:
+    """Per leaf, the name of the user's ``Dim`` at each dimension that has one (a derived
+    dim's root's name), so messages and ``inspect`` say ``batch`` rather than ``s39``."""
+    from torch.export.dynamic_shapes import Dim
+
+    out = []
+    for spec in flat_shapes:
+        by_dim = spec.items() if isinstance(spec, dict) else enumerate(spec) if isinstance(spec, (tuple, list)) else ()
+        names = {}
+        for i, d in by_dim:
+            root = getattr(d, "root", d)
+            if isinstance(root, Dim) and isinstance(getattr(root, "__name__", None), str):
+                names[i] = root.__name__
+        out.append(names)
+    return out
+
+
+def _encode(ep, sig_json: dict, leaves: list, in_spec, dim_names: list[dict[int, str]] | None = None) -> Exported:
     """The header and weights of a traced program whose user inputs are ``leaves``."""
     # torch.export's graph runs as-is when its in-place ops only touch the call's own fresh
     # intermediates. Otherwise functionalize: writes to buffers and inputs become outputs
@@ -92,7 +116,7 @@ def _encode(ep, sig_json: dict, leaves: list, in_spec) -> Exported:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")  # torch-internal
             ep = ep.run_decompositions({})
-    header, weights, mutable = header_json(ep, sig_json, leaves, in_spec)
+    header, weights, mutable = header_json(ep, sig_json, leaves, in_spec, dim_names)
     storage_table, tensor_table, storages = weight_tables(weights, mutable)
     header["weights"] = {"storages": storage_table, "tensors": tensor_table}
     return Exported(ep, header, storages)

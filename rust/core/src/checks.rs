@@ -105,7 +105,7 @@ fn check_shape(
                 if coeff * value + offset != size {
                     return Err(err(ShapeProblem::Unreachable { dim: i, expr, size }));
                 }
-                if value < sym.min || sym.max.is_some_and(|m| value > m) {
+                if value < enforced_min(sym.min) || sym.max.is_some_and(|m| value > m) {
                     let range = match sym.max {
                         Some(m) => format!("[{}, {m}]", sym.min),
                         None => format!("[{}, inf)", sym.min),
@@ -122,6 +122,18 @@ fn check_shape(
         }
     }
     Ok(())
+}
+
+/// The lower bound a call is held to: a symbol's `min` where it is above 2, else none.
+/// torch.export records 2 for a dimension it assumed was not 0 or 1 while tracing (its 0/1
+/// specialization), and `ep.module()` accepts 0 and 1 there; so does kwexport. A bound the
+/// user set above 2 holds.
+pub fn enforced_min(min: i64) -> i64 {
+    if min > 2 {
+        min
+    } else {
+        0
+    }
 }
 
 /// `coeff*name + offset` as kwexport prints it: `s0`, `2*s0`, `s0 - 1`.
@@ -224,6 +236,17 @@ mod tests {
             "x1: dimension 0 is batch = 8, since batch = 8 from x0 dimension 0, got 5"
         );
         run(&d, &[&[8], &[8]]).unwrap();
+    }
+
+    #[test]
+    fn zero_and_one_pass_a_lower_bound_of_two() {
+        // torch's 0/1 specialization: ep.module() enforces a lower bound only above 2.
+        run(&[B], &[&[1]]).unwrap();
+        run(&[B], &[&[0]]).unwrap();
+        let paths = ["x0".to_owned()];
+        let symbols = [Symbol { name: "n".into(), min: 3, max: None }];
+        let err = Checker::new(&symbols, &paths).shape(&[B], &[2], 0).unwrap_err();
+        assert_eq!(err.to_string(), "x0: dimension 0 is n with n in [3, inf), got 2");
     }
 
     #[test]
