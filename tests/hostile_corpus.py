@@ -173,6 +173,8 @@ def header_cases(h: dict):
     yield "op_not_allowed", lambda d: d["ops"][0].update(name="os::system.default"), ARTIFACT
     yield "op_injection", lambda d: d["ops"][0].update(name="aten::__import__('os').system"), ARTIFACT
     yield "python_operator_not_allowed", lambda d: d["ops"][0].update(name="operator::attrgetter"), ARTIFACT
+    yield "torch_function_not_allowed", lambda d: d["ops"][0].update(name="torch::load"), ARTIFACT
+    yield "sym_function_with_overload", lambda d: d["ops"][0].update(name="torch::sym_max.default"), ARTIFACT
     yield "op_wrong_arity", lambda d: node0(d)["args"].extend([{"int": 1}] * 9), ARTIFACT
     yield "op_unknown_kwarg", lambda d: node0(d)["kwargs"].update(evil={"int": 1}), ARTIFACT
     yield "bad_layout_literal", lambda d: node0(d)["args"].__setitem__(1, {"layout": "__class__"}), ARTIFACT

@@ -1,6 +1,7 @@
 """Real models through export -> save -> load -> call, equal to eager."""
 
 import collections
+import json
 
 import pytest
 import torch
@@ -277,3 +278,20 @@ def test_in_place_ops_on_inputs_write_the_callers_tensor(roundtrip):
     x = torch.zeros(2, 2)
     assert_same(prog(x), torch.full((2, 2), 2.0))
     assert_same(x, torch.ones(2, 2))
+
+
+def test_torch_sym_functions_on_sizes(roundtrip):
+    # Exported graphs call torch.sym_* on symbolic sizes (Llava's sym_ite, for one).
+    def f(x, y):
+        n = torch.sym_max(x.shape[0], y.shape[0])
+        m = torch.sym_ite(x.shape[0] > y.shape[0], x.shape[0], y.shape[0] + 1)
+        return x.new_zeros(n, torch.sym_min(m, 5)) + torch.sym_float(x.shape[0])
+
+    b = Dim("b", max=50)
+    c = Dim("c", max=50)
+    prog = roundtrip(f, (torch.randn(3, 2), torch.randn(4, 2)), dynamic_shapes={"x": {0: b}, "y": {0: c}})
+    ops = {o["name"] for o in json.loads(kwexport._rt.describe(prog.path)["header"])["ops"]}
+    assert {"torch::sym_max", "torch::sym_ite", "torch::sym_min"} <= ops, ops
+    for n, k in ((3, 4), (7, 2), (6, 6)):
+        x, y = torch.randn(n, 2), torch.randn(k, 2)
+        assert_same(prog(x, y), f(x, y))

@@ -15,11 +15,12 @@ import torch
 from torch.utils import _pytree as pytree
 
 import kwexport
-from kwexport._rt import DTYPES, FORMAT_VERSION, HIGHER_ORDER_OPS, PY_OPERATORS, ArtifactError
+from kwexport._rt import DTYPES, FORMAT_VERSION, HIGHER_ORDER_OPS, PY_OPERATORS, SYM_FUNCTIONS, ArtifactError
 from kwexport._signature import _I64, constant_json
 
 DTYPE_NAMES = {getattr(torch, name): name for name, _ in DTYPES}
 _PY_OPERATORS = {getattr(operator, name): name for name in PY_OPERATORS}
+_SYM_FUNCTIONS = {getattr(torch, name): name for name in SYM_FUNCTIONS if hasattr(torch, name)}
 
 
 def header_json(
@@ -200,6 +201,8 @@ def _node(node, ops, prefix=""):
         op, schema = f"{target._schema.name}.{target._overloadname}", str(target._schema)
     elif target in _PY_OPERATORS:
         op, schema = f"operator::{_PY_OPERATORS[target]}", None
+    elif target in _SYM_FUNCTIONS:
+        op, schema = f"torch::{_SYM_FUNCTIONS[target]}", None
     elif isinstance(target, torch._ops.HigherOrderOperator):
         if target.name() not in HIGHER_ORDER_OPS:
             raise ArtifactError(

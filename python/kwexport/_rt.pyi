@@ -20,6 +20,7 @@ __all__ = [
     "ALIGN",
     "DTYPES",
     "PY_OPERATORS",
+    "SYM_FUNCTIONS",
     "LAYOUTS",
     "MEMORY_FORMATS",
     "HIGHER_ORDER_OPS",
@@ -44,6 +45,7 @@ MAGIC: bytes
 ALIGN: int
 DTYPES: list[tuple[str, int]]
 PY_OPERATORS: list[str]
+SYM_FUNCTIONS: list[str]
 LAYOUTS: list[str]
 MEMORY_FORMATS: list[str]
 HIGHER_ORDER_OPS: list[str]

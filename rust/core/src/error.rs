@@ -439,6 +439,14 @@ pub enum Error {
         /// The operator's name.
         name: String,
     },
+    /// A `torch::` function outside [`crate::tables::SYM_FUNCTIONS`].
+    #[error("{entry}: torch.{name} is not an allowed function of symbolic values")]
+    SymFunctionNotAllowed {
+        /// The op table entry.
+        entry: String,
+        /// The function's name.
+        name: String,
+    },
     /// A custom op namespace the caller didn't allow.
     #[error("{entry}: op namespace {namespace:?} is not allowed (pass allow_ops=[\"{namespace}::*\"] to load it, once its library is registered)")]
     NamespaceNotAllowed {

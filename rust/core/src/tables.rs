@@ -56,6 +56,11 @@ pub const PY_OPERATORS: &[&str] = &[
     "and_", "or_", "not_",
 ];
 
+/// torch's functions of symbolic values that exported graphs call (`torch.sym_max(s0, 4)`,
+/// `torch.sym_ite(pred, a, b)`), by name; a file names them `torch::<name>`.
+pub const SYM_FUNCTIONS: &[&str] =
+    &["sym_not", "sym_float", "sym_int", "sym_max", "sym_min", "sym_sqrt", "sym_ite", "sym_sum"];
+
 /// The `default_factory` a saved `collections.defaultdict` may have: builtins, by name.
 pub const DEFAULTDICT_FACTORIES: &[&str] = &["list", "dict", "set", "tuple", "int", "float", "str", "bool"];
 

@@ -215,6 +215,7 @@ fn _rt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ALIGN", tables::ALIGN)?;
     m.add("DTYPES", tables::DTYPES.iter().map(|d| (d.name, d.itemsize)).collect::<Vec<_>>())?;
     m.add("PY_OPERATORS", tables::PY_OPERATORS.to_vec())?;
+    m.add("SYM_FUNCTIONS", tables::SYM_FUNCTIONS.to_vec())?;
     m.add("LAYOUTS", tables::LAYOUTS.to_vec())?;
     m.add("MEMORY_FORMATS", tables::MEMORY_FORMATS.to_vec())?;
     m.add("HIGHER_ORDER_OPS", kwexport_core::hops::HopKind::NAMES.to_vec())?;

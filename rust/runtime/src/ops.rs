@@ -13,7 +13,7 @@ use kwexport_core::graph::{OpName, SlotArg, SlotNode, SlotOutputs};
 use kwexport_core::hops::{self, HopKind};
 use kwexport_core::opschema::{self, Drift};
 use kwexport_core::schema::{Arg, Document, Float};
-use kwexport_core::tables::{DEFAULT_NAMESPACES, PY_OPERATORS};
+use kwexport_core::tables::{DEFAULT_NAMESPACES, PY_OPERATORS, SYM_FUNCTIONS};
 use kwexport_core::Error;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyFloat, PyInt, PyList, PyString, PyTuple};
@@ -149,6 +149,12 @@ fn resolve_op(
             return Err(Error::OperatorNotAllowed { entry, name: op.name.clone() }.into());
         }
         return Ok(py.import("operator")?.getattr(op.name.as_str())?.unbind());
+    }
+    if op.namespace == "torch" {
+        if op.overload.is_some() || !SYM_FUNCTIONS.contains(&op.name.as_str()) {
+            return Err(Error::SymFunctionNotAllowed { entry, name: op.name.clone() }.into());
+        }
+        return Ok(torch.getattr(op.name.as_str())?.unbind());
     }
     if !allow.allows(op) {
         return Err(Error::NamespaceNotAllowed { entry, namespace: op.namespace.clone() }.into());
