@@ -19,6 +19,10 @@ torch.manual_seed(0)
 IDS = torch.randint(0, 100, (2, 7))
 MASK = torch.ones(2, 7, dtype=torch.long).index_fill_(1, torch.tensor([6]), 0)
 PIXELS = torch.randn(2, 3, 32, 32)
+# A prompt with one 32x32 image (16 patches of 8x8) after its first token, as Llava's
+# processor lays it out.
+LLAVA_IMAGE_TOKEN = 99
+LLAVA_IDS = torch.cat([IDS[:1, :1], torch.full((1, 16), LLAVA_IMAGE_TOKEN), IDS[:1, 1:] % LLAVA_IMAGE_TOKEN], dim=1)
 
 
 def text(name):
@@ -34,6 +38,22 @@ def text(name):
     if name == "llama":
         cfg = transformers.LlamaConfig(num_hidden_layers=2, num_key_value_heads=1, max_position_embeddings=64, **common)
         return transformers.LlamaForCausalLM(cfg)
+    if name == "llava":
+        vision_cfg = transformers.CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        )
+        text_cfg = transformers.LlamaConfig(
+            num_hidden_layers=2, num_key_value_heads=1, max_position_embeddings=64, **common
+        )
+        cfg = transformers.LlavaConfig(
+            vision_config=vision_cfg, text_config=text_cfg, image_token_index=LLAVA_IMAGE_TOKEN, vision_feature_layer=-1
+        )
+        return transformers.LlavaForConditionalGeneration(cfg)
     if name == "t5_encoder":
         cfg = transformers.T5Config(vocab_size=100, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2)
         return transformers.T5EncoderModel(cfg)
@@ -80,6 +100,16 @@ ZOO = {
         lambda: text("llama"),
         {"input_ids": IDS, "attention_mask": MASK, "use_cache": False},
         "CausalLMOutputWithPast",
+    ),
+    "llava": (
+        lambda: text("llava"),
+        {
+            "input_ids": LLAVA_IDS,
+            "pixel_values": PIXELS[:1],
+            "attention_mask": torch.ones_like(LLAVA_IDS),
+            "use_cache": False,
+        },
+        "LlavaCausalLMOutputWithPast",
     ),
     "t5_encoder": (
         lambda: text("t5_encoder"),
