@@ -174,6 +174,12 @@ def header_cases(h: dict):
     yield "op_injection", lambda d: d["ops"][0].update(name="aten::__import__('os').system"), ARTIFACT
     yield "python_operator_not_allowed", lambda d: d["ops"][0].update(name="operator::attrgetter"), ARTIFACT
     yield "torch_function_not_allowed", lambda d: d["ops"][0].update(name="torch::load"), ARTIFACT
+    yield "default_weight_unknown", lambda d: d["signature"]["params"][0].update(default_weight="ghost"), ARTIFACT
+    yield (
+        "default_weight_beside_default",
+        lambda d: d["signature"]["params"][0].update(default_weight="weight", default={"int": 1}),
+        ARTIFACT,
+    )
     yield "sym_function_with_overload", lambda d: d["ops"][0].update(name="torch::sym_max.default"), ARTIFACT
     yield "op_wrong_arity", lambda d: node0(d)["args"].extend([{"int": 1}] * 9), ARTIFACT
     yield "op_unknown_kwarg", lambda d: node0(d)["kwargs"].update(evil={"int": 1}), ARTIFACT

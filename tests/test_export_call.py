@@ -2,6 +2,8 @@
 keywords, nothing added. Defaults are recorded in the signature and bound by the runtime."""
 
 import functools
+import inspect
+import json
 
 import pytest
 import torch
@@ -65,3 +67,25 @@ def test_one_tensor_passed_twice_is_traced_as_two_inputs(roundtrip):
     x, y, z = torch.randn(3), torch.randn(3), torch.randn(2, 3)
     prog = roundtrip(f, (x, x), {"c": x.expand(2, 3)})
     assert_same(prog(x, y, c=z), f(x, y, c=z))
+
+
+def test_a_tensor_default_is_saved_in_the_file(roundtrip, tmp_path):
+    default = torch.tensor([1.0, -2.0, 3.0])
+
+    def f(x, y=default, *, scale=2.0):
+        return x * y * scale
+
+    prog = roundtrip(f, (torch.randn(2, 3),))
+    x = torch.randn(2, 3)
+    assert_same(prog(x), f(x), bitwise=True)
+    assert_same(prog(x, torch.ones(3)), f(x, torch.ones(3)), bitwise=True)
+    assert_same(prog(y=torch.ones(3), x=x, scale=2.0), f(x, torch.ones(3)), bitwise=True)
+    sig = inspect.signature(prog)
+    assert torch.equal(sig.parameters["y"].default, default) and sig.parameters["scale"].default == 2.0
+    header = json.loads(kwexport._rt.describe(prog.path)["header"])
+    assert header["signature"]["params"][1] == {
+        "name": "y",
+        "kind": "positional_or_keyword",
+        "default_weight": "<default>.y",
+    }
+    assert 'y=<tensor "<default>.y">' in json.loads(kwexport._rt.describe(prog.path)["description"])["signature"]

@@ -21,7 +21,6 @@ CASES = dict(sorted(all_examples().items()))
 # until it is taken off the list.
 NOT_YET = {
     "dynamic_shape_map": "the `map` higher-order op is not run yet",
-    "optional_input": "a parameter whose default is a tensor can't be saved yet",
 }
 
 

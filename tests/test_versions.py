@@ -18,14 +18,14 @@ GOLDEN_V1 = __import__("pathlib").Path(__file__).parent / "golden" / "1.0"
 def test_v1_file_loads_through_the_upgrader():
     prog = kwexport.load(GOLDEN_V1 / "tiny_mlp.kwx")
     assert prog.file_format_version == (1, 0)
-    assert prog.format_version == kwexport.FORMAT_VERSION == (3, 0)
-    assert prog.upgraders_applied == ["v1_to_v2_op_table", "v2_to_v3_containers"]
+    assert prog.format_version == kwexport.FORMAT_VERSION == (3, 1)
+    assert prog.upgraders_applied == ["v1_to_v2_op_table", "v2_to_v3_containers", "v3_0_to_v3_1_tensor_defaults"]
 
 
 def test_v2_file_loads_through_the_upgrader():
     prog = kwexport.load(GOLDEN_V1.parent / "2.0" / "tiny_mlp.kwx")
     assert prog.file_format_version == (2, 0)
-    assert prog.upgraders_applied == ["v2_to_v3_containers"]
+    assert prog.upgraders_applied == ["v2_to_v3_containers", "v3_0_to_v3_1_tensor_defaults"]
 
 
 def test_newer_minor_loads(tmp_path):
@@ -135,7 +135,10 @@ def test_inspect(tmp_path):
     assert info["extra_files"] == {"golden.txt": len("dynamic at format 1.0")}
     text = run_cli("inspect", GOLDEN_V1 / "tiny_mlp.kwx").stdout
     assert "signature:    TinyMLP.forward(x, *, mask=None)" in text
-    assert "format:       1.0 (needs upgrading to 3.0: v1_to_v2_op_table, v2_to_v3_containers)" in text
+    assert (
+        "format:       1.0 (needs upgrading to 3.1: v1_to_v2_op_table, v2_to_v3_containers, v3_0_to_v3_1_tensor_defaults)"
+        in text
+    )
     assert describe(GOLDEN_V1.parent / "2.0" / "tiny_mlp.kwx")["weights"]["bytes"] > 0
 
 
@@ -144,9 +147,12 @@ def test_upgrade(tmp_path):
     new = tmp_path / "new.kwx"
     out = run_cli("upgrade", old, new)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == f"{new}: format 1.0 -> 3.0 (v1_to_v2_op_table, v2_to_v3_containers)"
+    assert (
+        out.stdout.strip()
+        == f"{new}: format 1.0 -> 3.1 (v1_to_v2_op_table, v2_to_v3_containers, v3_0_to_v3_1_tensor_defaults)"
+    )
     a, b = kwexport.load(old), kwexport.load(new)
-    assert b.file_format_version == (3, 0) and b.upgraders_applied == []
+    assert b.file_format_version == (3, 1) and b.upgraders_applied == []
     x, mask = torch.randn(4, 6), torch.randn(3)
     assert_same(b(x, mask=mask), a(x, mask=mask))
     assert b.extra_files == a.extra_files

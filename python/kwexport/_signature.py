@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 from typing import Any
 
 from kwexport._rt import ArtifactError
@@ -14,25 +15,44 @@ from kwexport._rt import ArtifactError
 _I64 = (-(2**63), 2**63 - 1)
 
 
-def signature_json(name: str, sig: inspect.Signature) -> dict[str, Any]:
-    """The saved form of ``sig``; an unsaveable default fails here, before tracing."""
+# The weight a tensor default is saved as: a name no module attribute path can have.
+DEFAULT_WEIGHT_PREFIX = "<default>."
+
+
+def signature_json(name: str, sig: inspect.Signature, tensors: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The saved form of ``sig``; an unsaveable default fails here, before tracing. A tensor
+    default goes into ``tensors`` (saved as a weight) where it is given."""
     params = []
     for p in sig.parameters.values():
         entry: dict[str, Any] = {"name": p.name, "kind": p.kind.name.lower()}
         if p.default is not inspect.Parameter.empty:
-            entry["default"] = constant_json(p.default, f"default of parameter {p.name!r}")
+            if tensors is not None and _is_tensor(p.default):
+                entry["default_weight"] = DEFAULT_WEIGHT_PREFIX + p.name
+                tensors[entry["default_weight"]] = p.default
+            else:
+                entry["default"] = constant_json(p.default, f"default of parameter {p.name!r}")
         params.append(entry)
     return {"name": name, "params": params}
 
 
-def signature_from_json(sig: dict[str, Any]) -> inspect.Signature:
+def _is_tensor(x: Any) -> bool:
+    torch = sys.modules.get("torch")  # imported wherever a tensor exists
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def signature_from_json(sig: dict[str, Any], tensors: dict[str, Any] | None = None) -> inspect.Signature:
+    """The signature a header records; ``tensors`` holds its tensor defaults by weight name."""
+
+    def default(p: dict[str, Any]) -> dict[str, Any]:
+        if "default" in p:
+            return {"default": constant_value(p["default"])}
+        if "default_weight" in p:
+            return {"default": (tensors or {}).get(p["default_weight"])}
+        return {}
+
     return inspect.Signature(
         [
-            inspect.Parameter(
-                p["name"],
-                getattr(inspect.Parameter, p["kind"].upper()),
-                **({"default": constant_value(p["default"])} if "default" in p else {}),
-            )
+            inspect.Parameter(p["name"], getattr(inspect.Parameter, p["kind"].upper()), **default(p))
             for p in sig["params"]
         ]
     )

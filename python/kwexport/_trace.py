@@ -24,14 +24,15 @@ from kwexport._weights import weight_tables
 class Exported:
     """The result of :func:`kwexport.export`: the traced program, ready to :func:`save`."""
 
-    def __init__(self, exported_program, header: dict, storages: list):
+    def __init__(self, exported_program, header: dict, storages: list, tensor_defaults: dict | None = None):
         self.exported_program = exported_program
         self._header = header
         self._storages = storages  # uint8 CPU tensors, one per distinct storage
+        self._tensor_defaults = tensor_defaults or {}
 
     @property
     def signature(self) -> inspect.Signature:
-        return signature_from_json(self._header["signature"])
+        return signature_from_json(self._header["signature"], self._tensor_defaults)
 
     def __repr__(self) -> str:
         return f"<kwexport.Exported {self._header['signature']['name']}{self.signature}>"
@@ -53,7 +54,8 @@ def export(f, args, kwargs=None, *, dynamic_shapes=None, dynamic: bool = False) 
         raise TypeError(f"expected an nn.Module or a function, got {type(f).__name__}")
 
     sig = inspect.signature(target)
-    sig_json = signature_json(name, sig)  # before tracing: an unsaveable default fails fast
+    tensor_defaults: dict = {}
+    sig_json = signature_json(name, sig, tensor_defaults)  # before tracing: an unsaveable default fails fast
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as e:
@@ -86,7 +88,7 @@ def export(f, args, kwargs=None, *, dynamic_shapes=None, dynamic: bool = False) 
     finally:
         del module.forward
 
-    return _encode(ep, sig_json, leaves, in_spec, _dim_names(flat_shapes))
+    return _encode(ep, sig_json, leaves, in_spec, dim_names=_dim_names(flat_shapes), tensor_defaults=tensor_defaults)
 
 
 def _dim_names(flat_shapes: list) -> list[dict[int, str]]:
@@ -106,7 +108,15 @@ def _dim_names(flat_shapes: list) -> list[dict[int, str]]:
     return out
 
 
-def _encode(ep, sig_json: dict, leaves: list, in_spec, dim_names: list[dict[int, str]] | None = None) -> Exported:
+def _encode(
+    ep,
+    sig_json: dict,
+    leaves: list,
+    in_spec,
+    *,
+    dim_names: list[dict[int, str]] | None = None,
+    tensor_defaults: dict | None = None,
+) -> Exported:
     """The header and weights of a traced program whose user inputs are ``leaves``."""
     # torch.export's graph runs as-is when its in-place ops only touch the call's own fresh
     # intermediates. Otherwise functionalize: writes to buffers and inputs become outputs
@@ -117,9 +127,11 @@ def _encode(ep, sig_json: dict, leaves: list, in_spec, dim_names: list[dict[int,
             warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")  # torch-internal
             ep = ep.run_decompositions({})
     header, weights, mutable = header_json(ep, sig_json, leaves, in_spec, dim_names)
+    # A tensor default is saved as it is, a weight of its own (not the clone the trace took).
+    weights.update({k: v.detach() for k, v in (tensor_defaults or {}).items()})
     storage_table, tensor_table, storages = weight_tables(weights, mutable)
     header["weights"] = {"storages": storage_table, "tensors": tensor_table}
-    return Exported(ep, header, storages)
+    return Exported(ep, header, storages, tensor_defaults)
 
 
 def from_exported_program(ep) -> Exported:
@@ -197,6 +209,16 @@ def _call_as_given(sig: inspect.Signature, args: tuple, kwargs: dict):
         (key, (key, None) if key in sig.parameters and sig.parameters[key].kind in named else (var_keyword, key))
         for key in kwargs
     ]
+    # A tensor default the call left out is passed all the same: left to the function, it
+    # would be traced as a constant, and a later call that passes its own would be ignored.
+    given = {name for name, _ in by_position} | {key for key, _ in by_keyword}
+    for i, p in enumerate(params):
+        if p.name in given or not isinstance(p.default, torch.Tensor):
+            continue
+        if p.kind is P.POSITIONAL_ONLY:  # by position: every positional before it too
+            by_position += [(name, None) for name in positional[len(by_position) : i + 1]]
+        else:
+            by_keyword.append((p.name, (p.name, None)))
 
     def value(arguments, where):
         name, item = where

@@ -50,6 +50,10 @@ def branches(x, *, limit=0.0):
     return torch.cond(x.sum() > limit, lambda x, s: x.sin() * s, lambda x, s: x.cos() - s, (x, scale))
 
 
+def tensor_default(x, y=torch.arange(3.0)):  # noqa: B008 - the default under test
+    return x * y
+
+
 def cases():
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g)
@@ -82,6 +86,7 @@ def cases():
     torch.manual_seed(0)
     bn = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).train()
     yield "bn_state", bn, (r(4, 3),), {}, None, [((r(4, 3),), {}), ((r(4, 3) * 2,), {})]
+    yield "tensor_default", tensor_default, (r(2, 3),), {}, None, [((r(2, 3),), {}), ((r(2, 3),), {"y": r(3)})]
     table = lambda: collections.defaultdict(list, {"w": [r(3)]})  # noqa: E731
     yield (
         "containers",

@@ -141,6 +141,18 @@ impl Parsed {
             })
             .collect::<Result<Vec<_>>>()?;
         let weights = weights::validate(&doc.weights, &layout)?;
+        for (index, p) in doc.signature.params.iter().enumerate() {
+            if let Some(weight) = &p.default_weight {
+                let problem = if p.default.is_some() {
+                    "given beside a default"
+                } else if !weights.contains_key(weight) {
+                    "names no entry of weights.tensors"
+                } else {
+                    continue;
+                };
+                return Err(Error::DefaultWeight { index, name: p.name.clone(), weight: weight.clone(), problem });
+            }
+        }
         let ops = graph::op_names(&doc.ops)?;
         let graph = graph::validate(&doc.graph, &ops, n_leaves, |w| weights.contains_key(w))?;
         let subgraphs = doc
@@ -265,10 +277,10 @@ pub(crate) mod tests {
     use super::*;
     use serde_json::json;
 
-    /// A valid 2.0 file: `f(x, *, scale)` with one weight and one extra file.
+    /// A valid 3.1 file: `f(x, *, scale)` with one weight and one extra file.
     pub(crate) fn file(mutate: impl FnOnce(&mut serde_json::Value)) -> Vec<u8> {
         let mut header = json!({
-            "format_version": {"major": 3, "minor": 0},
+            "format_version": {"major": 3, "minor": 1},
             "producer": {"kwexport": "0.1.0", "torch": "2.13.0", "python": "3.11.7"},
             "signature": {"name": "f", "params": [
                 {"name": "x", "kind": "positional_or_keyword"},
@@ -308,6 +320,21 @@ pub(crate) mod tests {
         assert!(a.leaf_dims[1].is_none());
         assert_eq!(a.graph.nodes.len(), 1);
         assert_eq!(a.weights["w"].shape, [2]);
+    }
+
+    #[test]
+    fn tensor_defaults_name_a_weight() {
+        let a = open(&file(|h| h["signature"]["params"][0]["default_weight"] = json!("w"))).unwrap();
+        assert!(a.binder.params[0].has_default());
+        let err = |m: fn(&mut serde_json::Value)| open(&file(m)).unwrap_err().to_string();
+        assert_eq!(
+            err(|h| h["signature"]["params"][0]["default_weight"] = json!("ghost")),
+            "signature.params[0] (x): default_weight \"ghost\" names no entry of weights.tensors"
+        );
+        assert_eq!(
+            err(|h| h["signature"]["params"][1]["default_weight"] = json!("w")),
+            "signature.params[1] (scale): default_weight \"w\" given beside a default"
+        );
     }
 
     #[test]

@@ -68,14 +68,14 @@ impl Binder {
             match p.kind {
                 ParamKind::PositionalOnly | ParamKind::PositionalOrKeyword => {
                     n_positional += 1;
-                    if p.default.is_some() {
+                    if p.has_default() {
                         seen_default = true;
                     } else if seen_default {
                         return Err(invalid(ParamProblem::DefaultOrder));
                     }
                 }
                 ParamKind::VarPositional | ParamKind::VarKeyword => {
-                    if p.default.is_some() {
+                    if p.has_default() {
                         return Err(invalid(ParamProblem::VariadicDefault));
                     }
                     let slot = if p.kind == ParamKind::VarPositional { &mut var_positional } else { &mut var_keyword };
@@ -150,7 +150,7 @@ impl Binder {
             self.params
                 .iter()
                 .zip(bound)
-                .filter(|(p, b)| kind(p.kind) && b.is_none() && p.default.is_none())
+                .filter(|(p, b)| kind(p.kind) && b.is_none() && !p.has_default())
                 .map(|(p, _)| p.name.clone())
                 .collect()
         };
@@ -186,7 +186,7 @@ impl Binder {
             .filter(|k| self.by_name.get(k.as_ref()).is_some_and(|&i| self.params[i].kind == ParamKind::KeywordOnly))
             .count();
         self.err(BindProblem::TooManyPositional {
-            required: self.params[..max].iter().filter(|p| p.default.is_none()).count(),
+            required: self.params[..max].iter().filter(|p| !p.has_default()).count(),
             max,
             given,
             keyword_only_given,
@@ -221,7 +221,12 @@ mod tests {
             name: "f".into(),
             params: params
                 .iter()
-                .map(|&(n, k, d)| Param { name: n.into(), kind: k, default: d.then_some(Constant::Int(1)) })
+                .map(|&(n, k, d)| Param {
+                    name: n.into(),
+                    kind: k,
+                    default: d.then_some(Constant::Int(1)),
+                    default_weight: None,
+                })
                 .collect(),
         })
         .unwrap()
@@ -292,7 +297,12 @@ mod tests {
     #[test]
     fn rejects_invalid_signatures() {
         let bad = |params: Vec<Param>| Binder::new(&Signature { name: "f".into(), params }).unwrap_err().to_string();
-        let p = |n: &str, k, d: bool| Param { name: n.into(), kind: k, default: d.then_some(Constant::Int(0)) };
+        let p = |n: &str, k, d: bool| Param {
+            name: n.into(),
+            kind: k,
+            default: d.then_some(Constant::Int(0)),
+            default_weight: None,
+        };
         assert!(bad(vec![p("a", KeywordOnly, false), p("b", PositionalOrKeyword, false)]).contains("cannot follow"));
         assert!(bad(vec![p("a", PositionalOrKeyword, false), p("a", KeywordOnly, false)]).contains("duplicate"));
         assert!(bad(vec![p("a", PositionalOrKeyword, true), p("b", PositionalOrKeyword, false)])

@@ -196,6 +196,8 @@ pub fn signature_text(sig: &Signature) -> String {
         if let Some(d) = &p.default {
             text.push('=');
             text.push_str(&python_repr(d));
+        } else if let Some(w) = &p.default_weight {
+            text.push_str(&format!("=<tensor {w:?}>"));
         }
         parts.push(text);
     }
@@ -310,7 +312,8 @@ mod tests {
 
     #[test]
     fn signatures_print_as_python_does() {
-        let p = |n: &str, kind, default: Option<Constant>| Param { name: n.into(), kind, default };
+        let p =
+            |n: &str, kind, default: Option<Constant>| Param { name: n.into(), kind, default, default_weight: None };
         let sig = Signature {
             name: "f".into(),
             params: vec![

@@ -439,6 +439,18 @@ pub enum Error {
         /// The operator's name.
         name: String,
     },
+    /// A parameter's tensor default that doesn't check out.
+    #[error("signature.params[{index}] ({name}): default_weight {weight:?} {problem}")]
+    DefaultWeight {
+        /// The parameter's index.
+        index: usize,
+        /// Its name.
+        name: String,
+        /// The weight it names.
+        weight: String,
+        /// What is wrong.
+        problem: &'static str,
+    },
     /// A `torch::` function outside [`crate::tables::SYM_FUNCTIONS`].
     #[error("{entry}: torch.{name} is not an allowed function of symbolic values")]
     SymFunctionNotAllowed {

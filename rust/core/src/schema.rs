@@ -192,6 +192,17 @@ pub struct Param {
     /// Its default, if it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub default: Option<Constant>,
+    /// Since 3.1: a tensor default, as the name of an entry of `weights.tensors` (a reader
+    /// older than 3.1 ignores it and takes the parameter as required).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_weight: Option<String>,
+}
+
+impl Param {
+    /// Whether a call may leave it out.
+    pub fn has_default(&self) -> bool {
+        self.default.is_some() || self.default_weight.is_some()
+    }
 }
 
 /// Python's parameter kinds (`inspect.Parameter.kind`).

@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::schema::FormatVersion;
 
 /// The version kwexport writes.
-pub const CURRENT: FormatVersion = FormatVersion { major: 3, minor: 0 };
+pub const CURRENT: FormatVersion = FormatVersion { major: 3, minor: 1 };
 /// The oldest version this runtime reads.
 pub const OLDEST: FormatVersion = FormatVersion { major: 1, minor: 0 };
 
@@ -43,6 +43,12 @@ pub const UPGRADERS: &[Upgrader] = &[
         name: "v2_to_v3_containers",
         apply: v2_to_v3_containers,
     },
+    Upgrader {
+        from: FormatVersion { major: 3, minor: 0 },
+        to: FormatVersion { major: 3, minor: 1 },
+        name: "v3_0_to_v3_1_tensor_defaults",
+        apply: v3_0_to_v3_1_tensor_defaults,
+    },
 ];
 
 /// 1.0 named each node's op inline; 2.0 lists each op once in `ops`, with the schema it
@@ -67,6 +73,13 @@ fn v1_to_v2_op_table(mut doc: Value) -> Result<Value, String> {
     let table: Vec<Value> = ops.into_iter().map(|name| serde_json::json!({"name": name, "schema": null})).collect();
     doc["ops"] = Value::from(table);
     doc["format_version"] = serde_json::json!({"major": 2, "minor": 0});
+    Ok(doc)
+}
+
+/// 3.1 adds an optional field (`signature.params[i].default_weight`): a 3.0 document is a
+/// 3.1 document as it stands.
+fn v3_0_to_v3_1_tensor_defaults(mut doc: Value) -> Result<Value, String> {
+    doc["format_version"] = serde_json::json!({"major": 3, "minor": 1});
     Ok(doc)
 }
 
@@ -199,7 +212,7 @@ mod tests {
             "weights": {"storages": [], "tensors": {}}
         });
         let up = upgrade(v1).unwrap();
-        assert_eq!(up.applied, vec!["v1_to_v2_op_table", "v2_to_v3_containers"]);
+        assert_eq!(up.applied, vec!["v1_to_v2_op_table", "v2_to_v3_containers", "v3_0_to_v3_1_tensor_defaults"]);
         let doc: crate::schema::Document = serde_json::from_value(up.document).unwrap();
         assert_eq!(doc.format_version, CURRENT);
         assert_eq!(doc.ops, vec![crate::schema::OpEntry { name: "aten::neg.default".into(), schema: None }]);

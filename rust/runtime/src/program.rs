@@ -203,7 +203,16 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
         .binder
         .params
         .iter()
-        .map(|p| p.default.as_ref().map(|d| constant_to_py(py, d)).transpose())
+        .map(|p| match (&p.default, &p.default_weight) {
+            (Some(d), _) => constant_to_py(py, d).map(Some),
+            // A tensor default is one tensor, shared by every call that leaves it out, as
+            // Python shares a default object.
+            (None, Some(w)) => weights
+                .get(w)
+                .map(|t| Some(t.clone_ref(py)))
+                .ok_or_else(|| RtError::Internal(format!("weight {w}")).into()),
+            (None, None) => Ok(None),
+        })
         .collect::<PyResult<Vec<_>>>()?;
 
     let (args, kwargs) = kwexport_core::artifact::split_root(&doc.inputs.spec)?;
