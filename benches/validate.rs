@@ -51,6 +51,7 @@ fn bind(c: &mut Criterion) {
         name: name.into(),
         kind,
         default: default.then_some(Constant::Int(1)),
+        default_weight: None,
     };
     let binder = Binder::new(&Signature {
         name: "forward".into(),

@@ -84,7 +84,13 @@ def header_cases(h: dict):
         def mutate(d):
             d["ops"].append({"name": f"higher_order::{name}", "schema": None})
             x = d["graph"]["inputs"][-1]["name"]
-            args_ = [({"ref": x} if a == "X" else a) for a in args]
+
+            def fill(a):
+                if a == "X":
+                    return {"ref": x}
+                return {"list": [fill(i) for i in a["list"]]} if isinstance(a, dict) and "list" in a else a
+
+            args_ = [fill(a) for a in args]
             d["graph"]["nodes"].append(
                 {"op": len(d["ops"]) - 1, "args": args_, "outputs": {"many": [f"h{i}" for i in range(outputs)]}}
             )
@@ -97,7 +103,17 @@ def header_cases(h: dict):
     yield "hop_unknown_subgraph", hop("wrap_with_set_grad_enabled", grad("X")), ARTIFACT
     yield "hop_operand_count", hop("wrap_with_set_grad_enabled", grad("X", "X"), {"b": body}), ARTIFACT
     yield "hop_bad_layout", hop("wrap_with_set_grad_enabled", [{"subgraph": "b"}, "X"], {"b": body}), ARTIFACT
-    yield "hop_unsupported", hop("while_loop", grad("X"), {"b": body}), ARTIFACT
+    yield "hop_unsupported", hop("flex_attention", grad("X"), {"b": body}), ARTIFACT
+    two = {"inputs": ["a"], "nodes": [], "outputs": [{"ref": "a"}, {"ref": "a"}]}
+    loop = [{"subgraph": "c"}, {"subgraph": "b"}, {"list": ["X"]}, {"list": []}]
+    yield "while_loop_cond_returns_two", hop("while_loop", loop, {"c": two, "b": body}), ARTIFACT
+    yield "while_loop_bad_layout", hop("while_loop", grad("X"), {"b": body}), ARTIFACT
+    yield "map_without_xs", hop("map_impl", [{"subgraph": "b"}, {"list": []}, {"list": ["X"]}], {"b": body}), ARTIFACT
+    three_in = {"inputs": ["a", "b", "c"], "nodes": [], "outputs": [{"ref": "a"}]}
+    scan = [{"subgraph": "b"}, {"list": ["X", "X"]}, {"list": ["X"]}, {"list": []}]
+    yield "scan_carry_longer_than_returns", hop("scan", scan, {"b": three_in}), ARTIFACT
+    assoc = [{"subgraph": "b"}, {"list": ["X"]}, {"list": []}]
+    yield "associative_scan_operand_count", hop("associative_scan", assoc, {"b": body}), ARTIFACT
     yield "hop_too_many_outputs", hop("wrap_with_set_grad_enabled", grad("X"), {"b": body}, outputs=3), ARTIFACT
     selfish = {
         "inputs": ["a"],

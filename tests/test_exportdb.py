@@ -19,9 +19,7 @@ CASES = dict(sorted(all_examples().items()))
 
 # Known gaps, each an open part of issue 21: a case here that starts to pass fails the test
 # until it is taken off the list.
-NOT_YET = {
-    "dynamic_shape_map": "the `map` higher-order op is not run yet",
-}
+NOT_YET: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -187,7 +187,8 @@ def _encode_graph(gm, prefix: str, ops: _OpTable, subgraphs: dict[str, Any]) -> 
             if encoded is not None:
                 nodes.append(encoded)
         elif node.op == "output":
-            outputs = [_arg(a, "graph.outputs", prefix) for a in node.args[0]]
+            returned = node.args[0] if isinstance(node.args[0], (tuple, list)) else [node.args[0]]  # one value: a cond
+            outputs = [_arg(a, "graph.outputs", prefix) for a in returned]
         else:
             raise ArtifactError(f"node {node.name!r}: unsupported node kind {node.op!r}")
     return {"inputs": inputs, "nodes": nodes, "outputs": outputs}
@@ -207,7 +208,7 @@ def _node(node, ops, prefix=""):
         if target.name() not in HIGHER_ORDER_OPS:
             raise ArtifactError(
                 f"node {node.name!r}: kwexport can't run the higher-order op {target.name()!r} (it runs "
-                f"{', '.join(HIGHER_ORDER_OPS)}); rewrite that part of the model without it, e.g. unroll the loop"
+                f"{', '.join(HIGHER_ORDER_OPS)}); rewrite that part of the model without it"
             )
         op, schema = f"higher_order::{target.name()}", None
     else:

@@ -842,6 +842,16 @@ pub enum HopProblem {
         /// Operands given.
         given: usize,
     },
+    /// A subgraph that returns other than its op's layout says.
+    #[error("subgraph {subgraph:?} returns {returns} values, where the op needs {want}")]
+    Returns {
+        /// The subgraph.
+        subgraph: String,
+        /// Its outputs.
+        returns: usize,
+        /// What the layout needs.
+        want: usize,
+    },
     /// `cond`'s branches of different arity.
     #[error("cond's branches take or return different numbers of values")]
     BranchesDiffer,

@@ -1,8 +1,8 @@
-//! Higher-order ops: nodes that run subgraphs. kwexport runs three, which torch.export
-//! produces for ordinary models: `cond` (data-dependent control flow, `torch.cond`),
-//! `wrap_with_set_grad_enabled` and `wrap_with_autocast` (a `torch.no_grad()` or
-//! `torch.autocast(...)` region, as in Llama's rotary embedding). A file names them
-//! `higher_order::<name>` in its op table.
+//! Higher-order ops: nodes that run subgraphs, as torch.export produces them: `cond`
+//! (data-dependent control flow, `torch.cond`), `wrap_with_set_grad_enabled` and
+//! `wrap_with_autocast` (a `torch.no_grad()` or `torch.autocast(...)` region, as in Llama's
+//! rotary embedding), and the loops `map_impl`, `scan`, `while_loop` and `associative_scan`.
+//! A file names them `higher_order::<name>` in its op table.
 //!
 //! Argument layouts, checked at load against the subgraphs they name:
 //!
@@ -10,7 +10,16 @@
 //!   branches take the operands and return as many values;
 //! - `wrap_with_set_grad_enabled(enabled: bool, body, *operands)`;
 //! - `wrap_with_autocast(device_type: str, dtype: dtype | None, enabled: bool,
-//!   cache_enabled: bool | None, body, *operands)`.
+//!   cache_enabled: bool | None, body, *operands)`;
+//! - `map_impl(body, [xs...], [args...])`: `body(x_i..., args...)` for each row `i` of the
+//!   `xs` (their dim 0), its returns stacked;
+//! - `scan(combine, [init...], [xs...], [additional...])`: `combine(carry..., x_i...,
+//!   additional...)` returns the next carry then this row's outputs; the node returns the
+//!   last carry, then each output stacked;
+//! - `while_loop(cond, body, [carried...], [additional...])`: `body(carried...,
+//!   additional...)` returns the next carried values while `cond` of them returns true;
+//! - `associative_scan(combine, [xs...], [additional...])`: the running `combine(acc...,
+//!   x_i..., additional...)` over the rows of the `xs`, each step's values stacked.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -30,6 +39,14 @@ pub enum HopKind {
     SetGradEnabled,
     /// A `torch.autocast` region.
     Autocast,
+    /// `torch._higher_order_ops.map`: a body per row.
+    Map,
+    /// `torch._higher_order_ops.scan`.
+    Scan,
+    /// `torch._higher_order_ops.while_loop`.
+    WhileLoop,
+    /// `torch._higher_order_ops.associative_scan`.
+    AssociativeScan,
 }
 
 impl HopKind {
@@ -42,12 +59,24 @@ impl HopKind {
             "cond" => HopKind::Cond,
             "wrap_with_set_grad_enabled" => HopKind::SetGradEnabled,
             "wrap_with_autocast" => HopKind::Autocast,
+            "map_impl" => HopKind::Map,
+            "scan" => HopKind::Scan,
+            "while_loop" => HopKind::WhileLoop,
+            "associative_scan" => HopKind::AssociativeScan,
             _ => return None,
         })
     }
 
     /// The names of the higher-order ops kwexport runs.
-    pub const NAMES: &'static [&'static str] = &["cond", "wrap_with_set_grad_enabled", "wrap_with_autocast"];
+    pub const NAMES: &'static [&'static str] = &[
+        "cond",
+        "wrap_with_set_grad_enabled",
+        "wrap_with_autocast",
+        "map_impl",
+        "scan",
+        "while_loop",
+        "associative_scan",
+    ];
 }
 
 /// A higher-order op's node with its arguments sorted out.
@@ -58,10 +87,50 @@ pub struct HopCall<'a> {
     /// The literal arguments before the subgraphs (`enabled`; `device_type`, `dtype`,
     /// `enabled`, `cache_enabled`); for `cond`, the predicate.
     pub params: &'a [SlotArg],
-    /// The subgraphs it may run: the body, or the true and false branches.
+    /// The subgraphs it may run: the body, `cond`'s true and false branches, or
+    /// `while_loop`'s condition and body.
     pub bodies: Vec<&'a str>,
-    /// The values passed to the subgraph.
-    pub operands: &'a [SlotArg],
+    /// The values the node passes, in the layout's groups: one group (the operands) for
+    /// `cond` and the regions; `[xs, args]` for `map_impl`; `[init, xs, additional]` for
+    /// `scan`; `[carried, additional]` for `while_loop`; `[xs, additional]` for
+    /// `associative_scan`.
+    pub groups: Vec<&'a [SlotArg]>,
+}
+
+impl HopCall<'_> {
+    /// Every value the node passes, group after group.
+    pub fn operands(&self) -> impl Iterator<Item = &SlotArg> {
+        self.groups.iter().flat_map(|g| g.iter())
+    }
+
+    /// How many values each subgraph takes.
+    pub fn body_inputs(&self) -> usize {
+        let n: Vec<usize> = self.groups.iter().map(|g| g.len()).collect();
+        match self.kind {
+            // The accumulated values and the next row's, then the additional inputs.
+            HopKind::AssociativeScan => 2 * n[0] + n[1],
+            _ => n.iter().sum(),
+        }
+    }
+
+    /// Which subgraphs' returns are the node's (`while_loop`'s condition returns its
+    /// predicate); each returns as many values.
+    pub fn result_bodies(&self) -> std::ops::Range<usize> {
+        match self.kind {
+            HopKind::WhileLoop => 1..2,
+            _ => 0..self.bodies.len(),
+        }
+    }
+
+    /// How many values subgraph `i` must return, where the layout fixes it.
+    fn body_outputs(&self, i: usize) -> Option<usize> {
+        match (self.kind, i) {
+            (HopKind::WhileLoop, 0) => Some(1),
+            (HopKind::WhileLoop, _) => Some(self.groups[0].len()),
+            (HopKind::AssociativeScan, _) => Some(self.groups[0].len()),
+            _ => None,
+        }
+    }
 }
 
 impl<'a> HopCall<'a> {
@@ -82,14 +151,14 @@ impl<'a> HopCall<'a> {
                 let [pred, t, f, SlotArg::List(operands)] = args else { return Err(bad()) };
                 let pred_ok = matches!(pred, SlotArg::Value(_)) || lit(pred, |l| matches!(l, Arg::Bool(_)));
                 let (Some(t), Some(f), true) = (subgraph(t), subgraph(f), pred_ok) else { return Err(bad()) };
-                HopCall { kind, params: &args[..1], bodies: vec![t, f], operands }
+                HopCall { kind, params: &args[..1], bodies: vec![t, f], groups: vec![operands] }
             }
             HopKind::SetGradEnabled => {
                 let [enabled, body, ..] = args else { return Err(bad()) };
                 let (true, Some(body)) = (lit(enabled, |l| matches!(l, Arg::Bool(_))), subgraph(body)) else {
                     return Err(bad());
                 };
-                HopCall { kind, params: &args[..1], bodies: vec![body], operands: &args[2..] }
+                HopCall { kind, params: &args[..1], bodies: vec![body], groups: vec![&args[2..]] }
             }
             HopKind::Autocast => {
                 let [device, dtype, enabled, cache, body, ..] = args else { return Err(bad()) };
@@ -98,7 +167,33 @@ impl<'a> HopCall<'a> {
                     && lit(enabled, |l| matches!(l, Arg::Bool(_)))
                     && lit(cache, |l| matches!(l, Arg::Bool(_) | Arg::None(())));
                 let (true, Some(body)) = (ok, subgraph(body)) else { return Err(bad()) };
-                HopCall { kind, params: &args[..4], bodies: vec![body], operands: &args[5..] }
+                HopCall { kind, params: &args[..4], bodies: vec![body], groups: vec![&args[5..]] }
+            }
+            HopKind::Map | HopKind::Scan | HopKind::WhileLoop | HopKind::AssociativeScan => {
+                let n_bodies = if kind == HopKind::WhileLoop { 2 } else { 1 };
+                let bodies = args.iter().take(n_bodies).map(subgraph).collect::<Option<Vec<_>>>().ok_or_else(bad)?;
+                let groups = args[n_bodies.min(args.len())..]
+                    .iter()
+                    .map(|a| match a {
+                        SlotArg::List(items) => Some(items.as_slice()),
+                        _ => None,
+                    })
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(bad)?;
+                let want = match kind {
+                    HopKind::Scan => 3,
+                    _ => 2,
+                };
+                // The loops run over rows of their `xs` (`while_loop` over nothing): one at least.
+                let xs = match kind {
+                    HopKind::Map | HopKind::AssociativeScan => groups.first(),
+                    HopKind::Scan => groups.get(1),
+                    _ => None,
+                };
+                if bodies.len() != n_bodies || groups.len() != want || xs.is_some_and(|x| x.is_empty()) {
+                    return Err(bad());
+                }
+                HopCall { kind, params: &[], bodies, groups }
             }
         })
     }
@@ -119,6 +214,10 @@ fn layout(kind: HopKind) -> &'static str {
         HopKind::Autocast => {
             "wrap_with_autocast(device_type: str, dtype, enabled: bool, cache_enabled: bool | None, body, *operands)"
         }
+        HopKind::Map => "map_impl(body, [xs...], [args...]) with at least one xs",
+        HopKind::Scan => "scan(combine, [init...], [xs...], [additional...]) with at least one xs",
+        HopKind::WhileLoop => "while_loop(cond, body, [carried...], [additional...])",
+        HopKind::AssociativeScan => "associative_scan(combine, [xs...], [additional...]) with at least one xs",
     }
 }
 
@@ -143,14 +242,33 @@ pub fn check(main: &SlotGraph, subgraphs: &BTreeMap<String, SlotGraph>) -> Resul
             };
             let call = HopCall::new(kind, node).map_err(err)?;
             let mut shape = None;
-            for body in &call.bodies {
+            for (b, body) in call.bodies.iter().enumerate() {
                 let sub = subgraphs.get(*body).ok_or_else(|| err(HopProblem::UnknownSubgraph(body.to_string())))?;
-                if sub.n_inputs != call.operands.len() {
+                if sub.n_inputs != call.body_inputs() {
                     return Err(err(HopProblem::OperandCount {
                         subgraph: body.to_string(),
                         takes: sub.n_inputs,
-                        given: call.operands.len(),
+                        given: call.body_inputs(),
                     }));
+                }
+                let carry = if kind == HopKind::Scan { call.groups[0].len() } else { 0 };
+                if sub.outputs.len() < carry {
+                    return Err(err(HopProblem::Returns {
+                        subgraph: body.to_string(),
+                        returns: sub.outputs.len(),
+                        want: carry,
+                    }));
+                }
+                if let Some(n) = call.body_outputs(b).filter(|&n| n != sub.outputs.len()) {
+                    return Err(err(HopProblem::Returns {
+                        subgraph: body.to_string(),
+                        returns: sub.outputs.len(),
+                        want: n,
+                    }));
+                }
+                uses.entry(graph_name).or_default().push(body);
+                if !call.result_bodies().contains(&b) {
+                    continue;
                 }
                 let this = (sub.n_inputs, sub.outputs.len());
                 if shape.is_some_and(|s| s != this) {
@@ -165,7 +283,6 @@ pub fn check(main: &SlotGraph, subgraphs: &BTreeMap<String, SlotGraph>) -> Resul
                 if !outputs_fit {
                     return Err(err(HopProblem::Outputs { subgraph: body.to_string(), returns: sub.outputs.len() }));
                 }
-                uses.entry(graph_name).or_default().push(body);
             }
         }
     }
@@ -253,5 +370,34 @@ mod tests {
         let loop_node =
             node("wrap_with_set_grad_enabled", vec![SlotArg::Literal(Arg::Bool(true)), sub("b"), slot(0)], 2);
         assert!(ok(grad, vec![("b", graph(1, 2, vec![loop_node]))]).unwrap_err().contains("runs itself"));
+    }
+
+    #[test]
+    fn checks_the_loops() {
+        let ok = |main: SlotNode, subs: Vec<(&str, SlotGraph)>| {
+            let subgraphs: BTreeMap<String, SlotGraph> = subs.into_iter().map(|(n, g)| (n.to_owned(), g)).collect();
+            check(&graph(1, 1, vec![main]), &subgraphs).map_err(|e| e.to_string())
+        };
+        let list = |n: usize| SlotArg::List(vec![slot(0); n]);
+        // map_impl(body, [xs], [args]): the body takes a row of each xs, then the args.
+        let map = node("map_impl", vec![sub("b"), list(2), list(1)], 2);
+        ok(map.clone(), vec![("b", graph(3, 2, vec![]))]).unwrap();
+        assert!(ok(map, vec![("b", graph(2, 2, vec![]))]).unwrap_err().contains("takes 2 inputs, given 3"));
+        // scan(combine, [init], [xs], [additional]): returns the carry first.
+        let scan = node("scan", vec![sub("b"), list(2), list(1), list(0)], 3);
+        ok(scan.clone(), vec![("b", graph(3, 3, vec![]))]).unwrap();
+        assert!(ok(scan, vec![("b", graph(3, 1, vec![]))])
+            .unwrap_err()
+            .contains("returns 1 values, where the op needs 2"));
+        // while_loop(cond, body, [carried], [additional]): cond returns one value, body the carried.
+        let w = node("while_loop", vec![sub("c"), sub("b"), list(2), list(1)], 2);
+        ok(w.clone(), vec![("c", graph(3, 1, vec![])), ("b", graph(3, 2, vec![]))]).unwrap();
+        assert!(ok(w, vec![("c", graph(3, 1, vec![])), ("b", graph(3, 3, vec![]))]).unwrap_err().contains("needs 2"));
+        // associative_scan(combine, [xs], [additional]): two rows of each xs, then the additional.
+        let a = node("associative_scan", vec![sub("b"), list(2), list(1)], 2);
+        ok(a.clone(), vec![("b", graph(5, 2, vec![]))]).unwrap();
+        assert!(ok(a, vec![("b", graph(3, 2, vec![]))]).unwrap_err().contains("takes 3 inputs, given 5"));
+        let no_rows = node("map_impl", vec![sub("b"), list(0), list(1)], 1);
+        assert!(ok(no_rows, vec![("b", graph(1, 1, vec![]))]).unwrap_err().contains("with at least one xs"));
     }
 }

@@ -482,8 +482,95 @@ impl HopStep {
                 region.call_method1("__exit__", (&none, &none, &none))?;
                 result
             }
+            HopKind::Map => {
+                let (xs, rest) = args.split_at(self.groups[0]);
+                let mut rows = Vec::new();
+                for i in 0..n_rows(xs)? {
+                    let inputs: Vec<_> = row(xs, i)?.into_iter().chain(rest.iter().cloned()).collect();
+                    rows.push(self.bodies[0].run(py, &inputs)?);
+                }
+                self.stacked(py, rows, 0)
+            }
+            HopKind::Scan => {
+                let (init, rest) = args.split_at(self.groups[0]);
+                let (xs, additional) = rest.split_at(self.groups[1]);
+                let mut carry = init.to_vec();
+                let mut rows = Vec::new();
+                for i in 0..n_rows(xs)? {
+                    let inputs: Vec<_> =
+                        carry.iter().cloned().chain(row(xs, i)?).chain(additional.iter().cloned()).collect();
+                    let mut out = self.bodies[0].run(py, &inputs)?;
+                    if out.len() < carry.len() {
+                        return Err(RtError::Internal("scan's combine returned fewer values than its carry".into()));
+                    }
+                    rows.push(out.split_off(carry.len()));
+                    carry = out;
+                }
+                let ys = self.stacked(py, rows, self.bodies[0].outputs.len() - carry.len())?;
+                Ok(carry.into_iter().chain(ys).collect())
+            }
+            HopKind::WhileLoop => {
+                let (carried, additional) = args.split_at(self.groups[0]);
+                let mut carried = carried.to_vec();
+                loop {
+                    let inputs: Vec<_> = carried.iter().cloned().chain(additional.iter().cloned()).collect();
+                    let pred = self.bodies[0].run(py, &inputs)?;
+                    if !pred.first().ok_or_else(|| RtError::Internal("while_loop's cond".into()))?.is_truthy()? {
+                        return Ok(carried);
+                    }
+                    carried = self.bodies[1].run(py, &inputs)?;
+                }
+            }
+            HopKind::AssociativeScan => {
+                // In order, row after row: the op is associative, so this is the scan torch
+                // computes (in another association, so floats may round differently).
+                let (xs, additional) = args.split_at(self.groups[0]);
+                let mut acc = row(xs, 0)?;
+                let mut rows = vec![acc.clone()];
+                for i in 1..n_rows(xs)? {
+                    let inputs: Vec<_> = acc.into_iter().chain(row(xs, i)?).chain(additional.iter().cloned()).collect();
+                    acc = self.bodies[0].run(py, &inputs)?;
+                    rows.push(acc.clone());
+                }
+                self.stacked(py, rows, xs.len())
+            }
         }
     }
+
+    /// Each output of the rows, stacked along a new dim 0; `n` outputs where there is no row.
+    fn stacked<'py>(
+        &self,
+        py: Python<'py>,
+        rows: Vec<Vec<Bound<'py, PyAny>>>,
+        n: usize,
+    ) -> RtResult<Vec<Bound<'py, PyAny>>> {
+        if rows.is_empty() {
+            return Err(RtError::Internal(format!(
+                "{:?} over no rows: nothing to stack its {n} outputs from",
+                self.kind
+            )));
+        }
+        let width = rows[0].len();
+        let mut columns: Vec<Vec<Bound<'py, PyAny>>> = (0..width).map(|_| Vec::with_capacity(rows.len())).collect();
+        for r in rows {
+            for (c, v) in columns.iter_mut().zip(r) {
+                c.push(v);
+            }
+        }
+        let stack = self.stack.bind(py);
+        columns.into_iter().map(|c| Ok(stack.call1((PyList::new(py, c)?,))?)).collect()
+    }
+}
+
+/// How many rows (dim 0) the loop's `xs` have: the first one's.
+fn n_rows(xs: &[Bound<'_, PyAny>]) -> RtResult<usize> {
+    let first = xs.first().ok_or_else(|| RtError::Internal("a loop over no xs".into()))?;
+    Ok(first.call_method1(pyo3::intern!(first.py(), "size"), (0,))?.extract()?)
+}
+
+/// Row `i` of each of the `xs`.
+fn row<'py>(xs: &[Bound<'py, PyAny>], i: usize) -> RtResult<Vec<Bound<'py, PyAny>>> {
+    xs.iter().map(|x| Ok(x.call_method1(pyo3::intern!(x.py(), "select"), (0, i))?)).collect()
 }
 
 /// torch's exception, as raised, with a note naming the node that raised it.

@@ -27,15 +27,22 @@ impl HopStep {
         let py = cx.torch.py();
         let entry = format!("graph.nodes[{index}] ({})", node.op_name);
         let call = HopCall::new(kind, node).map_err(|problem| Error::Hop { at: entry.clone(), problem })?;
-        let operand_is_tensor: Vec<bool> = call
-            .operands
-            .iter()
-            .map(|a| match a {
-                SlotArg::Value(ValueRef::Slot(s)) => tensor_slot[*s],
-                SlotArg::Value(ValueRef::Weight(_)) => true,
-                _ => false,
-            })
-            .collect();
+        let is_tensor = |a: &SlotArg| match a {
+            SlotArg::Value(ValueRef::Slot(s)) => tensor_slot[*s],
+            SlotArg::Value(ValueRef::Weight(_)) => true,
+            _ => false,
+        };
+        let flags = |g: usize| call.groups[g].iter().map(is_tensor).collect::<Vec<_>>();
+        // Which of the subgraphs' inputs are tensors: a row of a tensor is one.
+        let rows = |g: usize| vec![true; call.groups[g].len()];
+        let operand_is_tensor: Vec<bool> = match kind {
+            HopKind::Cond | HopKind::SetGradEnabled | HopKind::Autocast | HopKind::WhileLoop => {
+                call.operands().map(is_tensor).collect()
+            }
+            HopKind::Map => [rows(0), flags(1)].concat(),
+            HopKind::Scan => [flags(0), rows(1), flags(2)].concat(),
+            HopKind::AssociativeScan => [rows(0), rows(0), flags(1)].concat(),
+        };
         let bodies = call
             .bodies
             .iter()
@@ -62,6 +69,8 @@ impl HopStep {
         };
         Ok(HopStep {
             kind,
+            groups: call.groups.iter().map(|g| g.len()).collect(),
+            stack: cx.torch.getattr("stack")?.unbind(),
             bodies,
             grad_mode: (
                 cx.torch.getattr("_C")?.getattr("_set_grad_enabled")?.unbind(),
@@ -84,7 +93,7 @@ impl ConstTable<'_, '_> {
             _ => None,
         };
         let operands =
-            call.operands.iter().map(|a| self.py_arg(a, None, &|| entry.clone())).collect::<RtResult<Vec<_>>>()?;
+            call.operands().map(|a| self.py_arg(a, None, &|| entry.clone())).collect::<RtResult<Vec<_>>>()?;
         Ok(PyStep {
             op: PyOp::Hop(Box::new(hop)),
             node: index,

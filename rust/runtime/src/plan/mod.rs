@@ -88,6 +88,10 @@ pub enum PyOp {
 /// (after `cond`'s predicate) are the step's `args`.
 pub struct HopStep {
     pub(crate) kind: HopKind,
+    /// How many of the step's arguments each of the layout's groups has (see `HopCall`).
+    pub(crate) groups: Vec<usize>,
+    /// `torch.stack`, for the loops' per-row outputs.
+    pub(crate) stack: Py<PyAny>,
     /// The body, or `cond`'s true and false branches.
     pub(crate) bodies: Vec<Plan>,
     /// `torch._C._set_grad_enabled` and `torch.is_grad_enabled`, for grad-mode regions.
@@ -409,8 +413,10 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
 /// sizes return numbers.
 fn mark_tensor_outputs(tensor_slot: &mut [bool], node: &SlotNode, op: &ResolvedOp, hop: Option<&HopStep>) {
     if let Some(hop) = hop {
+        // `while_loop`'s first subgraph is its condition: its body's returns are the node's.
+        let results = if hop.kind == HopKind::WhileLoop { &hop.bodies[1..] } else { &hop.bodies[..] };
         for (i, s) in node.outputs.defined() {
-            tensor_slot[s] = hop.bodies.iter().all(|b| b.output_is_tensor.get(i).copied().unwrap_or(false));
+            tensor_slot[s] = results.iter().all(|b| b.output_is_tensor.get(i).copied().unwrap_or(false));
         }
         return;
     }
