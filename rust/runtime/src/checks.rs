@@ -80,13 +80,15 @@ impl LeafCheck {
         })
     }
 
-    /// Checks `obj`, leaf `leaf` of a call, and says what it was.
+    /// Checks `obj`, leaf `leaf` of a call, and says what it was; a plain tensor's handle,
+    /// where the checks made one, goes to `handle`.
     pub fn check(
         &self,
         obj: &Bound<'_, PyAny>,
         types: &TensorTypes,
         leaf: usize,
         checker: &mut Checker<'_>,
+        handle: &mut Option<crate::abi::Tensor>,
     ) -> Result<Seen, Error> {
         let paths = checker.leaf_paths();
         let path = || paths[leaf].clone();
@@ -119,7 +121,7 @@ impl LeafCheck {
                         Err(e) => return Err(unreadable(e)),
                     };
                     checker.shape(dims, &shape, leaf)?;
-                    return match types.storage(obj, &shape, *itemsize).map_err(unreadable)? {
+                    return match types.storage(obj, &shape, *itemsize, handle).map_err(unreadable)? {
                         Storage::Fits => Ok(Seen::Tensor),
                         Storage::Layout(_) => {
                             let layout = types.layout_name(obj);
@@ -195,9 +197,17 @@ impl TensorTypes {
 
     /// Where a plain tensor's elements live: through torch's C queries where it has them,
     /// else through Python.
-    fn storage(&self, obj: &Bound<'_, PyAny>, shape: &[i64], itemsize: i64) -> PyResult<Storage> {
+    fn storage(
+        &self,
+        obj: &Bound<'_, PyAny>,
+        shape: &[i64],
+        itemsize: i64,
+        handle: &mut Option<crate::abi::Tensor>,
+    ) -> PyResult<Storage> {
         if let Some(abi) = self.abi {
-            if let Some(s) = abi.storage(&abi.handle_of(obj)?, shape, itemsize) {
+            let h = abi.handle_of(obj)?;
+            if let Some(s) = abi.storage(&h, shape, itemsize) {
+                *handle = Some(h);
                 return Ok(s);
             }
         }

@@ -49,22 +49,41 @@ fn sync_intra_op_threads(py: Python<'_>) -> PyResult<()> {
     Ok(())
 }
 
+/// Handles to a call's tensor leaves, by leaf, made by the input checks: the C path takes
+/// these rather than converting the same tensors again.
+pub type LeafHandles = Vec<Option<abi::Tensor>>;
+
 impl Plan {
     /// Runs the graph on the flat user leaves and returns the flat outputs.
     pub fn run<'py>(&self, py: Python<'py>, leaves: &[Bound<'py, PyAny>]) -> RtResult<Vec<Bound<'py, PyAny>>> {
+        self.run_with(py, leaves, &mut Vec::new())
+    }
+
+    /// `run`, taking the handles in `handles` for the leaves the C path reads.
+    pub fn run_with<'py>(
+        &self,
+        py: Python<'py>,
+        leaves: &[Bound<'py, PyAny>],
+        handles: &mut LeafHandles,
+    ) -> RtResult<Vec<Bound<'py, PyAny>>> {
         sync_intra_op_threads(py)?;
-        let Some((is_enabled, set)) = &self.grad_switch else { return self.run_segments(py, leaves) };
+        let Some((is_enabled, set)) = &self.grad_switch else { return self.run_segments(py, leaves, handles) };
         if !is_enabled.bind(py).call0()?.is_truthy()? || self.any_requires_grad(py, leaves)? {
-            return self.run_segments(py, leaves);
+            return self.run_segments(py, leaves, handles);
         }
         let set = set.bind(py);
         set.call1((false,))?;
-        let result = self.run_segments(py, leaves);
+        let result = self.run_segments(py, leaves, handles);
         set.call1((true,))?;
         result
     }
 
-    fn run_segments<'py>(&self, py: Python<'py>, leaves: &[Bound<'py, PyAny>]) -> RtResult<Vec<Bound<'py, PyAny>>> {
+    fn run_segments<'py>(
+        &self,
+        py: Python<'py>,
+        leaves: &[Bound<'py, PyAny>],
+        handles: &mut LeafHandles,
+    ) -> RtResult<Vec<Bound<'py, PyAny>>> {
         let mut pys: Vec<Option<Bound<'py, PyAny>>> = vec![None; self.n_slots];
         let mut natives: Vec<Option<Native>> = Vec::new();
         natives.resize_with(self.n_slots, || None);
@@ -82,7 +101,7 @@ impl Plan {
                 }
                 Segment::C { to_native, steps, free_py, last_ns } => {
                     let abi = self.abi.ok_or_else(|| RtError::Internal("a C segment without the ABI".into()))?;
-                    self.to_native(py, abi, to_native, &pys, &mut natives)?;
+                    self.to_native(py, abi, to_native, &pys, &mut natives, handles)?;
                     let consts = &self.consts;
                     let natives = &mut natives;
                     // Timed inside: waiting to take the GIL back is not the segment's cost,
@@ -170,6 +189,7 @@ impl Plan {
         slots: &[usize],
         pys: &[Option<Bound<'_, PyAny>>],
         natives: &mut [Option<Native>],
+        handles: &mut LeafHandles,
     ) -> RtResult<()> {
         let tensor_type = self.tensor_type.bind(py);
         let mut tensors = Vec::new();
@@ -192,7 +212,16 @@ impl Plan {
             });
         }
         for (s, t) in tensors {
-            natives[s] = Some(Native::Tensor(abi.handle_of(&t)?));
+            // A user input's handle from the checks: the same tensor, already converted.
+            let checked = self
+                .user_inputs
+                .iter()
+                .find(|(slot, _)| *slot == s)
+                .and_then(|&(_, leaf)| handles.get_mut(leaf)?.take());
+            natives[s] = Some(Native::Tensor(match checked {
+                Some(h) => h,
+                None => abi.handle_of(&t)?,
+            }));
         }
         Ok(())
     }

@@ -23,6 +23,7 @@ use crate::checks::{LeafCheck, Seen, TensorTypes};
 use crate::constants::constant_to_py;
 use crate::device::Placement;
 use crate::errors::{RtError, RtResult};
+use crate::exec::LeafHandles;
 use crate::fallback::Fallback;
 use crate::ops::{self, AllowOps};
 use crate::plan::{self, Dispatch, Plan, Why};
@@ -412,14 +413,18 @@ impl Program {
         }
     }
 
-    /// Checks a call's leaves; says whether any is a tensor subclass.
-    fn check(&self, leaves: &[Bound<'_, PyAny>]) -> Result<bool, Error> {
+    /// Checks a call's leaves; says whether any is a tensor subclass, and hands back the
+    /// handles the checks made, for the C path to take.
+    fn check(&self, leaves: &[Bound<'_, PyAny>]) -> Result<(bool, LeafHandles), Error> {
         let mut checker = Checker::new(&self.symbols, &self.leaf_paths);
         let mut subclass = false;
+        let mut handles: LeafHandles = Vec::with_capacity(leaves.len());
         for (i, (leaf, check)) in leaves.iter().zip(&self.leaf_checks).enumerate() {
-            subclass |= check.check(leaf, &self.types, i, &mut checker)? == Seen::Subclass;
+            let mut handle = None;
+            subclass |= check.check(leaf, &self.types, i, &mut checker, &mut handle)? == Seen::Subclass;
+            handles.push(handle);
         }
-        Ok(subclass)
+        Ok((subclass, handles))
     }
 
     /// Runs the graph on checked leaves: on the all-Python plan where the call passes a
@@ -428,11 +433,12 @@ impl Program {
         &self,
         py: Python<'py>,
         leaves: &[Bound<'py, PyAny>],
-        subclass: bool,
+        (subclass, mut handles): (bool, LeafHandles),
     ) -> RtResult<Vec<Bound<'py, PyAny>>> {
-        let Some(fallback) = &self.fallback else { return self.plan.run(py, leaves) };
+        let Some(fallback) = &self.fallback else { return self.plan.run_with(py, leaves, &mut handles) };
         let on_python = fallback.wanted(subclass);
-        let result = if on_python { fallback.plan(py)?.run(py, leaves) } else { self.plan.run(py, leaves) };
+        let result =
+            if on_python { fallback.plan(py)?.run(py, leaves) } else { self.plan.run_with(py, leaves, &mut handles) };
         let failed = match &result {
             Err(RtError::Op { .. }) => true,
             Err(_) => on_python,
@@ -453,14 +459,14 @@ impl Program {
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = args.py();
         let leaves = self.flatten(args, kwargs)?;
-        let subclass = self.check(&leaves).map_err(RtError::from)?;
+        let checked = self.check(&leaves).map_err(RtError::from)?;
         if self.writes.is_empty() {
-            let flat = self.run(py, &leaves, subclass)?;
+            let flat = self.run(py, &leaves, checked)?;
             return Ok(self.outputs.unflatten(py, &mut flat.into_iter())?);
         }
         // One call at a time reads and writes the state.
         let _guard = self.state.as_ref().map(|(_, lock)| lock.lock(py));
-        let mut flat = self.run(py, &leaves, subclass)?;
+        let mut flat = self.run(py, &leaves, checked)?;
         let new_values = flat.split_off(flat.len() - self.writes.len());
         self.write_back(py, &leaves, new_values)?;
         Ok(self.outputs.unflatten(py, &mut flat.into_iter())?)
