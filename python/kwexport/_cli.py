@@ -4,6 +4,8 @@ and validates a file without torch; only ``convert`` imports torch (to read the 
     kwexport inspect PATH [--json]     what a file holds, validated, without running it
     kwexport upgrade OLD NEW [--force] rewrite a file at the current format version
     kwexport convert MODEL.pt2 NEW.kwx a torch.export file as a kwexport file (imports torch)
+    kwexport bench PATH [--dim N=V] [--shape PATH=2x3] [--json]
+                                       load, first and steady call, threads, per-op profile
 """
 
 from __future__ import annotations
@@ -73,6 +75,13 @@ def convert(pt2: str, new: str, *, force: bool = False) -> dict[str, Any]:
     return describe(new)
 
 
+def _pair(arg: str, flag: str) -> tuple[str, str]:
+    key, sep, value = arg.partition("=")
+    if not sep or not key:
+        raise ValueError(f"{flag} takes KEY=VALUE, got {arg!r}")
+    return key, value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kwexport", description="Inspect and upgrade kwexport files.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -87,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     p_convert.add_argument("pt2")
     p_convert.add_argument("new")
     p_convert.add_argument("--force", action="store_true", help="overwrite NEW")
+    p_bench = sub.add_parser("bench", help="time a program on inputs made from its recorded shapes (imports torch)")
+    p_bench.add_argument("path")
+    p_bench.add_argument("--dim", action="append", default=[], metavar="NAME=N", help="a symbolic dimension's size")
+    p_bench.add_argument("--shape", action="append", default=[], metavar="PATH=2x3", help="an input's whole shape")
+    p_bench.add_argument("--threads", type=int, default=2, help="threads to compare with one (default 2)")
+    p_bench.add_argument("--seconds", type=float, default=1.0, help="time per measurement (default 1)")
+    p_bench.add_argument("--json", action="store_true", help="print JSON")
     opts = parser.parse_args(argv)
     try:
         if opts.command == "inspect":
@@ -95,6 +111,20 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(info, indent=2))
             else:
                 _print_text(info)
+        elif opts.command == "bench":
+            from kwexport import _bench
+
+            report = _bench.bench(
+                opts.path,
+                dims={k: int(v) for k, v in (_pair(a, "--dim") for a in opts.dim)},
+                shapes={k: [int(n) for n in v.split("x") if n] for k, v in (_pair(a, "--shape") for a in opts.shape)},
+                threads=opts.threads,
+                seconds=opts.seconds,
+            )
+            if opts.json:
+                print(json.dumps(report, indent=2))
+            else:
+                _bench.print_report(report)
         elif opts.command == "convert":
             info = convert(opts.pt2, opts.new, force=opts.force)
             print(f"{opts.new}: {info['signature']}, {info['nodes']} nodes, {info['weights']['tensors']} weights")
@@ -102,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             r = upgrade(opts.old, opts.new, force=opts.force)
             steps = ", ".join(r["upgraders"]) or "nothing to do"
             print(f"{opts.new}: format {'.'.join(map(str, r['from']))} -> {'.'.join(map(str, r['to']))} ({steps})")
-    except (KwexportError, OSError) as e:
+    except (KwexportError, OSError, ValueError) as e:
         print(f"kwexport: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 0

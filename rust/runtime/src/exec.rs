@@ -49,6 +49,18 @@ fn sync_intra_op_threads(py: Python<'_>) -> PyResult<()> {
     Ok(())
 }
 
+/// One node's time in a profiled call (`Program.profile`): crossings between the paths
+/// are entries of their own, with `node` `None`.
+pub struct NodeTime {
+    /// The node's index in the top-level graph.
+    pub node: Option<usize>,
+    /// Its op, or what the crossing converted.
+    pub op: String,
+    /// `"c"` or `"python"`.
+    pub path: &'static str,
+    pub ns: u64,
+}
+
 /// Handles to a call's tensor leaves, by leaf, made by the input checks: the C path takes
 /// these rather than converting the same tensors again.
 pub type LeafHandles = Vec<Option<abi::Tensor>>;
@@ -66,14 +78,28 @@ impl Plan {
         leaves: &[Bound<'py, PyAny>],
         handles: &mut LeafHandles,
     ) -> RtResult<Vec<Bound<'py, PyAny>>> {
+        self.run_timed(py, leaves, handles, &mut None)
+    }
+
+    /// `run_with`, timing each node into `profile` where it is `Some` (with the GIL held
+    /// throughout, so that each node's time is its own).
+    pub fn run_timed<'py>(
+        &self,
+        py: Python<'py>,
+        leaves: &[Bound<'py, PyAny>],
+        handles: &mut LeafHandles,
+        profile: &mut Option<Vec<NodeTime>>,
+    ) -> RtResult<Vec<Bound<'py, PyAny>>> {
         sync_intra_op_threads(py)?;
-        let Some((is_enabled, set)) = &self.grad_switch else { return self.run_segments(py, leaves, handles) };
+        let Some((is_enabled, set)) = &self.grad_switch else {
+            return self.run_segments(py, leaves, handles, profile);
+        };
         if !is_enabled.bind(py).call0()?.is_truthy()? || self.any_requires_grad(py, leaves)? {
-            return self.run_segments(py, leaves, handles);
+            return self.run_segments(py, leaves, handles, profile);
         }
         let set = set.bind(py);
         set.call1((false,))?;
-        let result = self.run_segments(py, leaves, handles);
+        let result = self.run_segments(py, leaves, handles, profile);
         set.call1((true,))?;
         result
     }
@@ -83,6 +109,7 @@ impl Plan {
         py: Python<'py>,
         leaves: &[Bound<'py, PyAny>],
         handles: &mut LeafHandles,
+        profile: &mut Option<Vec<NodeTime>>,
     ) -> RtResult<Vec<Bound<'py, PyAny>>> {
         let mut pys: Vec<Option<Bound<'py, PyAny>>> = vec![None; self.n_slots];
         let mut natives: Vec<Option<Native>> = Vec::new();
@@ -94,15 +121,34 @@ impl Plan {
         for segment in &self.segments {
             match segment {
                 Segment::Python { to_py, steps } => {
+                    let started = profile.is_some().then(Instant::now);
                     self.to_py(py, to_py, &natives, &mut pys)?;
+                    record(profile, None, || "to Python".into(), "python", started);
                     for step in steps {
+                        let started = profile.is_some().then(Instant::now);
                         run_python(py, step, &mut pys, &mut natives)?;
+                        record(profile, Some(step.node), || step.op_name.to_string(), "python", started);
                     }
                 }
                 Segment::C { to_native, steps, free_py, last_ns } => {
                     let abi = self.abi.ok_or_else(|| RtError::Internal("a C segment without the ABI".into()))?;
+                    let started = profile.is_some().then(Instant::now);
                     self.to_native(py, abi, to_native, &pys, &mut natives, handles)?;
+                    record(profile, None, || "to the C path".into(), "c", started);
                     let consts = &self.consts;
+                    if let Some(times) = profile.as_mut() {
+                        let mut stack = Vec::with_capacity(16);
+                        for s in steps {
+                            let started = Instant::now();
+                            s.run(abi, &mut natives, consts, &mut stack, direct)?;
+                            let ns = started.elapsed().as_nanos() as u64;
+                            times.push(NodeTime { node: Some(s.node), op: s.op_name(), path: "c", ns });
+                        }
+                        for &s in free_py {
+                            pys[s] = None;
+                        }
+                        continue;
+                    }
                     let natives = &mut natives;
                     // Timed inside: waiting to take the GIL back is not the segment's cost,
                     // and counting it would keep a short segment releasing under contention.
@@ -120,7 +166,9 @@ impl Plan {
                 }
             }
         }
+        let started = profile.is_some().then(Instant::now);
         self.to_py(py, &self.outputs_to_py, &natives, &mut pys)?;
+        record(profile, None, || "outputs to Python".into(), "python", started);
         self.outputs.iter().map(|a| value(py, a, &pys)).collect()
     }
 
@@ -224,6 +272,19 @@ impl Plan {
             }));
         }
         Ok(())
+    }
+}
+
+/// Adds a node's time since `started` to a profile being taken (the clock is read only then).
+fn record(
+    profile: &mut Option<Vec<NodeTime>>,
+    node: Option<usize>,
+    op: impl FnOnce() -> String,
+    path: &'static str,
+    started: Option<Instant>,
+) {
+    if let (Some(times), Some(started)) = (profile.as_mut(), started) {
+        times.push(NodeTime { node, op: op(), path, ns: started.elapsed().as_nanos() as u64 });
     }
 }
 

@@ -23,7 +23,7 @@ use crate::checks::{LeafCheck, Seen, TensorTypes};
 use crate::constants::constant_to_py;
 use crate::device::Placement;
 use crate::errors::{RtError, RtResult};
-use crate::exec::LeafHandles;
+use crate::exec::{LeafHandles, NodeTime};
 use crate::fallback::Fallback;
 use crate::ops::{self, AllowOps};
 use crate::plan::{self, Dispatch, Plan, Why};
@@ -413,6 +413,29 @@ impl Program {
         }
     }
 
+    /// A call: binds, checks, runs (timing each node into `profile` where it is `Some`),
+    /// writes the state back and rebuilds the outputs.
+    fn call<'py>(
+        &self,
+        args: &Bound<'py, PyTuple>,
+        kwargs: Option<&Bound<'py, PyDict>>,
+        profile: &mut Option<Vec<NodeTime>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = args.py();
+        let leaves = self.flatten(args, kwargs)?;
+        let checked = self.check(&leaves).map_err(RtError::from)?;
+        if self.writes.is_empty() {
+            let flat = self.run(py, &leaves, checked, profile)?;
+            return Ok(self.outputs.unflatten(py, &mut flat.into_iter())?);
+        }
+        // One call at a time reads and writes the state.
+        let _guard = self.state.as_ref().map(|(_, lock)| lock.lock(py));
+        let mut flat = self.run(py, &leaves, checked, profile)?;
+        let new_values = flat.split_off(flat.len() - self.writes.len());
+        self.write_back(py, &leaves, new_values)?;
+        Ok(self.outputs.unflatten(py, &mut flat.into_iter())?)
+    }
+
     /// Checks a call's leaves; says whether any is a tensor subclass, and hands back the
     /// handles the checks made, for the C path to take.
     fn check(&self, leaves: &[Bound<'_, PyAny>]) -> Result<(bool, LeafHandles), Error> {
@@ -434,11 +457,14 @@ impl Program {
         py: Python<'py>,
         leaves: &[Bound<'py, PyAny>],
         (subclass, mut handles): (bool, LeafHandles),
+        profile: &mut Option<Vec<NodeTime>>,
     ) -> RtResult<Vec<Bound<'py, PyAny>>> {
-        let Some(fallback) = &self.fallback else { return self.plan.run_with(py, leaves, &mut handles) };
+        let Some(fallback) = &self.fallback else {
+            return self.plan.run_timed(py, leaves, &mut handles, profile);
+        };
         let on_python = fallback.wanted(subclass);
-        let result =
-            if on_python { fallback.plan(py)?.run(py, leaves) } else { self.plan.run_with(py, leaves, &mut handles) };
+        let plan = if on_python { fallback.plan(py)? } else { &self.plan };
+        let result = plan.run_timed(py, leaves, &mut handles, profile);
         let failed = match &result {
             Err(RtError::Op { .. }) => true,
             Err(_) => on_python,
@@ -457,19 +483,34 @@ impl Program {
         args: &Bound<'py, PyTuple>,
         kwargs: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        self.call(args, kwargs, &mut None)
+    }
+
+    /// Runs one call (as `prog(*args, **kwargs)` does, state writes included) and returns
+    /// where its time went: per node of the graph in the order they ran, `{"node": index or
+    /// None, "op", "path": "c" | "python", "us"}`. Entries whose `node` is None are the
+    /// conversions between the C and Python paths. A higher-order op's node includes its
+    /// subgraphs' nodes. Nodes are timed one by one with the GIL held, so the total is a
+    /// little above a plain call's.
+    #[pyo3(signature = (*args, **kwargs))]
+    fn profile<'py>(
+        &self,
+        args: &Bound<'py, PyTuple>,
+        kwargs: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Bound<'py, PyList>> {
         let py = args.py();
-        let leaves = self.flatten(args, kwargs)?;
-        let checked = self.check(&leaves).map_err(RtError::from)?;
-        if self.writes.is_empty() {
-            let flat = self.run(py, &leaves, checked)?;
-            return Ok(self.outputs.unflatten(py, &mut flat.into_iter())?);
+        let mut times = Some(Vec::new());
+        self.call(args, kwargs, &mut times)?;
+        let out = PyList::empty(py);
+        for t in times.unwrap_or_default() {
+            let d = PyDict::new(py);
+            d.set_item("node", t.node)?;
+            d.set_item("op", t.op)?;
+            d.set_item("path", t.path)?;
+            d.set_item("us", t.ns as f64 / 1e3)?;
+            out.append(d)?;
         }
-        // One call at a time reads and writes the state.
-        let _guard = self.state.as_ref().map(|(_, lock)| lock.lock(py));
-        let mut flat = self.run(py, &leaves, checked)?;
-        let new_values = flat.split_off(flat.len() - self.writes.len());
-        self.write_back(py, &leaves, new_values)?;
-        Ok(self.outputs.unflatten(py, &mut flat.into_iter())?)
+        Ok(out)
     }
 
     /// The program's state: each weight it writes, by name, as a read-only mapping of the
