@@ -57,7 +57,11 @@ fn export<'py>(
 }
 
 fn load_as(py: Python<'_>, path: &Path, dispatch: Dispatch) -> PyResult<Program> {
-    Ok(load(py, path.to_str().unwrap(), &LoadOptions::new(Vec::new(), dispatch, None, true).unwrap())?)
+    Ok(load(
+        py,
+        path.to_str().unwrap(),
+        &LoadOptions::new(Vec::new(), dispatch, None, true, kwexport_core::passes::Level::Exact).unwrap(),
+    )?)
 }
 
 /// Binding the call to the signature, flattening it against the treespec and checking

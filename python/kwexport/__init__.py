@@ -62,6 +62,7 @@ def load(
     dispatch: str = "auto",
     device: str | torch.device | None = None,
     mmap: bool = True,
+    optimize: str = "exact",
 ) -> Program:
     """Load a kwexport file. Parses and validates everything before returning; never
     unpickles, evaluates or imports anything named in the file.
@@ -85,8 +86,14 @@ def load(
     ``mmap=False`` reads the file into memory instead of mapping it: for files that may be
     changed in place or truncated while the program runs, or that live on network
     filesystems. A mapped file must only be replaced by rename (as ``kwexport.save`` does).
+
+    ``optimize="exact"`` runs the graph as exported, bitwise as eager does. ``"fast"`` lets
+    kwexport change kernels and layouts for speed, within the tolerance ``docs/optimize.md``
+    states per pass (convolution weights are held channels-last).
     """
-    return _load(os.fspath(path), allow_ops=list(allow_ops), dispatch=dispatch, device=device, mmap=mmap)
+    return _load(
+        os.fspath(path), allow_ops=list(allow_ops), dispatch=dispatch, device=device, mmap=mmap, optimize=optimize
+    )
 
 
 def export(

@@ -25,6 +25,7 @@
 //! - [`weights`]    the storage table's bounds, alignment and overlap
 //! - [`artifact`]   the whole file: parse, then validate every cross-field rule once
 //! - [`describe`]   what a file holds, as `kwexport inspect` prints it
+//! - [`passes`]     graph rewrites an optimization level applies, decided without torch
 //! - [`error`]      one error variant per failure
 
 #![deny(missing_docs)]
@@ -38,6 +39,7 @@ pub mod error;
 pub mod graph;
 pub mod hops;
 pub mod opschema;
+pub mod passes;
 pub mod schema;
 pub mod tables;
 pub mod treespec;

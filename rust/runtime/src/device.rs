@@ -35,23 +35,11 @@ impl Placement {
         device_type(&self.home) != device_type(&self.target)
     }
 
-    /// On another kind of device, `view` nodes become `reshape`: a graph exported on one
-    /// device views tensors whose strides that device's kernels chose, and the same view can
-    /// be impossible on another. `reshape` is that view wherever it is possible, and a copy
-    /// where it isn't, which for the functional graphs torch.export makes gives the same
-    /// values. The nodes are pointed at the table's `reshape` entry, or the `view` entry is
-    /// renamed (its recorded schema dropped: it was view's).
+    /// On another kind of device, `view` nodes become `reshape`: that device's kernels may
+    /// choose other strides than the exporting one's (see `passes::views_as_reshapes`).
     pub fn adapt_ops(&self, doc: &mut kwexport_core::schema::Document) {
-        let find = |name: &str| doc.ops.iter().position(|o| o.name == name);
-        let (Some(view), true) = (find("aten::view.default"), self.changes_kind()) else { return };
-        let Some(reshape) = find("aten::reshape.default") else {
-            doc.ops[view].name = "aten::reshape.default".to_owned();
-            doc.ops[view].schema = None;
-            return;
-        };
-        let graphs = std::iter::once(&mut doc.graph.nodes).chain(doc.subgraphs.values_mut().map(|g| &mut g.nodes));
-        for nodes in graphs {
-            nodes.iter_mut().filter(|n| n.op == view).for_each(|n| n.op = reshape);
+        if self.changes_kind() {
+            kwexport_core::passes::views_as_reshapes::apply(doc);
         }
     }
 

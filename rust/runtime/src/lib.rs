@@ -49,7 +49,7 @@ use crate::errors::{IntoPyErr, RtError, RtResult};
 /// program (a torch device string or `torch.device`); by default it runs where it was
 /// exported.
 #[pyfunction]
-#[pyo3(signature = (path, *, allow_ops = Vec::new(), dispatch = "auto", device = None, mmap = true))]
+#[pyo3(signature = (path, *, allow_ops = Vec::new(), dispatch = "auto", device = None, mmap = true, optimize = "exact"))]
 fn load(
     py: Python<'_>,
     path: std::path::PathBuf,
@@ -57,13 +57,17 @@ fn load(
     dispatch: &str,
     device: Option<&Bound<'_, PyAny>>,
     mmap: bool,
+    optimize: &str,
 ) -> PyResult<program::Program> {
     let path = path.to_str().ok_or_else(|| PyValueError::new_err("path is not valid UTF-8"))?;
     let dispatch = plan::Dispatch::parse(dispatch).ok_or_else(|| {
         PyValueError::new_err(format!("dispatch must be 'auto', 'abi' or 'python', not '{dispatch}'"))
     })?;
     let device = device.map(|d| normalize_device(py, d)).transpose()?;
-    let options = program::LoadOptions::new(allow_ops, dispatch, device, mmap).map_err(PyValueError::new_err)?;
+    let optimize = kwexport_core::passes::Level::parse(optimize)
+        .ok_or_else(|| PyValueError::new_err(format!("optimize must be 'exact' or 'fast', not '{optimize}'")))?;
+    let options =
+        program::LoadOptions::new(allow_ops, dispatch, device, mmap, optimize).map_err(PyValueError::new_err)?;
     Ok(program::load(py, path, &options)?)
 }
 
@@ -102,7 +106,8 @@ fn stable_abi_available(py: Python<'_>) -> bool {
 
 /// Unpickles a `Program`: loads `path` and checks that its content hash is `digest`.
 #[pyfunction]
-#[pyo3(signature = (path, digest, allow_ops, dispatch, device = None, mmap = true))]
+#[pyo3(signature = (path, digest, allow_ops, dispatch, device = None, mmap = true, optimize = "exact"))]
+#[allow(clippy::too_many_arguments)]
 fn _load_verified(
     py: Python<'_>,
     path: std::path::PathBuf,
@@ -111,8 +116,9 @@ fn _load_verified(
     dispatch: &str,
     device: Option<&Bound<'_, PyAny>>,
     mmap: bool,
+    optimize: &str,
 ) -> PyResult<program::Program> {
-    let prog = load(py, path.clone(), allow_ops, dispatch, device, mmap)?;
+    let prog = load(py, path.clone(), allow_ops, dispatch, device, mmap, optimize)?;
     if prog.digest(py) != digest {
         let found = prog.digest(py).to_owned();
         let path = path.display().to_string();

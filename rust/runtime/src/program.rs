@@ -10,6 +10,7 @@ use std::sync::Arc;
 use kwexport_core::binder::{Binder, Binding, Source};
 use kwexport_core::checks::{Checker, Symbol};
 use kwexport_core::container;
+use kwexport_core::passes::{self, Level};
 use kwexport_core::schema::{Encoding, FormatVersion, Key, LeafSpec, MutationTarget, ParamKind, TreeSpec};
 use kwexport_core::treespec::PathElem;
 use kwexport_core::Error;
@@ -51,7 +52,7 @@ struct TopLevel {
 
 /// What `_load_verified` takes to unpickle a program: path, digest, allow_ops, dispatch,
 /// device.
-type PickledArgs = (String, String, Vec<String>, &'static str, Option<String>, bool);
+type PickledArgs = (String, String, Vec<String>, &'static str, Option<String>, bool, &'static str);
 
 #[pyclass(frozen, module = "kwexport", name = "Program")]
 pub struct Program {
@@ -109,12 +110,20 @@ pub struct LoadOptions {
     pub device: Option<String>,
     /// Whether the file is mapped (weights are views of it) or read into memory.
     pub mmap: bool,
+    /// How far the graph is optimized.
+    pub optimize: Level,
 }
 
 impl LoadOptions {
     /// Parses `allow_ops`; the other options as given.
-    pub fn new(allow_ops: Vec<String>, dispatch: Dispatch, device: Option<String>, mmap: bool) -> Result<Self, String> {
-        Ok(LoadOptions { allow: AllowOps::parse(&allow_ops)?, allow_ops, dispatch, device, mmap })
+    pub fn new(
+        allow_ops: Vec<String>,
+        dispatch: Dispatch,
+        device: Option<String>,
+        mmap: bool,
+        optimize: Level,
+    ) -> Result<Self, String> {
+        Ok(LoadOptions { allow: AllowOps::parse(&allow_ops)?, allow_ops, dispatch, device, mmap, optimize })
     }
 }
 
@@ -149,6 +158,13 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
     // Op upgraders may rewrite nodes, so ops are resolved before the graph is checked.
     let placement = Placement::new(parsed.document.home_device(), options.device.as_deref());
     placement.adapt_ops(&mut parsed.document);
+    let channels_last = match options.optimize {
+        Level::Exact => Vec::new(),
+        Level::Fast => {
+            passes::views_as_reshapes::apply(&mut parsed.document);
+            passes::channels_last::conv_weights(&parsed.document)
+        }
+    };
     let (ops, notes) = ops::resolve_ops(py, &torch, &mut parsed.document, &options.allow)?;
     let mut a = py.detach(|| parsed.validate(&map))?;
     if placement.moves() {
@@ -161,6 +177,15 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
     let mut weights = weights::materialize(py, &torch, data, &doc.weights, &a.weights)?;
     if placement.moves() {
         placement.place_weights(py, &mut weights)?;
+    }
+    if !channels_last.is_empty() {
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("memory_format", torch.getattr("channels_last")?)?;
+        for name in &channels_last {
+            if let Some(w) = weights.get_mut(name) {
+                *w = w.bind(py).call_method("contiguous", (), Some(&kwargs))?.unbind();
+            }
+        }
     }
     let mutable = doc.weights.tensors.iter().filter(|(_, t)| t.mutable).map(|(n, _)| n.clone());
     let state = weights::take_state(py, &mut weights, mutable)?;
@@ -563,6 +588,7 @@ impl Program {
             o.dispatch.name(),
             o.device.clone(),
             o.mmap,
+            o.optimize.name(),
         );
         Ok((load, args))
     }
@@ -695,6 +721,12 @@ impl Program {
     #[getter]
     fn path(&self) -> &str {
         &self.path
+    }
+
+    /// How far the program was optimized at load: `"exact"` or `"fast"`.
+    #[getter]
+    fn optimize(&self) -> &'static str {
+        self.options.optimize.name()
     }
 
     /// The device the program runs on: given at load, or where it was exported.

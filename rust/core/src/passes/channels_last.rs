@@ -1,0 +1,70 @@
+//! Convolution weights in channels-last memory format. torch's CPU convolutions (oneDNN)
+//! run several times faster on channels-last tensors, and a convolution whose weight is
+//! channels-last returns a channels-last output, which the pointwise ops, pooling and the
+//! next convolution keep: repacking the weights once at load puts a whole conv chain in that
+//! format, with no conversion node in the graph (the first convolution converts its input).
+//! Results differ from eager's by the kernels' rounding (`docs/format.md`'s levels).
+
+use std::collections::BTreeMap;
+
+use crate::schema::{Arg, Document, InputSource};
+
+/// The ops whose argument 1 is a convolution weight.
+const CONVOLUTIONS: &[&str] = &["aten::convolution.default", "aten::conv2d.default", "aten::conv2d.padding"];
+
+/// The weights read as 4-D convolution weights by the top-level graph, that the program
+/// doesn't write (state keeps its layout), in name order.
+pub fn conv_weights(doc: &Document) -> Vec<String> {
+    let weight_of: BTreeMap<&str, &str> = doc
+        .graph
+        .inputs
+        .iter()
+        .filter_map(|i| match &i.source {
+            InputSource::Weight(w) => Some((i.name.as_str(), w.as_str())),
+            InputSource::User(_) => None,
+        })
+        .collect();
+    let mut out: Vec<String> = doc
+        .graph
+        .nodes
+        .iter()
+        .filter(|n| doc.ops.get(n.op).is_some_and(|o| CONVOLUTIONS.contains(&o.name.as_str())))
+        .filter_map(|n| match n.args.get(1) {
+            Some(Arg::Ref(name)) => weight_of.get(name.as_str()).copied(),
+            _ => None,
+        })
+        .filter(|w| doc.weights.tensors.get(*w).is_some_and(|t| t.shape.len() == 4 && !t.mutable))
+        .map(str::to_owned)
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn finds_4d_conv_weights_only() {
+        let bytes = crate::artifact::tests::file(|h| {
+            h["ops"] = json!([{"name": "aten::convolution.default", "schema": null}, {"name": "aten::mul.Tensor", "schema": null}]);
+            h["weights"]["storages"] = json!([{"offset": 0, "nbytes": 64}]);
+            h["weights"]["tensors"] = json!({
+                "w": {"dtype": "float32", "shape": [2, 1, 2, 2], "strides": [4, 4, 2, 1], "storage": 0},
+                "v": {"dtype": "float32", "shape": [2], "strides": [1], "storage": 0, "storage_offset": 8},
+                "s": {"dtype": "float32", "shape": [1, 1, 1, 1], "strides": [1, 1, 1, 1], "storage": 0, "storage_offset": 12, "mutable": true}
+            });
+            h["graph"]["inputs"] = json!([
+                {"name": "pw", "source": {"weight": "w"}}, {"name": "pv", "source": {"weight": "v"}},
+                {"name": "ps", "source": {"weight": "s"}}, {"name": "x", "source": {"user": 0}}]);
+            h["graph"]["nodes"] = json!([
+                {"op": 0, "args": [{"ref": "x"}, {"ref": "pw"}], "outputs": {"one": "a"}},
+                {"op": 0, "args": [{"ref": "a"}, {"ref": "ps"}], "outputs": {"one": "b"}},
+                {"op": 1, "args": [{"ref": "b"}, {"ref": "pv"}], "outputs": {"one": "y"}}]);
+        });
+        let doc = crate::parse(&bytes).unwrap().document;
+        assert_eq!(conv_weights(&doc), ["w"]);
+    }
+}
