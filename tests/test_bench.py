@@ -72,20 +72,25 @@ def run_cli(*args):
 
 
 def test_bench_reports_on_inputs_made_from_the_file(path):
-    out = run_cli("bench", path, "--dim", "batch=6", "--seconds", "0.1", "--json")
+    out = run_cli("bench", path, "--dim", "batch=6", "--seconds", "0.1", "--optimize", "exact,fast", "--json")
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["inputs"] == {"x": [6, 8], "mask": [6, 4]}
-    assert r["load_ms"] > 0 and r["first_call_ms"] > 0 and r["call_us"] > 0
-    assert set(r["calls_per_s"]) == {"1", "2"} and r["scaling"] > 0
-    assert r["top_ops"][0]["op"] in ("aten::linear.default [c]", "aten::linear.default [python]")
-    assert abs(sum(o["share"] for o in r["top_ops"]) - 1) < 1e-6
+    assert list(r["levels"]) == ["exact", "fast"]
+    for e in r["levels"].values():
+        assert e["load_ms"] > 0 and e["first_call_ms"] > 0 and e["call_us"] > 0
+        assert set(e["calls_per_s"]) == {"1", "2"} and e["scaling"] > 0
+        assert e["top_ops"][0]["op"] in ("aten::linear.default [c]", "aten::linear.default [python]")
+        assert abs(sum(o["share"] for o in e["top_ops"]) - 1) < 1e-6
     text = run_cli("bench", path, "--shape", "x=2x8", "--shape", "mask=2x4", "--seconds", "0.1").stdout
     assert "inputs:       x=[2, 8], mask=[2, 4]" in text
-    assert "steady call:" in text and "aten::linear.default" in text
+    assert "optimize=exact:" in text and "steady call:" in text and "aten::linear.default" in text
 
 
-def test_bench_refuses_an_unknown_dim(path):
+def test_bench_refuses_an_unknown_dim_or_level(path):
     out = run_cli("bench", path, "--dim", "rows=3")
     assert out.returncode == 1
     assert out.stderr.strip() == "kwexport: ValueError: --dim names ['rows']; the file's symbols are ['batch']"
+    out = run_cli("bench", path, "--optimize", "exact,turbo")
+    assert out.returncode == 1
+    assert out.stderr.strip() == "kwexport: ValueError: optimize must be 'exact' or 'fast', not 'turbo'"

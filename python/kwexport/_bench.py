@@ -120,20 +120,37 @@ def bench(
     *,
     dims: dict[str, int] | None = None,
     shapes: dict[str, list[int]] | None = None,
+    levels: tuple[str, ...] = ("exact",),
     threads: int = 2,
     seconds: float = 1.0,
     top: int = 10,
 ) -> dict[str, Any]:
-    """Load, first-call and steady-call times, throughput on 1 and ``threads`` threads, and the
-    ops that took the most of a profiled call."""
+    """Per optimization level: load, first-call and steady-call times, throughput on 1 and
+    ``threads`` threads, and the ops that took the most of a profiled call."""
     args, kwargs = example_call(path, dims, shapes)
+    report: dict[str, Any] = {
+        "file": os.fspath(path),
+        "torch": torch.__version__,
+        "threads_torch": torch.get_num_threads(),
+        "levels": {},
+    }
+    for level in levels:  # a level the runtime doesn't know fails here, before any timing
+        kwexport.load(path, optimize=level)
+    for level in levels:
+        prog, entry = _bench_level(path, level, args=args, kwargs=kwargs, threads=threads, seconds=seconds, top=top)
+        report["levels"][level] = entry
+    report["inputs"] = {k: list(v.shape) if isinstance(v, torch.Tensor) else v for k, v in _named(prog, args, kwargs)}
+    return report
+
+
+def _bench_level(path, level, *, args, kwargs, threads, seconds, top) -> tuple[Any, dict[str, Any]]:
     loads = []
     for _ in range(20):
         t = time.perf_counter()
-        kwexport.load(path)
+        kwexport.load(path, optimize=level)
         loads.append(time.perf_counter() - t)
     t = time.perf_counter()
-    prog = kwexport.load(path)
+    prog = kwexport.load(path, optimize=level)
     try:
         prog(*args, **kwargs)
     except Exception as e:
@@ -154,11 +171,7 @@ def bench(
         by_op.setdefault(f"{label} [{n['path']}]", []).append(n["us"])
     total = sum(n["us"] for n in nodes)
     ops = sorted(((op, len(v), sum(v)) for op, v in by_op.items()), key=lambda r: -r[2])
-    return {
-        "file": os.fspath(path),
-        "inputs": {k: list(v.shape) if isinstance(v, torch.Tensor) else v for k, v in _named(prog, args, kwargs)},
-        "torch": torch.__version__,
-        "threads_torch": torch.get_num_threads(),
+    return prog, {
         "load_ms": statistics.median(loads) * 1e3,
         "first_call_ms": first * 1e3,
         "call_us": steady * 1e6,
@@ -180,14 +193,16 @@ def print_report(r: dict[str, Any]) -> None:
     print(f"torch:        {r['torch']}, {r['threads_torch']} intra-op thread(s)")
     shown = ", ".join(f"{k}={v}" for k, v in r["inputs"].items())
     print(f"inputs:       {shown}")
-    d = r["dispatch"]
-    print(f"nodes:        {d['stable_abi']} on the C path, {d['python']} through Python")
-    print(f"load:         {r['load_ms']:.2f} ms (warm page cache, median of 20)")
-    print(f"first call:   {r['first_call_ms']:.2f} ms (after a fresh load)")
-    print(f"steady call:  {r['call_us']:.1f} us")
-    cps = r["calls_per_s"]
-    (n, many), one = list(cps.items())[-1], cps["1"]
-    print(f"throughput:   {one:,.0f} calls/s on 1 thread, {many:,.0f} on {n} ({r['scaling']:.2f}x)")
-    print(f"profile:      {r['profile_us']:.1f} us in a profiled call; the ops that took most:")
-    for o in r["top_ops"]:
-        print(f"  {o['us']:9.1f} us {o['share']:6.1%}  {o['nodes']:4}x  {o['op']}")
+    for level, e in r["levels"].items():
+        print(f"optimize={level}:")
+        d = e["dispatch"]
+        print(f"  nodes:        {d['stable_abi']} on the C path, {d['python']} through Python")
+        print(f"  load:         {e['load_ms']:.2f} ms (warm page cache, median of 20)")
+        print(f"  first call:   {e['first_call_ms']:.2f} ms (after a fresh load)")
+        print(f"  steady call:  {e['call_us']:.1f} us")
+        cps = e["calls_per_s"]
+        (n, many), one = list(cps.items())[-1], cps["1"]
+        print(f"  throughput:   {one:,.0f} calls/s on 1 thread, {many:,.0f} on {n} ({e['scaling']:.2f}x)")
+        print(f"  profile:      {e['profile_us']:.1f} us in a profiled call; the ops that took most:")
+        for o in e["top_ops"]:
+            print(f"    {o['us']:9.1f} us {o['share']:6.1%}  {o['nodes']:4}x  {o['op']}")

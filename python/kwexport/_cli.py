@@ -4,7 +4,7 @@ and validates a file without torch; only ``convert`` imports torch (to read the 
     kwexport inspect PATH [--json]     what a file holds, validated, without running it
     kwexport upgrade OLD NEW [--force] rewrite a file at the current format version
     kwexport convert MODEL.pt2 NEW.kwx a torch.export file as a kwexport file (imports torch)
-    kwexport bench PATH [--dim N=V] [--shape PATH=2x3] [--json]
+    kwexport bench PATH [--dim N=V] [--shape PATH=2x3] [--optimize exact,fast] [--json]
                                        load, first and steady call, threads, per-op profile
 """
 
@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("path")
     p_bench.add_argument("--dim", action="append", default=[], metavar="NAME=N", help="a symbolic dimension's size")
     p_bench.add_argument("--shape", action="append", default=[], metavar="PATH=2x3", help="an input's whole shape")
+    p_bench.add_argument(
+        "--optimize", default="exact", metavar="LEVELS", help="levels, comma-separated (default exact)"
+    )
     p_bench.add_argument("--threads", type=int, default=2, help="threads to compare with one (default 2)")
     p_bench.add_argument("--seconds", type=float, default=1.0, help="time per measurement (default 1)")
     p_bench.add_argument("--json", action="store_true", help="print JSON")
@@ -118,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 opts.path,
                 dims={k: int(v) for k, v in (_pair(a, "--dim") for a in opts.dim)},
                 shapes={k: [int(n) for n in v.split("x") if n] for k, v in (_pair(a, "--shape") for a in opts.shape)},
+                levels=tuple(opts.optimize.split(",")),
                 threads=opts.threads,
                 seconds=opts.seconds,
             )
