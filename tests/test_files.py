@@ -1,6 +1,7 @@
 """Files on disk: a killed save leaves nothing behind, and `mmap=False` programs are immune to
 what happens to their file afterwards."""
 
+import inspect
 import os
 import pickle
 import signal
@@ -97,6 +98,10 @@ def test_mmap_false_reads_the_file_once(tmp_path):
 def test_mmap_false_travels_with_pickles(tmp_path):
     path = tmp_path / "m.kwx"
     kwexport.save(kwexport.export(nn.Linear(2, 2), (torch.randn(1, 2),)), path)
-    prog = kwexport.load(path, mmap=False)
-    assert pickle.loads(pickle.dumps(prog)).__reduce__()[1][-1] is False
-    assert kwexport.load(path).__reduce__()[1][-1] is True
+
+    def pickled_mmap(prog):
+        loader, args = prog.__reduce__()
+        return dict(zip(inspect.signature(loader).parameters, args))["mmap"]
+
+    assert pickled_mmap(pickle.loads(pickle.dumps(kwexport.load(path, mmap=False)))) is False
+    assert pickled_mmap(kwexport.load(path)) is True
