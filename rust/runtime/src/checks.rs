@@ -123,8 +123,8 @@ impl LeafCheck {
                     checker.shape(dims, &shape, leaf)?;
                     return match types.storage(obj, &shape, *itemsize, handle).map_err(unreadable)? {
                         Storage::Fits => Ok(Seen::Tensor),
-                        Storage::Layout(_) => {
-                            let layout = types.layout_name(obj);
+                        Storage::NotStrided => {
+                            let layout = layout_name(obj);
                             Err(mismatch("a strided tensor".into(), format!("a {layout} tensor")))
                         }
                         Storage::TooSmall { needs, has } => Err(mismatch(
@@ -177,7 +177,7 @@ pub enum Seen {
 
 /// The tensor classes and queries the checks use, resolved at load.
 pub struct TensorTypes {
-    pub tensor: Py<PyAny>,
+    tensor: Py<PyAny>,
     parameter: Py<PyAny>,
     /// `torch.Tensor.size`, unbound: a subclass's sizes as torch holds them.
     size: Py<PyAny>,
@@ -214,19 +214,19 @@ impl TensorTypes {
         let py = obj.py();
         let layout = obj.getattr(pyo3::intern!(py, "layout"))?;
         if layout.str()?.to_str()? != "torch.strided" {
-            return Ok(Storage::Layout(-1));
+            return Ok(Storage::NotStrided);
         }
         let nbytes: i64 = obj.call_method0("untyped_storage")?.call_method0("nbytes")?.extract()?;
         let offset: i64 = obj.call_method0("storage_offset")?.extract()?;
         let strides: Vec<i64> = obj.call_method0("stride")?.extract()?;
         Ok(crate::abi::storage_fits(shape, &strides, offset, itemsize, nbytes))
     }
+}
 
-    /// A layout's name, for messages.
-    fn layout_name(&self, obj: &Bound<'_, PyAny>) -> String {
-        obj.getattr(pyo3::intern!(obj.py(), "layout"))
-            .and_then(|l| l.str().map(|s| s.to_string()))
-            .map(|s| s.trim_start_matches("torch.").to_owned())
-            .unwrap_or_else(|_| "non-strided".into())
-    }
+/// A tensor's layout as torch names it (`sparse_coo`), for messages.
+fn layout_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.getattr(pyo3::intern!(obj.py(), "layout"))
+        .and_then(|l| l.str().map(|s| s.to_string()))
+        .map(|s| s.trim_start_matches("torch.").to_owned())
+        .unwrap_or_else(|_| "non-strided".into())
 }

@@ -68,21 +68,12 @@ pub type LeafHandles = Vec<Option<abi::Tensor>>;
 impl Plan {
     /// Runs the graph on the flat user leaves and returns the flat outputs.
     pub fn run<'py>(&self, py: Python<'py>, leaves: &[Bound<'py, PyAny>]) -> RtResult<Vec<Bound<'py, PyAny>>> {
-        self.run_with(py, leaves, &mut Vec::new())
+        self.run_timed(py, leaves, &mut Vec::new(), &mut None)
     }
 
-    /// `run`, taking the handles in `handles` for the leaves the C path reads.
-    pub fn run_with<'py>(
-        &self,
-        py: Python<'py>,
-        leaves: &[Bound<'py, PyAny>],
-        handles: &mut LeafHandles,
-    ) -> RtResult<Vec<Bound<'py, PyAny>>> {
-        self.run_timed(py, leaves, handles, &mut None)
-    }
-
-    /// `run_with`, timing each node into `profile` where it is `Some` (with the GIL held
-    /// throughout, so that each node's time is its own).
+    /// `run`, taking the handles in `handles` for the leaves the C path reads, and timing
+    /// each node into `profile` where it is `Some` (with the GIL held throughout, so that
+    /// each node's time is its own).
     pub fn run_timed<'py>(
         &self,
         py: Python<'py>,

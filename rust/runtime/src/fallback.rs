@@ -23,42 +23,29 @@ use crate::plan::{self, Dispatch, Plan};
 /// Calls that run on Python after a C-path op error, each failure starting the count again.
 pub const CALLS_AFTER_ERROR: u32 = 32;
 
-/// What the all-Python plan is built from (kept from the load), and the plan once built.
+/// What the all-Python plan is built from, kept from the load.
+pub struct Parts {
+    pub ops: Vec<ResolvedOp>,
+    pub weights: BTreeMap<String, Py<PyAny>>,
+    pub graph: SlotGraph,
+    pub subgraphs: BTreeMap<String, SlotGraph>,
+    pub leaf_is_tensor: Vec<bool>,
+    pub on_cpu: bool,
+    /// Whether the load marked weights as requiring grad (see `weights::mark_grad_sensitive`).
+    pub grad_weights: bool,
+}
+
+/// The all-Python plan's parts, the plan once built, and when calls take it.
 pub struct Fallback {
-    ops: Vec<ResolvedOp>,
-    weights: BTreeMap<String, Py<PyAny>>,
-    graph: SlotGraph,
-    subgraphs: BTreeMap<String, SlotGraph>,
-    leaf_is_tensor: Vec<bool>,
-    on_cpu: bool,
-    grad_weights: bool,
+    parts: Parts,
     plan: PyOnceLock<Plan>,
     /// Calls left to run on Python before the C path is tried again.
     after_error: AtomicU32,
 }
 
 impl Fallback {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        ops: Vec<ResolvedOp>,
-        weights: BTreeMap<String, Py<PyAny>>,
-        graph: SlotGraph,
-        subgraphs: BTreeMap<String, SlotGraph>,
-        leaf_is_tensor: Vec<bool>,
-        on_cpu: bool,
-        grad_weights: bool,
-    ) -> Self {
-        Fallback {
-            ops,
-            weights,
-            graph,
-            subgraphs,
-            leaf_is_tensor,
-            on_cpu,
-            grad_weights,
-            plan: PyOnceLock::new(),
-            after_error: AtomicU32::new(0),
-        }
+    pub fn new(parts: Parts) -> Self {
+        Fallback { parts, plan: PyOnceLock::new(), after_error: AtomicU32::new(0) }
     }
 
     /// Whether a call runs on Python: it passes a subclass, or the C path failed recently.
@@ -69,18 +56,17 @@ impl Fallback {
     /// The all-Python plan, built on first use as the load built the other.
     pub fn plan(&self, py: Python<'_>) -> RtResult<&Plan> {
         self.plan.get_or_try_init(py, || {
-            let torch = py.import("torch")?;
+            let (p, torch) = (&self.parts, py.import("torch")?);
             let cx = plan::Context {
                 torch: &torch,
-                ops: &self.ops,
-                weights: &self.weights,
-                subgraphs: &self.subgraphs,
+                ops: &p.ops,
+                weights: &p.weights,
+                subgraphs: &p.subgraphs,
                 dispatch: Dispatch::Python,
-                on_cpu: self.on_cpu,
+                on_cpu: p.on_cpu,
             };
-            let mut plan =
-                plan::with_grad_mode(&torch, false, || plan::build(&cx, &self.graph, &self.leaf_is_tensor))??;
-            if self.grad_weights {
+            let mut plan = plan::with_grad_mode(&torch, false, || plan::build(&cx, &p.graph, &p.leaf_is_tensor))??;
+            if p.grad_weights {
                 plan.set_grad_off_when_unused(&torch)?;
             }
             Ok(plan)

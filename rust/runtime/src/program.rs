@@ -25,7 +25,7 @@ use crate::constants::constant_to_py;
 use crate::device::Placement;
 use crate::errors::{RtError, RtResult};
 use crate::exec::{LeafHandles, NodeTime};
-use crate::fallback::Fallback;
+use crate::fallback::{self, Fallback};
 use crate::ops::{self, AllowOps};
 use crate::plan::{self, Dispatch, Plan, Why};
 use crate::tree::CompiledSpec;
@@ -306,8 +306,10 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
         binder: a.binder,
         state: (!state.names.is_empty()).then(|| (state, CallLock::new())),
         writes,
-        fallback: (plan_has_c_steps)
-            .then(|| Fallback::new(ops, weights, a.graph, a.subgraphs, leaf_is_tensor, on_cpu, grad_weights)),
+        fallback: (plan_has_c_steps).then(|| {
+            let (graph, subgraphs) = (a.graph, a.subgraphs);
+            Fallback::new(fallback::Parts { ops, weights, graph, subgraphs, leaf_is_tensor, on_cpu, grad_weights })
+        }),
     })
 }
 

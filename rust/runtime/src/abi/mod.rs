@@ -105,8 +105,8 @@ struct StorageQueries {
 pub enum Storage {
     /// Strided, and its storage holds every element its view reads.
     Fits,
-    /// Not strided (sparse, mkldnn, ...): torch's layout code.
-    Layout(i32),
+    /// Not strided (sparse, mkldnn, ...).
+    NotStrided,
     /// Its view reaches past the end of its storage, which has this many bytes.
     TooSmall { needs: i64, has: i64 },
 }
@@ -461,7 +461,7 @@ impl Abi {
                 return None;
             }
             if layout != q.strided {
-                return Some(Storage::Layout(layout));
+                return Some(Storage::NotStrided);
             }
             if sizes.contains(&0) {
                 return Some(Storage::Fits);
