@@ -228,8 +228,8 @@ def bench(name, tmp, quick):
         has_ts = False
     for p in (kw_path, te_path, js_path):
         torch.save((args, kwargs), p + ".inputs")
-    row["nodes"] = len(ex._header["graph"]["nodes"])
-    row["weight_mb"] = sum(s["nbytes"] for s in ex._header["weights"]["storages"]) / 2**20
+    row["nodes"] = len(ex._method["graph"]["nodes"])
+    row["weight_mb"] = sum(int(t.untyped_storage().nbytes()) for t in ex._weights.values()) / 2**20
 
     repeats = 1 if quick else 3
     pre = [workloads.PREIMPORT[name]] if name in workloads.PREIMPORT else []

@@ -31,10 +31,10 @@ from kwexport._rt import describe
 _SUBSCRIPT = re.compile(r"\[('(?:[^'\\]|\\.)*'|\d+)\]")
 
 
-def leaf_dtypes(path: str) -> dict[str, torch.dtype]:
-    """The dtype of each tensor input, by its argument path as kwexport names it
+def leaf_dtypes(path: str, method: str = "forward") -> dict[str, torch.dtype]:
+    """The dtype of each tensor input of a method, by its argument path as kwexport names it
     (`input_ids`, `cfg['shift'][0]`)."""
-    leaves = json.loads(describe(path)["description"])["inputs"]
+    leaves = json.loads(describe(path)["description"])["methods"][method]["inputs"]
     return {leaf["path"]: getattr(torch, leaf["dtype"]) for leaf in leaves if leaf["kind"] == "tensor"}
 
 

@@ -31,8 +31,72 @@ def build(header_bytes: bytes, data: bytes) -> bytes:
     return prefix + b"\0" * ((-len(prefix)) % 64) + data
 
 
+# The fields of a method, which a 4.0 header holds under `methods`: `header_cases` mutates a
+# flat view with them at the top level (as 3.x files held them), `nested` puts them back.
+METHOD_FIELDS = ("signature", "inputs", "outputs", "symbols", "ops", "graph", "subgraphs")
+
+
+def flat(h: dict) -> dict:
+    """The header with its one method's fields at the top level."""
+    d = {k: v for k, v in h.items() if k != "methods"}
+    ((name, method),) = h["methods"].items()
+    d.update(method, _method=name)
+    return d
+
+
+def nested(d: dict) -> dict:
+    """`flat`'s inverse: the method's fields (whatever a case left of them) under `methods`."""
+    h = {k: v for k, v in d.items() if k not in METHOD_FIELDS and k != "_method"}
+    h["methods"] = {d["_method"]: {k: d[k] for k in METHOD_FIELDS if k in d}}
+    return h
+
+
+def method_cases(h: dict):
+    """Cases about a file's methods: (name, mutate(4.0 header) -> header or raw bytes, class)."""
+    ((name, method),) = h["methods"].items()
+
+    def second(mutate=None):
+        def go(d):
+            other = copy.deepcopy(method)
+            if mutate:
+                mutate(other)
+            d["methods"]["second"] = other
+
+        return go
+
+    yield "methods_empty", lambda d: d.update(methods={}), ARTIFACT
+    yield "methods_missing", lambda d: d.pop("methods"), ARTIFACT
+    yield "method_name_private", lambda d: d.update(methods={"__class__": method}), ARTIFACT
+    yield "method_name_not_identifier", lambda d: d.update(methods={"os.system": method}), ARTIFACT
+    yield "method_name_huge", lambda d: d.update(methods={"m" * 5000: method}), ARTIFACT
+    yield "method_not_an_object", lambda d: d["methods"].update(second=[1, 2]), ARTIFACT
+    yield "op_forbidden_in_a_second_method", second(lambda m: m["ops"][0].update(name="os::system.default")), ARTIFACT
+    yield (
+        "second_method_reads_a_missing_weight",
+        second(lambda m: m["graph"]["inputs"][0]["source"].update(weight="ghost")),
+        ARTIFACT,
+    )
+    yield (
+        "second_method_on_another_device",
+        second(lambda m: m["inputs"]["leaves"][0]["tensor"].update(device="meta")),
+        ARTIFACT,
+    )
+    yield (
+        "duplicate_method",
+        lambda d: json.dumps(d)[:-1].encode() + b',"methods":' + json.dumps({name: method}).encode() + b"}",
+        ARTIFACT,
+    )
+    yield (
+        "duplicate_method_key",
+        lambda d: (
+            json.dumps(d).replace(f'"methods": {{"{name}": ', f'"methods": {{"{name}": {{}}, "{name}": ', 1).encode()
+        ),
+        ARTIFACT,
+    )
+
+
 def header_cases(h: dict):
-    """(name, mutate(header) -> header or raw header bytes, expected class)."""
+    """(name, mutate(flat header) -> header or raw header bytes, expected class); see `flat`."""
     node0 = lambda d: d["graph"]["nodes"][0]  # noqa: E731
     first_weight = lambda d: next(iter(d["weights"]["tensors"].values()))  # noqa: E731
 
@@ -260,19 +324,23 @@ def header_cases(h: dict):
     yield (
         "duplicate_weight_entry",
         lambda d: (
-            json.dumps(d, separators=(",", ":"))
+            json.dumps(nested(d), separators=(",", ":"))
             .replace('"tensors":{', '"tensors":{"weight":{"dtype":"float32","shape":[1],"strides":[1],"storage":0},', 1)
             .encode()
         ),
         ARTIFACT,
     )
-    yield "duplicate_top_level_field", lambda d: json.dumps(d)[:-1].encode() + b',"graph":{}}', ARTIFACT
+    yield "duplicate_top_level_field", lambda d: json.dumps(nested(d))[:-1].encode() + b',"weights":{}}', ARTIFACT
     yield (
         "json_nesting_bomb",
         lambda d: b'{"format_version":{"major":2,"minor":0},"x":' + b"[" * 100000 + b"]" * 100000 + b"}",
         ARTIFACT,
     )
-    yield "header_not_utf8", lambda d: json.dumps(d).encode().replace(b'"producer"', b'"prod\xff\xfeer"', 1), ARTIFACT
+    yield (
+        "header_not_utf8",
+        lambda d: json.dumps(nested(d)).encode().replace(b'"producer"', b'"prod\xff\xfeer"', 1),
+        ARTIFACT,
+    )
     yield "header_not_json", lambda d: b"not json at all", ARTIFACT
     yield "header_empty", lambda d: b"", ARTIFACT
 
@@ -288,7 +356,12 @@ def generate(src, out) -> dict[str, type]:
         (out / f"{name}.kwx").write_bytes(content)
         expected[f"{name}.kwx"] = cls
 
-    for name, mutate, cls in header_cases(header):
+    for name, mutate, cls in header_cases(flat(header)):
+        d = flat(copy.deepcopy(header))
+        result = mutate(d)
+        blob = result if isinstance(result, bytes) else json.dumps(nested(d)).encode()
+        write(name, build(blob, data), cls)
+    for name, mutate, cls in method_cases(header):
         h = copy.deepcopy(header)
         result = mutate(h)
         blob = result if isinstance(result, bytes) else json.dumps(h).encode()

@@ -186,22 +186,26 @@ def test_version_error_for_newer_major(saved):
     "mutate, message",
     [
         (
-            lambda h: h["ops"][0].update(name="mylib::evil.default"),
-            r"ops\[0\] \(mylib::evil.default\): op namespace \"mylib\" is not allowed",
+            lambda h: h["methods"]["forward"]["ops"][0].update(name="mylib::evil.default"),
+            r"^methods\.forward\.ops\[0\] \(mylib::evil.default\): op namespace \"mylib\" is not allowed",
         ),
         (
-            lambda h: h["ops"][0].update(name="aten::no_such_op.default"),
-            r"ops\[0\] \(aten::no_such_op.default\): op not found in the running torch",
+            lambda h: h["methods"]["forward"]["ops"][0].update(name="aten::no_such_op.default"),
+            r"^methods\.forward\.ops\[0\] \(aten::no_such_op.default\): op not found in the running torch",
         ),
-        (lambda h: h["graph"]["nodes"][0].update(op=5), r"graph.nodes\[0\]: op 5 is not in the op table \(1 ops\)"),
+        (
+            lambda h: h["methods"]["forward"]["graph"]["nodes"][0].update(op=5),
+            r"^methods\.forward\.graph.nodes\[0\]: op 5 is not in the op table \(1 ops\)",
+        ),
         (
             lambda h: (
-                h["graph"]["nodes"][0]["args"].append({"int": 1}) or h["graph"]["nodes"][0]["args"].append({"int": 1})
+                h["methods"]["forward"]["graph"]["nodes"][0]["args"].append({"int": 1})
+                or h["methods"]["forward"]["graph"]["nodes"][0]["args"].append({"int": 1})
             ),
-            r"graph.nodes\[0\] \(aten::linear.default\): 5 positional arguments, but the op takes 3",
+            r"^methods\.forward\.graph.nodes\[0\] \(aten::linear.default\): 5 positional arguments, but the op takes 3",
         ),
         (
-            lambda h: h["graph"]["nodes"][0]["args"].__setitem__(0, {"ref": "nope"}),
+            lambda h: h["methods"]["forward"]["graph"]["nodes"][0]["args"].__setitem__(0, {"ref": "nope"}),
             r"value \"nope\" is used before it is defined",
         ),
         (
@@ -209,11 +213,16 @@ def test_version_error_for_newer_major(saved):
             r"weights.tensors\[\"weight\"\]: needs 2400 bytes of storage 0 but it has 24",
         ),
         (
-            lambda h: h["inputs"]["leaves"].append(h["inputs"]["leaves"][0]),
-            r"inputs: the spec has 1 leaves but inputs.leaves describes 2",
+            lambda h: h["methods"]["forward"]["inputs"]["leaves"].append(
+                h["methods"]["forward"]["inputs"]["leaves"][0]
+            ),
+            r"^methods\.forward\.inputs: the spec has 1 leaves but inputs.leaves describes 2",
         ),
-        (lambda h: h.pop("graph"), r"header: missing field `graph`"),
-        (lambda h: h["signature"]["params"][0].update(name="not valid"), r"not a Python identifier"),
+        (lambda h: h["methods"]["forward"].pop("graph"), r"header: missing field `graph`"),
+        (
+            lambda h: h["methods"]["forward"]["signature"]["params"][0].update(name="not valid"),
+            r"not a Python identifier",
+        ),
     ],
 )
 def test_artifact_errors_name_the_entry(saved, mutate, message):

@@ -83,9 +83,12 @@ def test_a_tensor_default_is_saved_in_the_file(roundtrip, tmp_path):
     sig = inspect.signature(prog)
     assert torch.equal(sig.parameters["y"].default, default) and sig.parameters["scale"].default == 2.0
     header = json.loads(kwexport._rt.describe(prog.path)["header"])
-    assert header["signature"]["params"][1] == {
+    assert header["methods"]["forward"]["signature"]["params"][1] == {
         "name": "y",
         "kind": "positional_or_keyword",
         "default_weight": "<default>.y",
     }
-    assert 'y=<tensor "<default>.y">' in json.loads(kwexport._rt.describe(prog.path)["description"])["signature"]
+    assert (
+        'y=<tensor "<default>.y">'
+        in json.loads(kwexport._rt.describe(prog.path)["description"])["methods"]["forward"]["signature"]
+    )

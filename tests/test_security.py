@@ -36,7 +36,7 @@ def test_custom_ops_need_the_callers_permission(custom_file):
     with pytest.raises(kwexport.ArtifactError) as e:
         kwexport.load(custom_file)
     assert str(e.value) == (
-        'ops[0] (kwtest::scale.default): op namespace "kwtest" is not allowed '
+        'methods.forward.ops[0] (kwtest::scale.default): op namespace "kwtest" is not allowed '
         '(pass allow_ops=["kwtest::*"] to load it, once its library is registered)'
     )
     for allow in (["kwtest::*"], ["kwtest::scale"], ["kwtest::scale.default"]):
@@ -62,6 +62,6 @@ def test_unregistered_custom_ops_are_not_imported(custom_file):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == (
-        f"ops[0] (kwtest::scale.default): op not found in the running torch {torch.__version__} "
+        f"methods.forward.ops[0] (kwtest::scale.default): op not found in the running torch {torch.__version__} "
         "(custom ops must be registered before loading)"
     )

@@ -18,14 +18,20 @@ GOLDEN_V1 = __import__("pathlib").Path(__file__).parent / "golden" / "1.0"
 def test_v1_file_loads_through_the_upgrader():
     prog = kwexport.load(GOLDEN_V1 / "tiny_mlp.kwx")
     assert prog.file_format_version == (1, 0)
-    assert prog.format_version == kwexport.FORMAT_VERSION == (3, 1)
-    assert prog.upgraders_applied == ["v1_to_v2_op_table", "v2_to_v3_containers", "v3_0_to_v3_1_tensor_defaults"]
+    assert prog.format_version == kwexport.FORMAT_VERSION == (4, 0)
+    assert prog.upgraders_applied == [
+        "v1_to_v2_op_table",
+        "v2_to_v3_containers",
+        "v3_0_to_v3_1_tensor_defaults",
+        "v3_to_v4_methods",
+    ]
+    assert list(prog.methods) == ["forward"]
 
 
 def test_v2_file_loads_through_the_upgrader():
     prog = kwexport.load(GOLDEN_V1.parent / "2.0" / "tiny_mlp.kwx")
     assert prog.file_format_version == (2, 0)
-    assert prog.upgraders_applied == ["v2_to_v3_containers", "v3_0_to_v3_1_tensor_defaults"]
+    assert prog.upgraders_applied == ["v2_to_v3_containers", "v3_0_to_v3_1_tensor_defaults", "v3_to_v4_methods"]
 
 
 def test_newer_minor_loads(tmp_path):
@@ -55,19 +61,21 @@ def linspace_file(tmp_path):
 
 
 def op_entry(header, name):
-    return next(i for i, op in enumerate(header["ops"]) if op["name"] == name)
+    return next(i for i, op in enumerate(header["methods"]["forward"]["ops"]) if op["name"] == name)
 
 
 def test_incompatible_op_schema_is_refused(linspace_file):
     raw, header, end = read_parts(linspace_file)
     i = op_entry(header, "aten::mul.Tensor")
-    header["ops"][i]["schema"] = "aten::mul.Tensor(Tensor self, Tensor other, int extra) -> Tensor"
+    header["methods"]["forward"]["ops"][i]["schema"] = (
+        "aten::mul.Tensor(Tensor self, Tensor other, int extra) -> Tensor"
+    )
     header["producer"]["torch"] = "2.99.0"
     rewrite(linspace_file, header, raw, end)
     with pytest.raises(kwexport.ArtifactError) as e:
         kwexport.load(linspace_file)
     assert str(e.value) == (
-        f"ops[{i}] (aten::mul.Tensor): the op's schema changed incompatibly and no op upgrader is registered: "
+        f"methods.forward.ops[{i}] (aten::mul.Tensor): the op's schema changed incompatibly and no op upgrader is registered: "
         f"saved with torch 2.99.0 as `aten::mul.Tensor(Tensor self, Tensor other, int extra) -> Tensor`, "
         f"the running torch {torch.__version__} has `{torch.ops.aten.mul.Tensor._schema}`"
     )
@@ -77,7 +85,7 @@ def test_compatible_op_schema_drift_is_noted(linspace_file):
     raw, header, end = read_parts(linspace_file)
     i = op_entry(header, "aten::mul.Tensor")
     # A new argument without a default is not compatible.
-    header["ops"][i]["schema"] = "aten::mul.Tensor(Tensor self) -> Tensor"
+    header["methods"]["forward"]["ops"][i]["schema"] = "aten::mul.Tensor(Tensor self) -> Tensor"
     rewrite(linspace_file, header, raw, end)
     with pytest.raises(kwexport.ArtifactError, match="changed incompatibly"):
         kwexport.load(linspace_file)
@@ -90,7 +98,7 @@ def test_compatible_op_schema_drift_is_noted(linspace_file):
     kwexport.save(kwexport.export(f, (torch.ones(2),)), path)
     raw, header, end = read_parts(path)
     i = op_entry(header, "aten::add.Tensor")
-    header["ops"][i]["schema"] = "aten::add.Tensor(Tensor self, Tensor other) -> Tensor"
+    header["methods"]["forward"]["ops"][i]["schema"] = "aten::add.Tensor(Tensor self, Tensor other) -> Tensor"
     rewrite(path, header, raw, end)
     prog = kwexport.load(path)
     assert prog.load_notes == [
@@ -102,11 +110,11 @@ def test_compatible_op_schema_drift_is_noted(linspace_file):
 def test_op_upgrader_rewrites_old_linspace(linspace_file):
     raw, header, end = read_parts(linspace_file)
     i = op_entry(header, "aten::linspace.default")
-    header["ops"][i]["schema"] = (
+    header["methods"]["forward"]["ops"][i]["schema"] = (
         "aten::linspace(Scalar start, Scalar end, int? steps=None, *, ScalarType? dtype=None, "
         "Layout? layout=None, Device? device=None, bool? pin_memory=None) -> Tensor"
     )
-    node = next(n for n in header["graph"]["nodes"] if n["op"] == i)
+    node = next(n for n in header["methods"]["forward"]["graph"]["nodes"] if n["op"] == i)
     node["args"][2] = {"none": None}  # the old default, which torch then read as 100 steps
     rewrite(linspace_file, header, raw, end)
     prog = kwexport.load(linspace_file)
@@ -127,17 +135,18 @@ def test_inspect(tmp_path):
     info = json.loads(out.stdout)
     assert info["format_version"] == [1, 0]
     assert info["needs_upgrade"] is True
-    assert info["signature"] == "dynamic(x, y)"
-    assert info["ops"] == {"aten::cat.default": 1, "aten::softmax.int": 1}
-    sym = info["symbols"][0]
+    m = info["methods"]["forward"]
+    assert m["signature"] == "dynamic(x, y)"
+    assert m["ops"] == {"aten::cat.default": 1, "aten::softmax.int": 1}
+    sym = m["symbols"][0]
     assert (sym["min"], sym["max"]) == (2, 16)
-    assert info["inputs"][0]["shape"] == [f"{sym['name']} ({sym['name']} in [2, 16])", 5]
+    assert m["inputs"][0]["shape"] == [f"{sym['name']} ({sym['name']} in [2, 16])", 5]
     assert info["extra_files"] == {"golden.txt": len("dynamic at format 1.0")}
     text = run_cli("inspect", GOLDEN_V1 / "tiny_mlp.kwx").stdout
     assert "signature:    TinyMLP.forward(x, *, mask=None)" in text
     assert (
-        "format:       1.0 (needs upgrading to 3.1: v1_to_v2_op_table, v2_to_v3_containers, v3_0_to_v3_1_tensor_defaults)"
-        in text
+        "format:       1.0 (needs upgrading to 4.0: v1_to_v2_op_table, v2_to_v3_containers, "
+        "v3_0_to_v3_1_tensor_defaults, v3_to_v4_methods)" in text
     )
     assert describe(GOLDEN_V1.parent / "2.0" / "tiny_mlp.kwx")["weights"]["bytes"] > 0
 
@@ -149,10 +158,11 @@ def test_upgrade(tmp_path):
     assert out.returncode == 0, out.stderr
     assert (
         out.stdout.strip()
-        == f"{new}: format 1.0 -> 3.1 (v1_to_v2_op_table, v2_to_v3_containers, v3_0_to_v3_1_tensor_defaults)"
+        == f"{new}: format 1.0 -> 4.0 (v1_to_v2_op_table, v2_to_v3_containers, v3_0_to_v3_1_tensor_defaults, "
+        "v3_to_v4_methods)"
     )
     a, b = kwexport.load(old), kwexport.load(new)
-    assert b.file_format_version == (3, 1) and b.upgraders_applied == []
+    assert b.file_format_version == (4, 0) and b.upgraders_applied == []
     x, mask = torch.randn(4, 6), torch.randn(3)
     assert_same(b(x, mask=mask), a(x, mask=mask))
     assert b.extra_files == a.extra_files
@@ -180,7 +190,7 @@ def test_cli_reports_version_errors(tmp_path):
     out = run_cli("inspect", path)
     assert out.returncode == 1
     assert out.stderr.strip() == (
-        "kwexport: VersionError: file format 7.1 is newer than this runtime, which reads 1.0 to 3.x: upgrade kwexport"
+        "kwexport: VersionError: file format 7.1 is newer than this runtime, which reads 1.0 to 4.x: upgrade kwexport"
     )
 
 

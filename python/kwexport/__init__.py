@@ -22,6 +22,7 @@ from kwexport._rt import (
     ArtifactError,
     InputError,
     KwexportError,
+    Method,
     Program,
     SignatureError,
     VersionError,
@@ -44,6 +45,7 @@ __all__ = [
     "FORMAT_VERSION",
     "InputError",
     "KwexportError",
+    "Method",
     "OLDEST_FORMAT_VERSION",
     "Program",
     "SignatureError",
@@ -117,10 +119,19 @@ def export(
 
 
 def save(
-    ex: Exported | Any, path: str | os.PathLike[str], *, extra_files: dict[str, str | bytes] | None = None
+    ex: Exported | Any | dict[str, Exported | Any],
+    path: str | os.PathLike[str],
+    *,
+    extra_files: dict[str, str | bytes] | None = None,
 ) -> None:
     """Write ``ex`` (``kwexport.export``'s result, or a ``torch.export.ExportedProgram``) to
-    ``path`` as one file, atomically."""
+    ``path`` as one file, atomically.
+
+    A dict of them by name saves one file of several methods (``{"encode": a, "decode":
+    b}``; names are identifiers not starting with ``_``): ``kwexport.load(path).encode(...)``,
+    ``prog["decode"](...)``. Their weights are stored once: a tensor several methods read
+    (the same memory, as methods of one module share their parameters) is one weight, and a
+    buffer one method writes is state that every method reading it sees."""
     from kwexport._write import save as _save
 
     _save(ex, path, extra_files=extra_files)

@@ -24,12 +24,30 @@ from kwexport import _rt
 from kwexport._signature import constant_value
 
 
+def method_name(methods: Any, method: str | None) -> str:
+    """The method a bench runs: the one named, else the one ``prog(...)`` calls."""
+    names = list(methods)
+    if method is None:
+        if len(names) == 1 or "forward" in names:
+            return names[0] if len(names) == 1 else "forward"
+        raise ValueError(f"the file holds methods {', '.join(names)}: name one (--method)")
+    if method not in names:
+        raise ValueError(f"--method {method}: the file holds {', '.join(names)}")
+    return method
+
+
 def example_call(
-    path: str | os.PathLike[str], dims: dict[str, int] | None = None, shapes: dict[str, list[int]] | None = None
+    path: str | os.PathLike[str],
+    dims: dict[str, int] | None = None,
+    shapes: dict[str, list[int]] | None = None,
+    method: str | None = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``(args, kwargs)`` for a call of the file's program, from its recorded inputs."""
+    """``(args, kwargs)`` for a call of one of the file's methods (by default the one
+    ``prog(...)`` calls), from its recorded inputs."""
     d = _rt.describe(os.fspath(path))
-    header, info = json.loads(d["header"]), json.loads(d["description"])
+    doc, described = json.loads(d["header"]), json.loads(d["description"])
+    name = method_name(doc["methods"], method)
+    header, info = doc["methods"][name], described["methods"][name]
     dims, shapes = dims or {}, shapes or {}
     ranges = {s["name"]: (s["min"], s["max"]) for s in header["symbols"]}
     unknown = set(dims) - set(ranges)
@@ -124,12 +142,16 @@ def bench(
     threads: int = 2,
     seconds: float = 1.0,
     top: int = 10,
+    method: str | None = None,
 ) -> dict[str, Any]:
     """Per optimization level: load, first-call and steady-call times, throughput on 1 and
-    ``threads`` threads, and the ops that took the most of a profiled call."""
-    args, kwargs = example_call(path, dims, shapes)
+    ``threads`` threads, and the ops that took the most of a profiled call, for one method
+    (by default the one ``prog(...)`` calls)."""
+    args, kwargs = example_call(path, dims, shapes, method)
+    method = method_name(json.loads(_rt.describe(os.fspath(path))["description"])["methods"], method)
     report: dict[str, Any] = {
         "file": os.fspath(path),
+        "method": method,
         "torch": torch.__version__,
         "threads_torch": torch.get_num_threads(),
         "levels": {},
@@ -137,20 +159,23 @@ def bench(
     for level in levels:  # a level the runtime doesn't know fails here, before any timing
         kwexport.load(path, optimize=level)
     for level in levels:
-        prog, entry = _bench_level(path, level, args=args, kwargs=kwargs, threads=threads, seconds=seconds, top=top)
+        prog, entry = _bench_level(
+            path, level, method, args=args, kwargs=kwargs, threads=threads, seconds=seconds, top=top
+        )
         report["levels"][level] = entry
     report["inputs"] = {k: list(v.shape) if isinstance(v, torch.Tensor) else v for k, v in _named(prog, args, kwargs)}
     return report
 
 
-def _bench_level(path, level, *, args, kwargs, threads, seconds, top) -> tuple[Any, dict[str, Any]]:
+def _bench_level(path, level, method, *, args, kwargs, threads, seconds, top) -> tuple[Any, dict[str, Any]]:
     loads = []
     for _ in range(20):
         t = time.perf_counter()
         kwexport.load(path, optimize=level)
         loads.append(time.perf_counter() - t)
     t = time.perf_counter()
-    prog = kwexport.load(path, optimize=level)
+    file = kwexport.load(path, optimize=level)
+    prog = file[method]
     try:
         prog(*args, **kwargs)
     except Exception as e:
@@ -162,7 +187,7 @@ def _bench_level(path, level, *, args, kwargs, threads, seconds, top) -> tuple[A
     steady = _per_call(lambda: prog(*args, **kwargs), seconds)
     one = _throughput([prog], args, kwargs, seconds)
     # A stateful program serializes its calls: each thread gets its own copy, as a server would.
-    many = _throughput([prog] + [copy.copy(prog) for _ in range(threads - 1)], args, kwargs, seconds)
+    many = _throughput([prog] + [copy.copy(file)[method] for _ in range(threads - 1)], args, kwargs, seconds)
     prog.profile(*args, **kwargs)  # warm
     by_op: dict[str, list[float]] = {}
     nodes = prog.profile(*args, **kwargs)

@@ -33,17 +33,24 @@ def _print_text(info: dict[str, Any]) -> None:
     print(f"format:       {v}{upgrade}")
     prod = info["producer"]
     print(f"written by:   kwexport {prod['kwexport']}, torch {prod['torch']}, python {prod.get('python') or '?'}")
-    print(f"signature:    {info['signature']}")
     print(f"device:       {info['device']} (where it was exported; kwexport.load(..., device=...) moves it)")
-    print("inputs:")
-    for i in info["inputs"]:
-        if i["kind"] == "tensor":
-            print(f"  {i['path']}: {i['dtype']}[{', '.join(map(str, i['shape']))}] on {i['device']}")
-        else:
-            print(f"  {i['path']}: constant {i['value']!r}")
-    print(f"graph:        {info['nodes']} nodes, {len(info['ops'])} ops")
-    for op, n in sorted(info["ops"].items(), key=lambda kv: -kv[1]):
-        print(f"  {n:5}  {op}")
+    several = len(info["methods"]) > 1
+    for name, m in info["methods"].items():
+        indent = "  " if several else ""
+        if several:
+            print(f"method {name}:")
+        print(f"{indent}signature:    {m['signature']}")
+        print(f"{indent}inputs:")
+        for i in m["inputs"]:
+            if i["kind"] == "tensor":
+                print(f"{indent}  {i['path']}: {i['dtype']}[{', '.join(map(str, i['shape']))}] on {i['device']}")
+            else:
+                print(f"{indent}  {i['path']}: constant {i['value']!r}")
+        if m["writes"]:
+            print(f"{indent}writes:       {', '.join(m['writes'])}")
+        print(f"{indent}graph:        {m['nodes']} nodes, {len(m['ops'])} ops")
+        for op, n in sorted(m["ops"].items(), key=lambda kv: -kv[1]):
+            print(f"{indent}  {n:5}  {op}")
     w = info["weights"]
     print(f"weights:      {w['tensors']} tensors, {w['bytes']:,} bytes")
     extras = ", ".join(f"{k} ({n} bytes)" for k, n in info["extra_files"].items()) or "none"
@@ -105,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_bench.add_argument("--threads", type=int, default=2, help="threads to compare with one (default 2)")
     p_bench.add_argument("--seconds", type=float, default=1.0, help="time per measurement (default 1)")
+    p_bench.add_argument("--method", help="the method to time (default: the one prog(...) calls)")
     p_bench.add_argument("--json", action="store_true", help="print JSON")
     opts = parser.parse_args(argv)
     try:
@@ -124,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 levels=tuple(opts.optimize.split(",")),
                 threads=opts.threads,
                 seconds=opts.seconds,
+                method=opts.method,
             )
             if opts.json:
                 print(json.dumps(report, indent=2))
@@ -131,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                 _bench.print_report(report)
         elif opts.command == "convert":
             info = convert(opts.pt2, opts.new, force=opts.force)
-            print(f"{opts.new}: {info['signature']}, {info['nodes']} nodes, {info['weights']['tensors']} weights")
+            m = info["methods"]["forward"]
+            print(f"{opts.new}: {m['signature']}, {m['nodes']} nodes, {info['weights']['tensors']} weights")
         else:
             r = upgrade(opts.old, opts.new, force=opts.force)
             steps = ", ".join(r["upgraders"]) or "nothing to do"

@@ -8,14 +8,12 @@ import collections
 import dataclasses
 import math
 import operator
-import sys
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-import kwexport
-from kwexport._rt import DTYPES, FORMAT_VERSION, HIGHER_ORDER_OPS, PY_OPERATORS, SYM_FUNCTIONS, ArtifactError
+from kwexport._rt import DTYPES, HIGHER_ORDER_OPS, PY_OPERATORS, SYM_FUNCTIONS, ArtifactError
 from kwexport._signature import _I64, constant_json
 
 DTYPE_NAMES = {getattr(torch, name): name for name, _ in DTYPES}
@@ -26,7 +24,7 @@ _SYM_FUNCTIONS = {getattr(torch, name): name for name in SYM_FUNCTIONS if hasatt
 def header_json(
     ep, sig_json: dict[str, Any], leaves: list[Any], in_spec, dim_names: list[dict[int, str]] | None = None
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], set[str]]:
-    """The header for ``ep``, less its weight tables; the weights by name; and the names of
+    """The method entry of the header for ``ep``; the weights it reads, by name; and the names of
     the weights the program writes (its state). ``dim_names`` names, per leaf, the user's
     ``Dim`` at a dimension; their symbols are saved under those names."""
     gs = ep.graph_signature
@@ -108,13 +106,7 @@ def header_json(
                 }
             )
 
-    header = {
-        "format_version": {"major": FORMAT_VERSION[0], "minor": FORMAT_VERSION[1]},
-        "producer": {
-            "kwexport": kwexport.__version__,
-            "torch": torch.__version__,
-            "python": ".".join(map(str, sys.version_info[:3])),
-        },
+    method = {
         "signature": sig_json,
         "inputs": {"spec": _treespec(in_spec, "inputs"), "leaves": leaf_specs},
         "outputs": _treespec(ep.call_spec.out_spec, "outputs"),
@@ -123,7 +115,7 @@ def header_json(
         "graph": {"inputs": graph_inputs, "nodes": nodes, "outputs": outputs, "mutations": mutations},
         "subgraphs": subgraphs,
     }
-    return header, weights, {m["target"]["weight"] for m in mutations if "weight" in m["target"]}
+    return method, weights, {m["target"]["weight"] for m in mutations if "weight" in m["target"]}
 
 
 def _symbol_names(leaf_specs: list, dim_names: list[dict[int, str]], used: set[str]) -> dict[str, str]:

@@ -18,24 +18,32 @@ from torch.utils import _pytree as pytree
 from kwexport._graph import header_json
 from kwexport._rt import ArtifactError, SignatureError
 from kwexport._signature import signature_from_json, signature_json
-from kwexport._weights import weight_tables
+from kwexport._weights import check_weight
 
 
 class Exported:
     """The result of :func:`kwexport.export`: the traced program, ready to :func:`save`."""
 
-    def __init__(self, exported_program, header: dict, storages: list, tensor_defaults: dict | None = None):
+    def __init__(
+        self,
+        exported_program,
+        method: dict,
+        weights: dict[str, torch.Tensor],
+        mutable: set[str],
+        tensor_defaults: dict | None = None,
+    ):
         self.exported_program = exported_program
-        self._header = header
-        self._storages = storages  # uint8 CPU tensors, one per distinct storage
+        self._method = method  # its entry of the header's `methods`
+        self._weights = weights  # the weights the method reads, by the names `_method` uses
+        self._mutable = mutable  # the ones it writes
         self._tensor_defaults = tensor_defaults or {}
 
     @property
     def signature(self) -> inspect.Signature:
-        return signature_from_json(self._header["signature"], self._tensor_defaults)
+        return signature_from_json(self._method["signature"], self._tensor_defaults)
 
     def __repr__(self) -> str:
-        return f"<kwexport.Exported {self._header['signature']['name']}{self.signature}>"
+        return f"<kwexport.Exported {self._method['signature']['name']}{self.signature}>"
 
 
 def export(f, args, kwargs=None, *, dynamic_shapes=None, dynamic: bool = False) -> Exported:
@@ -47,6 +55,11 @@ def export(f, args, kwargs=None, *, dynamic_shapes=None, dynamic: bool = False) 
     if isinstance(f, torch.nn.Module):
         module, target = f, f.forward
         name = f"{type(f).__qualname__}.forward"
+    elif inspect.ismethod(f) and isinstance(f.__self__, torch.nn.Module):
+        # A module's other method (`model.encode`): traced over the module, so its parameters
+        # and buffers are the module's weights and state, as they are for `forward`.
+        module, target = f.__self__, f
+        name = f"{type(module).__qualname__}.{f.__name__}"
     elif callable(f):
         module, target = _FunctionModule(), f
         name = getattr(f, "__qualname__", getattr(f, "__name__", "function"))
@@ -126,12 +139,12 @@ def _encode(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")  # torch-internal
             ep = ep.run_decompositions({})
-    header, weights, mutable = header_json(ep, sig_json, leaves, in_spec, dim_names)
+    method, weights, mutable = header_json(ep, sig_json, leaves, in_spec, dim_names)
     # A tensor default is saved as it is, a weight of its own (not the clone the trace took).
     weights.update({k: v.detach() for k, v in (tensor_defaults or {}).items()})
-    storage_table, tensor_table, storages = weight_tables(weights, mutable)
-    header["weights"] = {"storages": storage_table, "tensors": tensor_table}
-    return Exported(ep, header, storages, tensor_defaults)
+    for name, weight in weights.items():
+        check_weight(name, weight)  # at export, not first at save
+    return Exported(ep, method, weights, mutable, tensor_defaults)
 
 
 def from_exported_program(ep) -> Exported:

@@ -12,6 +12,21 @@ from kwexport._graph import DTYPE_NAMES
 from kwexport._rt import ArtifactError
 
 
+def check_weight(name: str, weight: Any) -> None:
+    """Raises ``ArtifactError`` unless ``weight`` is a tensor the format can hold."""
+    where = f"weight {name!r}"
+    if type(weight) not in (torch.Tensor, torch.nn.Parameter):
+        raise ArtifactError(f"{where}: tensor subclass {type(weight).__name__} can't be saved")
+    if weight.layout != torch.strided or weight.is_quantized or weight.dtype not in DTYPE_NAMES:
+        raise ArtifactError(f"{where}: unsupported tensor ({weight.layout}, {weight.dtype})")
+
+
+def identity(t: torch.Tensor) -> tuple:
+    """What makes two weights one: the same memory viewed the same way."""
+    st = t.untyped_storage()
+    return (st.data_ptr(), str(t.device), t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+
 def weight_tables(
     weights: dict[str, torch.Tensor], mutable: set[str] = frozenset()
 ) -> tuple[list[dict[str, Any]], dict[str, Any], list[torch.Tensor]]:
@@ -25,11 +40,7 @@ def weight_tables(
     by_storage: dict[Any, int] = {}
     tensors = {}
     for name, weight in weights.items():
-        where = f"weight {name!r}"
-        if type(weight) not in (torch.Tensor, torch.nn.Parameter):
-            raise ArtifactError(f"{where}: tensor subclass {type(weight).__name__} can't be saved")
-        if weight.layout != torch.strided or weight.is_quantized or weight.dtype not in DTYPE_NAMES:
-            raise ArtifactError(f"{where}: unsupported tensor ({weight.layout}, {weight.dtype})")
+        check_weight(name, weight)
         t = weight.detach()
         st = t.untyped_storage()
         key = (st.data_ptr(), str(t.device), st.nbytes()) if st.nbytes() else ("empty", name)

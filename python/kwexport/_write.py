@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from kwexport._rt import ALIGN, check_extra_name, container_head
+from kwexport._rt import ALIGN, FORMAT_VERSION, check_extra_name, check_method_name, container_head
 
 
 def align(n: int) -> int:
@@ -157,25 +157,104 @@ def _alive(pid: int) -> bool:
 
 
 def save(ex: Any, path: str | os.PathLike[str], *, extra_files: dict[str, str | bytes] | None = None) -> None:
-    """Writes an exported program (``kwexport.export``'s result, or a
-    ``torch.export.ExportedProgram``): its header with each storage's offset filled in, the
-    storages, then the extra files, each on an aligned offset of the data section."""
-    from kwexport._trace import Exported, from_exported_program
-
-    if not isinstance(ex, Exported):
-        import torch
-
-        if not isinstance(ex, torch.export.ExportedProgram):
-            raise TypeError(
-                f"save() takes the result of kwexport.export or a torch.export.ExportedProgram, got {type(ex).__name__}"
-            )
-        ex = from_exported_program(ex)
-    header = json.loads(json.dumps(ex._header))  # a copy we can fill in
+    r"""Writes exported programs (``kwexport.export``'s results or
+    ``torch.export.ExportedProgram``\ s; one, or a dict of them by method name): the header
+    with each storage's offset filled in, the storages, then the extra files, each on an
+    aligned offset of the data section."""
+    header, storages = document(methods_of(ex))
     chunks: list[tuple[int, Any]] = []
     cursor = 0
-    for entry, data in zip(header["weights"]["storages"], ex._storages):
+    for entry, data in zip(header["weights"]["storages"], storages):
         entry["offset"] = cursor
         chunks.append((cursor, memoryview(data.numpy())))
         cursor = align(cursor + entry["nbytes"])
     header["extra_files"], extra_chunks = extra_file_entries(extra_files, cursor)
     write_file(path, header, chunks + extra_chunks)
+
+
+def methods_of(ex: Any) -> dict[str, Any]:
+    """``save``'s argument as ``{method name: Exported}``: one program is the method
+    ``forward``."""
+    from kwexport._trace import Exported, from_exported_program
+
+    def one(value: Any, what: str) -> Exported:
+        if isinstance(value, Exported):
+            return value
+        import torch
+
+        if isinstance(value, torch.export.ExportedProgram):
+            return from_exported_program(value)
+        raise TypeError(
+            f"save() takes the result of kwexport.export or a torch.export.ExportedProgram{what}, "
+            f"got {type(value).__name__}"
+        )
+
+    if not isinstance(ex, dict):
+        return {"forward": one(ex, ", or a dict of them by method name")}
+    if not ex:
+        raise ValueError("save() got no methods: pass at least one exported program")
+    for name in ex:
+        if not isinstance(name, str):
+            raise TypeError(f"save(): method names are str, got {type(name).__name__}")
+        check_method_name(name)
+    return {name: one(value, f" for method {name!r}") for name, value in ex.items()}
+
+
+def document(methods: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    """The header (less its extra files) of a file holding ``methods``, and its storages.
+    Weights are merged across methods by identity: a tensor that several methods read, or
+    that one reads under two names, is one weight in the file (state a method writes is then
+    state every method that reads it sees); a name two methods give different tensors is
+    kept by the first and prefixed with the method's name in the others."""
+    import sys
+
+    import torch
+
+    import kwexport
+    from kwexport._weights import identity, weight_tables
+
+    weights: dict[str, Any] = {}
+    mutable: set[str] = set()
+    by_identity: dict[tuple, str] = {}
+    entries = {}
+    for method, ex in methods.items():
+        rename = {}
+        for name, t in ex._weights.items():
+            key = identity(t) if t.untyped_storage().nbytes() else ("empty", method, name)
+            if key not in by_identity:
+                unique, n = name, 1
+                while unique in weights:
+                    unique, n = f"{method}.{name}" + (f".{n}" if n > 1 else ""), n + 1
+                by_identity[key] = unique
+                weights[unique] = t
+            rename[name] = by_identity[key]
+            if name in ex._mutable:
+                mutable.add(rename[name])
+        entries[method] = _renamed(ex._method, rename)
+    storage_table, tensor_table, storages = weight_tables(weights, mutable)
+    header = {
+        "format_version": {"major": FORMAT_VERSION[0], "minor": FORMAT_VERSION[1]},
+        "producer": {
+            "kwexport": kwexport.__version__,
+            "torch": torch.__version__,
+            "python": ".".join(map(str, sys.version_info[:3])),
+        },
+        "methods": entries,
+        "weights": {"storages": storage_table, "tensors": tensor_table},
+    }
+    return header, storages
+
+
+def _renamed(method: dict[str, Any], rename: dict[str, str]) -> dict[str, Any]:
+    """A copy of a method entry with its weight references renamed."""
+    m = json.loads(json.dumps(method))
+    for i in m["graph"]["inputs"]:
+        if "weight" in i["source"]:
+            i["source"]["weight"] = rename[i["source"]["weight"]]
+    for w in m["graph"].get("mutations", []):
+        if "weight" in w["target"]:
+            w["target"]["weight"] = rename[w["target"]["weight"]]
+    for p in m["signature"]["params"]:
+        if "default_weight" in p:
+            p["default_weight"] = rename[p["default_weight"]]
+    return m

@@ -54,6 +54,40 @@ def tensor_default(x, y=torch.arange(3.0)):  # noqa: B008 - the default under te
     return x * y
 
 
+class Accumulator(nn.Module):
+    """Two methods over one set of weights and one buffer of state."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+        self.register_buffer("total", torch.zeros(3))
+
+    def forward(self, x):
+        return self.proj(x).relu()
+
+    def accumulate(self, h, *, scale=1.0):
+        self.total.add_(h.sum(0) * scale)
+        return self.proj(self.total)
+
+
+def method_cases():
+    """(name, module, {method: (args, kwargs)} to export, [(method, args, kwargs)] to call in order)."""
+    g = torch.Generator().manual_seed(1)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    torch.manual_seed(1)
+    acc = Accumulator().eval()
+    yield (
+        "methods",
+        acc,
+        {"forward": ((r(2, 3),), {}), "accumulate": ((r(2, 3),), {"scale": 2.0})},
+        [
+            ("forward", (r(2, 3),), {}),
+            ("accumulate", (r(2, 3),), {"scale": 2.0}),
+            ("accumulate", (r(2, 3),), {"scale": 2.0}),
+        ],
+    )
+
+
 def cases():
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g)
@@ -112,6 +146,18 @@ def main():
         )
         with torch.no_grad():
             record = [{"args": encode(a), "kwargs": encode(k), "expected": encode(f(*a, **k))} for a, k in calls]
+        (out / f"{name}.json").write_text(json.dumps({"calls": record}, indent=1) + "\n")
+        print("wrote", out / name)
+    for name, module, exports, calls in method_cases():
+        state = {k: v.clone() for k, v in module.state_dict().items()}
+        methods = {m: kwexport.export(getattr(module, m), a, k) for m, (a, k) in exports.items()}
+        module.load_state_dict(state)  # the export's traces ran on it
+        kwexport.save(methods, out / f"{name}.kwx", extra_files={"golden.txt": f"{name} at format {major}.{minor}"})
+        with torch.no_grad():
+            record = [
+                {"method": m, "args": encode(a), "kwargs": encode(k), "expected": encode(getattr(module, m)(*a, **k))}
+                for m, a, k in calls
+            ]
         (out / f"{name}.json").write_text(json.dumps({"calls": record}, indent=1) + "\n")
         print("wrote", out / name)
 

@@ -10,7 +10,7 @@ use crate::container::{self, Layout};
 use crate::error::{Error, InputRootProblem, MutationProblem, Result};
 use crate::graph::{self, OpName, SlotGraph};
 use crate::schema::{
-    self, DictEntry, Document, Encoding, FormatVersion, Key, LeafSpec, MutationTarget, ParamKind, TreeSpec,
+    self, DictEntry, Document, Encoding, FormatVersion, Key, LeafSpec, Method, MutationTarget, ParamKind, TreeSpec,
 };
 use crate::treespec;
 use crate::upgrade;
@@ -41,6 +41,15 @@ pub struct Artifact {
     pub file_format_version: FormatVersion,
     /// The upgraders that brought it to the current version.
     pub upgraders: Vec<&'static str>,
+    /// Every weight, checked against its storage.
+    pub weights: BTreeMap<String, CheckedWeight>,
+    /// Each method, checked, by name (as `document.methods`).
+    pub methods: BTreeMap<String, CheckedMethod>,
+}
+
+/// One method that passed every check.
+#[derive(Debug, Clone)]
+pub struct CheckedMethod {
     /// The signature, ready to bind calls.
     pub binder: Binder,
     /// The symbol table.
@@ -55,8 +64,6 @@ pub struct Artifact {
     pub graph: SlotGraph,
     /// The subgraphs higher-order ops run, in slots, by name.
     pub subgraphs: BTreeMap<String, SlotGraph>,
-    /// Every weight, checked against its storage.
-    pub weights: BTreeMap<String, CheckedWeight>,
 }
 
 /// Parses a whole file's bytes: container, header JSON, upgraders, typed document.
@@ -88,19 +95,22 @@ impl Artifact {
     }
 }
 
+impl Method {
+    /// The device of the method's first tensor input, if it has one.
+    pub fn input_device(&self) -> Option<&str> {
+        self.inputs.leaves.iter().find_map(|l| match l {
+            LeafSpec::Tensor(t) => Some(t.device.as_str()),
+            LeafSpec::Constant(_) => None,
+        })
+    }
+}
+
 impl Document {
-    /// The device the program was exported on: its tensor inputs' (the first one's), or the
-    /// CPU for a program without tensor inputs. Device literals of the graph on this device's
-    /// type follow the device a program is loaded on.
+    /// The device the program was exported on: its methods' tensor inputs' (validation
+    /// checks they agree), or the CPU for a program without tensor inputs. Device literals of
+    /// the graph on this device's type follow the device a program is loaded on.
     pub fn home_device(&self) -> &str {
-        self.inputs
-            .leaves
-            .iter()
-            .find_map(|l| match l {
-                LeafSpec::Tensor(t) => Some(t.device.as_str()),
-                LeafSpec::Constant(_) => None,
-            })
-            .unwrap_or("cpu")
+        self.methods.values().find_map(Method::input_device).unwrap_or("cpu")
     }
 }
 
@@ -113,55 +123,43 @@ impl Parsed {
     /// Checks every cross-field rule; `bytes` is the whole file (extra files are read from it).
     pub fn validate(self, bytes: &[u8]) -> Result<Artifact> {
         let Parsed { layout, document: doc, file_format_version, upgraders } = self;
-        let binder = Binder::new(&doc.signature)?;
-        let n_leaves = treespec::validate(&doc.inputs.spec, "inputs.spec")?;
-        if n_leaves != doc.inputs.leaves.len() {
-            return Err(Error::InputLeafCount { spec: n_leaves, described: doc.inputs.leaves.len() });
-        }
-        let n_out = treespec::validate(&doc.outputs, "outputs")?;
-        if n_out != doc.graph.outputs.len() {
-            return Err(Error::OutputLeafCount { spec: n_out, returned: doc.graph.outputs.len() });
-        }
-        let leaf_paths = input_leaf_paths(&doc.inputs.spec, &binder)?;
-        let symbols = checks::symbols(&doc.symbols)?;
-        let leaf_dims = doc
-            .inputs
-            .leaves
-            .iter()
-            .enumerate()
-            .map(|(i, leaf)| match leaf {
-                LeafSpec::Tensor(t) => {
-                    let what = format!("inputs.leaves[{i}]");
-                    if crate::tables::DType::parse(&t.dtype).is_none() {
-                        return Err(Error::UnsupportedDtype { entry: what, dtype: t.dtype.clone() });
-                    }
-                    checks::dims(&t.shape, &symbols, &what).map(Some)
-                }
-                LeafSpec::Constant(_) => Ok(None),
-            })
-            .collect::<Result<Vec<_>>>()?;
         let weights = weights::validate(&doc.weights, &layout)?;
-        for (index, p) in doc.signature.params.iter().enumerate() {
-            if let Some(weight) = &p.default_weight {
-                let problem = if p.default.is_some() {
-                    "given beside a default"
-                } else if !weights.contains_key(weight) {
-                    "names no entry of weights.tensors"
-                } else {
-                    continue;
-                };
-                return Err(Error::DefaultWeight { index, name: p.name.clone(), weight: weight.clone(), problem });
+        if doc.methods.is_empty() {
+            return Err(Error::NoMethods);
+        }
+        let mut first_device: Option<(&str, &str)> = None;
+        for (name, m) in &doc.methods {
+            if !crate::tables::is_method_name(name) {
+                return Err(Error::MethodName(name.clone()));
+            }
+            match (first_device, m.input_device()) {
+                (None, Some(device)) => first_device = Some((name, device)),
+                (Some((first, first_device)), Some(device)) if device != first_device => {
+                    return Err(Error::MethodDevices {
+                        first: first.to_owned(),
+                        first_device: first_device.to_owned(),
+                        method: name.clone(),
+                        device: device.to_owned(),
+                    })
+                }
+                _ => {}
             }
         }
-        let ops = graph::op_names(&doc.ops)?;
-        let graph = graph::validate(&doc.graph, &ops, n_leaves, |w| weights.contains_key(w))?;
-        let subgraphs = doc
-            .subgraphs
+        let methods = doc
+            .methods
             .iter()
-            .map(|(name, sub)| Ok((name.clone(), graph::validate_subgraph(sub, &ops, name)?)))
+            .map(|(name, m)| {
+                let checked = validate_method(m, &doc, &weights)
+                    .map_err(|e| Error::InMethod { method: name.clone(), source: Box::new(e) })?;
+                Ok((name.clone(), checked))
+            })
             .collect::<Result<BTreeMap<_, _>>>()?;
-        crate::hops::check(&graph, &subgraphs)?;
-        check_mutations(&doc, &weights)?;
+        for (name, t) in &doc.weights.tensors {
+            let written = || doc.methods.values().flat_map(|m| &m.graph.mutations);
+            if t.mutable && !written().any(|m| m.target == MutationTarget::Weight(name.clone())) {
+                return Err(Error::Mutation(MutationProblem::Unwritten(name.clone())));
+            }
+        }
         for (name, f) in &doc.extra_files {
             let entry = format!("extra_files[{name:?}]");
             if !crate::tables::is_safe_extra_name(name) {
@@ -172,55 +170,89 @@ impl Parsed {
                 return Err(Error::NotUtf8 { entry });
             }
         }
-        Ok(Artifact {
-            layout,
-            document: doc,
-            file_format_version,
-            upgraders,
-            binder,
-            symbols,
-            leaf_paths,
-            leaf_dims,
-            ops,
-            graph,
-            subgraphs,
-            weights,
-        })
+        Ok(Artifact { layout, document: doc, file_format_version, upgraders, weights, methods })
     }
 }
 
-/// Every mutation writes a weight marked mutable, or a tensor input, once; every weight
-/// marked mutable is written.
-fn check_mutations(doc: &Document, weights: &BTreeMap<String, CheckedWeight>) -> Result<()> {
+/// Checks one method against itself and the file's weights; errors name entries within it.
+fn validate_method(m: &Method, doc: &Document, weights: &BTreeMap<String, CheckedWeight>) -> Result<CheckedMethod> {
+    let binder = Binder::new(&m.signature)?;
+    let n_leaves = treespec::validate(&m.inputs.spec, "inputs.spec")?;
+    if n_leaves != m.inputs.leaves.len() {
+        return Err(Error::InputLeafCount { spec: n_leaves, described: m.inputs.leaves.len() });
+    }
+    let n_out = treespec::validate(&m.outputs, "outputs")?;
+    if n_out != m.graph.outputs.len() {
+        return Err(Error::OutputLeafCount { spec: n_out, returned: m.graph.outputs.len() });
+    }
+    let leaf_paths = input_leaf_paths(&m.inputs.spec, &binder)?;
+    let symbols = checks::symbols(&m.symbols)?;
+    let leaf_dims = m
+        .inputs
+        .leaves
+        .iter()
+        .enumerate()
+        .map(|(i, leaf)| match leaf {
+            LeafSpec::Tensor(t) => {
+                let what = format!("inputs.leaves[{i}]");
+                if crate::tables::DType::parse(&t.dtype).is_none() {
+                    return Err(Error::UnsupportedDtype { entry: what, dtype: t.dtype.clone() });
+                }
+                checks::dims(&t.shape, &symbols, &what).map(Some)
+            }
+            LeafSpec::Constant(_) => Ok(None),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    for (index, p) in m.signature.params.iter().enumerate() {
+        if let Some(weight) = &p.default_weight {
+            let problem = if p.default.is_some() {
+                "given beside a default"
+            } else if !weights.contains_key(weight) {
+                "names no entry of weights.tensors"
+            } else {
+                continue;
+            };
+            return Err(Error::DefaultWeight { index, name: p.name.clone(), weight: weight.clone(), problem });
+        }
+    }
+    let ops = graph::op_names(&m.ops)?;
+    let graph = graph::validate(&m.graph, &ops, n_leaves, |w| weights.contains_key(w))?;
+    let subgraphs = m
+        .subgraphs
+        .iter()
+        .map(|(name, sub)| Ok((name.clone(), graph::validate_subgraph(sub, &ops, name)?)))
+        .collect::<Result<BTreeMap<_, _>>>()?;
+    crate::hops::check(&graph, &subgraphs)?;
+    check_mutations(m, doc)?;
+    Ok(CheckedMethod { binder, symbols, leaf_paths, leaf_dims, ops, graph, subgraphs })
+}
+
+/// Every mutation writes a weight marked mutable, or a tensor input, once. (That every weight
+/// marked mutable is written by some method is a file-level rule.)
+fn check_mutations(m: &Method, doc: &Document) -> Result<()> {
     let err = |p| Err(Error::Mutation(p));
     let mut written = std::collections::HashSet::new();
-    for m in &doc.graph.mutations {
-        match &m.target {
+    for mutation in &m.graph.mutations {
+        match &mutation.target {
             MutationTarget::Weight(name) => match doc.weights.tensors.get(name) {
                 None => return err(MutationProblem::UnknownWeight(name.clone())),
                 Some(t) if !t.mutable => return err(MutationProblem::NotMutable(name.clone())),
                 Some(_) => {}
             },
             MutationTarget::User(leaf) => {
-                if !matches!(doc.inputs.leaves.get(*leaf), Some(LeafSpec::Tensor(_))) {
+                if !matches!(m.inputs.leaves.get(*leaf), Some(LeafSpec::Tensor(_))) {
                     return err(MutationProblem::NotATensorInput(*leaf));
                 }
             }
         }
-        if !written.insert(&m.target) {
-            let what = match &m.target {
+        if !written.insert(&mutation.target) {
+            let what = match &mutation.target {
                 MutationTarget::Weight(name) => format!("weight {name:?}"),
                 MutationTarget::User(leaf) => format!("user leaf {leaf}"),
             };
             return err(MutationProblem::WrittenTwice(what));
         }
     }
-    for (name, t) in &doc.weights.tensors {
-        if t.mutable && !written.contains(&MutationTarget::Weight(name.clone())) {
-            return err(MutationProblem::Unwritten(name.clone()));
-        }
-    }
-    debug_assert!(weights.len() == doc.weights.tensors.len());
     Ok(())
 }
 
@@ -277,11 +309,12 @@ pub(crate) mod tests {
     use super::*;
     use serde_json::json;
 
-    /// A valid 3.1 file: `f(x, *, scale)` with one weight and one extra file.
+    /// A valid 4.0 file: `f(x, *, scale)` with one weight and one extra file.
     pub(crate) fn file(mutate: impl FnOnce(&mut serde_json::Value)) -> Vec<u8> {
         let mut header = json!({
-            "format_version": {"major": 3, "minor": 1},
+            "format_version": {"major": 4, "minor": 0},
             "producer": {"kwexport": "0.1.0", "torch": "2.13.0", "python": "3.11.7"},
+            "methods": {"forward": {
             "signature": {"name": "f", "params": [
                 {"name": "x", "kind": "positional_or_keyword"},
                 {"name": "scale", "kind": "keyword_only", "default": {"float": 0.5}}]},
@@ -296,7 +329,7 @@ pub(crate) mod tests {
             "ops": [{"name": "aten::mul.Tensor", "schema": null}],
             "graph": {"inputs": [{"name": "w", "source": {"weight": "w"}}, {"name": "x", "source": {"user": 0}}],
                       "nodes": [{"op": 0, "args": [{"ref": "x"}, {"ref": "w"}], "outputs": {"one": "y"}}],
-                      "outputs": [{"ref": "y"}]},
+                      "outputs": [{"ref": "y"}]}}},
             "weights": {"storages": [{"offset": 0, "nbytes": 8}],
                         "tensors": {"w": {"dtype": "float32", "shape": [2], "strides": [1], "storage": 0}}},
             "extra_files": {"notes.txt": {"offset": 64, "nbytes": 2, "encoding": "utf8"}}
@@ -315,25 +348,26 @@ pub(crate) mod tests {
     #[test]
     fn opens_a_valid_file() {
         let a = open(&file(|_| {})).unwrap();
-        assert_eq!(a.leaf_paths, ["x", "scale"]);
-        assert_eq!(a.leaf_dims[0].as_ref().unwrap().len(), 2);
-        assert!(a.leaf_dims[1].is_none());
-        assert_eq!(a.graph.nodes.len(), 1);
+        assert_eq!(a.methods["forward"].leaf_paths, ["x", "scale"]);
+        assert_eq!(a.methods["forward"].leaf_dims[0].as_ref().unwrap().len(), 2);
+        assert!(a.methods["forward"].leaf_dims[1].is_none());
+        assert_eq!(a.methods["forward"].graph.nodes.len(), 1);
         assert_eq!(a.weights["w"].shape, [2]);
     }
 
     #[test]
     fn tensor_defaults_name_a_weight() {
-        let a = open(&file(|h| h["signature"]["params"][0]["default_weight"] = json!("w"))).unwrap();
-        assert!(a.binder.params[0].has_default());
+        let a =
+            open(&file(|h| h["methods"]["forward"]["signature"]["params"][0]["default_weight"] = json!("w"))).unwrap();
+        assert!(a.methods["forward"].binder.params[0].has_default());
         let err = |m: fn(&mut serde_json::Value)| open(&file(m)).unwrap_err().to_string();
         assert_eq!(
-            err(|h| h["signature"]["params"][0]["default_weight"] = json!("ghost")),
-            "signature.params[0] (x): default_weight \"ghost\" names no entry of weights.tensors"
+            err(|h| h["methods"]["forward"]["signature"]["params"][0]["default_weight"] = json!("ghost")),
+            "methods.forward.signature.params[0] (x): default_weight \"ghost\" names no entry of weights.tensors"
         );
         assert_eq!(
-            err(|h| h["signature"]["params"][1]["default_weight"] = json!("w")),
-            "signature.params[1] (scale): default_weight \"w\" given beside a default"
+            err(|h| h["methods"]["forward"]["signature"]["params"][1]["default_weight"] = json!("w")),
+            "methods.forward.signature.params[1] (scale): default_weight \"w\" given beside a default"
         );
     }
 
@@ -341,19 +375,22 @@ pub(crate) mod tests {
     fn refuses_cross_field_errors() {
         let err = |m: fn(&mut serde_json::Value)| open(&file(m)).unwrap_err().to_string();
         assert_eq!(
-            err(|h| h["inputs"]["leaves"].as_array_mut().unwrap().push(json!({"constant": {"int": 1}}))),
-            "inputs: the spec has 2 leaves but inputs.leaves describes 3"
+            err(|h| h["methods"]["forward"]["inputs"]["leaves"]
+                .as_array_mut()
+                .unwrap()
+                .push(json!({"constant": {"int": 1}}))),
+            "methods.forward.inputs: the spec has 2 leaves but inputs.leaves describes 3"
         );
         assert_eq!(
             err(|h| {
-                h["inputs"]["spec"]["children"][1]["entries"] = json!([]);
-                h["inputs"]["leaves"].as_array_mut().unwrap().pop();
+                h["methods"]["forward"]["inputs"]["spec"]["children"][1]["entries"] = json!([]);
+                h["methods"]["forward"]["inputs"]["leaves"].as_array_mut().unwrap().pop();
             }),
-            "inputs.spec: keyword-only parameter \"scale\" has no entry"
+            "methods.forward.inputs.spec: keyword-only parameter \"scale\" has no entry"
         );
         assert_eq!(
-            err(|h| h["inputs"]["leaves"][0]["tensor"]["dtype"] = json!("float8")),
-            "inputs.leaves[0]: unsupported dtype \"float8\""
+            err(|h| h["methods"]["forward"]["inputs"]["leaves"][0]["tensor"]["dtype"] = json!("float8")),
+            "methods.forward.inputs.leaves[0]: unsupported dtype \"float8\""
         );
         assert_eq!(
             err(|h| h["extra_files"]["../x"] = json!({"offset": 0, "nbytes": 1, "encoding": "bytes"})),
@@ -364,12 +401,12 @@ pub(crate) mod tests {
             "extra_files[\"notes.txt\"]: bytes [64, 64+9) lie outside the 66-byte data section"
         );
         assert_eq!(
-            err(|h| h["graph"]["outputs"] = json!([])),
-            "outputs: the spec has 1 leaves but the graph returns 0"
+            err(|h| h["methods"]["forward"]["graph"]["outputs"] = json!([])),
+            "methods.forward.outputs: the spec has 1 leaves but the graph returns 0"
         );
         assert_eq!(
-            err(|h| h["inputs"]["spec"] = json!({"type": "list", "children": [{"type": "leaf"}, {"type": "leaf"}]})),
-            "inputs.spec: the root must be a tuple of (a tuple of positional arguments, a dict of keyword arguments)"
+            err(|h| h["methods"]["forward"]["inputs"]["spec"] = json!({"type": "list", "children": [{"type": "leaf"}, {"type": "leaf"}]})),
+            "methods.forward.inputs.spec: the root must be a tuple of (a tuple of positional arguments, a dict of keyword arguments)"
         );
     }
 
@@ -377,29 +414,67 @@ pub(crate) mod tests {
     fn checks_mutations_against_mutable_weights() {
         let err = |m: fn(&mut serde_json::Value)| open(&file(m)).unwrap_err().to_string();
         let write_w = |h: &mut serde_json::Value| {
-            h["graph"]["mutations"] = json!([{"target": {"weight": "w"}, "value": {"ref": "y"}}]);
+            h["methods"]["forward"]["graph"]["mutations"] = json!([{"target": {"weight": "w"}, "value": {"ref": "y"}}]);
         };
-        assert_eq!(err(write_w), "graph.mutations: weight \"w\" is written but not marked mutable");
+        assert_eq!(err(write_w), "methods.forward.graph.mutations: weight \"w\" is written but not marked mutable");
         assert_eq!(
             err(|h| h["weights"]["tensors"]["w"]["mutable"] = json!(true)),
             "graph.mutations: weight \"w\" is marked mutable but nothing writes it"
         );
         let ok = open(&file(|h| {
             h["weights"]["tensors"]["w"]["mutable"] = json!(true);
-            h["graph"]["mutations"] = json!([{"target": {"weight": "w"}, "value": {"ref": "y"}}]);
+            h["methods"]["forward"]["graph"]["mutations"] = json!([{"target": {"weight": "w"}, "value": {"ref": "y"}}]);
         }))
         .unwrap();
-        assert_eq!((ok.graph.outputs.len(), ok.graph.n_user_outputs), (2, 1));
+        assert_eq!((ok.methods["forward"].graph.outputs.len(), ok.methods["forward"].graph.n_user_outputs), (2, 1));
         assert_eq!(
-            err(|h| h["graph"]["mutations"] = json!([{"target": {"weight": "nope"}, "value": {"ref": "y"}}])),
-            "graph.mutations: weight \"nope\" is not in weights.tensors"
+            err(|h| h["methods"]["forward"]["graph"]["mutations"] =
+                json!([{"target": {"weight": "nope"}, "value": {"ref": "y"}}])),
+            "methods.forward.graph.mutations: weight \"nope\" is not in weights.tensors"
         );
         assert_eq!(
-            err(|h| h["graph"]["mutations"] = json!([{"target": {"user": 1}, "value": {"ref": "y"}}])),
-            "graph.mutations: user leaf 1 is not a tensor input"
+            err(|h| h["methods"]["forward"]["graph"]["mutations"] =
+                json!([{"target": {"user": 1}, "value": {"ref": "y"}}])),
+            "methods.forward.graph.mutations: user leaf 1 is not a tensor input"
         );
-        assert!(err(|h| h["graph"]["mutations"] = json!([{"target": {"user": 0}, "value": {"ref": "zz"}}]))
-            .contains("used before it is defined"));
+        assert!(err(|h| h["methods"]["forward"]["graph"]["mutations"] =
+            json!([{"target": {"user": 0}, "value": {"ref": "zz"}}]))
+        .contains("used before it is defined"));
+    }
+
+    #[test]
+    fn methods_share_the_weights_and_state() {
+        // A second method reading `w`, and `w` as state that only `step` writes.
+        let two = |h: &mut serde_json::Value| {
+            let mut step = h["methods"]["forward"].clone();
+            step["graph"]["mutations"] = json!([{"target": {"weight": "w"}, "value": {"ref": "y"}}]);
+            h["methods"]["step"] = step;
+            h["weights"]["tensors"]["w"]["mutable"] = json!(true);
+        };
+        let a = open(&file(two)).unwrap();
+        assert_eq!(a.methods.keys().collect::<Vec<_>>(), ["forward", "step"]);
+        assert_eq!(a.methods["step"].graph.n_user_outputs, 1);
+        assert_eq!(a.weights.len(), 1);
+    }
+
+    #[test]
+    fn refuses_bad_methods() {
+        let err = |m: fn(&mut serde_json::Value)| open(&file(m)).unwrap_err().to_string();
+        assert_eq!(err(|h| h["methods"] = json!({})), "methods: a file holds at least one method");
+        assert_eq!(
+            err(|h| h["methods"]["_hidden"] = h["methods"]["forward"].clone()),
+            "methods[\"_hidden\"]: a method name is an ASCII Python identifier of at most 128 bytes, not starting with '_'"
+        );
+        assert_eq!(
+            err(|h| {
+                let mut other = h["methods"]["forward"].clone();
+                other["inputs"]["leaves"][0]["tensor"]["device"] = json!("cuda:0");
+                h["methods"]["step"] = other;
+            }),
+            "methods.step: its inputs are on cuda:0, but methods.forward's are on cpu; a file's methods share one device"
+        );
+        let e = open(&file(|h| h["methods"]["forward"]["inputs"]["leaves"][0]["tensor"]["dtype"] = json!("x")));
+        assert_eq!(e.as_ref().unwrap_err().kind(), crate::ErrorKind::Artifact);
     }
 
     #[test]
@@ -407,7 +482,7 @@ pub(crate) mod tests {
         let mut f = file(|_| {});
         f[16] = b'!';
         assert!(open(&f).unwrap_err().to_string().starts_with("header: invalid JSON: "));
-        let e = open(&file(|h| h["graph"]["nodes"][0]["op"] = json!("zero"))).unwrap_err();
+        let e = open(&file(|h| h["methods"]["forward"]["graph"]["nodes"][0]["op"] = json!("zero"))).unwrap_err();
         assert!(matches!(e, Error::Schema { .. }), "{e:?}");
     }
 }

@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 
 use serde::{Serialize, Serializer};
 
-use crate::artifact::Artifact;
-use crate::schema::{Constant, Dim, LeafSpec, ParamKind, Producer, Signature};
+use crate::artifact::{Artifact, CheckedMethod};
+use crate::schema::{Constant, Dim, LeafSpec, Method, MutationTarget, ParamKind, Producer, Signature};
 use crate::upgrade;
 
 /// A validated file, described.
@@ -22,10 +22,21 @@ pub struct Description {
     pub upgraders: Vec<&'static str>,
     /// What wrote it.
     pub producer: Producer,
-    /// The signature as Python prints it: `forward(x, *, mask=None)`.
-    pub signature: String,
     /// The device it was exported on, which loading places it on unless told otherwise.
     pub device: String,
+    /// Each method, by name.
+    pub methods: BTreeMap<String, MethodDescription>,
+    /// Weight tensors and their storages' bytes.
+    pub weights: WeightSummary,
+    /// Extra files and their sizes.
+    pub extra_files: BTreeMap<String, u64>,
+}
+
+/// One method, described.
+#[derive(Debug, Clone, Serialize)]
+pub struct MethodDescription {
+    /// The signature as Python prints it: `forward(x, *, mask=None)`.
+    pub signature: String,
     /// Every input leaf.
     pub inputs: Vec<InputLeaf>,
     /// The symbolic sizes.
@@ -34,10 +45,8 @@ pub struct Description {
     pub ops: OpCounts,
     /// Graph nodes, subgraphs' included.
     pub nodes: usize,
-    /// Weight tensors and their storages' bytes.
-    pub weights: WeightSummary,
-    /// Extra files and their sizes.
-    pub extra_files: BTreeMap<String, u64>,
+    /// The weights it writes (state), by name.
+    pub writes: Vec<String>,
 }
 
 /// One input leaf, described.
@@ -116,24 +125,6 @@ impl Artifact {
     /// Describes the file.
     pub fn describe(&self) -> Description {
         let doc = &self.document;
-        let inputs = doc
-            .inputs
-            .leaves
-            .iter()
-            .zip(&self.leaf_paths)
-            .map(|(leaf, path)| match leaf {
-                LeafSpec::Tensor(t) => InputLeaf::Tensor {
-                    path: path.clone(),
-                    dtype: t.dtype.clone(),
-                    device: t.device.clone(),
-                    shape: t.shape.iter().map(|d| self.dim_text(d)).collect(),
-                },
-                LeafSpec::Constant(c) => InputLeaf::Constant { path: path.clone(), value: ConstantJson(c.clone()) },
-            })
-            .collect();
-        let mut counts = vec![0; doc.ops.len()];
-        let all_nodes = || doc.graph.nodes.iter().chain(doc.subgraphs.values().flat_map(|s| &s.nodes));
-        all_nodes().for_each(|n| counts[n.op] += 1);
         let version = |v: crate::schema::FormatVersion| [v.major, v.minor];
         Description {
             format_version: version(self.file_format_version),
@@ -141,12 +132,12 @@ impl Artifact {
             needs_upgrade: self.file_format_version != upgrade::CURRENT,
             upgraders: self.upgraders.clone(),
             producer: doc.producer.clone(),
-            signature: signature_text(&doc.signature),
             device: self.home_device().to_owned(),
-            inputs,
-            symbols: doc.symbols.clone(),
-            ops: OpCounts(doc.ops.iter().map(|o| o.name.clone()).zip(counts).collect()),
-            nodes: all_nodes().count(),
+            methods: doc
+                .methods
+                .iter()
+                .map(|(name, m)| (name.clone(), describe_method(m, &self.methods[name])))
+                .collect(),
             weights: WeightSummary {
                 tensors: doc.weights.tensors.len(),
                 bytes: doc.weights.storages.iter().map(|s| s.nbytes).sum(),
@@ -154,19 +145,56 @@ impl Artifact {
             extra_files: doc.extra_files.iter().map(|(k, f)| (k.clone(), f.nbytes)).collect(),
         }
     }
+}
 
-    fn dim_text(&self, d: &Dim) -> DimText {
-        match d {
-            Dim::Static(n) => DimText::Static(*n),
-            Dim::Symbolic { symbol, coeff, offset } => {
-                let sym = self.symbols.iter().find(|s| &s.name == symbol).expect("validated");
-                let max = sym.max.map_or("inf".to_owned(), |m| m.to_string());
-                DimText::Symbolic(format!(
-                    "{} ({symbol} in [{}, {max}])",
-                    crate::checks::render(symbol, *coeff, *offset),
-                    sym.min
-                ))
-            }
+fn describe_method(m: &Method, checked: &CheckedMethod) -> MethodDescription {
+    let inputs = m
+        .inputs
+        .leaves
+        .iter()
+        .zip(&checked.leaf_paths)
+        .map(|(leaf, path)| match leaf {
+            LeafSpec::Tensor(t) => InputLeaf::Tensor {
+                path: path.clone(),
+                dtype: t.dtype.clone(),
+                device: t.device.clone(),
+                shape: t.shape.iter().map(|d| dim_text(d, &checked.symbols)).collect(),
+            },
+            LeafSpec::Constant(c) => InputLeaf::Constant { path: path.clone(), value: ConstantJson(c.clone()) },
+        })
+        .collect();
+    let mut counts = vec![0; m.ops.len()];
+    let all_nodes = || m.graph.nodes.iter().chain(m.subgraphs.values().flat_map(|s| &s.nodes));
+    all_nodes().for_each(|n| counts[n.op] += 1);
+    MethodDescription {
+        signature: signature_text(&m.signature),
+        inputs,
+        symbols: m.symbols.clone(),
+        ops: OpCounts(m.ops.iter().map(|o| o.name.clone()).zip(counts).collect()),
+        nodes: all_nodes().count(),
+        writes: m
+            .graph
+            .mutations
+            .iter()
+            .filter_map(|w| match &w.target {
+                MutationTarget::Weight(name) => Some(name.clone()),
+                MutationTarget::User(_) => None,
+            })
+            .collect(),
+    }
+}
+
+fn dim_text(d: &Dim, symbols: &[crate::checks::Symbol]) -> DimText {
+    match d {
+        Dim::Static(n) => DimText::Static(*n),
+        Dim::Symbolic { symbol, coeff, offset } => {
+            let sym = symbols.iter().find(|s| &s.name == symbol).expect("validated");
+            let max = sym.max.map_or("inf".to_owned(), |m| m.to_string());
+            DimText::Symbolic(format!(
+                "{} ({symbol} in [{}, {max}])",
+                crate::checks::render(symbol, *coeff, *offset),
+                sym.min
+            ))
         }
     }
 }
@@ -332,10 +360,12 @@ mod tests {
     fn describes_a_file() {
         let a = crate::artifact::open(&crate::artifact::tests::file(|_| {})).unwrap();
         let d = serde_json::to_value(a.describe()).unwrap();
-        assert_eq!(d["signature"], "f(x, *, scale=0.5)");
-        assert_eq!(d["inputs"][0]["shape"], serde_json::json!(["s0 (s0 in [2, 8])", 2]));
-        assert_eq!(d["inputs"][1], serde_json::json!({"kind": "constant", "path": "scale", "value": 0.5}));
-        assert_eq!(d["ops"], serde_json::json!({"aten::mul.Tensor": 1}));
+        let m = &d["methods"]["forward"];
+        assert_eq!(m["signature"], "f(x, *, scale=0.5)");
+        assert_eq!(m["inputs"][0]["shape"], serde_json::json!(["s0 (s0 in [2, 8])", 2]));
+        assert_eq!(m["inputs"][1], serde_json::json!({"kind": "constant", "path": "scale", "value": 0.5}));
+        assert_eq!(m["ops"], serde_json::json!({"aten::mul.Tensor": 1}));
+        assert_eq!(m["writes"], serde_json::json!([]));
         assert_eq!(d["weights"], serde_json::json!({"tensors": 1, "bytes": 8}));
         assert_eq!(d["extra_files"], serde_json::json!({"notes.txt": 2}));
         assert_eq!(d["needs_upgrade"], false);

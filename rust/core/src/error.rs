@@ -518,6 +518,32 @@ pub enum Error {
     /// A mutation that writes nothing it may, or a mutable weight nothing writes.
     #[error("graph.mutations: {0}")]
     Mutation(MutationProblem),
+    /// A file without methods.
+    #[error("methods: a file holds at least one method")]
+    NoMethods,
+    /// A method name that is not a public Python identifier.
+    #[error("methods[{0:?}]: a method name is an ASCII Python identifier of at most 128 bytes, not starting with '_'")]
+    MethodName(String),
+    /// Methods exported on different devices.
+    #[error("methods.{method}: its inputs are on {device}, but methods.{first}'s are on {first_device}; a file's methods share one device")]
+    MethodDevices {
+        /// The first method with tensor inputs.
+        first: String,
+        /// Its device.
+        first_device: String,
+        /// A method on another device.
+        method: String,
+        /// That device.
+        device: String,
+    },
+    /// A failure inside one method's entries: the inner error names the entry within it.
+    #[error("methods.{method}.{source}")]
+    InMethod {
+        /// The method's name.
+        method: String,
+        /// What is wrong in it.
+        source: Box<Error>,
+    },
     /// A higher-order op's node that doesn't fit its layout or its subgraphs.
     #[error("{at}: {problem}")]
     Hop {
@@ -633,6 +659,7 @@ impl Error {
     pub fn kind(&self) -> ErrorKind {
         match self {
             Error::TooNew { .. } | Error::TooOld { .. } => ErrorKind::Version,
+            Error::InMethod { source, .. } => source.kind(),
             Error::Bind { .. } => ErrorKind::Signature,
             Error::Mismatch { .. }
             | Error::Shape { .. }

@@ -6,7 +6,7 @@
 //! ```no_run
 //! let bytes = std::fs::read("model.kwx")?;
 //! let artifact = kwexport_core::open(&bytes)?; // parse, upgrade, validate: or a typed Error
-//! println!("{}", artifact.describe().signature); // what `kwexport inspect` prints
+//! println!("{}", artifact.describe().methods["forward"].signature); // what `kwexport inspect` prints
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!

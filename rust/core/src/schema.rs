@@ -135,6 +135,21 @@ pub struct Document {
     pub format_version: FormatVersion,
     /// What wrote the file.
     pub producer: Producer,
+    /// The file's callables, by name (format 4.0 on; older files hold one, `forward`). Every
+    /// method reads the one weight table below, so weights two methods use are stored once
+    /// and a weight one method writes is state every method sees.
+    #[serde(deserialize_with = "unique_map")]
+    pub methods: BTreeMap<String, Method>,
+    /// The weight tensors and the storages they view.
+    pub weights: Weights,
+    /// Files the user saved alongside, by name.
+    #[serde(default, deserialize_with = "unique_map")]
+    pub extra_files: BTreeMap<String, ExtraFile>,
+}
+
+/// One callable of a file: its signature, how calls flatten, and its graph.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Method {
     /// The original Python signature.
     pub signature: Signature,
     /// How calls flatten to the graph's user leaves, and what each leaf must be.
@@ -152,11 +167,6 @@ pub struct Document {
     /// body), by name (format 3.0 on).
     #[serde(default, deserialize_with = "unique_map")]
     pub subgraphs: BTreeMap<String, Subgraph>,
-    /// The weight tensors and the storages they view.
-    pub weights: Weights,
-    /// Files the user saved alongside, by name.
-    #[serde(default, deserialize_with = "unique_map")]
-    pub extra_files: BTreeMap<String, ExtraFile>,
 }
 
 /// The versions that wrote a file.

@@ -81,9 +81,31 @@ pub fn is_safe_extra_name(name: &str) -> bool {
         || name.split('/').any(|part| part.is_empty() || part == "." || part == ".."))
 }
 
+/// The longest method name a file may hold, in bytes.
+pub const MAX_METHOD_NAME_BYTES: usize = 128;
+
+/// Whether `name` may name a method: an ASCII Python identifier that doesn't start with `_`
+/// (so that `program.NAME` reaches it and never a private attribute).
+pub fn is_method_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    matches!(chars.next(), Some(c) if c.is_ascii_alphabetic())
+        && name.len() <= MAX_METHOD_NAME_BYTES
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn method_names_are_public_identifiers() {
+        for bad in ["", "_private", "9lives", "a-b", "a b", "é", &"x".repeat(129)] {
+            assert!(!is_method_name(bad), "{bad:?} accepted");
+        }
+        for good in ["forward", "encode", "decode_step2", "A"] {
+            assert!(is_method_name(good), "{good:?} refused");
+        }
+    }
 
     #[test]
     fn extra_file_names_must_be_plain() {

@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::schema::FormatVersion;
 
 /// The version kwexport writes.
-pub const CURRENT: FormatVersion = FormatVersion { major: 3, minor: 1 };
+pub const CURRENT: FormatVersion = FormatVersion { major: 4, minor: 0 };
 /// The oldest version this runtime reads.
 pub const OLDEST: FormatVersion = FormatVersion { major: 1, minor: 0 };
 
@@ -49,7 +49,35 @@ pub const UPGRADERS: &[Upgrader] = &[
         name: "v3_0_to_v3_1_tensor_defaults",
         apply: v3_0_to_v3_1_tensor_defaults,
     },
+    Upgrader {
+        from: FormatVersion { major: 3, minor: 1 },
+        to: FormatVersion { major: 4, minor: 0 },
+        name: "v3_to_v4_methods",
+        apply: v3_to_v4_methods,
+    },
 ];
+
+/// The fields of one callable, which a 3.x header holds at its top level and 4.0 under
+/// `methods`.
+const METHOD_FIELDS: [&str; 7] = ["signature", "inputs", "outputs", "symbols", "ops", "graph", "subgraphs"];
+
+/// The name a 3.x file's one callable takes.
+pub const DEFAULT_METHOD: &str = "forward";
+
+/// 4.0 holds several callables over one weight table under `methods`; a 3.x file's one
+/// callable becomes the method `forward`.
+fn v3_to_v4_methods(mut doc: Value) -> Result<Value, String> {
+    let top = doc.as_object_mut().ok_or("the header is not a JSON object")?;
+    let mut method = serde_json::Map::new();
+    for field in METHOD_FIELDS {
+        if let Some(v) = top.remove(field) {
+            method.insert(field.to_owned(), v);
+        }
+    }
+    top.insert("methods".to_owned(), serde_json::json!({ DEFAULT_METHOD: method }));
+    top.insert("format_version".to_owned(), serde_json::json!({"major": 4, "minor": 0}));
+    Ok(doc)
+}
 
 /// 1.0 named each node's op inline; 2.0 lists each op once in `ops`, with the schema it
 /// had when saved (unknown for upgraded files), and nodes refer to it by index.
@@ -212,11 +240,16 @@ mod tests {
             "weights": {"storages": [], "tensors": {}}
         });
         let up = upgrade(v1).unwrap();
-        assert_eq!(up.applied, vec!["v1_to_v2_op_table", "v2_to_v3_containers", "v3_0_to_v3_1_tensor_defaults"]);
+        assert_eq!(
+            up.applied,
+            vec!["v1_to_v2_op_table", "v2_to_v3_containers", "v3_0_to_v3_1_tensor_defaults", "v3_to_v4_methods"]
+        );
         let doc: crate::schema::Document = serde_json::from_value(up.document).unwrap();
         assert_eq!(doc.format_version, CURRENT);
-        assert_eq!(doc.ops, vec![crate::schema::OpEntry { name: "aten::neg.default".into(), schema: None }]);
-        assert_eq!((doc.graph.nodes[0].op, doc.graph.nodes[1].op), (0, 0));
+        let forward = &doc.methods[DEFAULT_METHOD];
+        assert_eq!(doc.methods.len(), 1);
+        assert_eq!(forward.ops, vec![crate::schema::OpEntry { name: "aten::neg.default".into(), schema: None }]);
+        assert_eq!((forward.graph.nodes[0].op, forward.graph.nodes[1].op), (0, 0));
     }
 
     #[test]
@@ -225,7 +258,7 @@ mod tests {
         assert_eq!(e.kind(), crate::ErrorKind::Version);
         assert_eq!(
             e.to_string(),
-            "file format 9.0 is newer than this runtime, which reads 1.0 to 3.x: upgrade kwexport"
+            "file format 9.0 is newer than this runtime, which reads 1.0 to 4.x: upgrade kwexport"
         );
     }
 

@@ -37,7 +37,7 @@ impl Placement {
 
     /// On another kind of device, `view` nodes become `reshape`: that device's kernels may
     /// choose other strides than the exporting one's (see `passes::views_as_reshapes`).
-    pub fn adapt_ops(&self, doc: &mut kwexport_core::schema::Document) {
+    pub fn adapt_ops(&self, doc: &mut kwexport_core::schema::Method) {
         if self.changes_kind() {
             kwexport_core::passes::views_as_reshapes::apply(doc);
         }

@@ -28,6 +28,7 @@ pub mod device;
 pub mod errors;
 pub mod exec;
 pub mod fallback;
+pub mod method;
 pub mod ops;
 pub mod plan;
 pub mod program;
@@ -127,6 +128,18 @@ fn _load_verified(
     Ok(prog)
 }
 
+/// Unpickles a `Method`: loads its file as `_load_verified` does and returns the method.
+#[pyfunction]
+fn _load_method<'py>(
+    py: Python<'py>,
+    name: &str,
+    file: (std::path::PathBuf, String, Vec<String>, String, Option<Bound<'py, PyAny>>, bool, String),
+) -> PyResult<Bound<'py, method::Method>> {
+    let (path, digest, allow_ops, dispatch, device, mmap, optimize) = file;
+    let prog = _load_verified(py, path, &digest, allow_ops, &dispatch, device.as_ref(), mmap, &optimize)?;
+    prog.method(py, name)
+}
+
 /// Validates a file without running anything and describes it, for the command line: a
 /// dict with `description` (what `kwexport inspect` prints, as JSON), `header` (the header
 /// as JSON, brought to the current format), `file_format_version`, `upgraders` and
@@ -152,6 +165,16 @@ fn check_extra_name(name: &str) -> PyResult<()> {
         Ok(())
     } else {
         Err(Error::UnsafeExtraName { entry: format!("extra_files[{name:?}]") }.into_py_err())
+    }
+}
+
+/// Checks a method name against the format's rule; raises `ArtifactError` if it breaks it.
+#[pyfunction]
+fn check_method_name(name: &str) -> PyResult<()> {
+    if tables::is_method_name(name) {
+        Ok(())
+    } else {
+        Err(Error::MethodName(name.to_owned()).into_py_err())
     }
 }
 
@@ -229,7 +252,10 @@ fn _rt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FALLBACK_CALLS_AFTER_ERROR", fallback::CALLS_AFTER_ERROR)?;
     m.add_function(wrap_pyfunction!(stable_abi_available, m)?)?;
     m.add_class::<program::Program>()?;
+    m.add_class::<method::Method>()?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add_function(wrap_pyfunction!(_load_method, m)?)?;
+    m.add_function(wrap_pyfunction!(check_method_name, m)?)?;
     m.add_function(wrap_pyfunction!(describe, m)?)?;
     m.add_function(wrap_pyfunction!(check_extra_name, m)?)?;
     m.add_function(wrap_pyfunction!(container_head, m)?)?;

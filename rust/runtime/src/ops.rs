@@ -12,7 +12,7 @@ use kwexport_core::error::NodeProblem;
 use kwexport_core::graph::{OpName, SlotArg, SlotNode, SlotOutputs};
 use kwexport_core::hops::{self, HopKind};
 use kwexport_core::opschema::{self, Drift};
-use kwexport_core::schema::{Arg, Document, Float};
+use kwexport_core::schema::{Arg, Float, Method, Producer};
 use kwexport_core::tables::{DEFAULT_NAMESPACES, PY_OPERATORS, SYM_FUNCTIONS};
 use kwexport_core::Error;
 use pyo3::prelude::*;
@@ -77,7 +77,8 @@ pub struct ResolvedOp {
 pub fn resolve_ops(
     py: Python<'_>,
     torch: &Bound<'_, PyModule>,
-    doc: &mut Document,
+    doc: &mut Method,
+    producer: &Producer,
     allow: &AllowOps,
 ) -> RtResult<(Vec<ResolvedOp>, Vec<String>)> {
     let names = kwexport_core::graph::op_names(&doc.ops)?;
@@ -117,7 +118,7 @@ pub fn resolve_ops(
                     None => {
                         return Err(Error::OpSchemaChanged {
                             entry,
-                            saved_torch: doc.producer.torch.clone(),
+                            saved_torch: producer.torch.clone(),
                             recorded,
                             torch: version,
                             current,

@@ -12,26 +12,30 @@ use crate::schema::{Arg, Document, InputSource};
 /// The ops whose argument 1 is a convolution weight.
 const CONVOLUTIONS: &[&str] = &["aten::convolution.default", "aten::conv2d.default", "aten::conv2d.padding"];
 
-/// The weights read as 4-D convolution weights by the top-level graph, that the program
-/// doesn't write (state keeps its layout), in name order.
+/// The weights read as 4-D convolution weights by a method's top-level graph, that the
+/// program doesn't write (state keeps its layout), in name order.
 pub fn conv_weights(doc: &Document) -> Vec<String> {
-    let weight_of: BTreeMap<&str, &str> = doc
-        .graph
-        .inputs
-        .iter()
-        .filter_map(|i| match &i.source {
-            InputSource::Weight(w) => Some((i.name.as_str(), w.as_str())),
-            InputSource::User(_) => None,
-        })
-        .collect();
     let mut out: Vec<String> = doc
-        .graph
-        .nodes
-        .iter()
-        .filter(|n| doc.ops.get(n.op).is_some_and(|o| CONVOLUTIONS.contains(&o.name.as_str())))
-        .filter_map(|n| match n.args.get(1) {
-            Some(Arg::Ref(name)) => weight_of.get(name.as_str()).copied(),
-            _ => None,
+        .methods
+        .values()
+        .flat_map(|m| {
+            let weight_of: BTreeMap<&str, &str> = m
+                .graph
+                .inputs
+                .iter()
+                .filter_map(|i| match &i.source {
+                    InputSource::Weight(w) => Some((i.name.as_str(), w.as_str())),
+                    InputSource::User(_) => None,
+                })
+                .collect();
+            m.graph
+                .nodes
+                .iter()
+                .filter(|n| m.ops.get(n.op).is_some_and(|o| CONVOLUTIONS.contains(&o.name.as_str())))
+                .filter_map(move |n| match n.args.get(1) {
+                    Some(Arg::Ref(name)) => weight_of.get(name.as_str()).copied(),
+                    _ => None,
+                })
         })
         .filter(|w| doc.weights.tensors.get(*w).is_some_and(|t| t.shape.len() == 4 && !t.mutable))
         .map(str::to_owned)
@@ -49,17 +53,17 @@ mod tests {
     #[test]
     fn finds_4d_conv_weights_only() {
         let bytes = crate::artifact::tests::file(|h| {
-            h["ops"] = json!([{"name": "aten::convolution.default", "schema": null}, {"name": "aten::mul.Tensor", "schema": null}]);
+            h["methods"]["forward"]["ops"] = json!([{"name": "aten::convolution.default", "schema": null}, {"name": "aten::mul.Tensor", "schema": null}]);
             h["weights"]["storages"] = json!([{"offset": 0, "nbytes": 64}]);
             h["weights"]["tensors"] = json!({
                 "w": {"dtype": "float32", "shape": [2, 1, 2, 2], "strides": [4, 4, 2, 1], "storage": 0},
                 "v": {"dtype": "float32", "shape": [2], "strides": [1], "storage": 0, "storage_offset": 8},
                 "s": {"dtype": "float32", "shape": [1, 1, 1, 1], "strides": [1, 1, 1, 1], "storage": 0, "storage_offset": 12, "mutable": true}
             });
-            h["graph"]["inputs"] = json!([
+            h["methods"]["forward"]["graph"]["inputs"] = json!([
                 {"name": "pw", "source": {"weight": "w"}}, {"name": "pv", "source": {"weight": "v"}},
                 {"name": "ps", "source": {"weight": "s"}}, {"name": "x", "source": {"user": 0}}]);
-            h["graph"]["nodes"] = json!([
+            h["methods"]["forward"]["graph"]["nodes"] = json!([
                 {"op": 0, "args": [{"ref": "x"}, {"ref": "pw"}], "outputs": {"one": "a"}},
                 {"op": 0, "args": [{"ref": "a"}, {"ref": "ps"}], "outputs": {"one": "b"}},
                 {"op": 1, "args": [{"ref": "b"}, {"ref": "pv"}], "outputs": {"one": "y"}}]);

@@ -3,12 +3,12 @@
 //! impossible. `reshape` is that view wherever it is possible, and a copy where it isn't,
 //! which for the functional graphs torch.export makes gives the same values.
 
-use crate::schema::Document;
+use crate::schema::Method;
 
-/// Points `view` nodes (subgraphs' too) at the op table's `reshape` entry, or renames the
+/// Points a method's `view` nodes (subgraphs' too) at the op table's `reshape` entry, or renames the
 /// `view` entry where there is none (dropping its recorded schema: it was view's). Returns
 /// whether anything changed.
-pub fn apply(doc: &mut Document) -> bool {
+pub fn apply(doc: &mut Method) -> bool {
     let find = |name: &str| doc.ops.iter().position(|o| o.name == name);
     let Some(view) = find("aten::view.default") else { return false };
     let Some(reshape) = find("aten::reshape.default") else {
@@ -28,9 +28,9 @@ mod tests {
     use super::*;
     use crate::schema::{Node, OpEntry, Outputs};
 
-    fn doc(ops: &[&str], node_ops: &[usize]) -> Document {
+    fn doc(ops: &[&str], node_ops: &[usize]) -> Method {
         let bytes = crate::artifact::tests::file(|_| {});
-        let mut d = crate::parse(&bytes).unwrap().document;
+        let mut d = crate::parse(&bytes).unwrap().document.methods.remove("forward").unwrap();
         d.ops = ops.iter().map(|n| OpEntry { name: (*n).into(), schema: Some("s".into()) }).collect();
         d.graph.nodes = node_ops
             .iter()
