@@ -2,6 +2,8 @@
 transformers' own export wrapper, decoded token by token through kwexport exactly as through
 the eager module the wrapper traced."""
 
+import json
+
 import pytest
 import torch
 
@@ -82,19 +84,43 @@ def test_an_op_error_leaves_the_state_and_reset_recovers(exported):
     assert greedy(lambda ids, pos: prog(input_ids=ids, cache_position=pos)) == want
 
 
-def test_encoder_decoder_t5_matches_eager(tmp_path):
-    """transformers' Seq2SeqLMExportableModule exports a T5's encoder and its static-cache
-    decoder as two programs; decoding through both matches the eager modules it traced."""
+def seq2seq(kind):
     torch.manual_seed(0)
-    cfg = transformers.T5Config(
-        vocab_size=100, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2, decoder_start_token_id=0
+    if kind == "t5":
+        cfg = transformers.T5Config(
+            vocab_size=100, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2, decoder_start_token_id=0
+        )
+        return transformers.T5ForConditionalGeneration(cfg).eval()
+    cfg = transformers.BartConfig(
+        vocab_size=100,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        decoder_start_token_id=0,
     )
-    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    return transformers.BartForConditionalGeneration(cfg).eval()
+
+
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_encoder_decoder_is_one_file_and_matches_eager(tmp_path, kind):
+    """transformers' Seq2SeqLMExportableModule exports the encoder and the static-cache
+    decoder as two programs; saved as one file's two methods, the weights they share are
+    stored once, and decoding through them matches the eager modules the export traced."""
+    model = seq2seq(kind)
     wrapper = executorch.Seq2SeqLMExportableModule(model, batch_size=1, max_cache_length=32, max_hidden_seq_length=16)
     wrapper.export()
-    kwexport.save(wrapper.exported_encoder, tmp_path / "enc.kwx")
-    kwexport.save(wrapper.exported_decoder, tmp_path / "dec.kwx")
-    encoder, decoder = kwexport.load(tmp_path / "enc.kwx"), kwexport.load(tmp_path / "dec.kwx")
+    path = tmp_path / "seq2seq.kwx"
+    kwexport.save({"encode": wrapper.exported_encoder, "decode": wrapper.exported_decoder}, path)
+    prog = kwexport.load(path)
+    info = json.loads(kwexport._rt.describe(str(path))["description"])
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    state = sum(t.numel() * t.element_size() for t in prog.state.values())
+    assert info["weights"]["bytes"] == params + state  # each parameter once, shared or not
     eager_encoder = executorch.Seq2SeqLMEncoderExportableModule(model.get_encoder()).eval()
     eager_decoder = executorch.Seq2SeqLMDecoderExportableModuleWithStaticCache(
         model=model, max_static_cache_length=32, batch_size=1
@@ -111,4 +137,30 @@ def test_encoder_decoder_t5_matches_eager(tmp_path):
     prompt = torch.tensor([[7, 3, 55, 21, 9, 14, 2]])
     with torch.no_grad():
         want = decode(eager_encoder, eager_decoder, prompt)
-    assert decode(encoder, decoder, prompt) == want
+    assert decode(prog.encode, prog.decode, prompt) == want
+
+
+def test_the_cache_is_written_in_place(exported):
+    """A token writes one row of each KV cache: in place, never a copy of the whole cache
+    (torch.export's graph computes a new cache per call; the runtime runs that node in place)."""
+    path, want = exported
+    prog = kwexport.load(path)
+    caches = {k: v for k, v in prog.state.items() if "cache" in k}
+    assert caches
+    pointers = {k: v.data_ptr() for k, v in caches.items()}
+    shapes = {tuple(v.shape) for v in caches.values()}
+    prog(input_ids=torch.tensor([[5]]), cache_position=torch.tensor([0]))
+    with torch.profiler.profile(record_shapes=True) as prof:
+        prog(input_ids=torch.tensor([[17]]), cache_position=torch.tensor([1]))
+    whole_cache_copies = [
+        e.name
+        for e in prof.events()
+        if e.name in ("aten::copy_", "aten::clone", "aten::index_copy")
+        and any(tuple(s) in shapes for s in e.input_shapes if s)
+    ]
+    assert whole_cache_copies == []
+    assert any(e.name == "aten::index_copy_" for e in prof.events())
+    for k, v in prog.state.items():
+        if k in pointers:
+            assert v.data_ptr() == pointers[k], k
+    assert not torch.equal(caches[next(iter(caches))][..., 1, :], torch.zeros(1))

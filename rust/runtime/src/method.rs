@@ -47,6 +47,8 @@ struct TopLevel {
 enum Write {
     /// `state.tensors[i]`.
     State(usize),
+    /// Nowhere: the graph wrote the state in place (`passes::inplace_state`).
+    InPlace,
     /// The caller's tensor at user leaf `i`.
     Input(usize),
 }
@@ -77,6 +79,8 @@ pub struct Parts<'a> {
     pub doc: &'a kwexport_core::schema::Method,
     pub checked: kwexport_core::artifact::CheckedMethod,
     pub ops: Vec<ResolvedOp>,
+    /// The weights its graph writes in place.
+    pub in_place: Vec<String>,
 }
 
 impl Method {
@@ -89,12 +93,13 @@ impl Method {
         grad_weights: bool,
         file: &Arc<FileParts>,
     ) -> RtResult<Method> {
-        let Parts { name, doc, checked: a, ops } = parts;
+        let Parts { name, doc, checked: a, ops, in_place } = parts;
         let writes = doc
             .graph
             .mutations
             .iter()
             .map(|m| match &m.target {
+                MutationTarget::Weight(w) if in_place.contains(w) => Ok(Write::InPlace),
                 MutationTarget::Weight(w) => file
                     .state
                     .as_ref()
@@ -287,6 +292,7 @@ impl Method {
     ) -> RtResult<()> {
         for (write, value) in self.writes.iter().zip(values) {
             let target = match (write, &self.file.state) {
+                (Write::InPlace, _) => continue,
                 (Write::State(i), Some((state, _))) => state.tensors[*i].bind(py),
                 (Write::Input(leaf), _) => &leaves[*leaf],
                 (Write::State(_), None) => return Err(RtError::Internal("a state write without state".into())),

@@ -147,12 +147,14 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
     // Op upgraders may rewrite nodes, so ops are resolved before the graphs are checked.
     let several = parsed.document.methods.len() > 1;
     let mut resolved = BTreeMap::new();
+    let mut in_place = BTreeMap::new();
     let mut notes = Vec::new();
     for (name, m) in parsed.document.methods.iter_mut() {
         placement.adapt_ops(m);
         if options.optimize == Level::Fast {
             passes::views_as_reshapes::apply(m);
         }
+        in_place.insert(name.clone(), passes::inplace_state::apply(m));
         let (ops, method_notes) =
             ops::resolve_ops(py, &torch, m, &parsed.document.producer, &options.allow).map_err(in_method(name))?;
         notes.extend(method_notes.into_iter().map(|n| if several { format!("{name}: {n}") } else { n }));
@@ -219,6 +221,7 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
             doc: &a.document.methods[&name],
             checked,
             ops: resolved.remove(&name).ok_or_else(|| RtError::Internal(format!("method {name} unresolved")))?,
+            in_place: in_place.remove(&name).unwrap_or_default(),
         };
         let m = Method::build(py, &torch, parts, &weights, grad_weights, &file).map_err(in_method(&name))?;
         methods.push((name, Py::new(py, m)?));
