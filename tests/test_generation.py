@@ -164,3 +164,112 @@ def test_the_cache_is_written_in_place(exported):
         if k in pointers:
             assert v.data_ptr() == pointers[k], k
     assert not torch.equal(caches[next(iter(caches))][..., 1, :], torch.zeros(1))
+
+
+def causal_lm(kind):
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    model = model.eval()
+    model.generation_config.cache_implementation = "static"
+    return model
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def lm(request, tmp_path_factory):
+    model = causal_lm(request.param)
+    wrapper = executorch.TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE_LEN)
+    ep = wrapper.export(input_ids=torch.tensor([[1]]), cache_position=torch.tensor([0]))
+    path = tmp_path_factory.mktemp("lm") / f"{request.param}.kwx"
+    kwexport.save(ep, path)
+    return path, model
+
+
+def test_greedy_generate_matches_transformers(lm):
+    path, model = lm
+    prog = kwexport.load(path)
+    prompt = torch.tensor([PROMPT])
+    with torch.no_grad():
+        want = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, max_length=None)
+    got = prog.generate(prompt, max_new_tokens=NEW_TOKENS)
+    assert got.dtype == torch.long and got.shape == (1, len(PROMPT) + NEW_TOKENS)
+    assert got.tolist() == want.tolist()
+    # Again from the same program (the cache is rewritten from position 0), and streamed.
+    assert prog.generate(prompt, max_new_tokens=NEW_TOKENS).tolist() == want.tolist()
+    stream = prog.stream(prompt, max_new_tokens=NEW_TOKENS)
+    assert list(stream) == want[0, len(PROMPT) :].tolist()
+    assert stream.tokens == want[0].tolist()
+
+
+def test_generate_stops_and_samples(lm):
+    path, _ = lm
+    prog = kwexport.load(path)
+    prompt = torch.tensor([PROMPT])
+    greedy_tokens = prog.generate(prompt, max_new_tokens=8)[0, len(PROMPT) :].tolist()
+    eos = greedy_tokens[3]
+    stopped = prog.generate(prompt, max_new_tokens=8, eos_token_id=[1000, eos])[0, len(PROMPT) :].tolist()
+    assert stopped == greedy_tokens[: greedy_tokens.index(eos) + 1]
+    # top_k=1 samples the greedy token; a seed gives the same tokens, another seed others.
+    assert prog.generate(prompt, max_new_tokens=8, do_sample=True, top_k=1, seed=3)[0, 6:].tolist() == greedy_tokens
+    a = prog.generate(prompt, max_new_tokens=16, do_sample=True, temperature=2.0, seed=1)
+    assert torch.equal(a, prog.generate(prompt, max_new_tokens=16, do_sample=True, temperature=2.0, seed=1))
+    assert not torch.equal(a, prog.generate(prompt, max_new_tokens=16, do_sample=True, temperature=2.0, seed=2))
+    assert int(a.max()) < 128 and int(a.min()) >= 0
+
+
+def test_generate_refuses_what_the_cache_cant_hold(lm):
+    path, _ = lm
+    prog = kwexport.load(path)
+    with pytest.raises(
+        ValueError,
+        match=rf"^6 prompt token\(s\) and max_new_tokens=50 need 55 cache positions, but the program's static cache holds {CACHE_LEN}$",
+    ):
+        prog.generate(torch.tensor([PROMPT]), max_new_tokens=50)
+    with pytest.raises(
+        ValueError, match=r"^input_ids: expected a LongTensor of shape \[1, n\] \(one sequence\), got shape \[2, 6\]$"
+    ):
+        prog.generate(torch.tensor([PROMPT, PROMPT]))
+    with pytest.raises(ValueError, match=r"^temperature must be a positive float, got 0$"):
+        prog.generate(torch.tensor([PROMPT]), do_sample=True, temperature=0.0)
+
+
+def test_a_streamer_sees_the_prompt_then_each_token(lm):
+    path, _ = lm
+    prog = kwexport.load(path)
+    seen = []
+
+    class Streamer:  # transformers' BaseStreamer protocol
+        def put(self, value):
+            seen.append(value.tolist())
+
+        def end(self):
+            seen.append("end")
+
+    out = prog.generate(torch.tensor([PROMPT]), max_new_tokens=4, streamer=Streamer())
+    assert seen == [[PROMPT]] + [[t] for t in out[0, len(PROMPT) :].tolist()] + ["end"]
+
+
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_encoder_decoder_generate(tmp_path, kind):
+    model = seq2seq(kind)
+    wrapper = executorch.Seq2SeqLMExportableModule(model, batch_size=1, max_cache_length=32, max_hidden_seq_length=16)
+    wrapper.export()
+    path = tmp_path / "seq2seq.kwx"
+    kwexport.save({"encode": wrapper.exported_encoder, "decode": wrapper.exported_decoder}, path)
+    prog = kwexport.load(path)
+    prompt = torch.tensor([[7, 3, 55, 21, 9, 14, 2]])
+    # The wrapper's own loop over its exported programs, from the decoder's start token 0.
+    want = wrapper.generate(prompt, max_new_tokens=12)
+    got = prog.generate(prompt, max_new_tokens=11)
+    assert got[0].tolist() == want

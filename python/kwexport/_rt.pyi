@@ -29,6 +29,7 @@ __all__ = [
     "stable_abi_available",
     "Program",
     "Method",
+    "TokenStream",
     "load",
     "describe",
     "check_extra_name",
@@ -83,6 +84,33 @@ class Program:
     def __contains__(self, key: str, /) -> bool: ...
     @property
     def methods(self) -> Mapping[str, Method]: ...
+    def generate(
+        self,
+        input_ids: torch.Tensor | list[int],
+        max_new_tokens: int = 20,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 50,
+        top_p: float = 1.0,
+        eos_token_id: int | list[int] | None = None,
+        seed: int | None = None,
+        decoder_start_token_id: int = 0,
+        streamer: Any = None,
+    ) -> torch.Tensor: ...
+    def stream(
+        self,
+        input_ids: torch.Tensor | list[int],
+        max_new_tokens: int = 20,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 50,
+        top_p: float = 1.0,
+        eos_token_id: int | list[int] | None = None,
+        seed: int | None = None,
+        decoder_start_token_id: int = 0,
+    ) -> TokenStream: ...
     def __copy__(self) -> Program: ...
     def reset(self) -> None: ...
     @property
@@ -114,6 +142,15 @@ class Program:
     def device(self) -> torch.device: ...
     @property
     def optimize(self) -> str: ...
+
+@final
+class TokenStream:
+    """``Program.stream``'s iterator of new tokens."""
+
+    def __iter__(self) -> TokenStream: ...
+    def __next__(self) -> int: ...
+    @property
+    def tokens(self) -> list[int]: ...
 
 @final
 class Method:

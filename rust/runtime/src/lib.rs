@@ -28,6 +28,7 @@ pub mod device;
 pub mod errors;
 pub mod exec;
 pub mod fallback;
+pub mod generate;
 pub mod method;
 pub mod ops;
 pub mod plan;
@@ -253,6 +254,7 @@ fn _rt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stable_abi_available, m)?)?;
     m.add_class::<program::Program>()?;
     m.add_class::<method::Method>()?;
+    m.add_class::<program::TokenStream>()?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(_load_method, m)?)?;
     m.add_function(wrap_pyfunction!(check_method_name, m)?)?;

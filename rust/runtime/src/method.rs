@@ -62,6 +62,8 @@ pub struct Method {
     top: TopLevel,
     leaf_checks: Vec<LeafCheck>,
     leaf_paths: Vec<String>,
+    /// Each tensor leaf's sizes as exported: static, or `None` where symbolic.
+    leaf_sizes: Vec<Option<Vec<Option<i64>>>>,
     symbols: Vec<Symbol>,
     plan: Plan,
     outputs: CompiledSpec,
@@ -170,7 +172,25 @@ impl Method {
             extra_names,
         };
         let plan_has_c_steps = plan.n_c > 0;
+        let leaf_sizes = doc
+            .inputs
+            .leaves
+            .iter()
+            .map(|l| match l {
+                LeafSpec::Tensor(t) => Some(
+                    t.shape
+                        .iter()
+                        .map(|d| match d {
+                            kwexport_core::schema::Dim::Static(n) => Some(*n),
+                            _ => None,
+                        })
+                        .collect(),
+                ),
+                LeafSpec::Constant(_) => None,
+            })
+            .collect();
         Ok(Method {
+            leaf_sizes,
             name: name.to_owned(),
             file: file.clone(),
             defaults,
@@ -194,6 +214,37 @@ impl Method {
     /// The method's name in its file.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The file's shared parts (its state and lock).
+    pub fn file(&self) -> &FileParts {
+        &self.file
+    }
+
+    /// The index of the input leaf at `path` (`input_ids`, `cfg['shift'][0]`).
+    pub fn leaf(&self, path: &str) -> Option<usize> {
+        self.leaf_paths.iter().position(|p| p == path)
+    }
+
+    /// How many input leaves a call flattens to.
+    pub fn n_leaves(&self) -> usize {
+        self.leaf_checks.len()
+    }
+
+    /// Each leaf's sizes: `Some(n)` where static, `None` where symbolic; `None` for constants.
+    pub fn leaf_sizes(&self, leaf: usize) -> Option<&[Option<i64>]> {
+        self.leaf_sizes.get(leaf)?.as_deref()
+    }
+
+    /// One call on leaves made by the caller, in leaf order: checked, run, state written
+    /// back. The caller holds the state lock where the method writes state. Returns the
+    /// user outputs, flat.
+    pub fn run_leaves<'py>(&self, py: Python<'py>, leaves: &[Bound<'py, PyAny>]) -> RtResult<Vec<Bound<'py, PyAny>>> {
+        let checked = self.check(leaves)?;
+        let mut flat = self.run(py, leaves, checked, &mut None)?;
+        let new_values = flat.split_off(flat.len() - self.writes.len());
+        self.write_back(py, leaves, new_values)?;
+        Ok(flat)
     }
 
     /// Binds and flattens a call into the graph's user leaves, checking structure.

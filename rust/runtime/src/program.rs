@@ -21,6 +21,7 @@ use crate::calllock::CallLock;
 use crate::checks::TensorTypes;
 use crate::device::Placement;
 use crate::errors::{RtError, RtResult};
+use crate::generate::{self, Generation, Sampling};
 use crate::method::{self, Method};
 use crate::ops::{self, AllowOps};
 use crate::plan::Dispatch;
@@ -244,6 +245,31 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
     })
 }
 
+/// The iterator `Program.stream` returns: each `next` runs the steps to the next token.
+#[pyclass(module = "kwexport", name = "TokenStream")]
+pub struct TokenStream {
+    generation: Generation,
+}
+
+#[pymethods]
+impl TokenStream {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<i64>> {
+        let step = self.generation.step().clone_ref(py);
+        let _guard = step.get().file().state.as_ref().map(|(_, lock)| lock.lock(py));
+        Ok(self.generation.next_token(py)?)
+    }
+
+    /// Every token so far: the prompt (or the decoder's start token), then the new ones.
+    #[getter]
+    fn tokens(&self) -> Vec<i64> {
+        self.generation.tokens.clone()
+    }
+}
+
 /// Puts a file error found in one method under that method's name (`methods.NAME.`).
 fn in_method(name: &str) -> impl Fn(RtError) -> RtError + '_ {
     move |e| match e {
@@ -283,6 +309,61 @@ impl Program {
         }
     }
 
+    /// A generation from `input_ids`: of a decoder-only program (its default method takes
+    /// `input_ids` and `cache_position`), or an encoder-decoder one (methods `encode` and
+    /// `decode`), whose encoder runs here.
+    #[allow(clippy::too_many_arguments)]
+    fn generation(
+        &self,
+        py: Python<'_>,
+        input_ids: &Bound<'_, PyAny>,
+        max_new_tokens: usize,
+        sampling: Sampling,
+        eos_token_id: Option<&Bound<'_, PyAny>>,
+        decoder_start_token_id: i64,
+    ) -> PyResult<Generation> {
+        let prompt = generate::prompt_tokens(input_ids)?;
+        let eos = match eos_token_id {
+            None => Vec::new(),
+            Some(e) if e.is_none() => Vec::new(),
+            Some(e) => e.extract::<i64>().map(|t| vec![t]).or_else(|_| e.extract::<Vec<i64>>())?,
+        };
+        let stop = generate::Stop { max_new_tokens, eos };
+        let cache_len = self.cache_len(py)?;
+        let has = |n: &str| self.methods.iter().any(|(name, _)| name == n);
+        if has("encode") && has("decode") {
+            let hidden = self.method(py, "encode")?.call1((input_ids,))?;
+            let decode = self.method(py, "decode")?.unbind();
+            let fixed = [("encoder_hidden_states", hidden)];
+            let start = vec![decoder_start_token_id];
+            return Ok(Generation::new(py, decode, "decoder_input_ids", &fixed, start, cache_len, stop, sampling)?);
+        }
+        let step = self.default_method(py).map_err(|_| {
+            PyTypeError::new_err(format!(
+                "generate() runs a decoder-only program (one method, or `forward`, taking input_ids and \
+                 cache_position) or an encoder-decoder one (methods `encode` and `decode`); {}",
+                self.held()
+            ))
+        })?;
+        Ok(Generation::new(py, step.unbind(), "input_ids", &[], prompt, cache_len, stop, sampling)?)
+    }
+
+    /// The static KV cache's length: the positions of the state named `key_cache*`
+    /// (transformers' static cache layout `[batch, heads, positions, head_dim]`).
+    fn cache_len(&self, py: Python<'_>) -> PyResult<Option<usize>> {
+        let Some((state, _)) = &self.file.state else { return Ok(None) };
+        let mut len: Option<usize> = None;
+        for (name, t) in state.names.iter().zip(&state.tensors) {
+            if name.contains("key_cache") {
+                let shape: Vec<usize> = t.bind(py).getattr("shape")?.extract()?;
+                if let [.., positions, _] = shape.as_slice() {
+                    len = Some(len.map_or(*positions, |l| l.min(*positions)));
+                }
+            }
+        }
+        Ok(len)
+    }
+
     fn held(&self) -> String {
         let names: Vec<&str> = self.methods.iter().map(|(n, _)| n.as_str()).collect();
         format!("it holds {}", names.join(", "))
@@ -309,6 +390,76 @@ impl Program {
         kwargs: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Bound<'py, PyList>> {
         self.default_method(args.py())?.get().profile(args, kwargs)
+    }
+
+    /// Generates tokens after `input_ids` (a `[1, n]` LongTensor), as transformers'
+    /// `generate` does with a static cache: the prompt, then up to `max_new_tokens` tokens, as
+    /// a `[1, n + new]` LongTensor (for an encoder-decoder program, the decoder's start token
+    /// then the new ones). Greedy unless `do_sample`; sampling applies `temperature`, `top_k`
+    /// and `top_p` in that order, from `seed`. Stops after a token of `eos_token_id` (an int
+    /// or a list). The loop runs in Rust with the program's state lock held; a transformers
+    /// streamer's `put` and `end` are called as tokens come (it must not call the program).
+    #[pyo3(signature = (input_ids, max_new_tokens = 20, *, do_sample = false, temperature = 1.0, top_k = 50,
+                        top_p = 1.0, eos_token_id = None, seed = None, decoder_start_token_id = 0, streamer = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn generate<'py>(
+        &self,
+        py: Python<'py>,
+        input_ids: &Bound<'py, PyAny>,
+        max_new_tokens: usize,
+        do_sample: bool,
+        temperature: f64,
+        top_k: usize,
+        top_p: f64,
+        eos_token_id: Option<&Bound<'py, PyAny>>,
+        seed: Option<u64>,
+        decoder_start_token_id: i64,
+        streamer: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let sampling = Sampling::new(do_sample, temperature, top_k, top_p, seed)?;
+        let mut g = self.generation(py, input_ids, max_new_tokens, sampling, eos_token_id, decoder_start_token_id)?;
+        let torch = py.import("torch")?;
+        let long = PyDict::new(py);
+        long.set_item("dtype", torch.getattr("long")?)?;
+        let tensor = |tokens: Vec<i64>| torch.getattr("tensor")?.call((tokens,), Some(&long));
+        let _guard = self.file.state.as_ref().map(|(_, lock)| lock.lock(py));
+        if let Some(s) = streamer {
+            // As transformers does: the prompt as `[1, n]`, then each token as `[1]`.
+            let prompt = torch.getattr("tensor")?.call((vec![g.tokens.clone()],), Some(&long))?;
+            s.call_method1("put", (prompt,))?;
+        }
+        while let Some(token) = g.next_token(py)? {
+            if let Some(s) = streamer {
+                s.call_method1("put", (tensor(vec![token])?,))?;
+            }
+        }
+        if let Some(s) = streamer {
+            s.call_method0("end")?;
+        }
+        torch.getattr("tensor")?.call((vec![std::mem::take(&mut g.tokens)],), Some(&long))
+    }
+
+    /// `generate`'s tokens one by one, as they come: an iterator of ints (the new tokens
+    /// only). Each step takes the program's state lock; one generation at a time per program.
+    #[pyo3(signature = (input_ids, max_new_tokens = 20, *, do_sample = false, temperature = 1.0, top_k = 50,
+                        top_p = 1.0, eos_token_id = None, seed = None, decoder_start_token_id = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn stream(
+        &self,
+        py: Python<'_>,
+        input_ids: &Bound<'_, PyAny>,
+        max_new_tokens: usize,
+        do_sample: bool,
+        temperature: f64,
+        top_k: usize,
+        top_p: f64,
+        eos_token_id: Option<&Bound<'_, PyAny>>,
+        seed: Option<u64>,
+        decoder_start_token_id: i64,
+    ) -> PyResult<TokenStream> {
+        let sampling = Sampling::new(do_sample, temperature, top_k, top_p, seed)?;
+        let g = self.generation(py, input_ids, max_new_tokens, sampling, eos_token_id, decoder_start_token_id)?;
+        Ok(TokenStream { generation: g })
     }
 
     /// A method by name.
