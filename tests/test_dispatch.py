@@ -413,3 +413,30 @@ def test_batched_linear_on_a_transposed_input_runs_eagers_kernels(tmp_path):
         xe = x.clone().requires_grad_()
         f(xe).sum().backward()
         assert torch.equal(xg.grad, xe.grad)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_on_batched_inputs_runs_folded_with_eagers_bits(tmp_path, bias):
+    """A contiguous input of 3 or more dimensions runs linear's shim folded into a matrix, as
+    at::linear runs it; a non-contiguous one runs the op itself. Same bits on every path."""
+    from torch.profiler import profile
+
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8, bias=bias)
+
+    def f(x, y, z):
+        return lin(x), lin(y), lin(z.transpose(0, 1))
+
+    args = (torch.randn(2, 3, 16), torch.randn(2, 1, 3, 16), torch.randn(3, 2, 16))
+    with torch.no_grad():
+        want = f(*args)
+    for mode, prog in load_all(tmp_path, f, args).items():
+        with profile() as p:
+            got = prog(*args)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and torch.equal(g, w), mode
+            assert not g.requires_grad
+        names = [e.name for e in p.events()]
+        if mode != "python":
+            # Two folded inputs through the shim; the transposed one through at::linear.
+            assert names.count("aten::linear") == 1, (mode, names)

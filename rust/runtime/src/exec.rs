@@ -388,12 +388,26 @@ impl CStep {
                 },
             };
         }
-        let tensors = &t[..self.args.len()];
         let skips_dispatcher = shim.family == Family::Cpu;
+        // A contiguous input of more dimensions runs folded into a matrix, as at::linear
+        // runs it (the same kernel on the same memory): `folded` keeps the matrix alive.
+        let mut folded = None;
         // SAFETY: the handles just read from live slots and constants.
         let admitted = unsafe {
-            shims.admits(shim.family, tensors, shim.floating_only, shim.in_place)
-                && shim.dims.is_none_or(|(i, n)| shims.dim(tensors[i]) == Some(n))
+            shims.admits(shim.family, &t[..self.args.len()], shim.floating_only, shim.in_place)
+                && match shim.dims {
+                    None => true,
+                    Some((i, n)) if shims.dim(t[i]) == Some(n) => true,
+                    Some((i, _)) if shim.fold => match abi.fold_leading(t[i]) {
+                        Some((matrix, leading)) => {
+                            t[i] = matrix.raw();
+                            folded = Some((matrix, leading));
+                            true
+                        }
+                        None => false,
+                    },
+                    Some(_) => false,
+                }
         };
         if !admitted || (skips_dispatcher && !direct.no_autograd) || (shim.autocast && !direct.no_autocast) {
             let fallback = shim.fallback.as_ref().ok_or_else(|| CError::Internal("no fallback".into()))?;
@@ -429,6 +443,11 @@ impl CStep {
         let result = (!out.is_null()).then(|| abi.adopt(out as StableIValue));
         abi.status(status)?;
         let mut result = result.ok_or_else(|| CError::Internal("a shim returned no tensor".into()))?;
+        if let Some((_, leading)) = &folded {
+            // SAFETY: the shim's result, a live 2-D tensor.
+            let n = unsafe { abi.size(result.raw(), 1) }.ok_or_else(|| CError::Internal("a result's size".into()))?;
+            result = abi.unfold_leading(&result, leading, n)?;
+        }
         if shim.in_place {
             // SAFETY: live handles: a slot's tensor and the shim's result.
             abi.status(unsafe { shims.copy(t[0], result.raw()) })?;

@@ -417,14 +417,81 @@ impl Abi {
     /// elements after `base` starts (torch's shim header names it the storage offset, but it
     /// is added to `base`'s): not an autograd view of `base`, so it is a leaf of its own.
     pub fn reinterpret(&self, base: &Tensor, sizes: &[i64], strides: &[i64], offset: i64) -> Result<Tensor, CError> {
+        // SAFETY: `base` is a live owning handle.
+        unsafe { self.reinterpret_raw(base.0, sizes, strides, offset) }
+    }
+
+    /// [`Abi::reinterpret`] of a borrowed handle.
+    ///
+    /// # Safety
+    /// `base` must be a live handle.
+    unsafe fn reinterpret_raw(&self, base: Raw, sizes: &[i64], strides: &[i64], offset: i64) -> Result<Tensor, CError> {
         let f = self.reinterpret.ok_or_else(|| CError::Internal("no _reinterpret_tensor".into()))?;
         if sizes.len() != strides.len() {
             return Err(CError::Internal("sizes and strides differ in length".into()));
         }
         let mut out: Raw = std::ptr::null_mut();
         // SAFETY: a live handle, arrays of `sizes.len()` elements, an out-pointer.
-        self.check(unsafe { f(base.0, sizes.len() as i64, sizes.as_ptr(), strides.as_ptr(), offset, &mut out) })?;
+        self.check(unsafe { f(base, sizes.len() as i64, sizes.as_ptr(), strides.as_ptr(), offset, &mut out) })?;
         Ok(Tensor(out, self.delete_tensor))
+    }
+
+    /// A contiguous tensor of at least 3 dimensions as the matrix `[product of the leading
+    /// sizes, last size]` over the same memory, with its leading sizes: how `at::linear` and
+    /// `at::matmul` fold such an input into one `mm`/`addmm`. `None` for other tensors, or
+    /// where the running torch lacks the calls.
+    ///
+    /// # Safety
+    /// `t` must be a live handle.
+    pub unsafe fn fold_leading(&self, t: Raw) -> Option<(Tensor, Vec<i64>)> {
+        let (g, shims) = (self.geometry.as_ref()?, self.shims.as_ref()?);
+        let n = usize::try_from(unsafe { shims.dim(t) }?).ok().filter(|&n| n >= 3)?;
+        let (mut sizes, mut strides) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: a live handle and out-pointers; the arrays are borrowed from the tensor,
+        // which outlives their use here, and have `n` elements.
+        let (sizes, strides) = unsafe {
+            if (g.sizes)(t, &mut sizes) != 0 || (g.strides)(t, &mut strides) != 0 {
+                return None;
+            }
+            (std::slice::from_raw_parts(sizes, n).to_vec(), std::slice::from_raw_parts(strides, n))
+        };
+        let mut expected = 1;
+        for (size, stride) in sizes.iter().zip(strides).rev() {
+            if *size != 1 && *stride != expected {
+                return None;
+            }
+            expected *= size;
+        }
+        let (last, leading) = sizes.split_last()?;
+        let rows: i64 = leading.iter().product();
+        if rows == 0 || *last == 0 {
+            return None;
+        }
+        // SAFETY: a live handle.
+        let matrix = unsafe { self.reinterpret_raw(t, &[rows, *last], &[*last, 1], 0) }.ok()?;
+        Some((matrix, leading.to_vec()))
+    }
+
+    /// A contiguous matrix `[rows, n]` as `[leading..., n]` over the same memory.
+    pub fn unfold_leading(&self, t: &Tensor, leading: &[i64], n: i64) -> Result<Tensor, CError> {
+        let mut sizes = leading.to_vec();
+        sizes.push(n);
+        let mut strides = vec![1; sizes.len()];
+        for i in (0..sizes.len() - 1).rev() {
+            strides[i] = strides[i + 1] * sizes[i + 1];
+        }
+        self.reinterpret(t, &sizes, &strides, 0)
+    }
+
+    /// The size of dimension `d` of a tensor.
+    ///
+    /// # Safety
+    /// `t` must be a live handle with more than `d` dimensions.
+    pub unsafe fn size(&self, t: Raw, d: usize) -> Option<i64> {
+        let g = self.geometry.as_ref()?;
+        let mut sizes = std::ptr::null_mut();
+        // SAFETY: a live handle; the array is borrowed from it and has more than `d` elements.
+        unsafe { ((g.sizes)(t, &mut sizes) == 0).then(|| *sizes.add(d)) }
     }
 
     /// `t.t()` for a 2-D tensor, as a tensor of its own over the same memory: the view

@@ -143,6 +143,9 @@ pub struct ShimStep {
     pub(crate) autocast: bool,
     /// `(tensor, dims)`: the shim's tensor `tensor` must have `dims` dimensions.
     pub(crate) dims: Option<(usize, i64)>,
+    /// Whether that tensor may have more dimensions where it is contiguous: it is folded to
+    /// a matrix and the result unfolded, as `at::linear` does (`Abi::fold_leading`).
+    pub(crate) fold: bool,
     /// The node through its Python op, for calls the shim can't take (integer tensors).
     pub(crate) fallback: Option<PyStep>,
 }

@@ -50,6 +50,8 @@ struct ShimUse {
     autocast: bool,
     /// `(tensor, dims)`: the shim's tensor `tensor` must have `dims` dimensions.
     dims: Option<(usize, i64)>,
+    /// Whether that tensor may have more dimensions, contiguous, folded into a matrix.
+    fold: bool,
 }
 
 /// The C step for a node that a shim or a rewrite covers, if one does. Off the CPU
@@ -82,6 +84,7 @@ pub(super) fn compile(
         in_place,
         autocast,
         dims: None,
+        fold: false,
     };
     let bias_given = matches!(bound.get(2), Some(a) if !matches!(a, SlotArg::Literal(Arg::None(()))));
     let aten = |f, tensors, scalars| ShimUse { family: Family::Aten, ..cpu(f, tensors, scalars, false, false) };
@@ -110,11 +113,13 @@ pub(super) fn compile(
         ("aten::linear", "") if bias_given => ShimUse {
             tensors: vec![Operand::Arg(2), Operand::Arg(0), Operand::WeightT(1)],
             dims: Some((1, 2)),
+            fold: true,
             ..cpu(shims.addmm_out, &[], &[], false, true)
         },
         ("aten::linear", "") => ShimUse {
             tensors: vec![Operand::Arg(0), Operand::WeightT(1)],
             dims: Some((0, 2)),
+            fold: true,
             ..cpu(shims.mm_out, &[], &[], false, true)
         },
         _ => return None,
@@ -168,6 +173,7 @@ fn shim_step(
             in_place: uses.in_place,
             autocast: uses.autocast,
             dims: uses.dims,
+            fold: uses.fold,
             fallback: None,
         })),
         node: 0,
