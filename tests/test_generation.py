@@ -273,3 +273,14 @@ def test_encoder_decoder_generate(tmp_path, kind):
     want = wrapper.generate(prompt, max_new_tokens=12)
     got = prog.generate(prompt, max_new_tokens=11)
     assert got[0].tolist() == want
+
+
+def test_metadata_assertions_do_not_run(exported):
+    """torch.export's `_assert_tensor_metadata` nodes check what the input checks already
+    enforce: the file keeps them, the program runs without them (same tokens, above)."""
+    path, _ = exported
+    ops = json.loads(kwexport._rt.describe(str(path))["description"])["methods"]["forward"]["ops"]
+    assert ops["aten::_assert_tensor_metadata.default"] > 0
+    prog = kwexport.load(path)
+    ran = {n["op"] for n in prog.profile(input_ids=torch.tensor([[1]]), cache_position=torch.tensor([0]))}
+    assert "aten::_assert_tensor_metadata.default" not in ran and "aten::linear.default" in ran

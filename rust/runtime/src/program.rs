@@ -155,6 +155,7 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
         if options.optimize == Level::Fast {
             passes::views_as_reshapes::apply(m);
         }
+        passes::dead_code::apply(m);
         in_place.insert(name.clone(), passes::inplace_state::apply(m));
         let (ops, method_notes) =
             ops::resolve_ops(py, &torch, m, &parsed.document.producer, &options.allow).map_err(in_method(name))?;

@@ -5,10 +5,13 @@
 //! - [`views_as_reshapes`]  `view` nodes as `reshape`, for tensors whose strides may differ
 //!   from the ones the graph was traced with
 //! - [`channels_last`]      the convolution weights to hold in channels-last memory format
+//! - [`dead_code`]          unread pure nodes and assertions a checked call can't fail (every
+//!   level)
 //! - [`inplace_state`]      state writes (a KV cache's) run in place, with nothing to copy back
 //!   (every level: the values are the same)
 
 pub mod channels_last;
+pub mod dead_code;
 pub mod inplace_state;
 pub mod views_as_reshapes;
 
