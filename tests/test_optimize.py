@@ -68,3 +68,44 @@ def test_the_level_is_checked_and_travels_with_pickles(tmp_path):
         kwexport.load(path, optimize="fastest")
     assert pickle.loads(pickle.dumps(kwexport.load(path, optimize="fast"))).optimize == "fast"
     assert pickle.loads(pickle.dumps(kwexport.load(path))).optimize == "exact"
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm, as transformers writes it."""
+
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.rand(n) + 0.5), eps
+
+    def forward(self, x):
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+def test_fast_fuses_rms_norm_into_one_kernel(tmp_path):
+    torch.manual_seed(0)
+    norm = RMSNorm(80)
+
+    def f(x, y):
+        return norm(x), norm(y.transpose(0, 1)), norm(x.double())
+
+    x, y = torch.randn(3, 5, 80) * 4, torch.randn(5, 3, 80)
+    path = tmp_path / "norm.kwx"
+    kwexport.save(kwexport.export(f, (x, y)), path)
+    exact, fast = kwexport.load(path), kwexport.load(path, optimize="fast")
+    with torch.no_grad():
+        want = f(x, y)
+    assert_same(exact(x, y), want, bitwise=True)
+    ran = [n["op"] for n in fast.profile(x, y)]
+    # Each norm is one node: kwexport's kernel for the contiguous float32 one, torch's
+    # rms_norm for the transposed and the float64 ones.
+    assert ran.count("aten::rms_norm.default") == 3 and "aten::rsqrt.default" not in ran
+    with torch.profiler.profile() as prof:
+        fast(x, y)
+    assert [e.name for e in prof.events()].count("aten::rms_norm") == 2  # kwexport's kernel is not torch's
+    for got, w in zip(fast(x, y), want):
+        assert got.dtype == w.dtype and got.shape == w.shape
+        assert rel_err(got, w) < 1e-6
+    for dispatch in ("python", "abi"):
+        for got, w in zip(kwexport.load(path, optimize="fast", dispatch=dispatch)(x, y), want):
+            assert rel_err(got, w) < 1e-6

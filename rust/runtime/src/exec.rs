@@ -389,6 +389,22 @@ impl CStep {
             };
         }
         let skips_dispatcher = shim.family == Family::Cpu;
+        if matches!(shim.f, ShimFn::RmsNorm) {
+            // SAFETY: the handles just read from live slots and constants.
+            let (eps, n) = (shim.scalars[0], shim.scalars[1] as i64);
+            let done = if direct.no_autograd { unsafe { abi.rms_norm(t[0], t[1], eps, n) } } else { None };
+            let Some(result) = done else {
+                let fallback = shim.fallback.as_ref().ok_or_else(|| CError::Internal("no fallback".into()))?;
+                return Python::attach(|py| run_fallback(py, abi, fallback, slots)).map_err(CError::Python);
+            };
+            if let SlotOutputs::One(Some(s)) = &self.outputs {
+                slots[*s] = Some(Native::Tensor(result?));
+            }
+            for &s in &self.free {
+                slots[s] = None;
+            }
+            return Ok(());
+        }
         // A contiguous input of more dimensions runs folded into a matrix, as at::linear
         // runs it (the same kernel on the same memory): `folded` keeps the matrix alive.
         let mut folded = None;
@@ -437,6 +453,7 @@ impl CStep {
                     }
                     Err(status) => status,
                 },
+                ShimFn::RmsNorm => return Err(CError::Internal("rms_norm runs above".into())),
             }
         };
         // The shim's new tensor (or, for an out= shim, the one made for it) is owned here.

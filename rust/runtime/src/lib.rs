@@ -29,6 +29,7 @@ pub mod errors;
 pub mod exec;
 pub mod fallback;
 pub mod generate;
+pub mod kernels;
 pub mod method;
 pub mod ops;
 pub mod plan;

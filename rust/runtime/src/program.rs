@@ -152,10 +152,12 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
     let mut notes = Vec::new();
     for (name, m) in parsed.document.methods.iter_mut() {
         placement.adapt_ops(m);
+        // Dead code first: the patterns below want each value's real readers.
+        passes::dead_code::apply(m);
         if options.optimize == Level::Fast {
             passes::views_as_reshapes::apply(m);
+            passes::rms_norm::apply(m, &parsed.document.weights);
         }
-        passes::dead_code::apply(m);
         in_place.insert(name.clone(), passes::inplace_state::apply(m));
         let (ops, method_notes) =
             ops::resolve_ops(py, &torch, m, &parsed.document.producer, &options.allow).map_err(in_method(name))?;

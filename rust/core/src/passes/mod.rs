@@ -7,12 +7,14 @@
 //! - [`channels_last`]      the convolution weights to hold in channels-last memory format
 //! - [`dead_code`]          unread pure nodes and assertions a checked call can't fail (every
 //!   level)
+//! - [`rms_norm`]           RMS normalization's six ops as one `rms_norm` node (`fast`)
 //! - [`inplace_state`]      state writes (a KV cache's) run in place, with nothing to copy back
 //!   (every level: the values are the same)
 
 pub mod channels_last;
 pub mod dead_code;
 pub mod inplace_state;
+pub mod rms_norm;
 pub mod views_as_reshapes;
 
 /// How far a program is optimized at load.

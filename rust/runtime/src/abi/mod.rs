@@ -483,6 +483,75 @@ impl Abi {
         self.reinterpret(t, &sizes, &strides, 0)
     }
 
+    /// A contiguous tensor's sizes (`None` where it isn't contiguous, or the running torch
+    /// lacks the queries).
+    ///
+    /// # Safety
+    /// `t` must be a live handle.
+    pub unsafe fn contiguous_sizes(&self, t: Raw) -> Option<Vec<i64>> {
+        let (g, shims) = (self.geometry.as_ref()?, self.shims.as_ref()?);
+        let n = usize::try_from(unsafe { shims.dim(t) }?).ok()?;
+        let (mut sizes, mut strides) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: a live handle and out-pointers; the arrays are borrowed from the tensor and
+        // have `n` elements.
+        let (sizes, strides) = unsafe {
+            if (g.sizes)(t, &mut sizes) != 0 || (g.strides)(t, &mut strides) != 0 {
+                return None;
+            }
+            if n == 0 {
+                (Vec::new(), &[][..])
+            } else {
+                (std::slice::from_raw_parts(sizes, n).to_vec(), std::slice::from_raw_parts(strides, n))
+            }
+        };
+        let mut expected = 1;
+        for (size, stride) in sizes.iter().zip(strides).rev() {
+            if *size != 1 && *stride != expected {
+                return None;
+            }
+            expected *= size;
+        }
+        Some(sizes)
+    }
+
+    /// kwexport's RMS norm of `x` (`[..., n]`) with weight `w` (`[n]`), both contiguous
+    /// float32 CPU tensors: a new tensor, or `None` where they don't qualify (the caller runs
+    /// torch's op, which also raises for a size that isn't `n`).
+    ///
+    /// # Safety
+    /// Both must be live handles.
+    pub unsafe fn rms_norm(&self, x: Raw, w: Raw, eps: f64, normalized: i64) -> Option<Result<Tensor, CError>> {
+        let shims = self.shims.as_ref()?;
+        // SAFETY: live handles.
+        let (xs, ws) = unsafe {
+            if !shims.is_cpu_f32(x) || !shims.is_cpu_f32(w) {
+                return None;
+            }
+            (self.contiguous_sizes(x)?, self.contiguous_sizes(w)?)
+        };
+        let (&n, [wn]) = (xs.last()?, ws.as_slice()) else { return None };
+        if n != *wn || n != normalized || n == 0 {
+            return None;
+        }
+        let len = usize::try_from(xs.iter().product::<i64>()).ok()?;
+        let out = match shims.empty_f32(&xs) {
+            Ok(o) => Tensor(o, self.delete_tensor),
+            Err(status) => {
+                return Some(Err(self.status(status).err().unwrap_or_else(|| CError::Internal("empty_strided".into()))))
+            }
+        };
+        // SAFETY: contiguous float32 CPU tensors of `len` and `n` elements (checked above), and
+        // the fresh output of `len`; none aliases another (the output is new).
+        unsafe {
+            let (px, pw, po) = (shims.data_ptr(x)?, shims.data_ptr(w)?, shims.data_ptr(out.0)?);
+            let xs = std::slice::from_raw_parts(px as *const f32, len);
+            let ws = std::slice::from_raw_parts(pw as *const f32, n as usize);
+            let os = std::slice::from_raw_parts_mut(po as *mut f32, len);
+            crate::kernels::rms_norm_f32(xs, ws, eps as f32, os);
+        }
+        Some(Ok(out))
+    }
+
     /// The size of dimension `d` of a tensor.
     ///
     /// # Safety

@@ -32,6 +32,9 @@ pub enum ShimFn {
     TensorTensor(unsafe extern "C" fn(Raw, Raw, *mut Raw) -> Status),
     /// `(Tensor out, Tensor self, Tensor mat2)`: `mm.out`.
     MmOut(unsafe extern "C" fn(Raw, Raw, Raw) -> Status),
+    /// `(Tensor input, Tensor weight, double eps)`: kwexport's own RMS norm
+    /// (`kernels::rms_norm_f32`) for `rms_norm` on contiguous float32 CPU tensors.
+    RmsNorm,
 }
 
 impl std::fmt::Debug for ShimFn {
@@ -42,6 +45,7 @@ impl std::fmt::Debug for ShimFn {
             ShimFn::AddmmOut(_) => "AddmmOut",
             ShimFn::TensorTensor(_) => "TensorTensor",
             ShimFn::MmOut(_) => "MmOut",
+            ShimFn::RmsNorm => "RmsNorm",
         })
     }
 }
@@ -64,6 +68,10 @@ pub struct Shims {
     pub addmm_out: Option<ShimFn>,
     pub mul_tensor: Option<ShimFn>,
     pub mm_out: Option<ShimFn>,
+    /// kwexport's own kernels, where torch gives their data pointers.
+    pub rms_norm: Option<ShimFn>,
+    get_data_ptr: Option<unsafe extern "C" fn(Raw, *mut *mut std::ffi::c_void) -> Status>,
+    float32: Option<i32>,
     get_dtype: unsafe extern "C" fn(Raw, *mut i32) -> Status,
     get_device_type: unsafe extern "C" fn(Raw, *mut i32) -> Status,
     get_device_index: unsafe extern "C" fn(Raw, *mut i32) -> Status,
@@ -102,6 +110,14 @@ impl Shims {
             addmm_out: sym(lib, hidden, SYMBOLS[3]).map(ShimFn::AddmmOut),
             mul_tensor: sym(lib, hidden, SYMBOLS[4]).map(ShimFn::TensorTensor),
             mm_out: sym(lib, hidden, SYMBOLS[5]).map(ShimFn::MmOut),
+            rms_norm: sym::<unsafe extern "C" fn(Raw, *mut *mut std::ffi::c_void) -> Status>(
+                lib,
+                hidden,
+                "aoti_torch_get_data_ptr",
+            )
+            .map(|_| ShimFn::RmsNorm),
+            get_data_ptr: sym(lib, hidden, "aoti_torch_get_data_ptr"),
+            float32: sym::<unsafe extern "C" fn() -> i32>(lib, hidden, "aoti_torch_dtype_float32").map(|f| f()),
             get_dtype: sym(lib, hidden, "aoti_torch_get_dtype")?,
             get_device_type: sym(lib, hidden, "aoti_torch_get_device_type")?,
             get_device_index: sym(lib, hidden, "aoti_torch_get_device_index")?,
@@ -175,6 +191,42 @@ impl Shims {
     pub fn grad_mode(&self) -> bool {
         // SAFETY: reads a thread-local flag.
         unsafe { (self.grad_mode_is_enabled)() }
+    }
+
+    /// The address of a tensor's first element.
+    ///
+    /// # Safety
+    /// `t` must be a live handle.
+    pub unsafe fn data_ptr(&self, t: Raw) -> Option<*mut std::ffi::c_void> {
+        let f = self.get_data_ptr?;
+        let mut p = std::ptr::null_mut();
+        (unsafe { f(t, &mut p) } == 0).then_some(p)
+    }
+
+    /// Whether `t` is a float32 CPU tensor.
+    ///
+    /// # Safety
+    /// `t` must be a live handle.
+    pub unsafe fn is_cpu_f32(&self, t: Raw) -> bool {
+        let mut device = 0;
+        // SAFETY: a live handle and an out-pointer.
+        let on_cpu = unsafe { (self.get_device_type)(t, &mut device) } == 0 && device == self.cpu;
+        on_cpu && self.float32.is_some() && self.dtype(t) == self.float32
+    }
+
+    /// A new contiguous CPU float32 tensor of these sizes.
+    pub fn empty_f32(&self, sizes: &[i64]) -> Result<Raw, Status> {
+        let dtype = self.float32.ok_or(1)?;
+        let mut strides = vec![1i64; sizes.len()];
+        for i in (0..sizes.len().saturating_sub(1)).rev() {
+            strides[i] = strides[i + 1] * sizes[i + 1];
+        }
+        let mut out: Raw = std::ptr::null_mut();
+        // SAFETY: arrays of `sizes.len()` elements and an out-pointer.
+        check(unsafe {
+            (self.empty_strided)(sizes.len() as i64, sizes.as_ptr(), strides.as_ptr(), dtype, self.cpu, 0, &mut out)
+        })?;
+        Ok(out)
     }
 
     /// `dst.copy_(src)`.

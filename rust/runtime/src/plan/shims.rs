@@ -110,6 +110,20 @@ pub(super) fn compile(
         ("aten::pow", "Tensor_Scalar") => cpu(shims.pow_tensor_scalar, &[0], &[1], false, true),
         ("aten::addmm", "") => cpu(shims.addmm_out, &[0, 1, 2], &[3, 4], false, true),
         ("aten::mul", "Tensor") => cpu(shims.mul_tensor, &[0, 1], &[], false, false),
+        // Only `optimize="fast"` makes this node (`passes::rms_norm`): kwexport's kernel, over
+        // the last dimension, whose size rides along as a second scalar.
+        ("aten::rms_norm", "") if bias_given => {
+            let [SlotArg::Literal(Arg::Int(n))] = (match bound.get(1)? {
+                SlotArg::List(items) => items.as_slice(),
+                _ => return None,
+            }) else {
+                return None;
+            };
+            let mut step =
+                shim_step(abi, op, node, bound, is_tensor, consts, cpu(shims.rms_norm, &[0, 2], &[3], false, false))?;
+            step.shim.as_mut()?.scalars.push(*n as f64);
+            return Some(step);
+        }
         ("aten::linear", "") if bias_given => ShimUse {
             tensors: vec![Operand::Arg(2), Operand::Arg(0), Operand::WeightT(1)],
             dims: Some((1, 2)),

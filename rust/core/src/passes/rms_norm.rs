@@ -1,0 +1,218 @@
+//! RMS normalization as one node (`optimize="fast"`). Llama-family models compute it as six
+//! ops, each a dispatch and a pass over memory:
+//!
+//! ```text
+//! p = pow(x, 2); m = mean(p, [-1], keepdim=True); a = add(m, eps); r = rsqrt(a)
+//! h = mul(x, r); y = mul(w, h)            # w: a 1-D weight, either operand order
+//! ```
+//!
+//! which becomes `y = rms_norm(x, [n], w, eps)` with `n` the weight's size. The runtime runs
+//! that node with kwexport's kernel on contiguous float32 CPU tensors (`kernels.rs`), and with
+//! torch's `rms_norm` otherwise. Each intermediate must be read only by the next op, so nothing
+//! else needs the values that disappear.
+
+use std::collections::HashMap;
+
+use crate::schema::{Arg, InputSource, Method, Node, OpEntry, Outputs, Weights};
+
+/// Fuses every RMS-norm pattern of the method's top-level graph; returns how many.
+pub fn apply(m: &mut Method, weights: &Weights) -> usize {
+    let mut fused = 0;
+    while let Some((chain, replacement)) = find(m, weights) {
+        let op = op_index(&mut m.ops, "aten::rms_norm.default");
+        let last = *chain.last().expect("a chain of six");
+        m.graph.nodes[last] = Node { op, ..replacement };
+        let mut i = 0;
+        m.graph.nodes.retain(|_| {
+            i += 1;
+            !chain[..chain.len() - 1].contains(&(i - 1))
+        });
+        fused += 1;
+    }
+    fused
+}
+
+fn op_index(ops: &mut Vec<OpEntry>, name: &str) -> usize {
+    match ops.iter().position(|o| o.name == name) {
+        Some(i) => i,
+        None => {
+            ops.push(OpEntry { name: name.to_owned(), schema: None });
+            ops.len() - 1
+        }
+    }
+}
+
+/// The first pattern: its six nodes' indices (the last is replaced) and the fused node.
+fn find(m: &Method, weights: &Weights) -> Option<(Vec<usize>, Node)> {
+    let g = &m.graph;
+    let op_of = |n: &Node| m.ops.get(n.op).map(|o| o.name.as_str());
+    // Who reads each value: node indices, and usize::MAX for a graph output or mutation.
+    let mut readers: HashMap<&str, Vec<usize>> = HashMap::new();
+    for (i, n) in g.nodes.iter().enumerate() {
+        for a in n.args.iter().chain(n.kwargs.values()) {
+            refs(a, &mut |r| readers.entry(r).or_default().push(i));
+        }
+    }
+    for a in g.outputs.iter().chain(g.mutations.iter().map(|w| &w.value)) {
+        refs(a, &mut |r| readers.entry(r).or_default().push(usize::MAX));
+    }
+    fn one(n: &Node) -> Option<&str> {
+        match &n.outputs {
+            Outputs::One(o) => Some(o.as_str()),
+            _ => None,
+        }
+    }
+    // The node that alone reads `n`'s value, if it is `op`.
+    let sole_reader = |n: &Node, op: &str| -> Option<usize> {
+        let r = readers.get(one(n)?)?;
+        match r.as_slice() {
+            [j] if *j != usize::MAX && op_of(&g.nodes[*j]) == Some(op) => Some(*j),
+            _ => None,
+        }
+    };
+    let weight_1d = |name: &str| -> Option<(String, i64)> {
+        let input = g.inputs.iter().find(|i| i.name == name)?;
+        let InputSource::Weight(w) = &input.source else { return None };
+        let t = weights.tensors.get(w)?;
+        match (t.shape.as_slice(), t.mutable) {
+            ([n], false) => Some((name.to_owned(), *n)),
+            _ => None,
+        }
+    };
+    for (p, pow) in g.nodes.iter().enumerate() {
+        if op_of(pow) != Some("aten::pow.Tensor_Scalar") || !pow.kwargs.is_empty() {
+            continue;
+        }
+        let (Some(Arg::Ref(x)), Some(exp)) = (pow.args.first(), pow.args.get(1)) else { continue };
+        if !matches!(exp, Arg::Int(2)) && !matches!(exp, Arg::Float(f) if f.0 == 2.0) {
+            continue;
+        }
+        let Some(mi) = sole_reader(pow, "aten::mean.dim") else { continue };
+        let mean = &g.nodes[mi];
+        let last_dim = matches!(mean.args.get(1), Some(Arg::List(d)) if d.as_slice() == [Arg::Int(-1)]);
+        if !last_dim || mean.args.get(2) != Some(&Arg::Bool(true)) || mean.args.len() != 3 || !mean.kwargs.is_empty() {
+            continue;
+        }
+        let Some(ai) = sole_reader(mean, "aten::add.Tensor") else { continue };
+        let add = &g.nodes[ai];
+        let (Some(Arg::Float(eps)), true) = (add.args.get(1), add.args.len() == 2 && add.kwargs.is_empty()) else {
+            continue;
+        };
+        let Some(ri) = sole_reader(add, "aten::rsqrt.default") else { continue };
+        let Some(hi) = sole_reader(&g.nodes[ri], "aten::mul.Tensor") else { continue };
+        let h = &g.nodes[hi];
+        let Some(r_name) = one(&g.nodes[ri]) else { continue };
+        fn pair(n: &Node) -> Option<(&String, &String)> {
+            match (n.args.first(), n.args.get(1)) {
+                (Some(Arg::Ref(a)), Some(Arg::Ref(b))) if n.args.len() == 2 && n.kwargs.is_empty() => Some((a, b)),
+                _ => None,
+            }
+        }
+        let Some((a, b)) = pair(h) else { continue };
+        if !((a == x && b == r_name) || (a == r_name && b == x)) {
+            continue;
+        }
+        let Some(yi) = sole_reader(h, "aten::mul.Tensor") else { continue };
+        let y = &g.nodes[yi];
+        let Some(h_name) = one(h) else { continue };
+        let Some((a, b)) = pair(y) else { continue };
+        let other = if a == h_name {
+            b
+        } else if b == h_name {
+            a
+        } else {
+            continue;
+        };
+        let Some((w, n)) = weight_1d(other) else { continue };
+        let fused = Node {
+            op: 0,
+            args: vec![Arg::Ref(x.clone()), Arg::List(vec![Arg::Int(n)]), Arg::Ref(w), Arg::Float(*eps)],
+            kwargs: Default::default(),
+            outputs: y.outputs.clone(),
+        };
+        return Some((vec![p, mi, ai, ri, hi, yi], fused));
+    }
+    None
+}
+
+fn refs<'a>(a: &'a Arg, f: &mut impl FnMut(&'a str)) {
+    match a {
+        Arg::Ref(r) => f(r),
+        Arg::List(items) => items.iter().for_each(|i| refs(i, f)),
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn method(mutate: impl FnOnce(&mut serde_json::Value)) -> (Method, Weights) {
+        let mut m = json!({
+            "signature": {"name": "f", "params": [{"name": "x", "kind": "positional_or_keyword"}]},
+            "inputs": {"spec": {"type": "leaf"}, "leaves": []},
+            "outputs": {"type": "leaf"},
+            "ops": [{"name": "aten::pow.Tensor_Scalar", "schema": "s"}, {"name": "aten::mean.dim", "schema": "s"},
+                    {"name": "aten::add.Tensor", "schema": "s"}, {"name": "aten::rsqrt.default", "schema": "s"},
+                    {"name": "aten::mul.Tensor", "schema": "s"}],
+            "graph": {
+                "inputs": [{"name": "w", "source": {"weight": "norm.weight"}}, {"name": "x", "source": {"user": 0}}],
+                "nodes": [
+                    {"op": 0, "args": [{"ref": "x"}, {"int": 2}], "outputs": {"one": "p"}},
+                    {"op": 1, "args": [{"ref": "p"}, {"list": [{"int": -1}]}, {"bool": true}], "outputs": {"one": "m"}},
+                    {"op": 2, "args": [{"ref": "m"}, {"float": 1e-6}], "outputs": {"one": "a"}},
+                    {"op": 3, "args": [{"ref": "a"}], "outputs": {"one": "r"}},
+                    {"op": 4, "args": [{"ref": "x"}, {"ref": "r"}], "outputs": {"one": "h"}},
+                    {"op": 4, "args": [{"ref": "w"}, {"ref": "h"}], "outputs": {"one": "y"}}],
+                "outputs": [{"ref": "y"}]}
+        });
+        mutate(&mut m);
+        let weights = serde_json::from_value(json!({
+            "storages": [{"offset": 0, "nbytes": 32}],
+            "tensors": {"norm.weight": {"dtype": "float32", "shape": [8], "strides": [1], "storage": 0}}
+        }))
+        .unwrap();
+        (serde_json::from_value(m).unwrap(), weights)
+    }
+
+    #[test]
+    fn fuses_the_six_ops_into_rms_norm() {
+        let (mut m, w) = method(|_| {});
+        assert_eq!(apply(&mut m, &w), 1);
+        assert_eq!(m.graph.nodes.len(), 1);
+        let node = &m.graph.nodes[0];
+        assert_eq!(m.ops[node.op].name, "aten::rms_norm.default");
+        assert_eq!(
+            node.args,
+            [
+                Arg::Ref("x".into()),
+                Arg::List(vec![Arg::Int(8)]),
+                Arg::Ref("w".into()),
+                Arg::Float(crate::schema::Float(1e-6))
+            ]
+        );
+        assert_eq!(node.outputs, Outputs::One("y".into()));
+    }
+
+    #[test]
+    fn leaves_near_misses_alone() {
+        let cases: [fn(&mut serde_json::Value); 5] = [
+            // An intermediate is read elsewhere.
+            |m| m["graph"]["outputs"] = json!([{"ref": "y"}, {"ref": "r"}]),
+            // Another exponent.
+            |m| m["graph"]["nodes"][0]["args"][1] = json!({"int": 3}),
+            // Another dimension.
+            |m| m["graph"]["nodes"][1]["args"][1] = json!({"list": [{"int": 0}]}),
+            // The scale isn't a weight.
+            |m| m["graph"]["nodes"][5]["args"][0] = json!({"ref": "x"}),
+            // Normalized by something other than its own input.
+            |m| m["graph"]["nodes"][4]["args"][0] = json!({"ref": "w"}),
+        ];
+        for (i, case) in cases.into_iter().enumerate() {
+            let (mut m, w) = method(case);
+            assert_eq!(apply(&mut m, &w), 0, "case {i}");
+            assert_eq!(m.graph.nodes.len(), 6);
+        }
+    }
+}
