@@ -284,3 +284,24 @@ def test_metadata_assertions_do_not_run(exported):
     prog = kwexport.load(path)
     ran = {n["op"] for n in prog.profile(input_ids=torch.tensor([[1]]), cache_position=torch.tensor([0]))}
     assert "aten::_assert_tensor_metadata.default" not in ran and "aten::linear.default" in ran
+
+
+def test_a_dynamic_length_program_prefills_in_one_step(tmp_path):
+    model = causal_lm("llama")
+    wrapper = executorch.TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE_LEN)
+    seq = torch.export.Dim("seq", min=1, max=32)
+    ep = wrapper.export(
+        input_ids=torch.tensor([[1, 2, 3]]),
+        cache_position=torch.tensor([0, 1, 2]),
+        dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}},
+    )
+    kwexport.save(ep, tmp_path / "dyn.kwx")
+    prog = kwexport.load(tmp_path / "dyn.kwx")
+    prompt = torch.tensor([PROMPT])
+    with torch.no_grad():
+        want = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, max_length=None)
+    assert prog.generate(prompt, max_new_tokens=NEW_TOKENS).tolist() == want.tolist()
+    with torch.profiler.profile() as prof:
+        prog.generate(prompt, max_new_tokens=1)
+    # One step for the whole prompt: each of the four caches written once.
+    assert sum(e.name == "aten::index_copy_" for e in prof.events()) == 4
