@@ -226,6 +226,7 @@ def header_cases(h: dict):
         lambda d: d["graph"].update(mutations=[{"target": {"user": 99}, "value": d["graph"]["outputs"][0]}]),
         ARTIFACT,
     )
+    yield "optimized_unknown_level", lambda d: d.update(optimized="turbo"), ARTIFACT
     yield "newer_major", lambda d: d.update(format_version={"major": 999, "minor": 0}), VERSION
     yield "older_than_supported", lambda d: d.update(format_version={"major": 0, "minor": 1}), VERSION
     yield "version_not_numbers", lambda d: d.update(format_version={"major": "2", "minor": 0}), ARTIFACT

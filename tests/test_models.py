@@ -151,7 +151,8 @@ def test_linear_and_tied_weights(roundtrip):
 
     t = Tied()
     ex = kwexport.export(t, (torch.randn(2, 8),))
-    header, storages = kwexport._write.document({"forward": ex})
+    header, weights, mutable = kwexport._write.document({"forward": ex})
+    header, storages = kwexport._write.optimized(header, weights, mutable, "exact")
     assert len(storages) == len(header["weights"]["storages"]) == 1
     prog = roundtrip(t, (torch.randn(2, 8),))
     x = torch.randn(2, 8)

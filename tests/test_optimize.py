@@ -1,6 +1,7 @@
 """Optimization levels: `exact` is eager's bits; `fast` changes kernels and layouts within the
 tolerance docs/optimize.md states (convolution weights held channels-last)."""
 
+import json
 import pickle
 
 import pytest
@@ -9,6 +10,7 @@ from conftest import assert_same
 from torch import nn
 
 import kwexport
+import kwexport._cli
 
 torchvision = pytest.importorskip("torchvision")
 
@@ -109,3 +111,56 @@ def test_fast_fuses_rms_norm_into_one_kernel(tmp_path):
     for dispatch in ("python", "abi"):
         for got, w in zip(kwexport.load(path, optimize="fast", dispatch=dispatch)(x, y), want):
             assert rel_err(got, w) < 1e-6
+
+
+class NormedConvNet(nn.Module):
+    """A conv chain and an RMS norm: both of fast's rewrites."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3))
+        self.norm = RMSNorm(8)
+
+    def forward(self, x):
+        h = self.conv(x).mean((2, 3))
+        return self.norm(h)
+
+
+def test_offline_optimized_files_run_fast_with_a_plain_load(tmp_path):
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    model = NormedConvNet().eval()
+    x = torch.randn(2, 3, 16, 16)
+    ex = kwexport.export(model, (x,))
+    plain, saved, converted = tmp_path / "plain.kwx", tmp_path / "saved.kwx", tmp_path / "converted.kwx"
+    kwexport.save(ex, plain, extra_files={"notes.txt": "hi"})
+    kwexport.save(ex, saved, optimize="fast", extra_files={"notes.txt": "hi"})
+    out = subprocess.run(
+        [sys.executable, "-m", "kwexport", "optimize", str(plain), str(converted)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"{converted}: optimized exact -> fast"
+    online = kwexport.load(plain, optimize="fast")(x)
+    with torch.no_grad():
+        want = model(x)
+    for path in (saved, converted):
+        info = json.loads(kwexport._rt.describe(str(path))["description"])
+        assert info["optimized"] == "fast"
+        assert "aten::rms_norm.default" in info["methods"]["forward"]["ops"]
+        # The conv weights are stored channels-last: a plain load runs at fast, and asking
+        # for exact can't undo what the file holds.
+        header = json.loads(kwexport._rt.describe(str(path))["header"])
+        w = header["weights"]["tensors"]["conv.0.weight"]
+        assert w["strides"] == [27, 1, 9, 3]
+        for prog in (kwexport.load(path), kwexport.load(path, optimize="exact")):
+            assert prog.optimize == "fast" and prog.extra_files == {"notes.txt": "hi"}
+            got = prog(x)
+            assert torch.equal(got, online)  # the same rewrites as at load, the same kernels
+            assert rel_err(got, want) < 1e-5
+    # A second optimize is a no-op rewrite.
+    again = tmp_path / "again.kwx"
+    assert kwexport._cli.optimize(str(saved), str(again))["from"] == "fast"
+    with pytest.raises(FileExistsError, match="exists; pass --force"):
+        kwexport._cli.optimize(str(saved), str(again))

@@ -123,6 +123,7 @@ def save(
     path: str | os.PathLike[str],
     *,
     extra_files: dict[str, str | bytes] | None = None,
+    optimize: str = "exact",
 ) -> None:
     """Write ``ex`` (``kwexport.export``'s result, or a ``torch.export.ExportedProgram``) to
     ``path`` as one file, atomically.
@@ -131,10 +132,14 @@ def save(
     b}``; names are identifiers not starting with ``_``): ``kwexport.load(path).encode(...)``,
     ``prog["decode"](...)``. Their weights are stored once: a tensor several methods read
     (the same memory, as methods of one module share their parameters) is one weight, and a
-    buffer one method writes is state that every method reading it sees."""
+    buffer one method writes is state that every method reading it sees.
+
+    ``optimize="fast"`` writes the graphs rewritten as ``kwexport.load(..., optimize="fast")``
+    rewrites them (docs/optimize.md), with convolution weights stored channels-last: a plain
+    ``kwexport.load`` of the file then runs at ``fast`` and loads as quickly as any file."""
     from kwexport._write import save as _save
 
-    _save(ex, path, extra_files=extra_files)
+    _save(ex, path, extra_files=extra_files, optimize=optimize)
 
 
 def __getattr__(name: str) -> Any:

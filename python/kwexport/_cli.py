@@ -4,6 +4,8 @@ and validates a file without torch; only ``convert`` imports torch (to read the 
     kwexport inspect PATH [--json]     what a file holds, validated, without running it
     kwexport upgrade OLD NEW [--force] rewrite a file at the current format version
     kwexport convert MODEL.pt2 NEW.kwx a torch.export file as a kwexport file (imports torch)
+    kwexport optimize OLD NEW [--level fast] [--force]
+                                       the graphs rewritten at a level, written once (imports torch)
     kwexport bench PATH [--dim N=V] [--shape PATH=2x3] [--optimize exact,fast] [--json]
                                        load, first and steady call, threads, per-op profile
 """
@@ -34,6 +36,10 @@ def _print_text(info: dict[str, Any]) -> None:
     prod = info["producer"]
     print(f"written by:   kwexport {prod['kwexport']}, torch {prod['torch']}, python {prod.get('python') or '?'}")
     print(f"device:       {info['device']} (where it was exported; kwexport.load(..., device=...) moves it)")
+    print(
+        f"optimized:    {info['optimized']}"
+        + (" (loads at this level or above)" if info["optimized"] != "exact" else "")
+    )
     several = len(info["methods"]) > 1
     for name, m in info["methods"].items():
         indent = "  " if several else ""
@@ -70,6 +76,42 @@ def upgrade(old: str, new: str, *, force: bool = False) -> dict[str, Any]:
     return {"from": list(d["file_format_version"]), "to": list(FORMAT_VERSION), "upgraders": d["upgraders"]}
 
 
+def optimize(old: str, new: str, *, level: str = "fast", force: bool = False) -> dict[str, Any]:
+    """Rewrites OLD's graphs at ``level`` into NEW (as loading at that level would), with the
+    weights that level stores channels-last repacked; extra files are carried over. A plain
+    ``kwexport.load(NEW)`` then runs at that level without rewriting anything at load."""
+    if os.path.exists(new) and not force:
+        same = os.path.exists(old) and os.path.samefile(old, new)
+        raise FileExistsError(f"{new} exists{' (it is the input file)' if same else ''}; pass --force to overwrite it")
+    import torch
+
+    from kwexport._write import optimized, write_document
+
+    d = _rt.describe(os.fspath(old))
+    header = json.loads(d["header"])
+    with open(old, "rb") as f:
+        f.seek(d["data_offset"])
+        blob = f.read()
+    data = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+    # Each storage as memory of its own, so tensors that shared one still share it.
+    storages = [data[s["offset"] : s["offset"] + s["nbytes"]].clone() for s in header["weights"]["storages"]]
+    weights, mutable = {}, set()
+    for name, t in header["weights"]["tensors"].items():
+        typed = storages[t["storage"]].view(getattr(torch, t["dtype"]))
+        weights[name] = typed.as_strided(t["shape"], t["strides"], t.get("storage_offset", 0))
+        if t.get("mutable"):
+            mutable.add(name)
+    extras = {}
+    for name, e in header.get("extra_files", {}).items():
+        blob = bytes(data[e["offset"] : e["offset"] + e["nbytes"]].numpy())
+        extras[name] = blob.decode("utf-8") if e["encoding"] == "utf8" else blob
+    header.pop("weights")
+    header.pop("extra_files", None)
+    write_document(os.fspath(new), *optimized(header, weights, mutable, level), extras)
+    info = describe(new)
+    return {"from": json.loads(d["description"])["optimized"], "to": info["optimized"], "file": os.fspath(new)}
+
+
 def convert(pt2: str, new: str, *, force: bool = False) -> dict[str, Any]:
     """Reads a ``.pt2`` written by ``torch.export.save`` and saves it as a kwexport file."""
     if os.path.exists(new) and not force:
@@ -103,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     p_convert.add_argument("pt2")
     p_convert.add_argument("new")
     p_convert.add_argument("--force", action="store_true", help="overwrite NEW")
+    p_optimize = sub.add_parser("optimize", help="write a file's graphs rewritten at a level (imports torch)")
+    p_optimize.add_argument("old")
+    p_optimize.add_argument("new")
+    p_optimize.add_argument("--level", default="fast", help="the optimization level (default fast)")
+    p_optimize.add_argument("--force", action="store_true", help="overwrite NEW")
     p_bench = sub.add_parser("bench", help="time a program on inputs made from its recorded shapes (imports torch)")
     p_bench.add_argument("path")
     p_bench.add_argument("--dim", action="append", default=[], metavar="NAME=N", help="a symbolic dimension's size")
@@ -138,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(report, indent=2))
             else:
                 _bench.print_report(report)
+        elif opts.command == "optimize":
+            r = optimize(opts.old, opts.new, level=opts.level, force=opts.force)
+            print(f"{opts.new}: optimized {r['from']} -> {r['to']}")
         elif opts.command == "convert":
             info = convert(opts.pt2, opts.new, force=opts.force)
             m = info["methods"]["forward"]

@@ -156,12 +156,57 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def save(ex: Any, path: str | os.PathLike[str], *, extra_files: dict[str, str | bytes] | None = None) -> None:
+def save(
+    ex: Any,
+    path: str | os.PathLike[str],
+    *,
+    extra_files: dict[str, str | bytes] | None = None,
+    optimize: str = "exact",
+) -> None:
     r"""Writes exported programs (``kwexport.export``'s results or
-    ``torch.export.ExportedProgram``\ s; one, or a dict of them by method name): the header
-    with each storage's offset filled in, the storages, then the extra files, each on an
-    aligned offset of the data section."""
-    header, storages = document(methods_of(ex))
+    ``torch.export.ExportedProgram``\ s; one, or a dict of them by method name), their graphs
+    rewritten at ``optimize``'s level."""
+    header, weights, mutable = document(methods_of(ex))
+    write_document(path, *optimized(header, weights, mutable, optimize), extra_files)
+
+
+def optimized(header: dict[str, Any], weights: dict[str, Any], mutable: set[str], level: str):
+    """The header's graphs rewritten at ``level`` by the core's passes (as loading at that
+    level rewrites them), with the weights a level stores channels-last repacked so: still
+    plain strided tensors, which load as zero-copy views. Returns the header, its weight
+    tables filled in, and the storages."""
+    import torch
+
+    from kwexport._rt import optimize_header
+    from kwexport._weights import weight_tables
+
+    storage_table, tensor_table, storages = weight_tables(weights, mutable)
+    header = dict(header, weights={"storages": storage_table, "tensors": tensor_table})
+    if level == "exact" and "optimized" not in header:
+        return header, storages
+    # Offsets are laid out when writing; the passes don't read them.
+    probe = json.loads(json.dumps(header))
+    for entry in probe["weights"]["storages"]:
+        entry["offset"] = 0
+    rewritten, channels_last = optimize_header(json.dumps(probe), level)
+    header = json.loads(rewritten)
+    if channels_last:
+        weights = dict(weights)
+        for name in channels_last:
+            weights[name] = weights[name].contiguous(memory_format=torch.channels_last)
+        storage_table, tensor_table, storages = weight_tables(weights, mutable)
+        header["weights"] = {"storages": storage_table, "tensors": tensor_table}
+    return header, storages
+
+
+def write_document(
+    path: str | os.PathLike[str],
+    header: dict[str, Any],
+    storages: list[Any],
+    extra_files: dict[str, str | bytes] | None,
+) -> None:
+    """Writes the header with each storage's offset filled in, the storages, then the extra
+    files, each on an aligned offset of the data section."""
     chunks: list[tuple[int, Any]] = []
     cursor = 0
     for entry, data in zip(header["weights"]["storages"], storages):
@@ -200,8 +245,9 @@ def methods_of(ex: Any) -> dict[str, Any]:
     return {name: one(value, f" for method {name!r}") for name, value in ex.items()}
 
 
-def document(methods: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-    """The header (less its extra files) of a file holding ``methods``, and its storages.
+def document(methods: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], set[str]]:
+    """The header (less its weight tables and extra files) of a file holding ``methods``,
+    its weights by name, and the names of those written (state).
     Weights are merged across methods by identity: a tensor that several methods read, or
     that one reads under two names, is one weight in the file (state a method writes is then
     state every method that reads it sees); a name two methods give different tensors is
@@ -211,7 +257,7 @@ def document(methods: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
     import torch
 
     import kwexport
-    from kwexport._weights import identity, weight_tables
+    from kwexport._weights import identity
 
     weights: dict[str, Any] = {}
     mutable: set[str] = set()
@@ -231,7 +277,6 @@ def document(methods: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
             if name in ex._mutable:
                 mutable.add(rename[name])
         entries[method] = _renamed(ex._method, rename)
-    storage_table, tensor_table, storages = weight_tables(weights, mutable)
     header = {
         "format_version": {"major": FORMAT_VERSION[0], "minor": FORMAT_VERSION[1]},
         "producer": {
@@ -240,9 +285,8 @@ def document(methods: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
             "python": ".".join(map(str, sys.version_info[:3])),
         },
         "methods": entries,
-        "weights": {"storages": storage_table, "tensors": tensor_table},
     }
-    return header, storages
+    return header, weights, mutable
 
 
 def _renamed(method: dict[str, Any], rename: dict[str, str]) -> dict[str, Any]:

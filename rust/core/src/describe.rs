@@ -24,6 +24,8 @@ pub struct Description {
     pub producer: Producer,
     /// The device it was exported on, which loading places it on unless told otherwise.
     pub device: String,
+    /// The level its graphs were optimized at when it was written: `"exact"` or `"fast"`.
+    pub optimized: &'static str,
     /// Each method, by name.
     pub methods: BTreeMap<String, MethodDescription>,
     /// Weight tensors and their storages' bytes.
@@ -133,6 +135,7 @@ impl Artifact {
             upgraders: self.upgraders.clone(),
             producer: doc.producer.clone(),
             device: self.home_device().to_owned(),
+            optimized: doc.optimized.name(),
             methods: doc
                 .methods
                 .iter()
@@ -369,5 +372,6 @@ mod tests {
         assert_eq!(d["weights"], serde_json::json!({"tensors": 1, "bytes": 8}));
         assert_eq!(d["extra_files"], serde_json::json!({"notes.txt": 2}));
         assert_eq!(d["needs_upgrade"], false);
+        assert_eq!(d["optimized"], "exact");
     }
 }

@@ -145,6 +145,10 @@ pub struct Document {
     /// Files the user saved alongside, by name.
     #[serde(default, deserialize_with = "unique_map")]
     pub extra_files: BTreeMap<String, ExtraFile>,
+    /// The optimization level the graphs were rewritten at when the file was written
+    /// (`kwexport optimize`, `kwexport.save(..., optimize=...)`); absent for `exact`.
+    #[serde(default, skip_serializing_if = "crate::passes::Level::is_exact")]
+    pub optimized: crate::passes::Level,
 }
 
 /// One callable of a file: its signature, how calls flatten, and its graph.

@@ -170,6 +170,21 @@ fn check_extra_name(name: &str) -> PyResult<()> {
     }
 }
 
+/// Rewrites a header (JSON, at the current format) at an optimization level, as loading at
+/// that level would: returns the new header and the weights to store channels-last (the
+/// writer repacks their data; weights stay plain tensors). For `kwexport optimize` and
+/// `kwexport.save(..., optimize=...)`.
+#[pyfunction]
+fn optimize_header(header: &str, level: &str) -> PyResult<(String, Vec<String>)> {
+    let level = kwexport_core::passes::Level::parse(level)
+        .ok_or_else(|| PyValueError::new_err(format!("optimize must be 'exact' or 'fast', not '{level}'")))?;
+    let mut doc: kwexport_core::schema::Document =
+        serde_json::from_str(header).map_err(|e| Error::Schema { message: e.to_string() }.into_py_err())?;
+    let rewrites = kwexport_core::passes::apply(&mut doc, level, false);
+    let json = serde_json::to_string(&doc).map_err(|e| RtError::Internal(format!("optimize: {e}")))?;
+    Ok((json, rewrites.channels_last))
+}
+
 /// Checks a method name against the format's rule; raises `ArtifactError` if it breaks it.
 #[pyfunction]
 fn check_method_name(name: &str) -> PyResult<()> {
@@ -259,6 +274,7 @@ fn _rt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(_load_method, m)?)?;
     m.add_function(wrap_pyfunction!(check_method_name, m)?)?;
+    m.add_function(wrap_pyfunction!(optimize_header, m)?)?;
     m.add_function(wrap_pyfunction!(describe, m)?)?;
     m.add_function(wrap_pyfunction!(check_extra_name, m)?)?;
     m.add_function(wrap_pyfunction!(container_head, m)?)?;

@@ -141,24 +141,18 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
     let mut parsed = py.detach(|| kwexport_core::parse(&map))?;
     let torch = py.import("torch")?;
     let placement = Placement::new(parsed.document.home_device(), options.device.as_deref());
-    let channels_last = match options.optimize {
-        Level::Exact => Vec::new(),
-        Level::Fast => passes::channels_last::conv_weights(&parsed.document),
-    };
-    // Op upgraders may rewrite nodes, so ops are resolved before the graphs are checked.
+    // The level's passes (dead code at every level, the state written in place, and a
+    // level's own), decided by the core; op upgraders may rewrite nodes after, so ops are
+    // resolved before the graphs are checked.
+    for m in parsed.document.methods.values_mut() {
+        placement.adapt_ops(m);
+    }
+    let rewrites = passes::apply(&mut parsed.document, options.optimize, true);
+    let (channels_last, mut in_place) = (rewrites.channels_last, rewrites.in_place);
     let several = parsed.document.methods.len() > 1;
     let mut resolved = BTreeMap::new();
-    let mut in_place = BTreeMap::new();
     let mut notes = Vec::new();
     for (name, m) in parsed.document.methods.iter_mut() {
-        placement.adapt_ops(m);
-        // Dead code first: the patterns below want each value's real readers.
-        passes::dead_code::apply(m);
-        if options.optimize == Level::Fast {
-            passes::views_as_reshapes::apply(m);
-            passes::rms_norm::apply(m, &parsed.document.weights);
-        }
-        in_place.insert(name.clone(), passes::inplace_state::apply(m));
         let (ops, method_notes) =
             ops::resolve_ops(py, &torch, m, &parsed.document.producer, &options.allow).map_err(in_method(name))?;
         notes.extend(method_notes.into_iter().map(|n| if several { format!("{name}: {n}") } else { n }));
@@ -208,10 +202,12 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
     producer.set_item("torch", &doc.producer.torch)?;
     producer.set_item("python", &doc.producer.python)?;
 
+    let mut options = options.clone();
+    options.optimize = a.document.optimized; // the level applied: the file's own may be higher
     let file = Arc::new(FileParts {
         path: path.to_owned(),
         map,
-        options: options.clone(),
+        options,
         placement,
         types: TensorTypes::new(&torch)?,
         digest: PyOnceLock::new(),

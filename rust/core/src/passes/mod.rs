@@ -17,9 +17,13 @@ pub mod inplace_state;
 pub mod rms_norm;
 pub mod views_as_reshapes;
 
-/// How far a program is optimized at load.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+use crate::schema::Document;
+
+/// How far a program is optimized: at load, or (a file's `optimized` field) when written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Level {
+    #[default]
     /// The graph as exported, run with eager's kernels: bitwise what eager computes.
     Exact,
     /// Faster kernels and layouts, within a stated tolerance of eager (`docs/optimize.md`).
@@ -42,5 +46,86 @@ impl Level {
             Level::Exact => "exact",
             Level::Fast => "fast",
         }
+    }
+
+    /// Whether this is the default level (a file that doesn't say is `exact`).
+    pub fn is_exact(&self) -> bool {
+        *self == Level::Exact
+    }
+}
+
+/// What a level leaves for the runtime to do with torch, per method and for the file.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Rewrites {
+    /// Per method, the weights its graph writes in place (no copy back after a call).
+    pub in_place: std::collections::BTreeMap<String, Vec<String>>,
+    /// The weights to hold channels-last (a no-op for weights a file already holds so).
+    pub channels_last: Vec<String>,
+}
+
+/// Applies `level`'s graph passes (and those of every level) to each method of `doc`; the
+/// level applied is the higher of `level` and the file's own (`doc.optimized`), and becomes
+/// the file's. Passes are idempotent, so a file optimized when written passes through
+/// unchanged. With `in_place`, also decides the state written in place (a runtime choice,
+/// which a file written by `kwexport optimize` leaves to the loader).
+pub fn apply(doc: &mut Document, level: Level, in_place: bool) -> Rewrites {
+    let level = level.max(doc.optimized);
+    doc.optimized = level;
+    let mut rewrites = Rewrites::default();
+    for (name, m) in doc.methods.iter_mut() {
+        // Dead code first: the patterns below want each value's real readers.
+        dead_code::apply(m);
+        if level == Level::Fast {
+            views_as_reshapes::apply(m);
+            rms_norm::apply(m, &doc.weights);
+        }
+        if in_place {
+            rewrites.in_place.insert(name.clone(), inplace_state::apply(m));
+        }
+    }
+    if level == Level::Fast {
+        rewrites.channels_last = channels_last::conv_weights(doc);
+    }
+    rewrites
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// The test file with a metadata assertion added to its graph.
+    fn doc() -> Document {
+        let bytes = crate::artifact::tests::file(|h| {
+            let m = &mut h["methods"]["forward"];
+            m["ops"]
+                .as_array_mut()
+                .unwrap()
+                .push(json!({"name": "aten::_assert_tensor_metadata.default", "schema": null}));
+            m["graph"]["nodes"]
+                .as_array_mut()
+                .unwrap()
+                .push(json!({"op": 1, "args": [{"ref": "y"}], "outputs": {"none": null}}));
+        });
+        crate::parse(&bytes).unwrap().document
+    }
+
+    #[test]
+    fn the_level_applied_is_the_higher_of_the_asked_and_the_files() {
+        let mut d = doc();
+        apply(&mut d, Level::Exact, false);
+        assert_eq!((d.optimized, d.methods["forward"].graph.nodes.len()), (Level::Exact, 1));
+        d.optimized = Level::Fast;
+        apply(&mut d, Level::Exact, false);
+        assert_eq!(d.optimized, Level::Fast);
+        // Idempotent: a file optimized when written passes through unchanged.
+        let before = d.clone();
+        apply(&mut d, Level::Fast, false);
+        assert_eq!(d, before);
+        // The field is written only where it says something.
+        let json = serde_json::to_value(&d).unwrap();
+        assert_eq!(json["optimized"], "fast");
+        d.optimized = Level::Exact;
+        assert!(serde_json::to_value(&d).unwrap().get("optimized").is_none());
     }
 }
