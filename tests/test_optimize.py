@@ -164,3 +164,21 @@ def test_offline_optimized_files_run_fast_with_a_plain_load(tmp_path):
     assert kwexport._cli.optimize(str(saved), str(again))["from"] == "fast"
     with pytest.raises(FileExistsError, match="exists; pass --force"):
         kwexport._cli.optimize(str(saved), str(again))
+
+
+def test_fast_linear_on_few_rows_stays_within_tolerance(tmp_path):
+    """At fast, a linear on a float32 matrix of up to 64 rows runs kwexport's kernel or
+    torch's, whichever measured faster for that many rows; either stays within tolerance,
+    with and without a bias, for 2-D and folded 3-D inputs and past 64 rows."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 200), nn.GELU(), nn.Linear(200, 50, bias=False)).eval()
+    path = tmp_path / "mlp.kwx"
+    kwexport.save(kwexport.export(model, (torch.randn(2, 5, 96),), dynamic=True), path)
+    fast = kwexport.load(path, optimize="fast")
+    for shape in [(1, 1, 96), (2, 5, 96), (3, 3, 96), (1, 100, 96), (1, 7, 96)]:
+        x = torch.randn(*shape)
+        with torch.no_grad():
+            want = model(x)
+        for _ in range(2):  # the first call for a shape measures, the second runs the choice
+            got = fast(x)
+            assert got.shape == want.shape and rel_err(got, want) < 1e-5, shape

@@ -78,7 +78,7 @@ mod tests {
         let mut v = MAGIC.to_vec();
         v.extend((header.len() as u64).to_le_bytes());
         v.extend(header);
-        while v.len() % 64 != 0 {
+        while !v.len().is_multiple_of(64) {
             v.push(0);
         }
         v.extend(data);

@@ -429,37 +429,16 @@ impl CStep {
             let fallback = shim.fallback.as_ref().ok_or_else(|| CError::Internal("no fallback".into()))?;
             return Python::attach(|py| run_fallback(py, abi, fallback, slots)).map_err(CError::Python);
         }
-        let mut out: abi::Raw = std::ptr::null_mut();
-        let d = &shim.scalars;
-        // SAFETY: live handles of the arity the shim's signature takes; scalars as compiled.
-        let status = unsafe {
-            match shim.f {
-                ShimFn::TensorTensorScalar(f) => f(t[0], t[1], d[0], &mut out),
-                ShimFn::TensorScalar(f) => f(t[0], d[0], &mut out),
-                ShimFn::TensorTensor(f) => f(t[0], t[1], &mut out),
-                // linear's addmm has beta = alpha = 1.
-                ShimFn::AddmmOut(f) => match shims.empty_like(t[1]) {
-                    Ok(o) => {
-                        out = o;
-                        let (beta, alpha) = if d.is_empty() { (1.0, 1.0) } else { (d[0], d[1]) };
-                        f(out, t[0], t[1], t[2], beta, alpha)
-                    }
-                    Err(status) => status,
-                },
-                ShimFn::MmOut(f) => match shims.empty_like(t[0]) {
-                    Ok(o) => {
-                        out = o;
-                        f(out, t[0], t[1])
-                    }
-                    Err(status) => status,
-                },
-                ShimFn::RmsNorm => return Err(CError::Internal("rms_norm runs above".into())),
-            }
+        let input = shim.dims.map_or(0, |(i, _)| i);
+        let packed = shim.packed.as_deref().map(|p| (p, consts[p.wt].raw()));
+        let mut result = match packed {
+            // SAFETY: live handles; the packed weight is a const of the plan.
+            Some((p, wt)) => match unsafe { choose_linear(abi, p, &t, input, wt, || torch_kernel(abi, shim, &t)) } {
+                Some(r) => r?,
+                None => torch_kernel(abi, shim, &t)?,
+            },
+            None => torch_kernel(abi, shim, &t)?,
         };
-        // The shim's new tensor (or, for an out= shim, the one made for it) is owned here.
-        let result = (!out.is_null()).then(|| abi.adopt(out as StableIValue));
-        abi.status(status)?;
-        let mut result = result.ok_or_else(|| CError::Internal("a shim returned no tensor".into()))?;
         if let Some((_, leading)) = &folded {
             // SAFETY: the shim's result, a live 2-D tensor.
             let n = unsafe { abi.size(result.raw(), 1) }.ok_or_else(|| CError::Internal("a result's size".into()))?;
@@ -479,6 +458,101 @@ impl CStep {
             slots[s] = None;
         }
         Ok(())
+    }
+}
+
+/// A shim step's torch kernel on its tensors `t`: the new tensor it returns.
+fn torch_kernel(abi: &Abi, shim: &ShimStep, t: &[abi::Raw; 3]) -> Result<abi::Tensor, CError> {
+    let shims = abi.shims.as_ref().ok_or_else(|| CError::Internal("a shim step without shims".into()))?;
+    let mut out: abi::Raw = std::ptr::null_mut();
+    let d = &shim.scalars;
+    // SAFETY: live handles of the arity the shim's signature takes; scalars as compiled.
+    let status = unsafe {
+        match shim.f {
+            ShimFn::TensorTensorScalar(f) => f(t[0], t[1], d[0], &mut out),
+            ShimFn::TensorScalar(f) => f(t[0], d[0], &mut out),
+            ShimFn::TensorTensor(f) => f(t[0], t[1], &mut out),
+            // linear's addmm has beta = alpha = 1.
+            ShimFn::AddmmOut(f) => match shims.empty_like(t[1]) {
+                Ok(o) => {
+                    out = o;
+                    let (beta, alpha) = if d.is_empty() { (1.0, 1.0) } else { (d[0], d[1]) };
+                    f(out, t[0], t[1], t[2], beta, alpha)
+                }
+                Err(status) => status,
+            },
+            ShimFn::MmOut(f) => match shims.empty_like(t[0]) {
+                Ok(o) => {
+                    out = o;
+                    f(out, t[0], t[1])
+                }
+                Err(status) => status,
+            },
+            ShimFn::RmsNorm => return Err(CError::Internal("rms_norm runs in call_shim".into())),
+        }
+    };
+    // The shim's new tensor (or, for an out= shim, the one made for it) is owned here.
+    let result = (!out.is_null()).then(|| abi.adopt(out as StableIValue));
+    abi.status(status)?;
+    result.ok_or_else(|| CError::Internal("a shim returned no tensor".into()))
+}
+
+/// Rows up to which kwexport's linear kernel is a candidate: beyond, torch's GEMM wins.
+const SMALL_ROWS: i64 = 64;
+
+/// At `fast`, a linear on a float32 matrix of few rows: kwexport's kernel or torch's, whichever
+/// measured faster for this number of rows the first time it came (five runs of each,
+/// interleaved; per process). `None` where the kernel can't take the tensors (the caller
+/// runs torch's).
+///
+/// # Safety
+/// `t` and `wt` must be live handles: `t[input]` the linear's input matrix, `t[0]` its bias
+/// where there are three tensors, `wt` the packed weight.
+unsafe fn choose_linear(
+    abi: &Abi,
+    packed: &crate::plan::Packed,
+    t: &[abi::Raw; 3],
+    input: usize,
+    wt: abi::Raw,
+    torch: impl Fn() -> Result<abi::Tensor, CError>,
+) -> Option<Result<abi::Tensor, CError>> {
+    let bias = (input == 1).then_some(t[0]);
+    // SAFETY: live handles (the caller's).
+    let rows = *unsafe { abi.contiguous_sizes(t[input]) }?.first()?;
+    if rows > SMALL_ROWS {
+        return None;
+    }
+    let known = packed.choices.lock().ok()?.iter().find(|(r, _)| *r == rows).map(|(_, ours)| *ours);
+    let ours = || unsafe { abi.linear(t[input], wt, bias) };
+    match known {
+        Some(true) => ours(),
+        Some(false) => None,
+        None => {
+            let time = |f: &dyn Fn() -> Option<Result<abi::Tensor, CError>>| {
+                let start = std::time::Instant::now();
+                f().map(|r| r.map(|_| start.elapsed()))
+            };
+            let (mut best_ours, mut best_torch) = (std::time::Duration::MAX, std::time::Duration::MAX);
+            for _ in 0..5 {
+                best_ours = best_ours.min(match time(&ours)? {
+                    Ok(d) => d,
+                    Err(e) => return Some(Err(e)),
+                });
+                best_torch = best_torch.min(match time(&|| Some(torch())).expect("always Some") {
+                    Ok(d) => d,
+                    Err(e) => return Some(Err(e)),
+                });
+            }
+            let won = best_ours < best_torch;
+            if let Ok(mut c) = packed.choices.lock() {
+                c.push((rows, won));
+            }
+            if won {
+                ours()
+            } else {
+                None
+            }
+        }
     }
 }
 

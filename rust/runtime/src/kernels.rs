@@ -29,9 +29,132 @@ pub fn rms_norm_f32(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+/// `out[m, n] = bias[n] + x[m, k] @ wt[k, n]` for small `m` (a few rows of activations: a
+/// decode step, a small batch), where torch's GEMM spends more on setup than on arithmetic.
+/// `wt` is the weight transposed once at load, contiguous. Returns `false` (writing nothing)
+/// where this CPU lacks AVX-512; the plan measures it against torch's kernel per shape and
+/// keeps the faster (`exec`).
+pub fn linear_f32(x: &[f32], m: usize, k: usize, wt: &[f32], n: usize, bias: Option<&[f32]>, out: &mut [f32]) -> bool {
+    let fits = x.len() >= m * k && wt.len() >= k * n && out.len() >= m * n && bias.is_none_or(|b| b.len() >= n);
+    #[cfg(target_arch = "x86_64")]
+    if fits && std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F is present, and every slice holds what the shapes say (checked).
+        unsafe { avx512::linear(x, m, k, wt, n, bias, out) };
+        return true;
+    }
+    let _ = (fits, x, m, k, wt, n, bias, out);
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// Rows `[0, R)` of `x` (row stride `k`) times columns `[j0, j0 + 16 V)` of `wt` (masked
+    /// past `n`), plus the bias, into `out` (row stride `n`): `R * V` accumulators held in
+    /// registers across the whole `k` loop, each weight vector loaded once per `k`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile<const R: usize, const V: usize>(
+        x: *const f32,
+        k: usize,
+        wt: *const f32,
+        n: usize,
+        bias: *const f32,
+        out: *mut f32,
+        j0: usize,
+    ) {
+        let mut masks = [0u16; V];
+        for (v, mask) in masks.iter_mut().enumerate() {
+            let left = n.saturating_sub(j0 + v * 16).min(16);
+            *mask = ((1u32 << left) - 1) as u16;
+        }
+        // SAFETY (all below): the caller guarantees R rows of `x`, `k` rows of `wt` and R rows
+        // of `out` of their strides; masked lanes past `n` are neither read nor written.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); V]; R];
+            if !bias.is_null() {
+                for v in 0..V {
+                    let b = _mm512_maskz_loadu_ps(masks[v], bias.add(j0 + v * 16));
+                    acc.iter_mut().for_each(|row| row[v] = b);
+                }
+            }
+            for kk in 0..k {
+                let mut w = [_mm512_setzero_ps(); V];
+                for v in 0..V {
+                    w[v] = _mm512_maskz_loadu_ps(masks[v], wt.add(kk * n + j0 + v * 16));
+                }
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let a = _mm512_set1_ps(*x.add(r * k + kk));
+                    for v in 0..V {
+                        row[v] = _mm512_fmadd_ps(a, w[v], row[v]);
+                    }
+                }
+            }
+            for (r, row) in acc.iter().enumerate() {
+                for v in 0..V {
+                    _mm512_mask_storeu_ps(out.add(r * n + j0 + v * 16), masks[v], row[v]);
+                }
+            }
+        }
+    }
+
+    /// See `super::linear_f32`.
+    ///
+    /// # Safety
+    /// AVX-512F must be present; the slices must hold `m * k`, `k * n`, `n` and `m * n`
+    /// elements.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn linear(x: &[f32], m: usize, k: usize, wt: &[f32], n: usize, bias: Option<&[f32]>, out: &mut [f32]) {
+        let b = bias.map_or(std::ptr::null(), |b| b.as_ptr());
+        let (xp, wp, op) = (x.as_ptr(), wt.as_ptr(), out.as_mut_ptr());
+        let mut i = 0;
+        while i < m {
+            let rows = (m - i).min(4);
+            let mut j = 0;
+            while j < n {
+                // SAFETY: rows [i, i + rows) and columns from j exist (see the caller).
+                unsafe {
+                    let (xr, orow) = (xp.add(i * k), op.add(i * n));
+                    match rows {
+                        4 => tile::<4, 4>(xr, k, wp, n, b, orow, j),
+                        3 => tile::<3, 4>(xr, k, wp, n, b, orow, j),
+                        2 => tile::<2, 4>(xr, k, wp, n, b, orow, j),
+                        _ => tile::<1, 4>(xr, k, wp, n, b, orow, j),
+                    }
+                }
+                j += 64;
+            }
+            i += rows;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn linear_matches_a_double_precision_reference() {
+        for (m, k, n) in [(1, 64, 128), (3, 100, 70), (4, 256, 256), (9, 17, 5), (2, 1, 1)] {
+            let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.01).sin()).collect();
+            let wt: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.013).cos()).collect();
+            let b: Vec<f32> = (0..n).map(|i| i as f32 * 0.001).collect();
+            for bias in [Some(&b[..]), None] {
+                let mut out = vec![f32::NAN; m * n];
+                if !linear_f32(&x, m, k, &wt, n, bias, &mut out) {
+                    return; // no AVX-512 here: the plan keeps torch's kernel
+                }
+                for r in 0..m {
+                    for j in 0..n {
+                        let dot: f64 = (0..k).map(|kk| x[r * k + kk] as f64 * wt[kk * n + j] as f64).sum();
+                        let want = dot + bias.map_or(0.0, |b| b[j] as f64);
+                        assert!((out[r * n + j] as f64 - want).abs() < 1e-5 * (k as f64).sqrt(), "{m}x{k}x{n} {r} {j}");
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn rms_norm_normalizes_each_row() {

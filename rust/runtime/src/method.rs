@@ -114,7 +114,8 @@ impl Method {
         let leaf_is_tensor: Vec<bool> = doc.inputs.leaves.iter().map(|l| matches!(l, LeafSpec::Tensor(_))).collect();
         let on_cpu = file.placement.target == "cpu";
         let dispatch = file.options.dispatch;
-        let cx = plan::Context { torch, ops: &ops, weights, subgraphs: &a.subgraphs, dispatch, on_cpu };
+        let fast = file.options.optimize == kwexport_core::passes::Level::Fast;
+        let cx = plan::Context { torch, ops: &ops, weights, subgraphs: &a.subgraphs, dispatch, on_cpu, fast };
         // Constants made while planning (weights' transposes, cast numbers) are plain tensors:
         // made with grad mode on, a transpose of a weight that requires grad records a view
         // node, which costs more than the view.

@@ -48,6 +48,8 @@ pub trait Consts {
     fn number(&mut self, lit: &Arg) -> Option<usize>;
     /// The index of weight `name`'s transpose (`weight.t()`), if it is a matrix.
     fn weight_t(&mut self, name: &str) -> Option<usize>;
+    /// The index of `weight.t().contiguous()`, a copy made once, for a float32 matrix.
+    fn weight_t_packed(&mut self, name: &str) -> Option<usize>;
     /// The index of the wrapped number `wrapped` (an index `number` gave) cast to `dtype`
     /// as torch's type promotion casts it.
     fn number_cast(&mut self, wrapped: usize, dtype: &str) -> Option<usize>;

@@ -228,6 +228,23 @@ impl Consts for ConstTable<'_, '_> {
         Some(i)
     }
 
+    fn weight_t_packed(&mut self, name: &str) -> Option<usize> {
+        let key = format!("{name}\u{0}t packed");
+        if let Some(&i) = self.weight_index.get(&key) {
+            return Some(i);
+        }
+        let w = self.weights.get(name)?.bind(self.py);
+        let is_f32_matrix = w.getattr("dim").ok()?.call0().ok()?.extract::<i64>().ok()? == 2
+            && w.getattr("dtype").ok()?.eq(self.torch.getattr("float32").ok()?).ok()?;
+        if !is_f32_matrix {
+            return None;
+        }
+        let packed = w.call_method0("detach").ok()?.call_method0("t").ok()?.call_method0("contiguous").ok()?;
+        let i = self.push(Const::Py(packed.unbind()));
+        self.weight_index.insert(key, i);
+        Some(i)
+    }
+
     fn number_cast(&mut self, wrapped: usize, dtype: &str) -> Option<usize> {
         let n = self.numbers.iter().position(|n| n.const_index == Some(wrapped))?;
         if let Some((_, at)) = self.numbers[n].casts.iter().find(|(d, _)| d == dtype) {

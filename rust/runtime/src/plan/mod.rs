@@ -146,8 +146,20 @@ pub struct ShimStep {
     /// Whether that tensor may have more dimensions where it is contiguous: it is folded to
     /// a matrix and the result unfolded, as `at::linear` does (`Abi::fold_leading`).
     pub(crate) fold: bool,
+    /// At `fast`, a linear's weight transposed and contiguous for kwexport's small-batch
+    /// kernel, and which kernel won for each number of rows seen.
+    pub(crate) packed: Option<Box<Packed>>,
     /// The node through its Python op, for calls the shim can't take (integer tensors).
     pub(crate) fallback: Option<PyStep>,
+}
+
+/// A linear's weight for kwexport's kernel (`kernels::linear_f32`), and the kernel measured
+/// fastest for each number of input rows seen, per process.
+pub struct Packed {
+    /// The const index of `weight.t().contiguous()`.
+    pub(crate) wt: usize,
+    /// `(rows, kwexport's kernel won)`.
+    pub(crate) choices: std::sync::Mutex<Vec<(i64, bool)>>,
 }
 
 /// Why a node runs on the Python path, as `Program.dispatch` reports it.
@@ -280,6 +292,9 @@ pub struct Context<'a, 'py> {
     /// Whether the program runs on the CPU: the shims that call CPU kernels directly are
     /// compiled only then.
     pub on_cpu: bool,
+    /// `optimize="fast"`: kernels may differ from eager's within the level's tolerance
+    /// (kwexport's own small-batch linear, chosen by measuring).
+    pub fast: bool,
 }
 
 /// Runs `f` with torch's grad mode set to `enabled`, then restores it (also when `f` fails).
@@ -331,13 +346,17 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
             (_, None, ..) => Err(Why::NoAbi),
             (_, Some(abi), Some(schema), None) => match schema.bind(node) {
                 None => Err(Why::Default),
-                Some(bound) => match shims::compile(abi, schema, node, &bound, &is_tensor, &mut consts, cx.on_cpu) {
-                    Some(step) => Ok(step),
-                    None => match CStep::compile(abi, schema, node, &bound, &is_tensor, &mut consts) {
-                        Ok(step) => Ok(step),
-                        Err(why) => consts.folded_factory(node, op, i)?.map(|c| CStep::clone_of(c, node)).ok_or(why),
-                    },
-                },
+                Some(bound) => {
+                    match shims::compile(abi, schema, node, &bound, &is_tensor, &mut consts, cx.on_cpu, cx.fast) {
+                        Some(step) => Ok(step),
+                        None => match CStep::compile(abi, schema, node, &bound, &is_tensor, &mut consts) {
+                            Ok(step) => Ok(step),
+                            Err(why) => {
+                                consts.folded_factory(node, op, i)?.map(|c| CStep::clone_of(c, node)).ok_or(why)
+                            }
+                        },
+                    }
+                }
             },
         };
         c_steps.push(step);

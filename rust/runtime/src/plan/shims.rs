@@ -52,12 +52,15 @@ struct ShimUse {
     dims: Option<(usize, i64)>,
     /// Whether that tensor may have more dimensions, contiguous, folded into a matrix.
     fold: bool,
+    /// At `fast`, schema argument `i`'s weight packed for kwexport's linear kernel.
+    packed: Option<usize>,
 }
 
 /// The C step for a node that a shim or a rewrite covers, if one does. Off the CPU
 /// (`on_cpu` false) only the shims that dispatch are used: `add.Tensor` becomes
 /// `subtract.Tensor` with the opposite `alpha`, which is how torch computes a subtraction
 /// (the same kernel, `a + alpha * b`), so the bits are the same.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn compile(
     abi: &Abi,
     op: &OpSchema,
@@ -66,6 +69,7 @@ pub(super) fn compile(
     is_tensor: &dyn Fn(usize) -> bool,
     consts: &mut dyn Consts,
     on_cpu: bool,
+    fast: bool,
 ) -> Option<CStep> {
     let name = (op.c_name.0.to_str().ok()?, op.c_name.1.to_str().ok()?);
     if name.1 == "Scalar" && WRAPPING_COMPARISONS.contains(&name.0) && bound.len() == 2 {
@@ -85,6 +89,7 @@ pub(super) fn compile(
         autocast,
         dims: None,
         fold: false,
+        packed: None,
     };
     let bias_given = matches!(bound.get(2), Some(a) if !matches!(a, SlotArg::Literal(Arg::None(()))));
     let aten = |f, tensors, scalars| ShimUse { family: Family::Aten, ..cpu(f, tensors, scalars, false, false) };
@@ -128,12 +133,14 @@ pub(super) fn compile(
             tensors: vec![Operand::Arg(2), Operand::Arg(0), Operand::WeightT(1)],
             dims: Some((1, 2)),
             fold: true,
+            packed: fast.then_some(1),
             ..cpu(shims.addmm_out, &[], &[], false, true)
         },
         ("aten::linear", "") => ShimUse {
             tensors: vec![Operand::Arg(0), Operand::WeightT(1)],
             dims: Some((0, 2)),
             fold: true,
+            packed: fast.then_some(1),
             ..cpu(shims.mm_out, &[], &[], false, true)
         },
         _ => return None,
@@ -173,6 +180,12 @@ fn shim_step(
         return None;
     }
     let scalars = uses.scalars.iter().map(|&i| exact_double(bound.get(i)?)).collect::<Option<Vec<_>>>()?;
+    let packed = match uses.packed.map(|i| bound.get(i)) {
+        Some(Some(SlotArg::Value(ValueRef::Weight(w)))) => consts
+            .weight_t_packed(w)
+            .map(|wt| Box::new(super::Packed { wt, choices: std::sync::Mutex::new(Vec::new()) })),
+        _ => None,
+    };
     Some(CStep {
         name: op.c_name.clone(),
         args,
@@ -188,6 +201,7 @@ fn shim_step(
             autocast: uses.autocast,
             dims: uses.dims,
             fold: uses.fold,
+            packed,
             fallback: None,
         })),
         node: 0,
