@@ -171,7 +171,16 @@ def test_fast_linear_on_few_rows_stays_within_tolerance(tmp_path):
     torch's, whichever measured faster for that many rows; either stays within tolerance,
     with and without a bias, for 2-D and folded 3-D inputs and past 64 rows."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(96, 200), nn.GELU(), nn.Linear(200, 50, bias=False)).eval()
+
+    class Conv1D(nn.Module):  # GPT-2's: addmm with a [k, n] weight
+        def __init__(self, k, n):
+            super().__init__()
+            self.weight, self.bias = nn.Parameter(torch.randn(k, n) * 0.1), nn.Parameter(torch.randn(n))
+
+        def forward(self, x):
+            return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).reshape(*x.shape[:-1], -1)
+
+    model = nn.Sequential(nn.Linear(96, 200), nn.GELU(), nn.Linear(200, 50, bias=False), Conv1D(50, 30)).eval()
     path = tmp_path / "mlp.kwx"
     kwexport.save(kwexport.export(model, (torch.randn(2, 5, 96),), dynamic=True), path)
     fast = kwexport.load(path, optimize="fast")

@@ -429,11 +429,10 @@ impl CStep {
             let fallback = shim.fallback.as_ref().ok_or_else(|| CError::Internal("no fallback".into()))?;
             return Python::attach(|py| run_fallback(py, abi, fallback, slots)).map_err(CError::Python);
         }
-        let input = shim.dims.map_or(0, |(i, _)| i);
         let packed = shim.packed.as_deref().map(|p| (p, consts[p.wt].raw()));
         let mut result = match packed {
             // SAFETY: live handles; the packed weight is a const of the plan.
-            Some((p, wt)) => match unsafe { choose_linear(abi, p, &t, input, wt, || torch_kernel(abi, shim, &t)) } {
+            Some((p, wt)) => match unsafe { choose_linear(abi, p, &t, p.input, wt, || torch_kernel(abi, shim, &t)) } {
                 Some(r) => r?,
                 None => torch_kernel(abi, shim, &t)?,
             },

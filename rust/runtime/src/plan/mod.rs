@@ -156,8 +156,11 @@ pub struct ShimStep {
 /// A linear's weight for kwexport's kernel (`kernels::linear_f32`), and the kernel measured
 /// fastest for each number of input rows seen, per process.
 pub struct Packed {
-    /// The const index of `weight.t().contiguous()`.
+    /// The const index of the weight as `[k, n]`: `weight.t().contiguous()` for a linear, the
+    /// weight itself for an `addmm`'s second matrix (the kernel checks it is contiguous).
     pub(crate) wt: usize,
+    /// Which of the step's tensors is the input matrix (a bias, if any, is tensor 0 before it).
+    pub(crate) input: usize,
     /// `(rows, kwexport's kernel won)`.
     pub(crate) choices: std::sync::Mutex<Vec<(i64, bool)>>,
 }

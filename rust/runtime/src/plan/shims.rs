@@ -52,8 +52,18 @@ struct ShimUse {
     dims: Option<(usize, i64)>,
     /// Whether that tensor may have more dimensions, contiguous, folded into a matrix.
     fold: bool,
-    /// At `fast`, schema argument `i`'s weight packed for kwexport's linear kernel.
-    packed: Option<usize>,
+    /// At `fast`, the weight to pack for kwexport's linear kernel.
+    packed: Option<Pack>,
+}
+
+/// Which schema argument is the weight of kwexport's linear kernel, which shim tensor is its
+/// input, and whether the weight is `[n, k]` (linear's: transposed once at load) or already
+/// `[k, n]` (addmm's second matrix).
+#[derive(Clone, Copy)]
+struct Pack {
+    arg: usize,
+    input: usize,
+    transpose: bool,
 }
 
 /// The C step for a node that a shim or a rewrite covers, if one does. Off the CPU
@@ -113,7 +123,13 @@ pub(super) fn compile(
             ShimUse { family: Family::Aten, ..cpu(shims.subtract_tensor, &[0, 1], &[2], false, false) }
         }
         ("aten::pow", "Tensor_Scalar") => cpu(shims.pow_tensor_scalar, &[0], &[1], false, true),
-        ("aten::addmm", "") => cpu(shims.addmm_out, &[0, 1, 2], &[3, 4], false, true),
+        // `addmm(bias, x, W)` with a `[k, n]` weight (GPT-2's Conv1D) is the linear kernel's
+        // layout already; at `fast`, with beta = alpha = 1, it is a candidate too.
+        ("aten::addmm", "") => ShimUse {
+            packed: (fast && [3, 4].iter().all(|&i| bound.get(i).is_none_or(|a| exact_double(a) == Some(1.0))))
+                .then_some(Pack { arg: 2, input: 1, transpose: false }),
+            ..cpu(shims.addmm_out, &[0, 1, 2], &[3, 4], false, true)
+        },
         ("aten::mul", "Tensor") => cpu(shims.mul_tensor, &[0, 1], &[], false, false),
         // Only `optimize="fast"` makes this node (`passes::rms_norm`): kwexport's kernel, over
         // the last dimension, whose size rides along as a second scalar.
@@ -133,14 +149,14 @@ pub(super) fn compile(
             tensors: vec![Operand::Arg(2), Operand::Arg(0), Operand::WeightT(1)],
             dims: Some((1, 2)),
             fold: true,
-            packed: fast.then_some(1),
+            packed: fast.then_some(Pack { arg: 1, input: 1, transpose: true }),
             ..cpu(shims.addmm_out, &[], &[], false, true)
         },
         ("aten::linear", "") => ShimUse {
             tensors: vec![Operand::Arg(0), Operand::WeightT(1)],
             dims: Some((0, 2)),
             fold: true,
-            packed: fast.then_some(1),
+            packed: fast.then_some(Pack { arg: 1, input: 0, transpose: true }),
             ..cpu(shims.mm_out, &[], &[], false, true)
         },
         _ => return None,
@@ -180,10 +196,11 @@ fn shim_step(
         return None;
     }
     let scalars = uses.scalars.iter().map(|&i| exact_double(bound.get(i)?)).collect::<Option<Vec<_>>>()?;
-    let packed = match uses.packed.map(|i| bound.get(i)) {
-        Some(Some(SlotArg::Value(ValueRef::Weight(w)))) => consts
-            .weight_t_packed(w)
-            .map(|wt| Box::new(super::Packed { wt, choices: std::sync::Mutex::new(Vec::new()) })),
+    let packed = match uses.packed.map(|p| (p, bound.get(p.arg))) {
+        Some((p, Some(SlotArg::Value(ValueRef::Weight(w))))) => {
+            let wt = if p.transpose { consts.weight_t_packed(w) } else { Some(consts.weight(w)) };
+            wt.map(|wt| Box::new(super::Packed { wt, input: p.input, choices: std::sync::Mutex::new(Vec::new()) }))
+        }
         _ => None,
     };
     Some(CStep {
