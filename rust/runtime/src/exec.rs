@@ -521,7 +521,7 @@ unsafe fn choose_linear(
     if rows > SMALL_ROWS {
         return None;
     }
-    let known = packed.choices.lock().ok()?.iter().find(|(r, _)| *r == rows).map(|(_, ours)| *ours);
+    let known = packed.choice(rows);
     let ours = || unsafe { abi.linear(t[input], wt, bias) };
     match known {
         Some(true) => ours(),
@@ -543,10 +543,7 @@ unsafe fn choose_linear(
                 });
             }
             let won = best_ours < best_torch;
-            if let Ok(mut c) = packed.choices.lock() {
-                c.push((rows, won));
-            }
-            if won {
+            if packed.record(rows, won) && won {
                 ours()
             } else {
                 None

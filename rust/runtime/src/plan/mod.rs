@@ -161,8 +161,29 @@ pub struct Packed {
     pub(crate) wt: usize,
     /// Which of the step's tensors is the input matrix (a bias, if any, is tensor 0 before it).
     pub(crate) input: usize,
-    /// `(rows, kwexport's kernel won)`.
-    pub(crate) choices: std::sync::Mutex<Vec<(i64, bool)>>,
+    /// Choices made, each `rows * 2 + (1 if kwexport's kernel won)`, or -1 for a free slot:
+    /// atomics read with plain loads, so threads calling one program share them without
+    /// contending (a lock here would bounce between cores on every node).
+    pub(crate) choices: [std::sync::atomic::AtomicI64; 8],
+}
+
+impl Packed {
+    pub(crate) fn new(wt: usize, input: usize) -> Self {
+        Packed { wt, input, choices: std::array::from_fn(|_| std::sync::atomic::AtomicI64::new(-1)) }
+    }
+
+    /// The choice made for `rows`, if one was.
+    pub(crate) fn choice(&self, rows: i64) -> Option<bool> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.choices.iter().map(|c| c.load(Relaxed)).find(|&c| c >= 0 && c / 2 == rows).map(|c| c % 2 == 1)
+    }
+
+    /// Records a choice; returns false where every slot is taken (the caller keeps torch's).
+    pub(crate) fn record(&self, rows: i64, ours: bool) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let code = rows * 2 + ours as i64;
+        self.choices.iter().any(|c| c.compare_exchange(-1, code, Relaxed, Relaxed).is_ok() || c.load(Relaxed) == code)
+    }
 }
 
 /// Why a node runs on the Python path, as `Program.dispatch` reports it.

@@ -199,7 +199,7 @@ fn shim_step(
     let packed = match uses.packed.map(|p| (p, bound.get(p.arg))) {
         Some((p, Some(SlotArg::Value(ValueRef::Weight(w))))) => {
             let wt = if p.transpose { consts.weight_t_packed(w) } else { Some(consts.weight(w)) };
-            wt.map(|wt| Box::new(super::Packed { wt, input: p.input, choices: std::sync::Mutex::new(Vec::new()) }))
+            wt.map(|wt| Box::new(super::Packed::new(wt, p.input)))
         }
         _ => None,
     };
