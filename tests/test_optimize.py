@@ -2,6 +2,8 @@
 tolerance docs/optimize.md states (convolution weights held channels-last)."""
 
 import json
+import os
+import pathlib
 import pickle
 
 import pytest
@@ -191,3 +193,37 @@ def test_fast_linear_on_few_rows_stays_within_tolerance(tmp_path):
         for _ in range(2):  # the first call for a shape measures, the second runs the choice
             got = fast(x)
             assert got.shape == want.shape and rel_err(got, want) < 1e-5, shape
+
+
+def test_both_linear_kernels_run_in_place_of_each_other(tmp_path):
+    """KWEXPORT_LINEAR_KERNEL forces the choice fast measures: torch's kernel gives eager's
+    bits, kwexport's differs by rounding only (on a CPU without AVX-512, torch's runs)."""
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32, bias=False)).eval()
+    x = torch.randn(3, 64)
+    path = tmp_path / "mlp.kwx"
+    kwexport.save(kwexport.export(model, (x,)), path)
+    torch.save(x, tmp_path / "x.pt")
+    script = (
+        "import sys, torch, kwexport\n"
+        f"x = torch.load({str(tmp_path / 'x.pt')!r})\n"
+        f"out = kwexport.load({str(path)!r}, optimize='fast')(x)\n"
+        "torch.save(out, sys.argv[1])\n"
+    )
+    outs = {}
+    for kernel in ("torch", "kwexport"):
+        env = dict(os.environ, KWEXPORT_LINEAR_KERNEL=kernel)
+        dst = tmp_path / f"{kernel}.pt"
+        r = subprocess.run([sys.executable, "-c", script, str(dst)], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        outs[kernel] = torch.load(dst)
+    with torch.no_grad():
+        want = model(x)
+    assert torch.equal(outs["torch"], want)
+    assert rel_err(outs["kwexport"], want) < 1e-6
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    if cpuinfo.exists() and "avx512f" in cpuinfo.read_text():
+        assert not torch.equal(outs["kwexport"], want)  # it did run: other rounding
