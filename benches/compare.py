@@ -315,7 +315,7 @@ def bench_decode(tmp, quick):
         "cold_kw": cold("kwexport", kw_path, repeats),
         "cold_te": cold("torch.export", te_path, repeats),
     }
-    row["nodes"] = json.loads(row["nodes"])["nodes"]
+    row["nodes"] = json.loads(row["nodes"])["methods"]["forward"]["nodes"]
     runtimes = {
         "eager": wrapper.model,
         "kwexport": kwexport.load(kw_path),
