@@ -80,7 +80,8 @@ def test_bench_reports_on_inputs_made_from_the_file(path):
     for e in r["levels"].values():
         assert e["load_ms"] > 0 and e["first_call_ms"] > 0 and e["call_us"] > 0
         assert set(e["calls_per_s"]) == {"1", "2"} and e["scaling"] > 0
-        assert e["top_ops"][0]["op"] in ("aten::linear.default [c]", "aten::linear.default [python]")
+        ops = {o["op"] for o in e["top_ops"]}
+        assert ops & {"aten::linear.default [c]", "aten::linear.default [python]"}, ops
         assert abs(sum(o["share"] for o in e["top_ops"]) - 1) < 1e-6
     text = run_cli("bench", path, "--shape", "x=2x8", "--shape", "mask=2x4", "--seconds", "0.1").stdout
     assert "inputs:       x=[2, 8], mask=[2, 4]" in text

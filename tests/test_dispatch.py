@@ -440,3 +440,33 @@ def test_linear_on_batched_inputs_runs_folded_with_eagers_bits(tmp_path, bias):
         if mode != "python":
             # Two folded inputs through the shim; the transposed one through at::linear.
             assert names.count("aten::linear") == 1, (mode, names)
+
+
+def test_views_made_without_the_dispatcher_match_eager(tmp_path):
+    """unsqueeze, transpose, slice, select, expand, view, permute and alias are made in Rust
+    on calls without autograd: the same values and shapes as eager, errors still torch's, and
+    autograd still flows where an input requires grad."""
+
+    def f(x, i: int):
+        a = x.unsqueeze(1).transpose(0, -1)  # [4, 1, 3]
+        b = x[:, 1::2].expand(2, 3, 2)
+        c = x.select(0, i).view(2, 2).permute(1, 0)
+        d = x.reshape(-1)[2:-3].view(-1, 7)
+        return a * 2, b + 1, c.sum(), d, torch.ops.aten.alias(x)
+
+    from torch.profiler import profile
+
+    x = torch.randn(3, 4)
+    progs = load_all(tmp_path, f, (x, 1))
+    for mode, prog in progs.items():
+        with profile() as p:
+            got = prog(x, 1)
+        if mode != "python":  # no view went through the dispatcher
+            ran = {e.name for e in p.events()}
+            assert not ran & {"aten::unsqueeze", "aten::transpose", "aten::expand", "aten::permute"}, ran
+        want = f(x, 1)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.stride() == w.stride() and torch.equal(g, w), mode
+        xg = x.clone().requires_grad_()
+        prog(xg, 1)[0].sum().backward()
+        assert torch.equal(xg.grad, torch.full_like(x, 2.0)), mode

@@ -16,6 +16,7 @@ use crate::abi::shims::{Family, ShimFn};
 use crate::abi::{self, Abi, CError, StableIValue, Ty};
 use crate::errors::{RtError, RtResult};
 use crate::plan::{CStep, HopStep, Plan, PyArg, PyOp, PyStep, Segment, ShimStep};
+use crate::views::{self, ViewArg, ViewKind};
 
 /// What a call allows of shims that skip the dispatcher (see `Plan::direct_kernels_apply`).
 #[derive(Clone, Copy)]
@@ -317,6 +318,17 @@ impl CStep {
         if let Some(shim) = &self.shim {
             return self.call_shim(abi, shim, slots, consts, direct);
         }
+        if let (Some(kind), true) = (self.view, direct.no_autograd) {
+            if let Some(view) = self.view_of(abi, kind, slots)? {
+                if let SlotOutputs::One(Some(s)) = &self.outputs {
+                    slots[*s] = Some(Native::Tensor(view));
+                }
+                for &s in &self.free {
+                    slots[s] = None;
+                }
+                return Ok(());
+            }
+        }
         stack.clear();
         for (ty, enc) in &self.args {
             match build(abi, ty, enc, slots, consts) {
@@ -365,6 +377,47 @@ impl CStep {
 }
 
 impl CStep {
+    /// The view this node makes of its input, computed here (`views.rs`); `None` where
+    /// torch's op should decide.
+    fn view_of(&self, abi: &Abi, kind: ViewKind, slots: &[Option<Native>]) -> Result<Option<abi::Tensor>, CError> {
+        let Some((_, Enc::Slot(input))) = self.args.first() else { return Ok(None) };
+        let Some(Native::Tensor(x)) = &slots[*input] else { return Ok(None) };
+        if !abi.can_reinterpret() {
+            return Ok(None);
+        }
+        fn read(ty: &Ty, enc: &Enc, slots: &[Option<Native>]) -> Option<ViewArg> {
+            Some(match (ty, enc) {
+                (Ty::Optional(_), Enc::Bits(0)) => ViewArg::None,
+                (Ty::Optional(inner), Enc::Some(e)) => read(inner, e, slots)?,
+                (Ty::Int, Enc::Bits(b)) => ViewArg::Int(*b as i64),
+                (Ty::Bool, Enc::Bits(b)) => ViewArg::Bool(*b != 0),
+                (Ty::Int, Enc::Slot(s)) => match &slots[*s] {
+                    Some(Native::Int(i)) => ViewArg::Int(*i),
+                    _ => return None,
+                },
+                (Ty::List(inner), Enc::List(items)) if **inner == Ty::Int => ViewArg::Ints(
+                    items
+                        .iter()
+                        .map(|i| match read(inner, i, slots)? {
+                            ViewArg::Int(v) => Some(v),
+                            _ => None,
+                        })
+                        .collect::<Option<_>>()?,
+                ),
+                _ => return None,
+            })
+        }
+        let Some(args) = self.args[1..].iter().map(|(ty, enc)| read(ty, enc, slots)).collect::<Option<Vec<_>>>() else {
+            return Ok(None);
+        };
+        // SAFETY: a live handle from a slot.
+        let Some((sizes, strides)) = (unsafe { abi.sizes_strides(x.raw()) }) else { return Ok(None) };
+        match views::geometry(kind, &sizes, &strides, &args) {
+            Some(g) => abi.reinterpret(x, &g.sizes, &g.strides, g.offset).map(Some),
+            None => Ok(None),
+        }
+    }
+
     /// Runs a node through its shim, or its Python op where the shim can't take the tensors.
     fn call_shim(
         &self,

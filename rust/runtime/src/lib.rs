@@ -35,6 +35,7 @@ pub mod ops;
 pub mod plan;
 pub mod program;
 pub mod tree;
+pub mod views;
 pub mod weights;
 
 use kwexport_core::tables;

@@ -483,6 +483,27 @@ impl Abi {
         self.reinterpret(t, &sizes, &strides, 0)
     }
 
+    /// A tensor's sizes and strides (`None` where the running torch lacks the queries).
+    ///
+    /// # Safety
+    /// `t` must be a live handle.
+    pub unsafe fn sizes_strides(&self, t: Raw) -> Option<(Vec<i64>, Vec<i64>)> {
+        let (g, shims) = (self.geometry.as_ref()?, self.shims.as_ref()?);
+        let n = usize::try_from(unsafe { shims.dim(t) }?).ok()?;
+        if n == 0 {
+            return Some((Vec::new(), Vec::new()));
+        }
+        let (mut sizes, mut strides) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: a live handle and out-pointers; the arrays are borrowed from the tensor and
+        // have `n` elements.
+        unsafe {
+            if (g.sizes)(t, &mut sizes) != 0 || (g.strides)(t, &mut strides) != 0 {
+                return None;
+            }
+            Some((std::slice::from_raw_parts(sizes, n).to_vec(), std::slice::from_raw_parts(strides, n).to_vec()))
+        }
+    }
+
     /// A contiguous tensor's sizes (`None` where it isn't contiguous, or the running torch
     /// lacks the queries).
     ///

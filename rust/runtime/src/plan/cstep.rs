@@ -41,6 +41,10 @@ impl CStep {
                 .ok_or_else(|| Why::ArgValue(param.name.clone(), param.type_name.clone()))?;
             args.push((ty, enc));
         }
+        let view = match (op.c_name.0.to_str(), op.c_name.1.to_str(), args.first()) {
+            (Ok(name), Ok(overload), Some((Ty::Tensor, Enc::Slot(_)))) => crate::views::ViewKind::of(name, overload),
+            _ => None,
+        };
         Ok(CStep {
             name: op.c_name.clone(),
             args,
@@ -48,6 +52,7 @@ impl CStep {
             outputs: node.outputs.clone(),
             free: node.free.clone(),
             shim: None,
+            view,
             node: 0,
         })
     }
@@ -62,6 +67,7 @@ impl CStep {
             outputs: node.outputs.clone(),
             free: node.free.clone(),
             shim: None,
+            view: None,
             node: 0,
         }
     }

@@ -125,6 +125,9 @@ pub struct CStep {
     pub(crate) free: Vec<usize>,
     /// Set where the node runs through a per-op shim rather than the dispatcher.
     pub(crate) shim: Option<Box<ShimStep>>,
+    /// Set where the node is a view of a tensor slot that kwexport can compute
+    /// (`views.rs`): made without the dispatcher on calls with no autograd to record.
+    pub(crate) view: Option<crate::views::ViewKind>,
     /// The node's index in its graph, for errors.
     pub(crate) node: usize,
 }
@@ -433,7 +436,9 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
             matches!(c, Compiled::C(CStep { shim: Some(s), .. }) if s.family == Family::Cpu && (s.autocast || !autocast))
         })
     };
-    let has_direct_shims = direct(false);
+    // Views made without the dispatcher need the same check of autograd as direct shims.
+    let has_direct_shims =
+        direct(false) || compiled.iter().any(|c| matches!(c, Compiled::C(CStep { view: Some(_), .. })));
     let autocast_probe = direct(true).then(|| cx.torch.getattr("is_autocast_enabled")).transpose()?.map(Bound::unbind);
     let (segments, outputs_to_py) = segments::segment(graph, compiled);
     Ok(Plan {

@@ -221,6 +221,7 @@ fn shim_step(
             packed,
             fallback: None,
         })),
+        view: None,
         node: 0,
     })
 }
@@ -248,6 +249,7 @@ fn wrapped_overload(
         outputs: node.outputs.clone(),
         free: node.free.clone(),
         shim: None,
+        view: None,
         node: 0,
     })
 }

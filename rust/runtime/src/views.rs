@@ -1,0 +1,238 @@
+//! View ops computed in Rust. A view is new sizes, strides and offset over its input's
+//! memory; torch's dispatcher spends about a microsecond per view node on argument boxing and
+//! lookup, where the geometry is a few integer operations. On calls with no autograd to
+//! record, the run loop makes the view with `_reinterpret_tensor` over the input (the same
+//! memory, so the same values at every level), and calls the op where anything is unusual
+//! (an index out of range, a non-contiguous `view`): then torch raises or decides as ever.
+
+/// A view op kwexport computes, by its schema's name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ViewKind {
+    /// `unsqueeze(self, dim)`
+    Unsqueeze,
+    /// `transpose.int(self, dim0, dim1)`
+    Transpose,
+    /// `slice.Tensor(self, dim=0, start=None, end=None, step=1)`
+    Slice,
+    /// `select.int(self, dim, index)`
+    Select,
+    /// `expand(self, size, *, implicit=False)`
+    Expand,
+    /// `view(self, size)`, `_unsafe_view(self, size)`: on contiguous inputs only.
+    View,
+    /// `permute(self, dims)`
+    Permute,
+    /// `alias(self)`
+    Alias,
+}
+
+impl ViewKind {
+    /// The kind for an op's name and overload, as the dispatcher spells them.
+    pub fn of(name: &str, overload: &str) -> Option<ViewKind> {
+        Some(match (name, overload) {
+            ("aten::unsqueeze", "") => ViewKind::Unsqueeze,
+            ("aten::transpose", "int") => ViewKind::Transpose,
+            ("aten::slice", "Tensor") => ViewKind::Slice,
+            ("aten::select", "int") => ViewKind::Select,
+            ("aten::expand", "") => ViewKind::Expand,
+            ("aten::view" | "aten::_unsafe_view", "") => ViewKind::View,
+            ("aten::permute", "") => ViewKind::Permute,
+            ("aten::alias", "") => ViewKind::Alias,
+            _ => return None,
+        })
+    }
+}
+
+/// A view's argument after `self`, read from its encoding.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ViewArg {
+    Int(i64),
+    None,
+    Ints(Vec<i64>),
+    Bool(bool),
+}
+
+/// A view's geometry: sizes, strides and the offset from its input's first element.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Geometry {
+    pub sizes: Vec<i64>,
+    pub strides: Vec<i64>,
+    pub offset: i64,
+}
+
+fn wrap(dim: i64, ndim: usize) -> Option<usize> {
+    let n = ndim as i64;
+    let d = if dim < 0 { dim + n } else { dim };
+    (0..n).contains(&d).then_some(d as usize)
+}
+
+fn is_contiguous(sizes: &[i64], strides: &[i64]) -> bool {
+    let mut expected = 1;
+    for (size, stride) in sizes.iter().zip(strides).rev() {
+        if *size != 1 && *stride != expected {
+            return false;
+        }
+        expected *= size;
+    }
+    true
+}
+
+/// The view `kind` makes of a tensor of these sizes and strides, or `None` where torch's op
+/// should decide (it raises, or does more than a view).
+pub fn geometry(kind: ViewKind, sizes: &[i64], strides: &[i64], args: &[ViewArg]) -> Option<Geometry> {
+    let (mut sizes, mut strides, mut offset) = (sizes.to_vec(), strides.to_vec(), 0);
+    let ndim = sizes.len();
+    match (kind, args) {
+        (ViewKind::Alias, []) => {}
+        (ViewKind::Unsqueeze, [ViewArg::Int(dim)]) => {
+            let d = wrap(*dim, ndim + 1)?;
+            let stride = if d >= ndim { 1 } else { sizes[d] * strides[d] };
+            sizes.insert(d, 1);
+            strides.insert(d, stride);
+        }
+        (ViewKind::Transpose, [ViewArg::Int(a), ViewArg::Int(b)]) => {
+            let (a, b) = (wrap(*a, ndim)?, wrap(*b, ndim)?);
+            sizes.swap(a, b);
+            strides.swap(a, b);
+        }
+        (ViewKind::Slice, [ViewArg::Int(dim), start, end, ViewArg::Int(step)]) => {
+            let d = wrap(*dim, ndim)?;
+            if *step <= 0 {
+                return None;
+            }
+            let size = sizes[d];
+            let bound = |v: &ViewArg, default: i64| match v {
+                ViewArg::None => Some(default),
+                ViewArg::Int(i) => Some(if *i < 0 { i.saturating_add(size) } else { *i }.clamp(0, size)),
+                _ => None,
+            };
+            let start = bound(start, 0)?;
+            let end = bound(end, size)?.max(start);
+            sizes[d] = (end - start + step - 1) / step;
+            offset = start * strides[d];
+            strides[d] *= step;
+        }
+        (ViewKind::Select, [ViewArg::Int(dim), ViewArg::Int(index)]) => {
+            let d = wrap(*dim, ndim)?;
+            let i = if *index < 0 { index + sizes[d] } else { *index };
+            if !(0..sizes[d]).contains(&i) {
+                return None;
+            }
+            offset = i * strides[d];
+            sizes.remove(d);
+            strides.remove(d);
+        }
+        (ViewKind::Expand, [ViewArg::Ints(target), ViewArg::Bool(_)] | [ViewArg::Ints(target)]) => {
+            if target.len() < ndim {
+                return None;
+            }
+            let lead = target.len() - ndim;
+            let mut new_sizes = Vec::with_capacity(target.len());
+            let mut new_strides = Vec::with_capacity(target.len());
+            for (i, &t) in target.iter().enumerate() {
+                if i < lead {
+                    if t < 0 {
+                        return None;
+                    }
+                    new_sizes.push(t);
+                    new_strides.push(0);
+                    continue;
+                }
+                let (s, st) = (sizes[i - lead], strides[i - lead]);
+                match t {
+                    -1 => (new_sizes.push(s), new_strides.push(st)),
+                    t if t == s => (new_sizes.push(s), new_strides.push(st)),
+                    t if s == 1 && t >= 0 => (new_sizes.push(t), new_strides.push(0)),
+                    _ => return None,
+                };
+            }
+            (sizes, strides) = (new_sizes, new_strides);
+        }
+        (ViewKind::View, [ViewArg::Ints(target)]) => {
+            if !is_contiguous(&sizes, &strides) {
+                return None;
+            }
+            let numel: i64 = sizes.iter().product();
+            let known: i64 = target.iter().filter(|&&t| t != -1).product();
+            let mut new_sizes = target.clone();
+            match target.iter().filter(|&&t| t == -1).count() {
+                0 if known == numel => {}
+                1 if known > 0 && numel % known == 0 => {
+                    *new_sizes.iter_mut().find(|t| **t == -1)? = numel / known;
+                }
+                _ => return None,
+            }
+            if new_sizes.iter().any(|&s| s < 0) {
+                return None;
+            }
+            let mut new_strides = vec![1; new_sizes.len()];
+            for i in (0..new_sizes.len().saturating_sub(1)).rev() {
+                new_strides[i] = new_strides[i + 1] * new_sizes[i + 1].max(1);
+            }
+            (sizes, strides) = (new_sizes, new_strides);
+        }
+        (ViewKind::Permute, [ViewArg::Ints(dims)]) => {
+            if dims.len() != ndim {
+                return None;
+            }
+            let dims = dims.iter().map(|&d| wrap(d, ndim)).collect::<Option<Vec<_>>>()?;
+            let mut seen = vec![false; ndim];
+            for &d in &dims {
+                if std::mem::replace(&mut seen[d], true) {
+                    return None;
+                }
+            }
+            (sizes, strides) = (dims.iter().map(|&d| sizes[d]).collect(), dims.iter().map(|&d| strides[d]).collect());
+        }
+        _ => return None,
+    }
+    Some(Geometry { sizes, strides, offset })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ViewArg::{Bool, Int, Ints, None as No};
+
+    fn g(kind: ViewKind, sizes: &[i64], strides: &[i64], args: &[ViewArg]) -> Option<(Vec<i64>, Vec<i64>, i64)> {
+        geometry(kind, sizes, strides, args).map(|g| (g.sizes, g.strides, g.offset))
+    }
+
+    #[test]
+    fn views_match_torchs_geometry() {
+        // Expected values from torch: x = torch.empty(2, 3, 4); x.unsqueeze(1).stride(), ...
+        let (s, st) = (&[2, 3, 4][..], &[12, 4, 1][..]);
+        assert_eq!(g(ViewKind::Unsqueeze, s, st, &[Int(1)]), Some((vec![2, 1, 3, 4], vec![12, 12, 4, 1], 0)));
+        assert_eq!(g(ViewKind::Unsqueeze, s, st, &[Int(-1)]), Some((vec![2, 3, 4, 1], vec![12, 4, 1, 1], 0)));
+        assert_eq!(g(ViewKind::Transpose, s, st, &[Int(0), Int(-1)]), Some((vec![4, 3, 2], vec![1, 4, 12], 0)));
+        assert_eq!(g(ViewKind::Slice, s, st, &[Int(2), Int(1), No, Int(2)]), Some((vec![2, 3, 2], vec![12, 4, 2], 1)));
+        assert_eq!(
+            g(ViewKind::Slice, s, st, &[Int(1), Int(-2), Int(99), Int(1)]),
+            Some((vec![2, 2, 4], vec![12, 4, 1], 4))
+        );
+        assert_eq!(
+            g(ViewKind::Slice, s, st, &[Int(1), Int(5), Int(1), Int(1)]),
+            Some((vec![2, 0, 4], vec![12, 4, 1], 12))
+        );
+        assert_eq!(g(ViewKind::Select, s, st, &[Int(1), Int(-1)]), Some((vec![2, 4], vec![12, 1], 8)));
+        assert_eq!(
+            g(ViewKind::Expand, &[3, 1], &[1, 1], &[Ints(vec![2, 3, 5]), Bool(false)]),
+            Some((vec![2, 3, 5], vec![0, 1, 0], 0))
+        );
+        assert_eq!(g(ViewKind::View, s, st, &[Ints(vec![6, -1])]), Some((vec![6, 4], vec![4, 1], 0)));
+        assert_eq!(g(ViewKind::Permute, s, st, &[Ints(vec![2, 0, 1])]), Some((vec![4, 2, 3], vec![1, 12, 4], 0)));
+        assert_eq!(g(ViewKind::Alias, s, st, &[]), Some((s.to_vec(), st.to_vec(), 0)));
+    }
+
+    #[test]
+    fn leaves_what_torch_must_decide_to_torch() {
+        let (s, st) = (&[2, 3, 4][..], &[12, 4, 1][..]);
+        assert_eq!(g(ViewKind::Select, s, st, &[Int(1), Int(3)]), None); // out of range: torch raises
+        assert_eq!(g(ViewKind::Transpose, s, st, &[Int(0), Int(3)]), None);
+        assert_eq!(g(ViewKind::Slice, s, st, &[Int(0), No, No, Int(0)]), None);
+        assert_eq!(g(ViewKind::Expand, s, st, &[Ints(vec![2, 5, 4])]), None);
+        assert_eq!(g(ViewKind::View, &[3, 2], &[1, 3], &[Ints(vec![6])]), None); // not contiguous
+        assert_eq!(g(ViewKind::View, s, st, &[Ints(vec![5, -1])]), None);
+        assert_eq!(g(ViewKind::Permute, s, st, &[Ints(vec![0, 0, 1])]), None);
+    }
+}
