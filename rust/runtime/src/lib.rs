@@ -8,12 +8,17 @@
 //!   the cost model, segments
 //! - `exec`: stage 3, the run loop and the conversions between the paths
 //! - `abi`: torch's stable C ABI, its types and encodings: the layer the stages build on,
-//!   depending only on the core's tables (`tests/layering.rs` holds the order)
+//!   depending only on the core's tables and the pure-Rust leaves below
+//!   (`tests/layering.rs` holds the order)
+//! - `kernels` (kwexport's own float32 kernels) and `views` (view geometry): pure Rust,
+//!   importing nothing of the runtime
 //!
 //! The call path around them: `tree` (compiled treespecs: flatten inputs, rebuild outputs),
-//! `calllock` (the fork-safe lock around stateful calls), `checks` (input checks on Python values), `constants` (the file's constants as Python
-//! objects), `weights` (zero-copy tensors over the mapped file), `program` (the `Program`
-//! class: load and call) and `errors` (one error type, and the Python exception classes).
+//! `calllock` (the fork-safe lock around stateful calls), `checks` (input checks on Python
+//! values), `constants` (the file's constants as Python objects), `weights` (zero-copy
+//! tensors over the mapped file), `program` (the `Program` class: a file's methods over its
+//! weights and state), `method` (one method: bind, check, run, write back), `generate` (the
+//! decode loop) and `errors` (one error type, and the Python exception classes).
 
 /// mimalloc: loading a program makes and drops tens of thousands of small objects (the
 /// parsed schema, the plan), which glibc's allocator spends about a tenth of a load on.
