@@ -1,12 +1,18 @@
-//! Any header bytes in a well-formed container: the schema parser, upgraders, every
-//! validation rule and the description never panic.
+//! Any header bytes in a well-formed container: the schema parser, upgraders, the graph
+//! passes (which loading runs before validation, so on unchecked documents), every validation
+//! rule and the description never panic.
 #![no_main]
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let mut file = kwexport_core::tables::MAGIC.to_vec();
     file.extend((data.len() as u64).to_le_bytes());
     file.extend(data);
     file.resize(file.len().div_ceil(64) * 64 + 256, 0);
-    if let Ok(artifact) = kwexport_core::open(&file) {
-        let _ = artifact.describe();
+    if let Ok(mut parsed) = kwexport_core::parse(&file) {
+        let mut optimized = parsed.document.clone();
+        kwexport_core::passes::apply(&mut optimized, kwexport_core::passes::Level::Fast, true);
+        parsed.document = optimized;
+        if let Ok(artifact) = parsed.validate(&file) {
+            let _ = artifact.describe();
+        }
     }
 });
