@@ -305,3 +305,28 @@ def test_a_dynamic_length_program_prefills_in_one_step(tmp_path):
         prog.generate(prompt, max_new_tokens=1)
     # One step for the whole prompt: each of the four caches written once.
     assert sum(e.name == "aten::index_copy_" for e in prof.events()) == 4
+
+
+def test_a_streamer_may_call_back_into_the_program(lm):
+    """With a streamer the state lock is taken per step, so a streamer that calls the program
+    (here `reset`, which takes the lock) can't deadlock the generation."""
+    import threading
+
+    path, _ = lm
+    prog = kwexport.load(path)
+
+    class Resetting:
+        def put(self, value):
+            prog.reset()
+
+        def end(self):
+            pass
+
+    done = []
+    worker = threading.Thread(
+        target=lambda: done.append(prog.generate(torch.tensor([PROMPT]), max_new_tokens=3, streamer=Resetting())),
+        daemon=True,
+    )
+    worker.start()
+    worker.join(timeout=60)
+    assert done and done[0].shape == (1, len(PROMPT) + 3)

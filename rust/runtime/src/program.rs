@@ -396,8 +396,8 @@ impl Program {
     /// a `[1, n + new]` LongTensor (for an encoder-decoder program, the decoder's start token
     /// then the new ones). Greedy unless `do_sample`; sampling applies `temperature`, `top_k`
     /// and `top_p` in that order, from `seed`. Stops after a token of `eos_token_id` (an int
-    /// or a list). The loop runs in Rust with the program's state lock held; a transformers
-    /// streamer's `put` and `end` are called as tokens come (it must not call the program).
+    /// or a list). The loop runs in Rust with the program's state lock held (per step where a
+    /// transformers streamer is given; its `put` and `end` are called as tokens come).
     #[pyo3(signature = (input_ids, max_new_tokens = 20, *, do_sample = false, temperature = 1.0, top_k = 50,
                         top_p = 1.0, eos_token_id = None, seed = None, decoder_start_token_id = 0, streamer = None))]
     #[allow(clippy::too_many_arguments)]
@@ -421,13 +421,21 @@ impl Program {
         let long = PyDict::new(py);
         long.set_item("dtype", torch.getattr("long")?)?;
         let tensor = |tokens: Vec<i64>| torch.getattr("tensor")?.call((tokens,), Some(&long));
-        let _guard = self.file.state.as_ref().map(|(_, lock)| lock.lock(py));
+        // Without a streamer the whole generation holds the state lock; with one, each step
+        // does, so that a streamer calling back into the program can't deadlock on it.
+        let lock = self.file.state.as_ref().map(|(_, lock)| lock);
+        let _whole = lock.filter(|_| streamer.is_none()).map(|l| l.lock(py));
         if let Some(s) = streamer {
             // As transformers does: the prompt as `[1, n]`, then each token as `[1]`.
             let prompt = torch.getattr("tensor")?.call((vec![g.tokens.clone()],), Some(&long))?;
             s.call_method1("put", (prompt,))?;
         }
-        while let Some(token) = g.next_token(py)? {
+        loop {
+            let token = {
+                let _step = lock.filter(|_| streamer.is_some()).map(|l| l.lock(py));
+                g.next_token(py)?
+            };
+            let Some(token) = token else { break };
             if let Some(s) = streamer {
                 s.call_method1("put", (tensor(vec![token])?,))?;
             }
