@@ -470,3 +470,28 @@ def test_views_made_without_the_dispatcher_match_eager(tmp_path):
         xg = x.clone().requires_grad_()
         prog(xg, 1)[0].sum().backward()
         assert torch.equal(xg.grad, torch.full_like(x, 2.0)), mode
+
+
+def test_integer_adds_run_without_python(tmp_path):
+    """Position arithmetic (int64 add with a broadcast element) runs kwexport's kernel where
+    the add shim can't take integers: the same values, no Python op; other integer adds
+    (int32, two full shapes broadcast against each other) still run torch's."""
+    from torch.profiler import profile
+
+    def f(pos, n, small):
+        a = torch.arange(6) + pos  # [6] + [1]
+        b = pos + 1  # [1] + a wrapped number
+        c = a.view(2, 3) + n.view(1, 1)  # [2, 3] + [1, 1]
+        d = small + small  # int32: torch's op
+        return a, b, c, d, torch.arange(3).view(3, 1) + torch.arange(4)  # [3, 1] + [4]: torch's op
+
+    args = (torch.tensor([5]), torch.tensor(7), torch.tensor([1, 2], dtype=torch.int32))
+    want = f(*args)
+    for mode, prog in load_all(tmp_path, f, args).items():
+        with profile() as p:
+            got = prog(*args)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w), mode
+        if mode != "python":
+            adds = [e.name for e in p.events()].count("aten::add")
+            assert adds == 2, (mode, adds)  # the int32 add and the full broadcast

@@ -478,6 +478,25 @@ impl CStep {
                     Some(_) => false,
                 }
         };
+        // Integer `add` (position arithmetic): the shim takes `alpha` as a double, which torch
+        // refuses for integers; kwexport's kernel adds int64 exactly instead of the Python op.
+        let integer_add = !admitted
+            && direct.no_autograd
+            && self.name.0.as_bytes() == b"aten::add"
+            && !shim.in_place
+            && shim.scalars == [1.0];
+        if integer_add {
+            // SAFETY: the handles just read from live slots and constants.
+            if let Some(result) = unsafe { abi.add_i64(t[0], t[1]) } {
+                if let SlotOutputs::One(Some(s)) = &self.outputs {
+                    slots[*s] = Some(Native::Tensor(result?));
+                }
+                for &s in &self.free {
+                    slots[s] = None;
+                }
+                return Ok(());
+            }
+        }
         if !admitted || (skips_dispatcher && !direct.no_autograd) || (shim.autocast && !direct.no_autocast) {
             let fallback = shim.fallback.as_ref().ok_or_else(|| CError::Internal("no fallback".into()))?;
             return Python::attach(|py| run_fallback(py, abi, fallback, slots)).map_err(CError::Python);

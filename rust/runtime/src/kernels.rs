@@ -130,9 +130,27 @@ mod avx512 {
     }
 }
 
+/// `a + b` over int64 values, where each operand has `out.len()` elements or one (broadcast):
+/// integer addition, exact, wrapping on overflow as torch's kernel does.
+pub fn add_i64(a: &[i64], b: &[i64], out: &mut [i64]) {
+    let at = |x: &[i64], i: usize| if x.len() == 1 { x[0] } else { x[i] };
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = at(a, i).wrapping_add(at(b, i));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn add_i64_broadcasts_one_element() {
+        let mut out = [0; 3];
+        add_i64(&[1, 2, 3], &[10], &mut out);
+        assert_eq!(out, [11, 12, 13]);
+        add_i64(&[i64::MAX], &[1, 2, 3], &mut out);
+        assert_eq!(out, [i64::MIN, i64::MIN + 1, i64::MIN + 2]);
+    }
 
     #[test]
     fn linear_matches_a_double_precision_reference() {

@@ -620,6 +620,51 @@ impl Abi {
         Some(Ok(out))
     }
 
+    /// `a + b` for int64 CPU tensors, contiguous, of one shape or one of them a single element
+    /// (torch's broadcasting for these cases): kwexport's kernel, exact. `None` for anything
+    /// else (the caller runs torch's op).
+    ///
+    /// # Safety
+    /// Both must be live handles.
+    pub unsafe fn add_i64(&self, a: Raw, b: Raw) -> Option<Result<Tensor, CError>> {
+        let shims = self.shims.as_ref()?;
+        // SAFETY: live handles.
+        let (asz, bsz) = unsafe {
+            if !shims.is_cpu_i64(a) || !shims.is_cpu_i64(b) {
+                return None;
+            }
+            (self.contiguous_sizes(a)?, self.contiguous_sizes(b)?)
+        };
+        let (an, bn) = (asz.iter().product::<i64>(), bsz.iter().product::<i64>());
+        // The broadcast shape where the shapes are equal or one side has one element: the
+        // other side's, padded on the left with ones to the longer rank.
+        if asz != bsz && an != 1 && bn != 1 {
+            return None;
+        }
+        let (big, small) = if an == 1 { (&bsz, &asz) } else { (&asz, &bsz) };
+        let mut sizes = big.clone();
+        sizes.splice(0..0, std::iter::repeat_n(1, small.len().saturating_sub(big.len())));
+        let n = usize::try_from(sizes.iter().product::<i64>()).ok()?;
+        let (an, bn) = (usize::try_from(an).ok()?, usize::try_from(bn).ok()?);
+        if n == 0 || (an != n && an != 1) || (bn != n && bn != 1) {
+            return None;
+        }
+        let out = match shims.empty_i64(&sizes) {
+            Ok(o) => Tensor(o, self.delete_tensor),
+            Err(status) => {
+                return Some(Err(self.status(status).err().unwrap_or_else(|| CError::Internal("empty_strided".into()))))
+            }
+        };
+        // SAFETY: contiguous int64 CPU tensors of `an`, `bn` and `n` elements; the output is new.
+        unsafe {
+            let xa = std::slice::from_raw_parts(shims.data_ptr(a)? as *const i64, an);
+            let xb = std::slice::from_raw_parts(shims.data_ptr(b)? as *const i64, bn);
+            let o = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut i64, n);
+            crate::kernels::add_i64(xa, xb, o);
+        }
+        Some(Ok(out))
+    }
+
     /// The size of dimension `d` of a tensor.
     ///
     /// # Safety

@@ -72,6 +72,7 @@ pub struct Shims {
     pub rms_norm: Option<ShimFn>,
     get_data_ptr: Option<unsafe extern "C" fn(Raw, *mut *mut std::ffi::c_void) -> Status>,
     float32: Option<i32>,
+    int64: Option<i32>,
     get_dtype: unsafe extern "C" fn(Raw, *mut i32) -> Status,
     get_device_type: unsafe extern "C" fn(Raw, *mut i32) -> Status,
     get_device_index: unsafe extern "C" fn(Raw, *mut i32) -> Status,
@@ -118,6 +119,7 @@ impl Shims {
             .map(|_| ShimFn::RmsNorm),
             get_data_ptr: sym(lib, hidden, "aoti_torch_get_data_ptr"),
             float32: sym::<unsafe extern "C" fn() -> i32>(lib, hidden, "aoti_torch_dtype_float32").map(|f| f()),
+            int64: sym::<unsafe extern "C" fn() -> i32>(lib, hidden, "aoti_torch_dtype_int64").map(|f| f()),
             get_dtype: sym(lib, hidden, "aoti_torch_get_dtype")?,
             get_device_type: sym(lib, hidden, "aoti_torch_get_device_type")?,
             get_device_index: sym(lib, hidden, "aoti_torch_get_device_index")?,
@@ -214,9 +216,28 @@ impl Shims {
         on_cpu && self.float32.is_some() && self.dtype(t) == self.float32
     }
 
+    /// Whether `t` is an int64 CPU tensor.
+    ///
+    /// # Safety
+    /// `t` must be a live handle.
+    pub unsafe fn is_cpu_i64(&self, t: Raw) -> bool {
+        let mut device = 0;
+        // SAFETY: a live handle and an out-pointer.
+        let on_cpu = unsafe { (self.get_device_type)(t, &mut device) } == 0 && device == self.cpu;
+        on_cpu && self.int64.is_some() && self.dtype(t) == self.int64
+    }
+
     /// A new contiguous CPU float32 tensor of these sizes.
     pub fn empty_f32(&self, sizes: &[i64]) -> Result<Raw, Status> {
-        let dtype = self.float32.ok_or(1)?;
+        self.empty_contiguous(sizes, self.float32.ok_or(1)?)
+    }
+
+    /// A new contiguous CPU int64 tensor of these sizes.
+    pub fn empty_i64(&self, sizes: &[i64]) -> Result<Raw, Status> {
+        self.empty_contiguous(sizes, self.int64.ok_or(1)?)
+    }
+
+    fn empty_contiguous(&self, sizes: &[i64], dtype: i32) -> Result<Raw, Status> {
         let mut strides = vec![1i64; sizes.len()];
         for i in (0..sizes.len().saturating_sub(1)).rev() {
             strides[i] = strides[i + 1] * sizes[i + 1];
