@@ -18,7 +18,8 @@ pub enum ViewKind {
     Select,
     /// `expand(self, size, *, implicit=False)`
     Expand,
-    /// `view(self, size)`, `_unsafe_view(self, size)`: on contiguous inputs only.
+    /// `view(self, size)`, `_unsafe_view(self, size)`, `reshape(self, shape)`: on contiguous
+    /// inputs only (where `reshape` is a view too).
     View,
     /// `permute(self, dims)`
     Permute,
@@ -35,7 +36,7 @@ impl ViewKind {
             ("aten::slice", "Tensor") => ViewKind::Slice,
             ("aten::select", "int") => ViewKind::Select,
             ("aten::expand", "") => ViewKind::Expand,
-            ("aten::view" | "aten::_unsafe_view", "") => ViewKind::View,
+            ("aten::view" | "aten::_unsafe_view" | "aten::reshape", "") => ViewKind::View,
             ("aten::permute", "") => ViewKind::Permute,
             ("aten::alias", "") => ViewKind::Alias,
             _ => return None,
