@@ -70,12 +70,12 @@ fn find(m: &Method, weights: &Weights) -> Option<(Vec<usize>, Node)> {
             _ => None,
         }
     };
-    let weight_1d = |name: &str| -> Option<(String, i64)> {
+    let weight_1d = |name: &str| -> Option<(String, i64, &str)> {
         let input = g.inputs.iter().find(|i| i.name == name)?;
         let InputSource::Weight(w) = &input.source else { return None };
         let t = weights.tensors.get(w)?;
         match (t.shape.as_slice(), t.mutable) {
-            ([n], false) => Some((name.to_owned(), *n)),
+            ([n], false) => Some((name.to_owned(), *n, t.dtype.as_str())),
             _ => None,
         }
     };
@@ -112,9 +112,13 @@ fn find(m: &Method, weights: &Weights) -> Option<(Vec<usize>, Node)> {
         if !((a == x && b == r_name) || (a == r_name && b == x)) {
             continue;
         }
-        let Some(yi) = sole_reader(h, "aten::mul.Tensor") else { continue };
+        // Llama casts `h` back to the input's dtype before the weight: a float32 model's
+        // `to(h, float32)` is `h` itself (then the weight must be float32 too).
+        let cast = sole_reader(h, "aten::to.dtype").filter(|&ci| is_f32_cast(&g.nodes[ci]));
+        let last = cast.unwrap_or(hi);
+        let Some(yi) = sole_reader(&g.nodes[last], "aten::mul.Tensor") else { continue };
         let y = &g.nodes[yi];
-        let Some(h_name) = one(h) else { continue };
+        let Some(h_name) = one(&g.nodes[last]) else { continue };
         let Some((a, b)) = pair(y) else { continue };
         let other = if a == h_name {
             b
@@ -123,16 +127,30 @@ fn find(m: &Method, weights: &Weights) -> Option<(Vec<usize>, Node)> {
         } else {
             continue;
         };
-        let Some((w, n)) = weight_1d(other) else { continue };
+        let Some((w, n, dtype)) = weight_1d(other) else { continue };
+        if cast.is_some() && dtype != "float32" {
+            continue;
+        }
         let fused = Node {
             op: 0,
             args: vec![Arg::Ref(x.clone()), Arg::List(vec![Arg::Int(n)]), Arg::Ref(w), Arg::Float(*eps)],
             kwargs: Default::default(),
             outputs: y.outputs.clone(),
         };
-        return Some((vec![p, mi, ai, ri, hi, yi], fused));
+        let mut chain = vec![p, mi, ai, ri, hi];
+        chain.extend(cast);
+        chain.push(yi);
+        return Some((chain, fused));
     }
     None
+}
+
+/// `to(v, float32)` with no other effect (non_blocking and copy false, no memory format).
+fn is_f32_cast(n: &Node) -> bool {
+    let dtype_ok = matches!(n.args.get(1), Some(Arg::Dtype(d)) if d == "float32");
+    let rest_ok = n.args.iter().skip(2).all(|a| matches!(a, Arg::Bool(false)));
+    let kwargs_ok = n.kwargs.values().all(|a| matches!(a, Arg::Bool(false) | Arg::None(())));
+    dtype_ok && rest_ok && kwargs_ok && n.args.len() <= 4
 }
 
 fn refs<'a>(a: &'a Arg, f: &mut impl FnMut(&'a str)) {
@@ -193,6 +211,25 @@ mod tests {
             ]
         );
         assert_eq!(node.outputs, Outputs::One("y".into()));
+    }
+
+    #[test]
+    fn takes_a_float32_cast_before_the_weight() {
+        let cast = |m: &mut serde_json::Value| {
+            let nodes = m["graph"]["nodes"].as_array_mut().unwrap();
+            nodes.insert(5, json!({"op": 5, "args": [{"ref": "h"}, {"dtype": "float32"}], "outputs": {"one": "hc"}}));
+            nodes[6]["args"][1] = json!({"ref": "hc"});
+            m["ops"].as_array_mut().unwrap().push(json!({"name": "aten::to.dtype", "schema": "s"}));
+        };
+        let (mut m, w) = method(cast);
+        assert_eq!(apply(&mut m, &w), 1);
+        assert_eq!(m.graph.nodes.len(), 1);
+        // A cast to another dtype is a real cast: left alone.
+        let (mut m, w) = method(|m| {
+            cast(m);
+            m["graph"]["nodes"][5]["args"][1] = json!({"dtype": "bfloat16"});
+        });
+        assert_eq!(apply(&mut m, &w), 0);
     }
 
     #[test]
