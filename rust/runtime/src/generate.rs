@@ -316,6 +316,7 @@ impl Generation {
         outputs.into_iter().next().ok_or_else(|| RtError::Internal("the step returned nothing".into()))
     }
 
+    /// The method each step runs.
     pub fn step(&self) -> &Py<Method> {
         &self.step
     }

@@ -206,6 +206,10 @@ fn number_key(lit: &Arg) -> Option<(u8, u64)> {
     }
 }
 
+/// The largest weight (in elements: 4 MiB of float32) that `fast` copies transposed for
+/// kwexport's linear kernel.
+const MAX_PACKED_ELEMENTS: i64 = 1 << 20;
+
 impl Consts for ConstTable<'_, '_> {
     fn weight(&mut self, name: &str) -> usize {
         if let Some(&i) = self.weight_index.get(name) {
@@ -236,7 +240,10 @@ impl Consts for ConstTable<'_, '_> {
         let w = self.weights.get(name)?.bind(self.py);
         let is_f32_matrix = w.getattr("dim").ok()?.call0().ok()?.extract::<i64>().ok()? == 2
             && w.getattr("dtype").ok()?.eq(self.torch.getattr("float32").ok()?).ok()?;
-        if !is_f32_matrix {
+        let elements: i64 = w.getattr("numel").ok()?.call0().ok()?.extract().ok()?;
+        // The copy costs the weight's memory again: only for the small matrices the kernel is
+        // for, where it stays a small share of a model's weights.
+        if !is_f32_matrix || elements > MAX_PACKED_ELEMENTS {
             return None;
         }
         let packed = w.call_method0("detach").ok()?.call_method0("t").ok()?.call_method0("contiguous").ok()?;
