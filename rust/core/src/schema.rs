@@ -609,6 +609,36 @@ pub enum Arg {
     MemoryFormat(String),
 }
 
+impl Outputs {
+    /// The names the node binds, in order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        let (one, many): (Option<&String>, &[Option<String>]) = match self {
+            Outputs::One(o) => (Some(o), &[]),
+            Outputs::Many(os) => (None, os),
+            Outputs::None(()) => (None, &[]),
+        };
+        one.into_iter().chain(many.iter().flatten()).map(String::as_str)
+    }
+}
+
+impl Arg {
+    /// Calls `f` with each value name the argument refers to, lists included.
+    pub fn for_each_ref<'a>(&'a self, f: &mut impl FnMut(&'a str)) {
+        match self {
+            Arg::Ref(r) => f(r),
+            Arg::List(items) => items.iter().for_each(|i| i.for_each_ref(f)),
+            _ => {}
+        }
+    }
+
+    /// Whether the argument refers to the value `name`.
+    pub fn reads(&self, name: &str) -> bool {
+        let mut found = false;
+        self.for_each_ref(&mut |r| found |= r == name);
+        found
+    }
+}
+
 // ---------------------------------------------------------------- weights & extras
 
 /// The weight table.

@@ -11,7 +11,7 @@
 
 use std::collections::HashSet;
 
-use crate::schema::{Arg, Method, Node, OpEntry, Outputs};
+use crate::schema::{Arg, Method, Node, OpEntry};
 
 /// Assertions that can't fail on a checked call (see the module docs).
 const REDUNDANT_ASSERTIONS: &[&str] = &["aten::_assert_tensor_metadata.default"];
@@ -45,19 +45,19 @@ pub fn apply(m: &mut Method) -> usize {
 fn prune<'a>(nodes: &mut Vec<Node>, ops: &[OpEntry], roots: impl Iterator<Item = &'a Arg>) -> usize {
     let before = nodes.len();
     let mut read: HashSet<String> = HashSet::new();
-    roots.for_each(|a| refs(a, &mut read));
+    roots.for_each(|a| a.for_each_ref(&mut |r| _ = read.insert(r.to_owned())));
     // Backwards: a node's reads count only if the node stays.
     let mut keep = vec![true; nodes.len()];
     for (i, n) in nodes.iter().enumerate().rev() {
         let op = ops.get(n.op);
         let assertion = op.is_some_and(|o| REDUNDANT_ASSERTIONS.contains(&o.name.as_str()));
-        let unread = outputs(n).all(|o| !read.contains(o));
-        let has_outputs = outputs(n).next().is_some();
+        let unread = n.outputs.names().all(|o| !read.contains(o));
+        let has_outputs = n.outputs.names().next().is_some();
         if assertion || (has_outputs && unread && op.is_some_and(pure)) {
             keep[i] = false;
             continue;
         }
-        n.args.iter().chain(n.kwargs.values()).for_each(|a| refs(a, &mut read));
+        n.args.iter().chain(n.kwargs.values()).for_each(|a| a.for_each_ref(&mut |r| _ = read.insert(r.to_owned())));
     }
     let mut i = 0;
     nodes.retain(|_| {
@@ -74,28 +74,10 @@ fn pure(op: &OpEntry) -> bool {
     namespace_ok && !writes && !RANDOM.iter().any(|r| op.name.contains(r))
 }
 
-fn outputs(n: &Node) -> impl Iterator<Item = &str> {
-    let (one, many): (Option<&String>, &[Option<String>]) = match &n.outputs {
-        Outputs::One(o) => (Some(o), &[]),
-        Outputs::Many(os) => (None, os),
-        Outputs::None(()) => (None, &[]),
-    };
-    one.into_iter().chain(many.iter().flatten()).map(String::as_str)
-}
-
-fn refs(a: &Arg, into: &mut HashSet<String>) {
-    match a {
-        Arg::Ref(r) => {
-            into.insert(r.clone());
-        }
-        Arg::List(items) => items.iter().for_each(|i| refs(i, into)),
-        _ => {}
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::schema::Outputs;
     use serde_json::json;
 
     fn method(nodes: serde_json::Value, ops: serde_json::Value) -> Method {

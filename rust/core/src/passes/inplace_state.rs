@@ -14,7 +14,7 @@
 
 use std::collections::HashSet;
 
-use crate::schema::{Arg, InputSource, Method, MutationTarget, OpEntry, Outputs};
+use crate::schema::{Arg, InputSource, Method, MutationTarget, OpEntry};
 
 /// Out-of-place ops and the in-place op that computes their value into their first argument.
 const OUT_OF_PLACE: &[(&str, &str)] = &[
@@ -80,58 +80,37 @@ pub fn apply(m: &mut Method) -> Vec<String> {
 /// The node whose value `value` is, if writing `weight` with it can run in place.
 fn candidate(m: &Method, weight: &str, value: &str) -> Option<usize> {
     let input = m.graph.inputs.iter().find(|i| matches!(&i.source, InputSource::Weight(w) if w == weight))?;
-    let defines = |n: &crate::schema::Node, name: &str| match &n.outputs {
-        Outputs::One(o) => o == name,
-        Outputs::Many(os) => os.iter().flatten().any(|o| o == name),
-        Outputs::None(()) => false,
-    };
-    let node = m.graph.nodes.iter().position(|n| defines(n, value))?;
+    let node = m.graph.nodes.iter().position(|n| n.outputs.names().any(|o| o == value))?;
     let n = &m.graph.nodes[node];
     let op = &m.ops.get(n.op)?.name;
     if !OUT_OF_PLACE.iter().any(|(o, _)| o == op) || n.args.first() != Some(&Arg::Ref(input.name.clone())) {
         return None;
     }
-    let reads = |a: &Arg, name: &str| refs(a).any(|r| r == name);
     let other_readers = m
         .graph
         .nodes
         .iter()
         .enumerate()
         .filter(|(j, _)| *j != node)
-        .any(|(_, n)| n.args.iter().chain(n.kwargs.values()).any(|a| reads(a, &input.name)));
-    let read_by_itself_again = n.args[1..].iter().chain(n.kwargs.values()).any(|a| reads(a, &input.name));
+        .any(|(_, n)| n.args.iter().chain(n.kwargs.values()).any(|a| a.reads(&input.name)));
+    let read_by_itself_again = n.args[1..].iter().chain(n.kwargs.values()).any(|a| a.reads(&input.name));
     let mut returned = m.graph.outputs.iter().chain(m.graph.mutations.iter().map(|w| &w.value));
-    if other_readers || read_by_itself_again || returned.any(|a| reads(a, &input.name)) {
+    if other_readers || read_by_itself_again || returned.any(|a| a.reads(&input.name)) {
         return None;
     }
     // The value and its views: none may be a user output.
     let mut aliases: HashSet<&str> = HashSet::from([value]);
     for n in &m.graph.nodes[node + 1..] {
         let is_view = m.ops.get(n.op).is_some_and(|o| VIEWS.contains(&o.name.as_str()));
-        if is_view && n.args.first().is_some_and(|a| refs(a).any(|r| aliases.contains(r))) {
-            match &n.outputs {
-                Outputs::One(o) => {
-                    aliases.insert(o);
-                }
-                Outputs::Many(os) => aliases.extend(os.iter().flatten().map(String::as_str)),
-                Outputs::None(()) => {}
-            }
+        if is_view && n.args.first().is_some_and(|a| aliases.iter().any(|v| a.reads(v))) {
+            aliases.extend(n.outputs.names());
         }
     }
     let user_outputs = &m.graph.outputs;
-    if user_outputs.iter().any(|a| refs(a).any(|r| aliases.contains(r))) {
+    if user_outputs.iter().any(|a| aliases.iter().any(|v| a.reads(v))) {
         return None;
     }
     Some(node)
-}
-
-/// The names an argument refers to, lists included.
-fn refs(a: &Arg) -> Box<dyn Iterator<Item = &str> + '_> {
-    match a {
-        Arg::Ref(r) => Box::new(std::iter::once(r.as_str())),
-        Arg::List(items) => Box::new(items.iter().flat_map(refs)),
-        _ => Box::new(std::iter::empty()),
-    }
 }
 
 #[cfg(test)]

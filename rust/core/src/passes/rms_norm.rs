@@ -50,11 +50,11 @@ fn find(m: &Method, weights: &Weights) -> Option<(Vec<usize>, Node)> {
     let mut readers: HashMap<&str, Vec<usize>> = HashMap::new();
     for (i, n) in g.nodes.iter().enumerate() {
         for a in n.args.iter().chain(n.kwargs.values()) {
-            refs(a, &mut |r| readers.entry(r).or_default().push(i));
+            a.for_each_ref(&mut |r| readers.entry(r).or_default().push(i));
         }
     }
     for a in g.outputs.iter().chain(g.mutations.iter().map(|w| &w.value)) {
-        refs(a, &mut |r| readers.entry(r).or_default().push(usize::MAX));
+        a.for_each_ref(&mut |r| readers.entry(r).or_default().push(usize::MAX));
     }
     fn one(n: &Node) -> Option<&str> {
         match &n.outputs {
@@ -151,14 +151,6 @@ fn is_f32_cast(n: &Node) -> bool {
     let rest_ok = n.args.iter().skip(2).all(|a| matches!(a, Arg::Bool(false)));
     let kwargs_ok = n.kwargs.values().all(|a| matches!(a, Arg::Bool(false) | Arg::None(())));
     dtype_ok && rest_ok && kwargs_ok && n.args.len() <= 4
-}
-
-fn refs<'a>(a: &'a Arg, f: &mut impl FnMut(&'a str)) {
-    match a {
-        Arg::Ref(r) => f(r),
-        Arg::List(items) => items.iter().for_each(|i| refs(i, f)),
-        _ => {}
-    }
 }
 
 #[cfg(test)]
