@@ -67,7 +67,9 @@ fn wrap(dim: i64, ndim: usize) -> Option<usize> {
     (0..n).contains(&d).then_some(d as usize)
 }
 
-fn is_contiguous(sizes: &[i64], strides: &[i64]) -> bool {
+/// Whether a view of these sizes and strides is contiguous (strides of size-1 dimensions
+/// don't matter, as in torch).
+pub fn is_contiguous(sizes: &[i64], strides: &[i64]) -> bool {
     let mut expected = 1;
     for (size, stride) in sizes.iter().zip(strides).rev() {
         if *size != 1 && *stride != expected {
@@ -76,6 +78,15 @@ fn is_contiguous(sizes: &[i64], strides: &[i64]) -> bool {
         expected *= size;
     }
     true
+}
+
+/// The strides of a contiguous tensor of these sizes, as torch computes them.
+pub fn contiguous_strides(sizes: &[i64]) -> Vec<i64> {
+    let mut strides = vec![1; sizes.len()];
+    for i in (0..sizes.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * sizes[i + 1].max(1);
+    }
+    strides
 }
 
 /// The view `kind` makes of a tensor of these sizes and strides, or `None` where torch's op
@@ -166,10 +177,7 @@ pub fn geometry(kind: ViewKind, sizes: &[i64], strides: &[i64], args: &[ViewArg]
             if new_sizes.iter().any(|&s| s < 0) {
                 return None;
             }
-            let mut new_strides = vec![1; new_sizes.len()];
-            for i in (0..new_sizes.len().saturating_sub(1)).rev() {
-                new_strides[i] = new_strides[i + 1] * new_sizes[i + 1].max(1);
-            }
+            let new_strides = contiguous_strides(&new_sizes);
             (sizes, strides) = (new_sizes, new_strides);
         }
         (ViewKind::Permute, [ViewArg::Ints(dims)]) => {

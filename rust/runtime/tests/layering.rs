@@ -9,7 +9,7 @@ use std::path::Path;
 const ALLOWED: &[(&str, &[&str])] = &[
     ("kernels", &[]),
     ("views", &[]),
-    ("abi", &["kernels"]),
+    ("abi", &["kernels", "views"]),
     ("ops", &["abi", "errors"]),
     ("plan", &["abi", "ops", "errors", "constants", "views"]),
     ("exec", &["abi", "plan", "errors", "views"]),

@@ -444,24 +444,8 @@ impl Abi {
     /// # Safety
     /// `t` must be a live handle.
     pub unsafe fn fold_leading(&self, t: Raw) -> Option<(Tensor, Vec<i64>)> {
-        let (g, shims) = (self.geometry.as_ref()?, self.shims.as_ref()?);
-        let n = usize::try_from(unsafe { shims.dim(t) }?).ok().filter(|&n| n >= 3)?;
-        let (mut sizes, mut strides) = (std::ptr::null_mut(), std::ptr::null_mut());
-        // SAFETY: a live handle and out-pointers; the arrays are borrowed from the tensor,
-        // which outlives their use here, and have `n` elements.
-        let (sizes, strides) = unsafe {
-            if (g.sizes)(t, &mut sizes) != 0 || (g.strides)(t, &mut strides) != 0 {
-                return None;
-            }
-            (std::slice::from_raw_parts(sizes, n).to_vec(), std::slice::from_raw_parts(strides, n))
-        };
-        let mut expected = 1;
-        for (size, stride) in sizes.iter().zip(strides).rev() {
-            if *size != 1 && *stride != expected {
-                return None;
-            }
-            expected *= size;
-        }
+        // SAFETY: the caller's live handle.
+        let sizes = unsafe { self.contiguous_sizes(t) }.filter(|s| s.len() >= 3)?;
         let (last, leading) = sizes.split_last()?;
         let rows: i64 = leading.iter().product();
         if rows == 0 || *last == 0 {
@@ -476,11 +460,7 @@ impl Abi {
     pub fn unfold_leading(&self, t: &Tensor, leading: &[i64], n: i64) -> Result<Tensor, CError> {
         let mut sizes = leading.to_vec();
         sizes.push(n);
-        let mut strides = vec![1; sizes.len()];
-        for i in (0..sizes.len() - 1).rev() {
-            strides[i] = strides[i + 1] * sizes[i + 1];
-        }
-        self.reinterpret(t, &sizes, &strides, 0)
+        self.reinterpret(t, &sizes, &crate::views::contiguous_strides(&sizes), 0)
     }
 
     /// A tensor's sizes and strides (`None` where the running torch lacks the queries).
@@ -510,29 +490,17 @@ impl Abi {
     /// # Safety
     /// `t` must be a live handle.
     pub unsafe fn contiguous_sizes(&self, t: Raw) -> Option<Vec<i64>> {
-        let (g, shims) = (self.geometry.as_ref()?, self.shims.as_ref()?);
-        let n = usize::try_from(unsafe { shims.dim(t) }?).ok()?;
-        let (mut sizes, mut strides) = (std::ptr::null_mut(), std::ptr::null_mut());
-        // SAFETY: a live handle and out-pointers; the arrays are borrowed from the tensor and
-        // have `n` elements.
-        let (sizes, strides) = unsafe {
-            if (g.sizes)(t, &mut sizes) != 0 || (g.strides)(t, &mut strides) != 0 {
-                return None;
-            }
-            if n == 0 {
-                (Vec::new(), &[][..])
-            } else {
-                (std::slice::from_raw_parts(sizes, n).to_vec(), std::slice::from_raw_parts(strides, n))
-            }
-        };
-        let mut expected = 1;
-        for (size, stride) in sizes.iter().zip(strides).rev() {
-            if *size != 1 && *stride != expected {
-                return None;
-            }
-            expected *= size;
+        // SAFETY: the caller's live handle.
+        let (sizes, strides) = unsafe { self.sizes_strides(t) }?;
+        crate::views::is_contiguous(&sizes, &strides).then_some(sizes)
+    }
+
+    /// A tensor a shim made (`empty_strided`), owned here, or the error torch reported.
+    fn owned(&self, made: Result<Raw, Status>) -> Result<Tensor, CError> {
+        match made {
+            Ok(raw) => Ok(Tensor(raw, self.delete_tensor)),
+            Err(status) => Err(self.check(status).err().unwrap_or_else(|| CError::Internal("empty_strided".into()))),
         }
-        Some(sizes)
     }
 
     /// kwexport's RMS norm of `x` (`[..., n]`) with weight `w` (`[n]`), both contiguous
@@ -555,11 +523,9 @@ impl Abi {
             return None;
         }
         let len = usize::try_from(xs.iter().product::<i64>()).ok()?;
-        let out = match shims.empty_f32(&xs) {
-            Ok(o) => Tensor(o, self.delete_tensor),
-            Err(status) => {
-                return Some(Err(self.status(status).err().unwrap_or_else(|| CError::Internal("empty_strided".into()))))
-            }
+        let out = match self.owned(shims.empty_f32(&xs)) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
         };
         // SAFETY: contiguous float32 CPU tensors of `len` and `n` elements (checked above), and
         // the fresh output of `len`; none aliases another (the output is new).
@@ -598,11 +564,9 @@ impl Abi {
             return None;
         }
         let (m, k, n) = (usize::try_from(*m).ok()?, usize::try_from(*k).ok()?, usize::try_from(*n).ok()?);
-        let out = match shims.empty_f32(&[m as i64, n as i64]) {
-            Ok(o) => Tensor(o, self.delete_tensor),
-            Err(status) => {
-                return Some(Err(self.status(status).err().unwrap_or_else(|| CError::Internal("empty_strided".into()))))
-            }
+        let out = match self.owned(shims.empty_f32(&[m as i64, n as i64])) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
         };
         // SAFETY: contiguous float32 CPU tensors of the sizes checked above; the output is new.
         unsafe {
@@ -649,11 +613,9 @@ impl Abi {
         if n == 0 || (an != n && an != 1) || (bn != n && bn != 1) {
             return None;
         }
-        let out = match shims.empty_i64(&sizes) {
-            Ok(o) => Tensor(o, self.delete_tensor),
-            Err(status) => {
-                return Some(Err(self.status(status).err().unwrap_or_else(|| CError::Internal("empty_strided".into()))))
-            }
+        let out = match self.owned(shims.empty_i64(&sizes)) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
         };
         // SAFETY: contiguous int64 CPU tensors of `an`, `bn` and `n` elements; the output is new.
         unsafe {

@@ -210,10 +210,8 @@ impl Shims {
     /// # Safety
     /// `t` must be a live handle.
     pub unsafe fn is_cpu_f32(&self, t: Raw) -> bool {
-        let mut device = 0;
-        // SAFETY: a live handle and an out-pointer.
-        let on_cpu = unsafe { (self.get_device_type)(t, &mut device) } == 0 && device == self.cpu;
-        on_cpu && self.float32.is_some() && self.dtype(t) == self.float32
+        // SAFETY: the caller's live handle.
+        unsafe { self.is_cpu_of(t, self.float32) }
     }
 
     /// Whether `t` is an int64 CPU tensor.
@@ -221,10 +219,19 @@ impl Shims {
     /// # Safety
     /// `t` must be a live handle.
     pub unsafe fn is_cpu_i64(&self, t: Raw) -> bool {
+        // SAFETY: the caller's live handle.
+        unsafe { self.is_cpu_of(t, self.int64) }
+    }
+
+    /// Whether `t` is a CPU tensor of dtype code `dtype` (`None`: a dtype torch lacks).
+    ///
+    /// # Safety
+    /// `t` must be a live handle.
+    unsafe fn is_cpu_of(&self, t: Raw, dtype: Option<i32>) -> bool {
         let mut device = 0;
         // SAFETY: a live handle and an out-pointer.
         let on_cpu = unsafe { (self.get_device_type)(t, &mut device) } == 0 && device == self.cpu;
-        on_cpu && self.int64.is_some() && self.dtype(t) == self.int64
+        on_cpu && dtype.is_some() && self.dtype(t) == dtype
     }
 
     /// A new contiguous CPU float32 tensor of these sizes.
@@ -238,10 +245,7 @@ impl Shims {
     }
 
     fn empty_contiguous(&self, sizes: &[i64], dtype: i32) -> Result<Raw, Status> {
-        let mut strides = vec![1i64; sizes.len()];
-        for i in (0..sizes.len().saturating_sub(1)).rev() {
-            strides[i] = strides[i + 1] * sizes[i + 1];
-        }
+        let strides = crate::views::contiguous_strides(sizes);
         let mut out: Raw = std::ptr::null_mut();
         // SAFETY: arrays of `sizes.len()` elements and an out-pointer.
         check(unsafe {
