@@ -320,12 +320,7 @@ impl CStep {
         }
         if let (Some(kind), true) = (self.view, direct.no_autograd) {
             if let Some(view) = self.view_of(abi, kind, slots)? {
-                if let SlotOutputs::One(Some(s)) = &self.outputs {
-                    slots[*s] = Some(Native::Tensor(view));
-                }
-                for &s in &self.free {
-                    slots[s] = None;
-                }
+                self.finish(slots, view);
                 return Ok(());
             }
         }
@@ -450,12 +445,7 @@ impl CStep {
                 let fallback = shim.fallback.as_ref().ok_or_else(|| CError::Internal("no fallback".into()))?;
                 return Python::attach(|py| run_fallback(py, abi, fallback, slots)).map_err(CError::Python);
             };
-            if let SlotOutputs::One(Some(s)) = &self.outputs {
-                slots[*s] = Some(Native::Tensor(result?));
-            }
-            for &s in &self.free {
-                slots[s] = None;
-            }
+            self.finish(slots, result?);
             return Ok(());
         }
         // A contiguous input of more dimensions runs folded into a matrix, as at::linear
@@ -488,12 +478,7 @@ impl CStep {
         if integer_add {
             // SAFETY: the handles just read from live slots and constants.
             if let Some(result) = unsafe { abi.add_i64(t[0], t[1]) } {
-                if let SlotOutputs::One(Some(s)) = &self.outputs {
-                    slots[*s] = Some(Native::Tensor(result?));
-                }
-                for &s in &self.free {
-                    slots[s] = None;
-                }
+                self.finish(slots, result?);
                 return Ok(());
             }
         }
@@ -522,13 +507,18 @@ impl CStep {
             let Some(Native::Tensor(this)) = &slots[*s] else { return Err(CError::Internal("in place".into())) };
             result = abi.adopt(abi.share(this)?);
         }
+        self.finish(slots, result);
+        Ok(())
+    }
+
+    /// Stores a one-tensor step's result in its slot and frees the slots it read last.
+    fn finish(&self, slots: &mut [Option<Native>], result: abi::Tensor) {
         if let SlotOutputs::One(Some(s)) = &self.outputs {
             slots[*s] = Some(Native::Tensor(result));
         }
         for &s in &self.free {
             slots[s] = None;
         }
-        Ok(())
     }
 }
 
