@@ -18,19 +18,7 @@ CACHE_LEN = 48
 
 
 def decoder():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    model.generation_config.cache_implementation = "static"
-    return executorch.TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE_LEN)
+    return executorch.TorchExportableModuleForDecoderOnlyLM(causal_lm("llama"), batch_size=1, max_cache_len=CACHE_LEN)
 
 
 def greedy(step):
