@@ -330,10 +330,10 @@ fn last_row(py: Python<'_>, logits: &Bound<'_, PyAny>) -> RtResult<Vec<f32>> {
     };
     let flat = logits.call_method1(pyo3::intern!(py, "reshape"), (-1, vocab))?;
     let row = flat.get_item(-1)?;
-    let torch = py.import("torch")?;
-    let (dtype, device) = (row.getattr(pyo3::intern!(py, "dtype"))?, row.getattr(pyo3::intern!(py, "device"))?);
-    let is_cpu_f32 = dtype.eq(torch.getattr("float32")?)? && device.getattr("type")?.extract::<String>()? == "cpu";
-    let row = if is_cpu_f32 { row } else { row.call_method1("to", ("cpu", torch.getattr("float32")?))? };
+    // `to` and `contiguous` return the tensor itself where it already is a contiguous CPU
+    // float32 row (the usual case): no copy.
+    let float32 = py.import("torch")?.getattr(pyo3::intern!(py, "float32"))?;
+    let row = row.call_method1(pyo3::intern!(py, "to"), ("cpu", float32))?;
     let row = row.call_method0(pyo3::intern!(py, "contiguous"))?;
     let address: usize = row.call_method0(pyo3::intern!(py, "data_ptr"))?.extract()?;
     let n = usize::try_from(vocab).map_err(|_| RtError::Internal("negative vocabulary size".into()))?;
