@@ -17,19 +17,25 @@ use crate::schema::{Arg, InputSource, Method, Node, OpEntry, Outputs, Weights};
 
 /// Fuses every RMS-norm pattern of the method's top-level graph; returns how many.
 pub fn apply(m: &mut Method, weights: &Weights) -> usize {
-    let mut fused = 0;
-    while let Some((chain, replacement)) = find(m, weights) {
-        let op = op_index(&mut m.ops, "aten::rms_norm.default");
-        let last = *chain.last().expect("a chain of six");
-        m.graph.nodes[last] = Node { op, ..replacement };
-        let mut i = 0;
-        m.graph.nodes.retain(|_| {
-            i += 1;
-            !chain[..chain.len() - 1].contains(&(i - 1))
-        });
-        fused += 1;
+    // Patterns share no node (each intermediate has one reader), so all are found in one
+    // pass over the graph and rewritten together.
+    let found = find(m, weights);
+    if found.is_empty() {
+        return 0;
     }
-    fused
+    let op = op_index(&mut m.ops, "aten::rms_norm.default");
+    let mut removed = vec![false; m.graph.nodes.len()];
+    for (chain, replacement) in &found {
+        let (last, rest) = chain.split_last().expect("a chain of six or seven");
+        m.graph.nodes[*last] = Node { op, ..replacement.clone() };
+        rest.iter().for_each(|&i| removed[i] = true);
+    }
+    let mut i = 0;
+    m.graph.nodes.retain(|_| {
+        i += 1;
+        !removed[i - 1]
+    });
+    found.len()
 }
 
 fn op_index(ops: &mut Vec<OpEntry>, name: &str) -> usize {
@@ -42,8 +48,8 @@ fn op_index(ops: &mut Vec<OpEntry>, name: &str) -> usize {
     }
 }
 
-/// The first pattern: its six nodes' indices (the last is replaced) and the fused node.
-fn find(m: &Method, weights: &Weights) -> Option<(Vec<usize>, Node)> {
+/// Every pattern: its nodes' indices (the last is replaced) and the fused node.
+fn find(m: &Method, weights: &Weights) -> Vec<(Vec<usize>, Node)> {
     let g = &m.graph;
     let op_of = |n: &Node| m.ops.get(n.op).map(|o| o.name.as_str());
     // Who reads each value: node indices, and usize::MAX for a graph output or mutation.
@@ -79,6 +85,7 @@ fn find(m: &Method, weights: &Weights) -> Option<(Vec<usize>, Node)> {
             _ => None,
         }
     };
+    let mut found = Vec::new();
     for (p, pow) in g.nodes.iter().enumerate() {
         if op_of(pow) != Some("aten::pow.Tensor_Scalar") || !pow.kwargs.is_empty() {
             continue;
@@ -140,9 +147,9 @@ fn find(m: &Method, weights: &Weights) -> Option<(Vec<usize>, Node)> {
         let mut chain = vec![p, mi, ai, ri, hi];
         chain.extend(cast);
         chain.push(yi);
-        return Some((chain, fused));
+        found.push((chain, fused));
     }
-    None
+    found
 }
 
 /// `to(v, float32)` with no other effect (non_blocking and copy false, no memory format).
