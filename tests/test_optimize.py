@@ -227,3 +227,123 @@ def test_both_linear_kernels_run_in_place_of_each_other(tmp_path):
     cpuinfo = pathlib.Path("/proc/cpuinfo")
     if cpuinfo.exists() and "avx512f" in cpuinfo.read_text():
         assert not torch.equal(outs["kwexport"], want)  # it did run: other rounding
+
+
+class ConvBlocks(nn.Module):
+    """What `fast` folds and lowers, beside what it must leave alone: a 3×3 conv + BN + ReLU,
+    a 1×1 conv with a bias + BN (no affine) + hardswish, a depthwise 5×5 conv + BN, two convs
+    sharing one weight before batch norms (a fold would change the other), and a strided conv
+    whose output is also returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True))
+        self.b = nn.Sequential(nn.Conv2d(16, 24, 1), nn.BatchNorm2d(24, affine=False), nn.Hardswish())
+        self.c = nn.Sequential(nn.Conv2d(24, 24, 5, padding=2, groups=24, bias=False), nn.BatchNorm2d(24))
+        self.shared = nn.Conv2d(24, 24, 3, padding=1, bias=False)
+        self.bn1, self.bn2 = nn.BatchNorm2d(24), nn.BatchNorm2d(24)
+        self.strided = nn.Conv2d(24, 8, 3, stride=2, dilation=2, padding=2)
+        for bn in [self.a[1], self.b[1], self.c[1], self.bn1, self.bn2]:
+            bn.running_mean.uniform_(-1, 1)
+            bn.running_var.uniform_(0.5, 2)
+            if bn.affine:
+                nn.init.uniform_(bn.weight, 0.5, 1.5)
+                nn.init.uniform_(bn.bias, -0.5, 0.5)
+
+    def forward(self, x):
+        h = self.c(self.b(self.a(x)))
+        h = self.bn1(self.shared(h)) + self.bn2(self.shared(h.relu()))
+        s = self.strided(h)
+        return s.sigmoid(), s
+
+
+def conv_blocks(tmp_path):
+    torch.manual_seed(0)
+    model = ConvBlocks().eval()
+    x = torch.randn(2, 3, 20, 20)
+    path = tmp_path / "blocks.kwx"
+    kwexport.save(kwexport.export(model, (x,)), path)
+    with torch.no_grad():
+        want = model(x)
+    return model, x, path, want
+
+
+def test_fast_folds_batch_norms_and_lowers_convolutions(tmp_path):
+    _, x, path, want = conv_blocks(tmp_path)
+    fast = kwexport.load(path, optimize="fast")
+    for got, w in zip(fast(x), want):
+        assert rel_err(got, w) < 1e-5
+    ran = [n["op"] for n in fast.profile(x)]
+    onednn = torch.backends.mkldnn.is_available()
+    # Three of five batch norms fold: the shared weight's two stay.
+    assert ran.count("aten::batch_norm.default") == 2
+    if onednn:
+        # Every spatial kernel runs on oneDNN (the first with its ReLU as a post-op), the
+        # shared weight's two unfolded; the 1×1 stays torch's.
+        assert ran.count("mkldnn::_convolution_pointwise.default") == 5
+        assert ran.count("aten::conv2d.default") == 1
+        assert "aten::relu_.default" not in ran
+    assert fast.dispatch["python"] == 0
+    # Offline, the folds are written (the batch norms' tensors with them) and the graph keeps
+    # torch's convolutions, which any torch loads.
+    saved = tmp_path / "saved.kwx"
+    kwexport._cli.optimize(str(path), str(saved))
+    header = json.loads(kwexport._rt.describe(str(saved))["header"])
+    ops = [o["name"] for o in header["methods"]["forward"]["ops"]]
+    assert not any(o.startswith("mkldnn::") for o in ops)
+    tensors = header["weights"]["tensors"]
+    assert "a.1.running_mean" not in tensors and "bn1.running_mean" in tensors
+    assert tensors["a.1.bias"]["shape"] == [16]  # holds the folded bias now
+    for got, w in zip(kwexport.load(saved)(x), want):
+        assert rel_err(got, w) < 1e-5
+
+
+def test_fast_convolutions_pack_their_weights_once_across_threads(tmp_path):
+    import threading
+
+    _, x, path, want = conv_blocks(tmp_path)
+    fast = kwexport.load(path, optimize="fast")
+    results, barrier = [None] * 4, threading.Barrier(4)
+
+    def call(i):
+        barrier.wait()  # every thread's first call races to pack the weights
+        results[i] = fast(x)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got in results:
+        assert all(torch.equal(g, r) for g, r in zip(got, results[0]))
+        assert all(rel_err(g, w) < 1e-5 for g, w in zip(got, want))
+
+
+def test_fast_convolutions_under_autograd_run_the_python_op(tmp_path):
+    _, x, path, want = conv_blocks(tmp_path)
+    fast = kwexport.load(path, optimize="fast")
+    with torch.enable_grad():
+        got = fast(x.clone().requires_grad_())
+    for g, w in zip(got, want):
+        assert rel_err(g.detach(), w) < 1e-5
+
+
+@pytest.mark.skipif(not kwexport._rt.stable_abi_available(), reason="needs torch's stable C ABI")
+def test_without_the_onednn_shim_fast_keeps_torchs_convolutions(tmp_path):
+    import subprocess
+    import sys
+
+    _, x, path, want = conv_blocks(tmp_path)
+    torch.save((x, want), tmp_path / "io.pt")
+    code = f"""
+import torch, kwexport
+x, want = torch.load({str(tmp_path / "io.pt")!r})
+fast = kwexport.load({str(path)!r}, optimize="fast")
+ran = [n["op"] for n in fast.profile(x)]
+assert "mkldnn::_convolution_pointwise.default" not in ran and ran.count("aten::conv2d.default") == 6, ran
+for g, w in zip(fast(x), want):
+    assert ((g - w).abs().max() / w.abs().max()).item() < 1e-5
+"""
+    env = dict(os.environ, KWEXPORT_HIDE_SYMBOLS="aoti_torch_cpu_mkldnn__convolution_pointwise")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

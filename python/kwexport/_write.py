@@ -188,15 +188,29 @@ def optimized(header: dict[str, Any], weights: dict[str, Any], mutable: set[str]
     probe = json.loads(json.dumps(header))
     for entry in probe["weights"]["storages"]:
         entry["offset"] = 0
-    rewritten, channels_last = optimize_header(json.dumps(probe), level)
+    rewritten, channels_last, folds = optimize_header(json.dumps(probe), level)
     header = json.loads(rewritten)
-    if channels_last:
-        weights = dict(weights)
+    if channels_last or folds:
+        from kwexport._fold import fold_batch_norms
+
+        weights = dict(weights, **fold_batch_norms(weights, folds))
         for name in channels_last:
             weights[name] = weights[name].contiguous(memory_format=torch.channels_last)
+        # A fold leaves the batch norms' own tensors unread: they aren't written.
+        named = referenced_weights(header)
+        weights = {name: w for name, w in weights.items() if name in named}
         storage_table, tensor_table, storages = weight_tables(weights, mutable)
         header["weights"] = {"storages": storage_table, "tensors": tensor_table}
     return header, storages
+
+
+def referenced_weights(header: dict[str, Any]) -> set[str]:
+    """The weights a header's methods name: as graph inputs or as parameter defaults."""
+    named = set()
+    for m in header["methods"].values():
+        named.update(i["source"]["weight"] for i in m["graph"]["inputs"] if "weight" in i["source"])
+        named.update(p["default_weight"] for p in m["signature"]["params"] if p.get("default_weight"))
+    return named
 
 
 def write_document(

@@ -67,6 +67,11 @@ pub const DEFAULTDICT_FACTORIES: &[&str] = &["list", "dict", "set", "tuple", "in
 /// Op namespaces a file may use without the caller's say-so.
 pub const DEFAULT_NAMESPACES: &[&str] = &["aten", "prims"];
 
+/// torch's ops outside those namespaces that a load-time pass may insert (a file may name
+/// them too: they are torch's own kernels): oneDNN's fused convolution
+/// (`passes::conv_pointwise`).
+pub const PASS_OPS: &[&str] = &["mkldnn::_convolution_pointwise.default"];
+
 /// The longest extra-file name, in bytes.
 pub const MAX_EXTRA_NAME_BYTES: usize = 255;
 

@@ -437,6 +437,49 @@ impl CStep {
             };
         }
         let skips_dispatcher = shim.family == Family::Cpu;
+        if let (ShimFn::ConvPointwise(f), Some(conv)) = (shim.f, shim.conv.as_deref()) {
+            let n = self.args.len();
+            // SAFETY: the handles just read from live slots and constants.
+            let admitted = direct.no_autograd
+                && direct.no_autocast
+                && unsafe { shims.admits(Family::Cpu, &t[..n], false, false) && shims.dim(t[0]) == Some(4) }
+                && shims.is_f32(t[0]);
+            if !admitted {
+                let fallback = shim.fallback.as_ref().ok_or_else(|| CError::Internal("no fallback".into()))?;
+                return Python::attach(|py| run_fallback(py, abi, fallback, slots)).map_err(CError::Python);
+            }
+            let Some(weight) = conv.packed.get_or_init(|| pack_conv_weight(abi, conv, &consts[conv.weight])) else {
+                let fallback = shim.fallback.as_ref().ok_or_else(|| CError::Internal("no fallback".into()))?;
+                return Python::attach(|py| run_fallback(py, abi, fallback, slots)).map_err(CError::Python);
+            };
+            let mut bias = t[2];
+            let mut out: abi::Raw = std::ptr::null_mut();
+            // SAFETY: live handles (the bias, if any, is the third tensor); pairs of two ints;
+            // no scalars and no algorithm, as compiled.
+            let status = unsafe {
+                f(
+                    t[0],
+                    weight.raw(),
+                    if n == 3 { &mut bias } else { std::ptr::null_mut() },
+                    conv.padding.as_ptr(),
+                    2,
+                    conv.stride.as_ptr(),
+                    2,
+                    conv.dilation.as_ptr(),
+                    2,
+                    conv.groups,
+                    conv.attr.as_ptr(),
+                    std::ptr::null(),
+                    0,
+                    std::ptr::null(),
+                    &mut out,
+                )
+            };
+            let result = (!out.is_null()).then(|| abi.adopt(out as StableIValue));
+            abi.status(status)?;
+            self.finish(slots, result.ok_or_else(|| CError::Internal("a shim returned no tensor".into()))?);
+            return Ok(());
+        }
         if matches!(shim.f, ShimFn::RmsNorm) {
             // SAFETY: the handles just read from live slots and constants.
             let (eps, n) = (shim.scalars[0], shim.scalars[1] as i64);
@@ -522,6 +565,36 @@ impl CStep {
     }
 }
 
+/// A convolution's weight packed for oneDNN (`mkldnn::_reorder_convolution_weight`, through
+/// the dispatcher), or the plain weight where torch can't pack it: oneDNN then reorders it
+/// on each call, which gives the same values. `None` only if not even a new handle to the
+/// weight could be made (the node then runs its Python op).
+fn pack_conv_weight(abi: &Abi, conv: &crate::plan::Conv, weight: &abi::Tensor) -> Option<abi::Tensor> {
+    let packed = || -> Result<abi::Tensor, CError> {
+        let ints = |v: &[i64; 2]| abi.new_list(&[v[0] as StableIValue, v[1] as StableIValue]);
+        let list = Ty::List(Box::new(Ty::Int));
+        let mut stack: Vec<StableIValue> = Vec::with_capacity(6);
+        let parts = [&conv.padding, &conv.stride, &conv.dilation];
+        let built = abi.share(weight).and_then(|w| {
+            stack.push(w);
+            parts.iter().try_for_each(|p| ints(p).map(|l| stack.push(l)))
+        });
+        if let Err(e) = built {
+            for (i, &v) in stack.iter().enumerate() {
+                // SAFETY: built above for these types, never handed to torch.
+                unsafe { abi.release(if i == 0 { &Ty::Tensor } else { &list }, v) };
+            }
+            return Err(e);
+        }
+        stack.extend([conv.groups as StableIValue, 0]); // groups, input_size=None
+                                                        // SAFETY: one value per argument of `_reorder_convolution_weight`'s schema, encoded
+                                                        // for its type; it returns one tensor.
+        unsafe { abi.call(c"mkldnn::_reorder_convolution_weight", c"", &mut stack) }?;
+        Ok(abi.adopt(stack[0]))
+    };
+    packed().or_else(|_| abi.share(weight).map(|w| abi.adopt(w))).ok()
+}
+
 /// A shim step's torch kernel on its tensors `t`: the new tensor it returns.
 fn torch_kernel(abi: &Abi, shim: &ShimStep, t: &[abi::Raw; 3]) -> Result<abi::Tensor, CError> {
     let shims = abi.shims.as_ref().ok_or_else(|| CError::Internal("a shim step without shims".into()))?;
@@ -549,7 +622,9 @@ fn torch_kernel(abi: &Abi, shim: &ShimStep, t: &[abi::Raw; 3]) -> Result<abi::Te
                 }
                 Err(status) => status,
             },
-            ShimFn::RmsNorm => return Err(CError::Internal("rms_norm runs in call_shim".into())),
+            ShimFn::RmsNorm | ShimFn::ConvPointwise(_) => {
+                return Err(CError::Internal(format!("{:?} runs in call_shim", shim.f)))
+            }
         }
     };
     // The shim's new tensor (or, for an out= shim, the one made for it) is owned here.

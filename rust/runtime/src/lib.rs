@@ -177,18 +177,23 @@ fn check_extra_name(name: &str) -> PyResult<()> {
 }
 
 /// Rewrites a header (JSON, at the current format) at an optimization level, as loading at
-/// that level would: returns the new header and the weights to store channels-last (the
-/// writer repacks their data; weights stay plain tensors). For `kwexport optimize` and
+/// that level would, but portable (nothing only a loader may decide): returns the new header,
+/// the weights to store channels-last, and the batch-norm folds whose weights the writer
+/// computes (`kwexport._fold`); weights stay plain tensors. For `kwexport optimize` and
 /// `kwexport.save(..., optimize=...)`.
 #[pyfunction]
-fn optimize_header(header: &str, level: &str) -> PyResult<(String, Vec<String>)> {
+fn optimize_header<'py>(
+    py: Python<'py>,
+    header: &str,
+    level: &str,
+) -> PyResult<(String, Vec<String>, Bound<'py, pyo3::types::PyList>)> {
     let level = kwexport_core::passes::Level::parse(level)
         .ok_or_else(|| PyValueError::new_err(format!("optimize must be 'exact' or 'fast', not '{level}'")))?;
     let mut doc: kwexport_core::schema::Document =
         serde_json::from_str(header).map_err(|e| Error::Schema { message: e.to_string() }.into_py_err())?;
-    let rewrites = kwexport_core::passes::apply(&mut doc, level, false);
+    let rewrites = kwexport_core::passes::apply(&mut doc, level, kwexport_core::passes::Target::default());
     let json = serde_json::to_string(&doc).map_err(|e| RtError::Internal(format!("optimize: {e}")))?;
-    Ok((json, rewrites.channels_last))
+    Ok((json, rewrites.channels_last, weights::folds_to_py(py, &rewrites.folds)?))
 }
 
 /// Checks a method name against the format's rule; raises `ArtifactError` if it breaks it.

@@ -53,6 +53,7 @@ impl AllowOps {
 
     fn allows(&self, op: &OpName) -> bool {
         DEFAULT_NAMESPACES.contains(&op.namespace.as_str())
+            || kwexport_core::tables::PASS_OPS.contains(&op.to_string().as_str())
             || self.0.iter().any(|(ns, name, overload)| {
                 *ns == op.namespace
                     && name.as_ref().is_none_or(|n| *n == op.name)

@@ -134,6 +134,13 @@ pub fn load(py: Python<'_>, path: &str, options: &LoadOptions) -> RtResult<Progr
     load_mapped(py, path, Arc::new(map), options)
 }
 
+/// Whether convolutions may run on oneDNN's fused kernel (`passes::conv_pointwise`): torch
+/// was built with it and exports the C shim kwexport calls it through.
+fn onednn(py: Python<'_>, torch: &Bound<'_, PyModule>) -> PyResult<bool> {
+    let shim = crate::abi::Abi::get(py).and_then(|abi| abi.shims.as_ref()).is_some_and(|s| s.conv_pointwise.is_some());
+    Ok(shim && torch.getattr("backends")?.getattr("mkldnn")?.call_method0("is_available")?.extract()?)
+}
+
 /// Loads a file already mapped: a copy of a program maps nothing again, so it shares the
 /// read-only weights' pages.
 fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: &LoadOptions) -> RtResult<Program> {
@@ -147,8 +154,9 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
     for m in parsed.document.methods.values_mut() {
         placement.adapt_ops(m);
     }
-    let rewrites = passes::apply(&mut parsed.document, options.optimize, true);
-    let (channels_last, mut in_place) = (rewrites.channels_last, rewrites.in_place);
+    let target = passes::Target { in_place: true, onednn: placement.target == "cpu" && onednn(py, &torch)? };
+    let rewrites = passes::apply(&mut parsed.document, options.optimize, target);
+    let (channels_last, mut in_place, folds) = (rewrites.channels_last, rewrites.in_place, rewrites.folds);
     let several = parsed.document.methods.len() > 1;
     let mut resolved = BTreeMap::new();
     let mut notes = Vec::new();
@@ -169,6 +177,9 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
 
     let data = Bound::new(py, MappedData::new(map.clone(), &a.layout))?;
     let mut weights = weights::materialize(py, &torch, data, &doc.weights, &a.weights)?;
+    // Folded before anything reads them, on the file's device: the same values a file
+    // written by `kwexport optimize` holds.
+    weights::fold_batch_norms(py, &mut weights, &folds)?;
     if placement.moves() {
         placement.place_weights(py, &mut weights)?;
     }

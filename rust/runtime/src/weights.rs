@@ -9,11 +9,13 @@ use std::sync::Arc;
 
 use kwexport_core::container::Layout;
 use kwexport_core::graph::OpName;
+use kwexport_core::passes::batch_norm::Fold;
 use kwexport_core::schema::Weights;
 use kwexport_core::weights::CheckedWeight;
 use memmap2::MmapMut;
 use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
 
 use crate::abi::Abi;
 
@@ -170,4 +172,37 @@ pub fn mark_grad_sensitive<'a>(
         }
     }
     Ok(marked)
+}
+
+/// The core's batch-norm folds as `kwexport._fold` reads them: one dict per fold.
+pub fn folds_to_py<'py>(py: Python<'py>, folds: &[Fold]) -> PyResult<Bound<'py, PyList>> {
+    let items = folds.iter().map(|f| {
+        let d = PyDict::new(py);
+        d.set_item("weight", &f.weight)?;
+        d.set_item("bias", &f.bias)?;
+        d.set_item("conv_bias", &f.conv_bias)?;
+        d.set_item("gamma", &f.gamma)?;
+        d.set_item("beta", &f.beta)?;
+        d.set_item("mean", &f.mean)?;
+        d.set_item("var", &f.var)?;
+        d.set_item("eps", f.eps)?;
+        Ok(d)
+    });
+    PyList::new(py, items.collect::<PyResult<Vec<_>>>()?)
+}
+
+/// Replaces the weights the folds rewrite with their folded values (`kwexport._fold`).
+pub fn fold_batch_norms(py: Python<'_>, weights: &mut BTreeMap<String, Py<PyAny>>, folds: &[Fold]) -> PyResult<()> {
+    if folds.is_empty() {
+        return Ok(());
+    }
+    let given = PyDict::new(py);
+    for (name, w) in weights.iter() {
+        given.set_item(name, w)?;
+    }
+    let new = py.import("kwexport._fold")?.call_method1("fold_batch_norms", (given, folds_to_py(py, folds)?))?;
+    for (name, w) in new.cast::<PyDict>()?.iter() {
+        weights.insert(name.extract()?, w.unbind());
+    }
+    Ok(())
 }

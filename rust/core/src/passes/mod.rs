@@ -8,12 +8,19 @@
 //! - [`dead_code`]          unread pure nodes and assertions a checked call can't fail (every
 //!   level)
 //! - [`rms_norm`]           RMS normalization's six ops as one `rms_norm` node (`fast`)
+//! - [`batch_norm`]         eval-mode batch norms folded into the convolution before them
+//!   (`fast`; the new weights are computed where the tensors are)
+//! - [`conv_pointwise`]     convolutions (and the activation after) onto oneDNN's fused
+//!   convolution over a weight packed once (`fast`, at load on a CPU with oneDNN)
 //! - [`inplace_state`]      state writes (a KV cache's) run in place, with nothing to copy back
 //!   (every level: the values are the same)
 
+pub mod batch_norm;
 pub mod channels_last;
+pub mod conv_pointwise;
 pub mod dead_code;
 pub mod inplace_state;
+pub mod readers;
 pub mod rms_norm;
 pub mod views_as_reshapes;
 
@@ -55,23 +62,40 @@ impl Level {
 }
 
 /// What a level leaves for the runtime to do with torch, per method and for the file.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Rewrites {
     /// Per method, the weights its graph writes in place (no copy back after a call).
     pub in_place: std::collections::BTreeMap<String, Vec<String>>,
     /// The weights to hold channels-last (a no-op for weights a file already holds so).
     pub channels_last: Vec<String>,
+    /// Batch norms folded into convolutions: the weights to recompute, before anything else
+    /// reads them (`kwexport._fold`).
+    pub folds: Vec<batch_norm::Fold>,
+}
+
+/// What the program that will run the graph can do, for the passes that depend on it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Target {
+    /// Decide the state written in place (a runtime choice, which a file written by
+    /// `kwexport optimize` leaves to the loader).
+    pub in_place: bool,
+    /// The program runs on a CPU torch built with oneDNN: lower convolutions onto it. Never
+    /// for a file being written, which must load on any torch.
+    pub onednn: bool,
 }
 
 /// Applies `level`'s graph passes (and those of every level) to each method of `doc`; the
 /// level applied is the higher of `level` and the file's own (`doc.optimized`), and becomes
 /// the file's. Passes are idempotent, so a file optimized when written passes through
-/// unchanged. With `in_place`, also decides the state written in place (a runtime choice,
-/// which a file written by `kwexport optimize` leaves to the loader).
-pub fn apply(doc: &mut Document, level: Level, in_place: bool) -> Rewrites {
+/// unchanged. `target` adds what only a loader may decide.
+pub fn apply(doc: &mut Document, level: Level, target: Target) -> Rewrites {
     let level = level.max(doc.optimized);
     doc.optimized = level;
     let mut rewrites = Rewrites::default();
+    if level == Level::Fast {
+        // Folded first, so a convolution's activation is the node right after it.
+        rewrites.folds = batch_norm::apply(doc);
+    }
     for (name, m) in doc.methods.iter_mut() {
         // Dead code first: the patterns below want each value's real readers.
         dead_code::apply(m);
@@ -79,14 +103,37 @@ pub fn apply(doc: &mut Document, level: Level, in_place: bool) -> Rewrites {
             views_as_reshapes::apply(m);
             rms_norm::apply(m, &doc.weights);
         }
-        if in_place {
+        if target.in_place {
             rewrites.in_place.insert(name.clone(), inplace_state::apply(m));
         }
     }
     if level == Level::Fast {
+        if target.onednn {
+            conv_pointwise::apply(doc);
+        }
         rewrites.channels_last = channels_last::conv_weights(doc);
     }
     rewrites
+}
+
+/// The index of op `name` in a method's op table, added if missing (a pass's new node).
+fn op_index(ops: &mut Vec<crate::schema::OpEntry>, name: &str) -> usize {
+    match ops.iter().position(|o| o.name == name) {
+        Some(i) => i,
+        None => {
+            ops.push(crate::schema::OpEntry { name: name.to_owned(), schema: None });
+            ops.len() - 1
+        }
+    }
+}
+
+/// Removes the nodes `removed` marks.
+fn remove_nodes(nodes: &mut Vec<crate::schema::Node>, removed: &[bool]) {
+    let mut i = 0;
+    nodes.retain(|_| {
+        i += 1;
+        !removed[i - 1]
+    });
 }
 
 #[cfg(test)]
@@ -113,14 +160,14 @@ mod tests {
     #[test]
     fn the_level_applied_is_the_higher_of_the_asked_and_the_files() {
         let mut d = doc();
-        apply(&mut d, Level::Exact, false);
+        apply(&mut d, Level::Exact, Target::default());
         assert_eq!((d.optimized, d.methods["forward"].graph.nodes.len()), (Level::Exact, 1));
         d.optimized = Level::Fast;
-        apply(&mut d, Level::Exact, false);
+        apply(&mut d, Level::Exact, Target::default());
         assert_eq!(d.optimized, Level::Fast);
         // Idempotent: a file optimized when written passes through unchanged.
         let before = d.clone();
-        apply(&mut d, Level::Fast, false);
+        apply(&mut d, Level::Fast, Target::default());
         assert_eq!(d, before);
         // The field is written only where it says something.
         let json = serde_json::to_value(&d).unwrap();

@@ -11,9 +11,8 @@
 //! torch's `rms_norm` otherwise. Each intermediate must be read only by the next op, so nothing
 //! else needs the values that disappear.
 
-use std::collections::HashMap;
-
-use crate::schema::{Arg, InputSource, Method, Node, OpEntry, Outputs, Weights};
+use super::readers::{one, readers, sole_reader};
+use crate::schema::{Arg, InputSource, Method, Node, Weights};
 
 /// Fuses every RMS-norm pattern of the method's top-level graph; returns how many.
 pub fn apply(m: &mut Method, weights: &Weights) -> usize {
@@ -23,59 +22,25 @@ pub fn apply(m: &mut Method, weights: &Weights) -> usize {
     if found.is_empty() {
         return 0;
     }
-    let op = op_index(&mut m.ops, "aten::rms_norm.default");
+    let op = super::op_index(&mut m.ops, "aten::rms_norm.default");
     let mut removed = vec![false; m.graph.nodes.len()];
     for (chain, replacement) in &found {
         let (last, rest) = chain.split_last().expect("a chain of six or seven");
         m.graph.nodes[*last] = Node { op, ..replacement.clone() };
         rest.iter().for_each(|&i| removed[i] = true);
     }
-    let mut i = 0;
-    m.graph.nodes.retain(|_| {
-        i += 1;
-        !removed[i - 1]
-    });
+    super::remove_nodes(&mut m.graph.nodes, &removed);
     found.len()
-}
-
-fn op_index(ops: &mut Vec<OpEntry>, name: &str) -> usize {
-    match ops.iter().position(|o| o.name == name) {
-        Some(i) => i,
-        None => {
-            ops.push(OpEntry { name: name.to_owned(), schema: None });
-            ops.len() - 1
-        }
-    }
 }
 
 /// Every pattern: its nodes' indices (the last is replaced) and the fused node.
 fn find(m: &Method, weights: &Weights) -> Vec<(Vec<usize>, Node)> {
     let g = &m.graph;
     let op_of = |n: &Node| m.ops.get(n.op).map(|o| o.name.as_str());
-    // Who reads each value: node indices, and usize::MAX for a graph output or mutation.
-    let mut readers: HashMap<&str, Vec<usize>> = HashMap::new();
-    for (i, n) in g.nodes.iter().enumerate() {
-        for a in n.args.iter().chain(n.kwargs.values()) {
-            a.for_each_ref(&mut |r| readers.entry(r).or_default().push(i));
-        }
-    }
-    for a in g.outputs.iter().chain(g.mutations.iter().map(|w| &w.value)) {
-        a.for_each_ref(&mut |r| readers.entry(r).or_default().push(usize::MAX));
-    }
-    fn one(n: &Node) -> Option<&str> {
-        match &n.outputs {
-            Outputs::One(o) => Some(o.as_str()),
-            _ => None,
-        }
-    }
+    let readers = readers(g);
     // The node that alone reads `n`'s value, if it is `op`.
-    let sole_reader = |n: &Node, op: &str| -> Option<usize> {
-        let r = readers.get(one(n)?)?;
-        match r.as_slice() {
-            [j] if *j != usize::MAX && op_of(&g.nodes[*j]) == Some(op) => Some(*j),
-            _ => None,
-        }
-    };
+    let sole_reader =
+        |n: &Node, op: &str| -> Option<usize> { sole_reader(&readers, n).filter(|&j| op_of(&g.nodes[j]) == Some(op)) };
     let weight_1d = |name: &str| -> Option<(String, i64, &str)> {
         let input = g.inputs.iter().find(|i| i.name == name)?;
         let InputSource::Weight(w) = &input.source else { return None };
@@ -163,6 +128,7 @@ fn is_f32_cast(n: &Node) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::schema::Outputs;
     use serde_json::json;
 
     fn method(mutate: impl FnOnce(&mut serde_json::Value)) -> (Method, Weights) {

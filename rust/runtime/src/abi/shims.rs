@@ -35,7 +35,33 @@ pub enum ShimFn {
     /// `(Tensor input, Tensor weight, double eps)`: kwexport's own RMS norm
     /// (`kernels::rms_norm_f32`) for `rms_norm` on contiguous float32 CPU tensors.
     RmsNorm,
+    /// `mkldnn::_convolution_pointwise`: oneDNN's convolution with a post-op.
+    ConvPointwise(ConvPointwiseFn),
 }
+
+/// `aoti_torch_cpu_mkldnn__convolution_pointwise(X, W, B*, padding, len, stride, len,
+/// dilation, len, groups, attr, scalars, len, algorithm*, out)`.
+pub type ConvPointwiseFn = unsafe extern "C" fn(
+    Raw,
+    Raw,
+    *mut Raw,
+    *const i64,
+    i64,
+    *const i64,
+    i64,
+    *const i64,
+    i64,
+    i64,
+    *const std::ffi::c_char,
+    *const *const f64,
+    i64,
+    *const *const std::ffi::c_char,
+    *mut Raw,
+) -> Status;
+
+/// The symbol of oneDNN's fused convolution, which `optimize="fast"` lowers convolutions
+/// onto where torch exports it (`passes::conv_pointwise`).
+pub const CONV_POINTWISE: &str = "aoti_torch_cpu_mkldnn__convolution_pointwise";
 
 impl std::fmt::Debug for ShimFn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -46,6 +72,7 @@ impl std::fmt::Debug for ShimFn {
             ShimFn::TensorTensor(_) => "TensorTensor",
             ShimFn::MmOut(_) => "MmOut",
             ShimFn::RmsNorm => "RmsNorm",
+            ShimFn::ConvPointwise(_) => "ConvPointwise",
         })
     }
 }
@@ -70,6 +97,7 @@ pub struct Shims {
     pub mm_out: Option<ShimFn>,
     /// kwexport's own kernels, where torch gives their data pointers.
     pub rms_norm: Option<ShimFn>,
+    pub conv_pointwise: Option<ShimFn>,
     get_data_ptr: Option<unsafe extern "C" fn(Raw, *mut *mut std::ffi::c_void) -> Status>,
     float32: Option<i32>,
     int64: Option<i32>,
@@ -117,6 +145,7 @@ impl Shims {
                 "aoti_torch_get_data_ptr",
             )
             .map(|_| ShimFn::RmsNorm),
+            conv_pointwise: sym(lib, hidden, CONV_POINTWISE).map(ShimFn::ConvPointwise),
             get_data_ptr: sym(lib, hidden, "aoti_torch_get_data_ptr"),
             float32: sym::<unsafe extern "C" fn() -> i32>(lib, hidden, "aoti_torch_dtype_float32").map(|f| f()),
             int64: sym::<unsafe extern "C" fn() -> i32>(lib, hidden, "aoti_torch_dtype_int64").map(|f| f()),
@@ -130,6 +159,11 @@ impl Shims {
             floating,
             cpu: cpu_code(),
         })
+    }
+
+    /// Whether `t` is a float32 tensor.
+    pub(crate) fn is_f32(&self, t: Raw) -> bool {
+        self.float32.is_some() && self.dtype(t) == self.float32
     }
 
     pub(crate) fn dtype(&self, t: Raw) -> Option<i32> {

@@ -152,8 +152,28 @@ pub struct ShimStep {
     /// At `fast`, a linear's weight transposed and contiguous for kwexport's small-batch
     /// kernel, and which kernel won for each number of rows seen.
     pub(crate) packed: Option<Box<Packed>>,
+    /// For oneDNN's fused convolution, its geometry and packed weight.
+    pub(crate) conv: Option<Box<Conv>>,
     /// The node through its Python op, for calls the shim can't take (integer tensors).
     pub(crate) fallback: Option<PyStep>,
+}
+
+/// A convolution on oneDNN's fused kernel (`passes::conv_pointwise`): the geometry it was
+/// compiled with, and its weight packed into oneDNN's layout for this CPU on the first call
+/// (`mkldnn::_reorder_convolution_weight`; a load shouldn't pay for packing every weight).
+/// Threads that call first together wait for one packing.
+pub struct Conv {
+    pub(crate) padding: [i64; 2],
+    pub(crate) stride: [i64; 2],
+    pub(crate) dilation: [i64; 2],
+    pub(crate) groups: i64,
+    /// The post-op: `relu`, `hardswish`, ... or `none`.
+    pub(crate) attr: std::ffi::CString,
+    /// The const index of the plain weight.
+    pub(crate) weight: usize,
+    /// The packed weight, or the plain one where torch couldn't pack it (oneDNN then
+    /// reorders it on each call: slower, the same values).
+    pub(crate) packed: std::sync::OnceLock<Option<crate::abi::Tensor>>,
 }
 
 /// A linear's weight for kwexport's kernel (`kernels::linear_f32`), and the kernel measured

@@ -145,6 +145,7 @@ pub(super) fn compile(
             step.shim.as_mut()?.scalars.push(*n as f64);
             return Some(step);
         }
+        ("mkldnn::_convolution_pointwise", "") => return conv_step(abi, node, bound, is_tensor, consts, shims),
         ("aten::linear", "") if bias_given => ShimUse {
             tensors: vec![Operand::Arg(2), Operand::Arg(0), Operand::WeightT(1)],
             dims: Some((1, 2)),
@@ -162,6 +163,82 @@ pub(super) fn compile(
         _ => return None,
     };
     shim_step(abi, op, node, bound, is_tensor, consts, uses)
+}
+
+/// oneDNN's fused convolution (`passes::conv_pointwise` made the node): input, weight (a
+/// weight of the file, packed on the first call) and bias as tensors, the geometry and the
+/// post-op as literals. The shim skips the dispatcher, so autograd and autocast calls run
+/// the Python op.
+fn conv_step(
+    abi: &Abi,
+    node: &SlotNode,
+    bound: &[&SlotArg],
+    is_tensor: &dyn Fn(usize) -> bool,
+    consts: &mut dyn Consts,
+    shims: &crate::abi::shims::Shims,
+) -> Option<CStep> {
+    let f = shims.conv_pointwise?;
+    let [x, SlotArg::Value(ValueRef::Weight(w)), bias, padding, stride, dilation, groups, attr, scalars, algorithm] =
+        bound
+    else {
+        return None;
+    };
+    let pair = |a: &SlotArg| -> Option<[i64; 2]> {
+        match a {
+            SlotArg::List(items) => match items.as_slice() {
+                [SlotArg::Literal(Arg::Int(a)), SlotArg::Literal(Arg::Int(b))] => Some([*a, *b]),
+                _ => None,
+            },
+            _ => None,
+        }
+    };
+    let (SlotArg::Literal(Arg::Int(groups)), SlotArg::Literal(Arg::Str(attr))) = (groups, attr) else { return None };
+    let no_scalars = matches!(scalars, SlotArg::List(items) if items.is_empty());
+    if !no_scalars
+        || !matches!(algorithm, SlotArg::Literal(Arg::None(())))
+        || !matches!(node.outputs, SlotOutputs::One(_))
+    {
+        return None;
+    }
+    let weight = consts.weight(w);
+    let mut args = vec![
+        (Ty::Tensor, encode::encode(abi, &Ty::Tensor, false, x, is_tensor, consts)?),
+        (Ty::Tensor, Enc::Const(weight)),
+    ];
+    if !matches!(bias, SlotArg::Literal(Arg::None(()))) {
+        args.push((Ty::Tensor, encode::encode(abi, &Ty::Tensor, false, bias, is_tensor, consts)?));
+    }
+    let conv = super::Conv {
+        padding: pair(padding)?,
+        stride: pair(stride)?,
+        dilation: pair(dilation)?,
+        groups: *groups,
+        attr: CString::new(attr.as_str()).ok()?,
+        weight,
+        packed: std::sync::OnceLock::new(),
+    };
+    Some(CStep {
+        name: (c"mkldnn::_convolution_pointwise".to_owned(), c"".to_owned()),
+        args,
+        returns: vec![Ty::Tensor],
+        outputs: node.outputs.clone(),
+        free: node.free.clone(),
+        shim: Some(Box::new(ShimStep {
+            f,
+            family: Family::Cpu,
+            scalars: Vec::new(),
+            floating_only: true,
+            in_place: false,
+            autocast: true,
+            dims: Some((0, 4)),
+            fold: false,
+            packed: None,
+            conv: Some(Box::new(conv)),
+            fallback: None,
+        })),
+        view: None,
+        node: 0,
+    })
 }
 
 /// The step for a node through the shim `uses` describes.
@@ -219,6 +296,7 @@ fn shim_step(
             dims: uses.dims,
             fold: uses.fold,
             packed,
+            conv: None,
             fallback: None,
         })),
         view: None,

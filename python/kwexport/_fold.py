@@ -1,0 +1,26 @@
+"""The weights the core's ``batch_norm`` pass folds (rust/core/src/passes/batch_norm.rs), computed
+with torch: at load for a file loaded at ``fast``, and when ``kwexport optimize`` writes one.
+The arithmetic is done in float64 and rounded once to the weight's dtype."""
+
+from typing import Any
+
+
+def fold_batch_norms(weights: dict[str, Any], folds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The new tensors, by weight name, for each fold (the pass's ``Fold``, as a dict):
+    ``weight * s`` and ``(conv_bias - mean) * s + beta`` with ``s = gamma / sqrt(var + eps)``.
+    Every fold reads the tensors as given, none of the new ones."""
+    import torch
+
+    def f64(name: str | None, default: float) -> Any:
+        return weights[name].double() if name is not None else torch.tensor(default, dtype=torch.float64)
+
+    new = {}
+    with torch.no_grad():
+        for f in folds:
+            w = weights[f["weight"]]
+            scale = f64(f["gamma"], 1.0) / (f64(f["var"], 0.0) + f["eps"]).sqrt()
+            per_channel = scale.reshape(-1, *[1] * (w.dim() - 1))
+            new[f["weight"]] = (w.double() * per_channel).to(w.dtype)
+            bias = (f64(f["conv_bias"], 0.0) - f64(f["mean"], 0.0)) * scale + f64(f["beta"], 0.0)
+            new[f["bias"]] = bias.to(weights[f["bias"]].dtype)
+    return new

@@ -1,0 +1,281 @@
+//! Batch norm folded into the convolution before it (`optimize="fast"`). In eval mode a batch
+//! norm is a per-channel affine map, `y = (c - mean) * s + beta` with
+//! `s = gamma / sqrt(var + eps)`, and a convolution is linear in its weight, so
+//!
+//! ```text
+//! c = conv(x, W, b);  y = batch_norm(c, gamma, beta, mean, var, training=False, eps)
+//! ```
+//!
+//! becomes `y = conv(x, W * s, (b - mean) * s + beta)`: one node and one pass over the output
+//! instead of two. The pass decides; the new weights are computed with torch where the
+//! weights are (`kwexport._fold`, at load or when a file is written), as [`Fold`] says.
+//!
+//! The folded tensors take the place of existing ones, so the weight table keeps its shapes:
+//! `W` holds `W * s`, and the bias goes where the convolution's bias was, or else where
+//! `beta` was. Each weight involved must be read by this pattern alone, in every method
+//! (a weight another node reads keeps its value), must be float32 and must not be state.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::readers::{one, readers, sole_reader};
+use crate::schema::{Arg, Document, InputSource, Method, Node, Outputs, WeightTensor};
+
+/// Convolutions (argument 1 is the weight, 2 the bias) whose output a batch norm may fold into.
+const CONVOLUTIONS: &[&str] = &["aten::conv2d.default", "aten::conv1d.default", "aten::convolution.default"];
+
+/// One folded pair, by weight name (the file's, not the graph's), for the code that computes
+/// the new tensors: `weight <- weight * s` and `bias <- (conv_bias - mean) * s + beta`, with
+/// `s = gamma / sqrt(var + eps)`, an absent `gamma` 1 and an absent `conv_bias` or `beta` 0.
+/// Every value is read from the tensors as they were before any fold is applied.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fold {
+    /// The convolution's weight, rewritten.
+    pub weight: String,
+    /// The weight that receives the folded bias: `conv_bias`, or else `beta`.
+    pub bias: String,
+    /// The convolution's bias, if it has one.
+    pub conv_bias: Option<String>,
+    /// The batch norm's scale, if affine.
+    pub gamma: Option<String>,
+    /// The batch norm's shift, if affine.
+    pub beta: Option<String>,
+    /// The running mean.
+    pub mean: String,
+    /// The running variance.
+    pub var: String,
+    /// The batch norm's epsilon.
+    pub eps: f64,
+}
+
+/// Folds every batch norm that follows a convolution, in every method; returns the folds.
+pub fn apply(doc: &mut Document) -> Vec<Fold> {
+    // How often each weight is named anywhere: by a graph input, or as a parameter's default.
+    let mut named: HashMap<String, usize> = HashMap::new();
+    for m in doc.methods.values() {
+        for i in &m.graph.inputs {
+            if let InputSource::Weight(w) = &i.source {
+                *named.entry(w.clone()).or_default() += 1;
+            }
+        }
+        for p in &m.signature.params {
+            if let Some(w) = &p.default_weight {
+                *named.entry(w.clone()).or_default() += 1;
+            }
+        }
+    }
+    let mut folds = Vec::new();
+    for m in doc.methods.values_mut() {
+        folds.extend(fold_method(m, &doc.weights.tensors, &named));
+    }
+    folds
+}
+
+fn fold_method(m: &mut Method, tensors: &BTreeMap<String, WeightTensor>, named: &HashMap<String, usize>) -> Vec<Fold> {
+    let g = &m.graph;
+    let op_of = |n: &Node| m.ops.get(n.op).map(|o| o.name.as_str());
+    let readers = readers(g);
+    let weight_of: HashMap<&str, &str> = g
+        .inputs
+        .iter()
+        .filter_map(|i| match &i.source {
+            InputSource::Weight(w) => Some((i.name.as_str(), w.as_str())),
+            InputSource::User(_) => None,
+        })
+        .collect();
+    // A float32 weight (with `channels`, a vector of that many) read only by node `reader`,
+    // named once in the file, not state: its weight name.
+    let sole_weight = |a: &Arg, reader: usize, channels: Option<i64>| -> Option<String> {
+        let Arg::Ref(input) = a else { return None };
+        let w = *weight_of.get(input.as_str())?;
+        let t = tensors.get(w)?;
+        let fits = t.dtype == "float32"
+            && !t.mutable
+            && named.get(w) == Some(&1)
+            && readers.get(input.as_str()).is_some_and(|r| r.as_slice() == [reader])
+            && channels.is_none_or(|c| t.shape == [c]);
+        fits.then(|| w.to_owned())
+    };
+    let optional = |a: Option<&Arg>, reader: usize, channels: i64| -> Option<Option<String>> {
+        match a {
+            None | Some(Arg::None(())) => Some(None),
+            Some(a) => sole_weight(a, reader, Some(channels)).map(Some),
+        }
+    };
+    let mut found: Vec<(usize, usize, Fold, String)> = Vec::new();
+    for (ci, conv) in g.nodes.iter().enumerate() {
+        if !op_of(conv).is_some_and(|o| CONVOLUTIONS.contains(&o)) || !conv.kwargs.is_empty() {
+            continue;
+        }
+        // `convolution`'s `transposed`: a transposed weight's channels are its second dimension.
+        if op_of(conv) == Some("aten::convolution.default") && conv.args.get(6) != Some(&Arg::Bool(false)) {
+            continue;
+        }
+        let Some(w_name) = conv.args.get(1).and_then(|a| sole_weight(a, ci, None)) else { continue };
+        let w = &tensors[&w_name];
+        let (Some(&channels), true) = (w.shape.first(), w.shape.len() >= 3) else { continue };
+        let Some(conv_bias) = optional(conv.args.get(2), ci, channels) else { continue };
+        let Some(bi) = sole_reader(&readers, conv) else { continue };
+        let bn = &g.nodes[bi];
+        let Some((y, [gamma, beta, mean, var], eps)) = batch_norm(op_of(bn), bn, &readers) else { continue };
+        if !matches!(bn.args.first(), Some(Arg::Ref(r)) if Some(r.as_str()) == one(conv)) {
+            continue;
+        }
+        let (Some(gamma), Some(beta)) = (optional(Some(gamma), bi, channels), optional(Some(beta), bi, channels))
+        else {
+            continue;
+        };
+        let (Some(mean), Some(var)) = (sole_weight(mean, bi, Some(channels)), sole_weight(var, bi, Some(channels)))
+        else {
+            continue;
+        };
+        let Some(bias) = conv_bias.clone().or_else(|| beta.clone()) else { continue };
+        let fold = Fold { weight: w_name, bias, conv_bias, gamma, beta, mean, var, eps };
+        found.push((ci, bi, fold, y.to_owned()));
+    }
+    if found.is_empty() {
+        return Vec::new();
+    }
+    // The graph's name for each weight the folds name.
+    let input_of: HashMap<String, String> =
+        weight_of.iter().map(|(input, w)| ((*w).to_owned(), (*input).to_owned())).collect();
+    let mut removed = vec![false; m.graph.nodes.len()];
+    let mut unread_inputs = Vec::new();
+    for (ci, bi, fold, y) in &found {
+        let conv = &mut m.graph.nodes[*ci];
+        if conv.args.len() < 3 {
+            conv.args.resize(3, Arg::None(()));
+        }
+        conv.args[2] = Arg::Ref(input_of[&fold.bias].clone());
+        conv.outputs = Outputs::One(y.clone());
+        removed[*bi] = true;
+        let gone = [&fold.gamma, &fold.beta].into_iter().flatten().chain([&fold.mean, &fold.var]);
+        unread_inputs.extend(gone.filter(|w| **w != fold.bias).map(|w| input_of[w].clone()));
+    }
+    super::remove_nodes(&mut m.graph.nodes, &removed);
+    m.graph.inputs.retain(|i| !unread_inputs.contains(&i.name));
+    found.into_iter().map(|(_, _, fold, _)| fold).collect()
+}
+
+/// An eval-mode batch norm: its output, `[gamma, beta, mean, var]` and eps.
+/// `batch_norm(x, gamma, beta, mean, var, training=False, momentum, eps, cudnn)`, or
+/// `_native_batch_norm_legit_no_training(x, gamma, beta, mean, var, momentum, eps)` whose
+/// second and third outputs nothing reads.
+fn batch_norm<'a>(
+    op: Option<&str>,
+    n: &'a Node,
+    readers: &HashMap<&str, Vec<usize>>,
+) -> Option<(&'a str, [&'a Arg; 4], f64)> {
+    if !n.kwargs.is_empty() {
+        return None;
+    }
+    let params = |a: &'a [Arg]| -> [&'a Arg; 4] { [&a[1], &a[2], &a[3], &a[4]] };
+    match (op?, n.args.as_slice()) {
+        ("aten::batch_norm.default", a @ [_, _, _, _, _, Arg::Bool(false), _, Arg::Float(eps), _]) => {
+            Some((one(n)?, params(a), eps.0))
+        }
+        ("aten::_native_batch_norm_legit_no_training.default", a @ [_, _, _, _, _, _, Arg::Float(eps)]) => {
+            let Outputs::Many(outs) = &n.outputs else { return None };
+            let (Some(Some(y)), rest) = (outs.first(), outs.get(1..)?) else { return None };
+            rest.iter().flatten().all(|o| !readers.contains_key(o.as_str())).then_some((y.as_str(), params(a), eps.0))
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// conv2d(x, w) then batch_norm with every parameter a weight of 4 channels.
+    fn doc(mutate: impl FnOnce(&mut serde_json::Value)) -> Document {
+        let bytes = crate::artifact::tests::file(|h| {
+            let m = &mut h["methods"]["forward"];
+            m["ops"] = json!([{"name": "aten::conv2d.default", "schema": null},
+                              {"name": "aten::batch_norm.default", "schema": null}]);
+            m["graph"]["inputs"] = json!([
+                {"name": "pw", "source": {"weight": "w"}}, {"name": "pg", "source": {"weight": "g"}},
+                {"name": "pb", "source": {"weight": "b"}}, {"name": "pm", "source": {"weight": "m"}},
+                {"name": "pv", "source": {"weight": "v"}}, {"name": "x", "source": {"user": 0}}]);
+            m["graph"]["nodes"] = json!([
+                {"op": 0, "args": [{"ref": "x"}, {"ref": "pw"}], "outputs": {"one": "c"}},
+                {"op": 1, "args": [{"ref": "c"}, {"ref": "pg"}, {"ref": "pb"}, {"ref": "pm"}, {"ref": "pv"},
+                                   {"bool": false}, {"float": 0.1}, {"float": 1e-5}, {"bool": false}],
+                 "outputs": {"one": "y"}}]);
+            m["graph"]["outputs"] = json!([{"ref": "y"}]);
+            let vec = |i: usize| json!({"dtype": "float32", "shape": [4], "strides": [1], "storage": 0, "storage_offset": 16 + 4 * i});
+            h["weights"]["storages"] = json!([{"offset": 0, "nbytes": 160}]);
+            h["weights"]["tensors"] = json!({
+                "w": {"dtype": "float32", "shape": [4, 1, 2, 2], "strides": [4, 4, 2, 1], "storage": 0},
+                "g": vec(0), "b": vec(1), "m": vec(2), "v": vec(3)});
+        });
+        let mut json: serde_json::Value = serde_json::to_value(crate::parse(&bytes).unwrap().document).unwrap();
+        mutate(&mut json);
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn folds_a_batch_norm_into_the_convolution() {
+        let mut d = doc(|_| {});
+        let folds = apply(&mut d);
+        let fold = Fold {
+            weight: "w".into(),
+            bias: "b".into(),
+            conv_bias: None,
+            gamma: Some("g".into()),
+            beta: Some("b".into()),
+            mean: "m".into(),
+            var: "v".into(),
+            eps: 1e-5,
+        };
+        assert_eq!(folds, [fold]);
+        let g = &d.methods["forward"].graph;
+        assert_eq!(g.nodes.len(), 1);
+        assert_eq!(g.nodes[0].args, [Arg::Ref("x".into()), Arg::Ref("pw".into()), Arg::Ref("pb".into())]);
+        assert_eq!(g.nodes[0].outputs, Outputs::One("y".into()));
+        // The inputs only the batch norm read are gone; the bias's stays, read by the conv.
+        let inputs: Vec<&str> = g.inputs.iter().map(|i| i.name.as_str()).collect();
+        assert_eq!(inputs, ["pw", "pb", "x"]);
+        // Idempotent: nothing left to fold.
+        assert!(apply(&mut d).is_empty());
+    }
+
+    #[test]
+    fn the_convolutions_bias_takes_the_folded_bias() {
+        let mut d = doc(|h| {
+            let m = &mut h["methods"]["forward"]["graph"];
+            m["inputs"].as_array_mut().unwrap().push(json!({"name": "pc", "source": {"weight": "c"}}));
+            m["nodes"][0]["args"] = json!([{"ref": "x"}, {"ref": "pw"}, {"ref": "pc"}]);
+            h["weights"]["tensors"]["c"] =
+                json!({"dtype": "float32", "shape": [4], "strides": [1], "storage": 0, "storage_offset": 32});
+        });
+        let folds = apply(&mut d);
+        assert_eq!((folds[0].bias.as_str(), folds[0].conv_bias.as_deref()), ("c", Some("c")));
+        assert!(!d.methods["forward"].graph.inputs.iter().any(|i| i.name == "pb"));
+    }
+
+    #[test]
+    fn leaves_near_misses_alone() {
+        let cases: [fn(&mut serde_json::Value); 6] = [
+            // Training mode: the statistics are the batch's.
+            |h| h["methods"]["forward"]["graph"]["nodes"][1]["args"][5] = json!({"bool": true}),
+            // The convolution's output is read elsewhere too.
+            |h| h["methods"]["forward"]["graph"]["outputs"] = json!([{"ref": "y"}, {"ref": "c"}]),
+            // The mean is state.
+            |h| h["weights"]["tensors"]["m"]["mutable"] = json!(true),
+            // Another node reads the conv weight.
+            |h| h["methods"]["forward"]["graph"]["outputs"] = json!([{"ref": "y"}, {"ref": "pw"}]),
+            // Another dtype.
+            |h| h["weights"]["tensors"]["w"]["dtype"] = json!("float64"),
+            // No bias to hold the folded one.
+            |h| {
+                h["methods"]["forward"]["graph"]["nodes"][1]["args"][2] = json!({"none": null});
+            },
+        ];
+        for (i, case) in cases.into_iter().enumerate() {
+            let mut d = doc(case);
+            assert!(apply(&mut d).is_empty(), "case {i}");
+            assert_eq!(d.methods["forward"].graph.nodes.len(), 2, "case {i}");
+        }
+    }
+}

@@ -1,0 +1,236 @@
+//! Convolutions lowered onto oneDNN's fused convolution (`optimize="fast"`, at load, on a CPU
+//! torch built with oneDNN): `mkldnn::_convolution_pointwise`, which takes its weight packed
+//! once into oneDNN's blocked layout for this CPU, and applies the activation that follows
+//! (ReLU, hardswish, ...) as a post-op while the output is still in cache. torch's own
+//! `convolution` reorders a plain weight on every call; packed, a 3×3 convolution at
+//! resnet18's small shapes takes 0.45–0.8× the time (docs/optimize.md).
+//!
+//! Only convolutions with a spatial kernel (more than 1×1) are lowered: a 1×1 convolution is
+//! a matrix product, where torch's channels-last path measured as fast or faster (up to 2×
+//! on 1×1 spatial inputs, where the fused op's setup dominates). The runtime packs each
+//! weight on the node's first call (packing all of resnet18's takes ~70 ms, which a load
+//! shouldn't pay), so files keep plain tensors and the pass runs at load only: a file
+//! written by `kwexport optimize` keeps its `convolution` nodes, portable to any torch.
+
+use super::readers::{readers, sole_reader};
+use crate::schema::{Arg, Document, InputSource, Method, Node};
+
+/// The op a lowered convolution runs.
+pub const FUSED: &str = crate::tables::PASS_OPS[0];
+
+/// Activations oneDNN applies as a post-op, by op, with its name for them (`attr`). Each
+/// takes only its input.
+const ACTIVATIONS: &[(&str, &str)] = &[
+    ("aten::relu.default", "relu"),
+    ("aten::relu_.default", "relu"),
+    ("aten::hardswish.default", "hardswish"),
+    ("aten::hardswish_.default", "hardswish"),
+    ("aten::hardsigmoid.default", "hardsigmoid"),
+    ("aten::hardsigmoid_.default", "hardsigmoid"),
+    ("aten::silu.default", "swish"),
+    ("aten::silu_.default", "swish"),
+    ("aten::sigmoid.default", "sigmoid"),
+    ("aten::tanh.default", "tanh"),
+];
+
+/// Lowers every qualifying 2-D convolution of each method's top-level graph; returns how many.
+pub fn apply(doc: &mut Document) -> usize {
+    let tensors = &doc.weights.tensors;
+    let mut lowered = 0;
+    for m in doc.methods.values_mut() {
+        let found = find(m, |input| {
+            let i = m.graph.inputs.iter().find(|i| i.name == input)?;
+            let InputSource::Weight(w) = &i.source else { return None };
+            let t = tensors.get(w)?;
+            (t.dtype == "float32" && !t.mutable).then(|| t.shape.clone())
+        });
+        if found.is_empty() {
+            continue;
+        }
+        let op = super::op_index(&mut m.ops, FUSED);
+        let mut removed = vec![false; m.graph.nodes.len()];
+        for (conv, activation, node) in found {
+            let at = activation.unwrap_or(conv);
+            m.graph.nodes[at] = Node { op, ..node };
+            if activation.is_some() {
+                removed[conv] = true;
+            }
+            lowered += 1;
+        }
+        super::remove_nodes(&mut m.graph.nodes, &removed);
+    }
+    lowered
+}
+
+/// Each convolution to lower: its index, the activation's it absorbs, and the fused node
+/// (`op` left for the caller). `weight_shape(input)` is the shape of the float32 weight a
+/// graph input names, if it names one that isn't state.
+fn find(m: &Method, weight_shape: impl Fn(&str) -> Option<Vec<i64>>) -> Vec<(usize, Option<usize>, Node)> {
+    let g = &m.graph;
+    let op_of = |n: &Node| m.ops.get(n.op).map(|o| o.name.as_str());
+    let readers = readers(g);
+    let mut found = Vec::new();
+    for (ci, conv) in g.nodes.iter().enumerate() {
+        let Some(geometry) = convolution(op_of(conv), conv) else { continue };
+        let Some(Arg::Ref(w)) = conv.args.get(1) else { continue };
+        let Some(shape) = weight_shape(w) else { continue };
+        if shape.len() != 4 || shape[2] * shape[3] <= 1 {
+            continue;
+        }
+        let activation = sole_reader(&readers, conv).and_then(|ai| {
+            let a = &g.nodes[ai];
+            let attr = ACTIVATIONS.iter().find(|(op, _)| op_of(a) == Some(op))?.1;
+            (a.args.len() == 1 && a.kwargs.is_empty()).then_some((ai, attr))
+        });
+        let (x, bias) = (conv.args[0].clone(), conv.args.get(2).cloned().unwrap_or(Arg::None(())));
+        let [stride, padding, dilation, groups] = geometry;
+        let node = Node {
+            op: 0,
+            args: vec![
+                x,
+                Arg::Ref(w.clone()),
+                bias,
+                padding,
+                stride,
+                dilation,
+                groups,
+                Arg::Str(activation.map_or("none", |(_, attr)| attr).to_owned()),
+                Arg::List(Vec::new()),
+                Arg::None(()),
+            ],
+            kwargs: Default::default(),
+            outputs: activation.map_or(&conv.outputs, |(ai, _)| &g.nodes[ai].outputs).clone(),
+        };
+        found.push((ci, activation.map(|(ai, _)| ai), node));
+    }
+    found
+}
+
+/// A 2-D convolution's `[stride, padding, dilation, groups]` as the fused op takes them
+/// (pairs of int literals, and an int), if the node is one with literal geometry.
+fn convolution(op: Option<&str>, n: &Node) -> Option<[Arg; 4]> {
+    if !n.kwargs.is_empty() || !matches!(n.args.first(), Some(Arg::Ref(_))) {
+        return None;
+    }
+    let bias_ok = matches!(n.args.get(2), None | Some(Arg::None(()) | Arg::Ref(_)));
+    let pair = |a: Option<&Arg>, default: i64| -> Option<Arg> {
+        let v = match a {
+            None => vec![default; 2],
+            Some(Arg::List(items)) => {
+                let ints = items.iter().map(|i| if let Arg::Int(v) = i { Some(*v) } else { None });
+                let ints: Vec<i64> = ints.collect::<Option<_>>()?;
+                match ints.as_slice() {
+                    [v] => vec![*v; 2],
+                    [_, _] => ints,
+                    _ => return None,
+                }
+            }
+            _ => return None,
+        };
+        Some(Arg::List(v.into_iter().map(Arg::Int).collect()))
+    };
+    let groups = |a: Option<&Arg>| match a {
+        None => Some(Arg::Int(1)),
+        Some(Arg::Int(g)) => Some(Arg::Int(*g)),
+        _ => None,
+    };
+    let a = &n.args;
+    match op? {
+        "aten::conv2d.default" if bias_ok && a.len() <= 7 => {
+            Some([pair(a.get(3), 1)?, pair(a.get(4), 0)?, pair(a.get(5), 1)?, groups(a.get(6))?])
+        }
+        // convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+        "aten::convolution.default" if bias_ok && a.len() == 9 && a[6] == Arg::Bool(false) => {
+            Some([pair(a.get(3), 1)?, pair(a.get(4), 0)?, pair(a.get(5), 1)?, groups(a.get(8))?])
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// conv2d(x, w, b, stride=[2, 2], padding=[1, 1]) then relu_.
+    fn doc(mutate: impl FnOnce(&mut serde_json::Value)) -> Document {
+        let bytes = crate::artifact::tests::file(|h| {
+            let m = &mut h["methods"]["forward"];
+            m["ops"] = json!([{"name": "aten::conv2d.default", "schema": null},
+                              {"name": "aten::relu_.default", "schema": null}]);
+            m["graph"]["inputs"] = json!([
+                {"name": "pw", "source": {"weight": "w"}}, {"name": "pb", "source": {"weight": "b"}},
+                {"name": "x", "source": {"user": 0}}]);
+            m["graph"]["nodes"] = json!([
+                {"op": 0, "args": [{"ref": "x"}, {"ref": "pw"}, {"ref": "pb"},
+                                   {"list": [{"int": 2}, {"int": 2}]}, {"list": [{"int": 1}]}], "outputs": {"one": "c"}},
+                {"op": 1, "args": [{"ref": "c"}], "outputs": {"one": "y"}}]);
+            m["graph"]["outputs"] = json!([{"ref": "y"}]);
+            h["weights"]["storages"] = json!([{"offset": 0, "nbytes": 96}]);
+            h["weights"]["tensors"] = json!({
+                "w": {"dtype": "float32", "shape": [4, 1, 2, 2], "strides": [4, 4, 2, 1], "storage": 0},
+                "b": {"dtype": "float32", "shape": [4], "strides": [1], "storage": 0, "storage_offset": 16}});
+        });
+        let mut json: serde_json::Value = serde_json::to_value(crate::parse(&bytes).unwrap().document).unwrap();
+        mutate(&mut json);
+        serde_json::from_value(json).unwrap()
+    }
+
+    fn ints(v: &[i64]) -> Arg {
+        Arg::List(v.iter().map(|&i| Arg::Int(i)).collect())
+    }
+
+    #[test]
+    fn lowers_a_convolution_and_its_activation() {
+        let mut d = doc(|_| {});
+        assert_eq!(apply(&mut d), 1);
+        let m = &d.methods["forward"];
+        assert_eq!(m.graph.nodes.len(), 1);
+        let n = &m.graph.nodes[0];
+        assert_eq!(m.ops[n.op].name, FUSED);
+        let expected = [
+            Arg::Ref("x".into()),
+            Arg::Ref("pw".into()),
+            Arg::Ref("pb".into()),
+            ints(&[1, 1]),
+            ints(&[2, 2]),
+            ints(&[1, 1]),
+            Arg::Int(1),
+            Arg::Str("relu".into()),
+            Arg::List(vec![]),
+            Arg::None(()),
+        ];
+        assert_eq!(n.args, expected);
+        assert_eq!(n.outputs, crate::schema::Outputs::One("y".into()));
+        assert_eq!(apply(&mut d), 0, "idempotent");
+    }
+
+    #[test]
+    fn an_activation_read_elsewhere_stays_a_node() {
+        // The conv's output is also a graph output: no post-op, the relu stays.
+        let mut d = doc(|h| h["methods"]["forward"]["graph"]["outputs"] = json!([{"ref": "y"}, {"ref": "c"}]));
+        assert_eq!(apply(&mut d), 1);
+        let m = &d.methods["forward"];
+        assert_eq!(m.graph.nodes.len(), 2);
+        assert_eq!(m.graph.nodes[0].args[7], Arg::Str("none".into()));
+    }
+
+    #[test]
+    fn leaves_near_misses_alone() {
+        let cases: [fn(&mut serde_json::Value); 4] = [
+            // A 1×1 kernel: torch's path is as fast.
+            |h| h["weights"]["tensors"]["w"]["shape"] = json!([16, 1, 1, 1]),
+            // A stride that isn't a literal.
+            |h| h["methods"]["forward"]["graph"]["nodes"][0]["args"][3] = json!({"ref": "x"}),
+            // State as the weight.
+            |h| h["weights"]["tensors"]["w"]["mutable"] = json!(true),
+            // Another dtype.
+            |h| h["weights"]["tensors"]["w"]["dtype"] = json!("bfloat16"),
+        ];
+        for (i, case) in cases.into_iter().enumerate() {
+            let mut d = doc(case);
+            assert_eq!(apply(&mut d), 0, "case {i}");
+            assert_eq!(d.methods["forward"].graph.nodes.len(), 2, "case {i}");
+        }
+    }
+}

@@ -1,0 +1,40 @@
+//! Who reads each value of a graph: what the pattern passes need to know before they fuse
+//! nodes (a fused intermediate must have no other reader).
+
+use std::collections::HashMap;
+
+use crate::schema::{Graph, Node, Outputs};
+
+/// A reader that is not a node: a graph output or a mutation's value.
+pub const OUTSIDE: usize = usize::MAX;
+
+/// The node indices that read each value of `g`'s top level, in order, with [`OUTSIDE`] for a
+/// graph output or mutation.
+pub fn readers(g: &Graph) -> HashMap<&str, Vec<usize>> {
+    let mut readers: HashMap<&str, Vec<usize>> = HashMap::new();
+    for (i, n) in g.nodes.iter().enumerate() {
+        for a in n.args.iter().chain(n.kwargs.values()) {
+            a.for_each_ref(&mut |r| readers.entry(r).or_default().push(i));
+        }
+    }
+    for a in g.outputs.iter().chain(g.mutations.iter().map(|w| &w.value)) {
+        a.for_each_ref(&mut |r| readers.entry(r).or_default().push(OUTSIDE));
+    }
+    readers
+}
+
+/// The node's only output, if it has exactly one.
+pub fn one(n: &Node) -> Option<&str> {
+    match &n.outputs {
+        Outputs::One(o) => Some(o.as_str()),
+        _ => None,
+    }
+}
+
+/// The node that alone reads `n`'s one output (read once, by a node).
+pub fn sole_reader(readers: &HashMap<&str, Vec<usize>>, n: &Node) -> Option<usize> {
+    match readers.get(one(n)?)?.as_slice() {
+        [j] if *j != OUTSIDE => Some(*j),
+        _ => None,
+    }
+}
