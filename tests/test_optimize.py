@@ -347,3 +347,42 @@ for g, w in zip(fast(x), want):
     env = dict(os.environ, KWEXPORT_HIDE_SYMBOLS="aoti_torch_cpu_mkldnn__convolution_pointwise")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+class GeluMLP(nn.Module):
+    """GELU three ways: torch's exact and tanh forms, and GPT-2's tanh form written out
+    (transformers' NewGELUActivation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = nn.functional.gelu(self.a(x))
+        h = nn.functional.gelu(self.b(h), approximate="tanh")
+        h = 0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0))))
+        return self.c(h), h.t().contiguous().t()
+
+
+def test_fast_runs_gelu_on_kwexports_kernel(tmp_path):
+    torch.manual_seed(0)
+    model, x = GeluMLP().eval(), torch.randn(5, 16) * 4
+    path = tmp_path / "gelu.kwx"
+    kwexport.save(kwexport.export(model, (x,)), path)
+    exact, fast = kwexport.load(path), kwexport.load(path, optimize="fast")
+    with torch.no_grad():
+        want = model(x)
+    assert_same(exact(x), want, bitwise=True)
+    ran = [n["op"] for n in fast.profile(x)]
+    # The written-out form is one node; all three run on kwexport's kernel, not torch's.
+    assert ran.count("aten::gelu.default") == 3 and "aten::tanh.default" not in ran
+    with torch.profiler.profile() as prof:
+        fast(x)
+    assert "aten::gelu" not in [e.name for e in prof.events()]
+    for got, w in zip(fast(x), want):
+        assert rel_err(got, w) < 1e-6
+    # Under autograd, and with dispatch="python", torch's op runs: the same values.
+    with torch.enable_grad():
+        got = fast(x.clone().requires_grad_())
+    assert rel_err(got[0].detach(), want[0]) < 1e-6
+    assert rel_err(kwexport.load(path, optimize="fast", dispatch="python")(x)[0], want[0]) < 1e-6

@@ -480,6 +480,16 @@ impl CStep {
             self.finish(slots, result.ok_or_else(|| CError::Internal("a shim returned no tensor".into()))?);
             return Ok(());
         }
+        if matches!(shim.f, ShimFn::Gelu) {
+            // SAFETY: a handle just read from a live slot.
+            let done = if direct.no_autograd { unsafe { abi.gelu(t[0], shim.scalars[0] != 0.0) } } else { None };
+            let Some(result) = done else {
+                let fallback = shim.fallback.as_ref().ok_or_else(|| CError::Internal("no fallback".into()))?;
+                return Python::attach(|py| run_fallback(py, abi, fallback, slots)).map_err(CError::Python);
+            };
+            self.finish(slots, result?);
+            return Ok(());
+        }
         if matches!(shim.f, ShimFn::RmsNorm) {
             // SAFETY: the handles just read from live slots and constants.
             let (eps, n) = (shim.scalars[0], shim.scalars[1] as i64);
@@ -622,7 +632,7 @@ fn torch_kernel(abi: &Abi, shim: &ShimStep, t: &[abi::Raw; 3]) -> Result<abi::Te
                 }
                 Err(status) => status,
             },
-            ShimFn::RmsNorm | ShimFn::ConvPointwise(_) => {
+            ShimFn::RmsNorm | ShimFn::Gelu | ShimFn::ConvPointwise(_) => {
                 return Err(CError::Internal(format!("{:?} runs in call_shim", shim.f)))
             }
         }

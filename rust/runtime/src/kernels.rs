@@ -46,9 +46,97 @@ pub fn linear_f32(x: &[f32], m: usize, k: usize, wt: &[f32], n: usize, bias: Opt
     false
 }
 
+/// GELU of each element: `0.5 x (1 + erf(x / sqrt 2))`, or with `tanh`, the tanh
+/// approximation `0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`, computed as
+/// `x / (1 + exp(-2 u))`. erf is Abramowitz and Stegun's 7.1.26 (absolute error under 1.5e-7,
+/// the rational form torch's vectorized erf uses too), exp a degree-7 polynomial after range
+/// reduction. Returns `false` (writing nothing) where this CPU lacks AVX-512: torch's op then
+/// runs.
+pub fn gelu_f32(x: &[f32], tanh: bool, out: &mut [f32]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if out.len() >= x.len() && std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F is present, and `out` holds at least `x.len()` elements.
+        unsafe { avx512::gelu(x, tanh, out) };
+        return true;
+    }
+    let _ = (x, tanh, out);
+    false
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
+
+    /// `e^x` in each lane, for `x` clamped to [-87, 88] (float32's normal range): `2^n e^r`
+    /// with `r = x - n ln 2` in [-ln2/2, ln2/2], `e^r` by its Taylor series to `r^7`
+    /// (relative error ~1e-8, below float32's rounding).
+    #[inline(always)]
+    unsafe fn exp(x: __m512) -> __m512 {
+        // SAFETY (all below): register arithmetic; the caller enabled AVX-512F.
+        unsafe {
+            let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0)), _mm512_set1_ps(88.0));
+            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+                x,
+                _mm512_set1_ps(std::f32::consts::LOG2_E),
+            ));
+            // ln 2 in two parts, so that n * hi is exact.
+            let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_145_75), x);
+            let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428_606_8e-6), r);
+            let mut p = _mm512_set1_ps(1.0 / 5040.0);
+            for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+                p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+            }
+            _mm512_scalef_ps(p, n)
+        }
+    }
+
+    /// GELU of 16 lanes (see `super::gelu_f32`).
+    #[inline(always)]
+    unsafe fn gelu16(x: __m512, tanh: bool) -> __m512 {
+        // SAFETY (all below): register arithmetic; the caller enabled AVX-512F.
+        unsafe {
+            let one = _mm512_set1_ps(1.0);
+            if tanh {
+                let x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+                let u = _mm512_mul_ps(_mm512_fmadd_ps(x3, _mm512_set1_ps(0.044715), x), _mm512_set1_ps(0.797_884_6));
+                let e = exp(_mm512_mul_ps(u, _mm512_set1_ps(-2.0)));
+                return _mm512_div_ps(x, _mm512_add_ps(one, e));
+            }
+            // q = 1 - erf(|x| / sqrt 2), so that 1 + erf(x / sqrt 2) is 2 - q, or q itself for
+            // negative x (no cancellation in the tail).
+            let z = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(std::f32::consts::FRAC_1_SQRT_2));
+            let t = _mm512_div_ps(one, _mm512_fmadd_ps(z, _mm512_set1_ps(0.327_591_1), one));
+            let mut poly = _mm512_set1_ps(1.061_405_4);
+            for c in [-1.453_152_1, 1.421_413_8, -0.284_496_72, 0.254_829_6] {
+                poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(c));
+            }
+            poly = _mm512_mul_ps(poly, t);
+            let q = _mm512_mul_ps(poly, exp(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(z, z))));
+            let negative = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_setzero_ps());
+            let one_plus_erf = _mm512_mask_blend_ps(negative, _mm512_sub_ps(_mm512_set1_ps(2.0), q), q);
+            _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.5)), one_plus_erf)
+        }
+    }
+
+    /// See `super::gelu_f32`.
+    ///
+    /// # Safety
+    /// AVX-512F must be present; `out` must hold at least `x.len()` elements.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn gelu(x: &[f32], tanh: bool, out: &mut [f32]) {
+        let (xp, op) = (x.as_ptr(), out.as_mut_ptr());
+        let mut i = 0;
+        while i < x.len() {
+            let left = (x.len() - i).min(16);
+            let mask = ((1u32 << left) - 1) as u16;
+            // SAFETY: lanes [i, i + left) of both slices exist; masked lanes aren't touched.
+            unsafe {
+                let v = _mm512_maskz_loadu_ps(mask, xp.add(i));
+                _mm512_mask_storeu_ps(op.add(i), mask, gelu16(v, tanh));
+            }
+            i += 16;
+        }
+    }
 
     /// Rows `[0, R)` of `x` (row stride `k`) times columns `[j0, j0 + 16 V)` of `wt` (masked
     /// past `n`), plus the bias, into `out` (row stride `n`): `R * V` accumulators held in
@@ -170,6 +258,41 @@ mod tests {
                         assert!((out[r * n + j] as f64 - want).abs() < 1e-5 * (k as f64).sqrt(), "{m}x{k}x{n} {r} {j}");
                     }
                 }
+            }
+        }
+    }
+
+    /// erf in double: its Taylor series below 2.5, else 1 - erfc by erfc's continued fraction.
+    fn erf(z: f64) -> f64 {
+        if z.abs() >= 2.5 {
+            let a = z.abs();
+            let f = (1..80).rev().fold(a, |f, n| a + (n as f64 / 2.0) / f);
+            return z.signum() * (1.0 - (-a * a).exp() / (std::f64::consts::PI.sqrt() * f));
+        }
+        let (mut term, mut sum) = (z, z);
+        for n in 1..200 {
+            term *= -z * z / n as f64;
+            sum += term / (2 * n + 1) as f64;
+        }
+        sum * 2.0 / std::f64::consts::PI.sqrt()
+    }
+
+    #[test]
+    fn gelu_matches_a_double_precision_reference() {
+        let x: Vec<f32> = (0..301).map(|i| (i as f32 - 150.0) * 0.07).chain([-90.0, 90.0, 0.0]).collect();
+        for tanh in [false, true] {
+            let mut out = vec![f32::NAN; x.len()];
+            if !gelu_f32(&x, tanh, &mut out) {
+                return; // no AVX-512 here: torch's op runs
+            }
+            for (&v, &got) in x.iter().zip(&out) {
+                let v = v as f64;
+                let want = if tanh {
+                    0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v.powi(3))).tanh())
+                } else {
+                    0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2))
+                };
+                assert!((got as f64 - want).abs() <= 2e-7 * v.abs().max(1.0), "tanh={tanh} x={v}: {got} vs {want}");
             }
         }
     }

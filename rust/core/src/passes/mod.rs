@@ -8,6 +8,8 @@
 //! - [`dead_code`]          unread pure nodes and assertions a checked call can't fail (every
 //!   level)
 //! - [`rms_norm`]           RMS normalization's six ops as one `rms_norm` node (`fast`)
+//! - [`gelu_tanh`]          GELU's tanh form written out in eight ops as one `gelu` node
+//!   (`fast`)
 //! - [`batch_norm`]         eval-mode batch norms folded into the convolution before them
 //!   (`fast`; the new weights are computed where the tensors are)
 //! - [`conv_pointwise`]     convolutions (and the activation after) onto oneDNN's fused
@@ -19,6 +21,7 @@ pub mod batch_norm;
 pub mod channels_last;
 pub mod conv_pointwise;
 pub mod dead_code;
+pub mod gelu_tanh;
 pub mod inplace_state;
 pub mod readers;
 pub mod rms_norm;
@@ -102,6 +105,7 @@ pub fn apply(doc: &mut Document, level: Level, target: Target) -> Rewrites {
         if level == Level::Fast {
             views_as_reshapes::apply(m);
             rms_norm::apply(m, &doc.weights);
+            gelu_tanh::apply(m);
         }
         if target.in_place {
             rewrites.in_place.insert(name.clone(), inplace_state::apply(m));

@@ -539,6 +539,37 @@ impl Abi {
         Some(Ok(out))
     }
 
+    /// kwexport's GELU of `x`, a contiguous float32 CPU tensor: a new tensor, or `None` where
+    /// it doesn't qualify or the CPU lacks the kernel's instructions.
+    ///
+    /// # Safety
+    /// `x` must be a live handle.
+    pub unsafe fn gelu(&self, x: Raw, tanh: bool) -> Option<Result<Tensor, CError>> {
+        let shims = self.shims.as_ref()?;
+        // SAFETY: a live handle.
+        let sizes = unsafe {
+            if shims.is_cpu_f32(x) {
+                self.contiguous_sizes(x)?
+            } else {
+                return None;
+            }
+        };
+        let len = usize::try_from(sizes.iter().product::<i64>()).ok()?;
+        let out = match self.owned(shims.empty_f32(&sizes)) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        // SAFETY: a contiguous float32 CPU tensor of `len` elements (checked above) and the
+        // fresh output of `len`, which aliases nothing.
+        let done = unsafe {
+            let (px, po) = (shims.data_ptr(x)?, shims.data_ptr(out.0)?);
+            let xs = std::slice::from_raw_parts(px as *const f32, len);
+            let os = std::slice::from_raw_parts_mut(po as *mut f32, len);
+            crate::kernels::gelu_f32(xs, tanh, os)
+        };
+        done.then_some(Ok(out))
+    }
+
     /// kwexport's linear kernel on `x` (`[m, k]`), `wt` (`[k, n]`, the weight transposed) and
     /// `bias` (`[n]`), all contiguous float32 CPU tensors: a new `[m, n]` tensor, or `None`
     /// where they don't qualify or the CPU lacks the kernel's instructions.

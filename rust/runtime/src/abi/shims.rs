@@ -37,6 +37,9 @@ pub enum ShimFn {
     RmsNorm,
     /// `mkldnn::_convolution_pointwise`: oneDNN's convolution with a post-op.
     ConvPointwise(ConvPointwiseFn),
+    /// `(Tensor input)`, with the approximation as a scalar (1 for tanh): kwexport's GELU
+    /// (`kernels::gelu_f32`) on contiguous float32 CPU tensors.
+    Gelu,
 }
 
 /// `aoti_torch_cpu_mkldnn__convolution_pointwise(X, W, B*, padding, len, stride, len,
@@ -73,6 +76,7 @@ impl std::fmt::Debug for ShimFn {
             ShimFn::MmOut(_) => "MmOut",
             ShimFn::RmsNorm => "RmsNorm",
             ShimFn::ConvPointwise(_) => "ConvPointwise",
+            ShimFn::Gelu => "Gelu",
         })
     }
 }
@@ -97,6 +101,7 @@ pub struct Shims {
     pub mm_out: Option<ShimFn>,
     /// kwexport's own kernels, where torch gives their data pointers.
     pub rms_norm: Option<ShimFn>,
+    pub gelu: Option<ShimFn>,
     pub conv_pointwise: Option<ShimFn>,
     get_data_ptr: Option<unsafe extern "C" fn(Raw, *mut *mut std::ffi::c_void) -> Status>,
     float32: Option<i32>,
@@ -145,6 +150,12 @@ impl Shims {
                 "aoti_torch_get_data_ptr",
             )
             .map(|_| ShimFn::RmsNorm),
+            gelu: sym::<unsafe extern "C" fn(Raw, *mut *mut std::ffi::c_void) -> Status>(
+                lib,
+                hidden,
+                "aoti_torch_get_data_ptr",
+            )
+            .map(|_| ShimFn::Gelu),
             conv_pointwise: sym(lib, hidden, CONV_POINTWISE).map(ShimFn::ConvPointwise),
             get_data_ptr: sym(lib, hidden, "aoti_torch_get_data_ptr"),
             float32: sym::<unsafe extern "C" fn() -> i32>(lib, hidden, "aoti_torch_dtype_float32").map(|f| f()),
