@@ -1,12 +1,13 @@
-"""Optimization levels side by side: eager, kwexport `exact` and `fast`, and ONNX Runtime where
-the bench extra is installed (`torch.onnx.export(..., dynamo=True)`, default graph
-optimizations, one thread), one thread, interleaved rounds (best of each), with `fast`'s
-largest difference from eager relative to the output's scale, on issue 20's workloads: conv
-nets at batch 1, transformers of 4 layers at d=256 on 32 tokens (no cache), and 8 x (Linear
-256->256 + GELU) at batch 4. A peer that fails on a model is a cell saying so. Writes
-nothing; prints a Markdown table (BENCHMARKS.md, "Optimization levels").
+"""Optimization levels side by side with the peers: eager, kwexport `exact` and `fast`, ONNX
+Runtime (`torch.onnx.export(..., dynamo=True)`, default graph optimizations) and OpenVINO
+(`ov.convert_model(exported_program)`, f32) where the bench extra is installed, and
+AOTInductor when asked; one thread, interleaved rounds (best of each), with `fast`'s largest
+difference from eager relative to the output's scale, on issue 20's workloads: conv nets at
+batch 1, transformers of 4 layers at d=256 on 32 tokens (no cache), and 8 x (Linear 256->256
++ GELU) at batch 4. A peer that fails on a model (or computes something else) is a cell
+saying so. Writes nothing; prints a Markdown table (BENCHMARKS.md, "Optimization levels").
 
-    python benches/optimize.py
+    python benches/optimize.py [--peers ort,openvino,aoti]
 """
 
 import tempfile
@@ -57,11 +58,26 @@ MODELS = [
 
 
 def first(out):
-    """The first tensor of a model's output (a tensor, or a ModelOutput's first field)."""
-    return out if isinstance(out, torch.Tensor) else out[0]
+    """The first tensor of a model's output (a tensor, a ModelOutput's first field, or a
+    peer's first array)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    return torch.as_tensor(out[0]) if isinstance(out, (list, tuple)) else out[0]
 
 
-def ort_session(model, kwargs, path: Path):
+def as_numpy(v):
+    """A keyword argument as the array a peer is fed."""
+    import numpy as np
+
+    return v.numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+
+
+def peer_failure(e: Exception) -> str:
+    """A peer's failure as a table cell."""
+    return f"fails: {type(e).__name__}"
+
+
+def ort_session(model, kwargs, tmp: Path):
     """An ONNX Runtime session on one thread (a function of the kwargs), None without the
     bench extra, or the reason its export or session failed."""
     try:
@@ -69,6 +85,7 @@ def ort_session(model, kwargs, path: Path):
     except ImportError:
         return None
     try:
+        path = tmp / "m.onnx"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.onnx.export(model, (), path, kwargs=kwargs, dynamo=True)
@@ -76,18 +93,67 @@ def ort_session(model, kwargs, path: Path):
         so.intra_op_num_threads = so.inter_op_num_threads = 1
         sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     except Exception as e:  # a peer's failure is a cell of the table
-        return f"fails: {type(e).__name__}"
+        return peer_failure(e)
     tensors = [v.numpy() for v in kwargs.values() if isinstance(v, torch.Tensor)]
     feed = {i.name: v for i, v in zip(sess.get_inputs(), tensors)}
     return lambda **_kw: sess.run(None, feed)
 
 
-def main(rounds: int = 3) -> None:
+def openvino_model(model, kwargs, tmp: Path):
+    """OpenVINO from ``ov.convert_model(exported_program)``, compiled for the CPU with one
+    inference thread and the f32 precision hint (it would pick bf16 on this CPU)."""
+    try:
+        import openvino as ov
+    except ImportError:
+        return None
+    try:
+        ep = torch.export.export(model, (), kwargs)
+        compiled = ov.Core().compile_model(
+            ov.convert_model(ep),
+            "CPU",
+            {"INFERENCE_NUM_THREADS": 1, "INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"},
+        )
+        request = compiled.create_infer_request()
+        # Every user input is an input of the model, constants (`use_cache=False`) included.
+        feed = [as_numpy(kwargs[i.get_any_name()]) for i in compiled.inputs]
+    except Exception as e:
+        return peer_failure(e)
+
+    def run(**_kw):
+        request.infer(feed)
+        return [request.get_output_tensor(0).data]
+
+    return run
+
+
+def aoti_model(model, kwargs, tmp: Path):
+    """AOTInductor (``aoti_compile_and_package``), in torch: compiling takes minutes per model
+    on two cores, so it runs only when asked (``--peers ...,aoti``)."""
+    try:
+        ep = torch.export.export(model, (), kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            package = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp / "m.pt2"))
+        runner = torch._inductor.aoti_load_package(package)
+    except Exception as e:
+        return peer_failure(e)
+    return runner
+
+
+PEERS = {
+    "ort": ("ONNX Runtime", ort_session),
+    "openvino": ("OpenVINO", openvino_model),
+    "aoti": ("AOTInductor", aoti_model),
+}
+
+
+def main(peers: list[str], rounds: int = 3) -> None:
     torch.set_num_threads(1)
+    names = [PEERS[p][0] for p in peers]
     print(
-        "| model | eager | `exact` | `fast` | ONNX Runtime | `fast` / eager | `fast` / `exact` | `fast` / ORT | rel. error |"
+        f"| model | eager | `exact` | `fast` | {' | '.join(names)} | `fast` / `exact` | `fast` / fastest peer | rel. error |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- |" + " ---: |" * (len(names) + 6))
     with tempfile.TemporaryDirectory() as tmp:
         for name, build, make_inputs in MODELS:
             torch.manual_seed(0)
@@ -95,27 +161,40 @@ def main(rounds: int = 3) -> None:
             path = Path(tmp) / "m.kwx"
             kwexport.save(kwexport.export(model, (), kwargs), path)
             exact, fast = kwexport.load(path), kwexport.load(path, optimize="fast")
-            ort = ort_session(model, kwargs, Path(tmp) / "m.onnx")
-            runners = [("eager", model), ("exact", exact), ("fast", fast)] + ([("ort", ort)] if callable(ort) else [])
+            runners = [("eager", model), ("exact", exact), ("fast", fast)]
+            cells = {}
             with torch.no_grad():
                 want = first(model(**kwargs))
                 err = ((first(fast(**kwargs)) - want).abs().max() / want.abs().max()).item()
+                for p in peers:
+                    run = PEERS[p][1](model, kwargs, Path(tmp))
+                    if callable(run):
+                        # A peer is compared only where it computes what eager does.
+                        got = first(run(**kwargs))
+                        if ((got - want).abs().max() / want.abs().max()).item() > 1e-4:
+                            run = "fails: a different result"
+                    if callable(run):
+                        runners.append((p, run))
+                    else:
+                        cells[p] = run or "not installed"
                 best = {}
                 for _ in range(rounds):
                     for k, f in runners:
                         t = min(timeit.repeat(lambda f=f, kw=kwargs: f(**kw), number=5, repeat=5)) / 5
                         best[k] = min(best.get(k, float("inf")), t)
-            e, x_, f = best["eager"] * 1e3, best["exact"] * 1e3, best["fast"] * 1e3
-            if "ort" in best:
-                o = best["ort"] * 1e3
-                ort_cells = f"{o:.2f} ms", f"{f / o:.2f}"
-            else:
-                ort_cells = (ort or "not installed"), "–"
+            ms = {k: v * 1e3 for k, v in best.items()}
+            measured = [ms[p] for p in peers if p in ms]
+            fastest = f"{ms['fast'] / min(measured):.2f}" if measured else "–"
+            peer_cells = " | ".join(f"{ms[p]:.2f} ms" if p in ms else cells[p] for p in peers)
             print(
-                f"| {name} | {e:.2f} ms | {x_:.2f} ms | {f:.2f} ms | {ort_cells[0]} | {f / e:.2f} | {f / x_:.2f} "
-                f"| {ort_cells[1]} | {err:.1e} |"
+                f"| {name} | {ms['eager']:.2f} ms | {ms['exact']:.2f} ms | {ms['fast']:.2f} ms | {peer_cells} "
+                f"| {ms['fast'] / ms['exact']:.2f} | {fastest} | {err:.1e} |"
             )
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", default="ort,openvino", help="comma-separated: " + ", ".join(PEERS))
+    main(parser.parse_args().peers.split(","))
