@@ -1,13 +1,13 @@
 """Optimization levels side by side with the peers: eager, kwexport `exact` and `fast`, ONNX
 Runtime (`torch.onnx.export(..., dynamo=True)`, default graph optimizations) and OpenVINO
-(`ov.convert_model(exported_program)`, f32) where the bench extra is installed, and
-AOTInductor when asked; one thread, interleaved rounds (best of each), with `fast`'s largest
+(`ov.convert_model(exported_program)`, f32) where the bench extra is installed, ExecuTorch
+with XNNPACK where `executorch` is installed, and AOTInductor when asked; one thread, interleaved rounds (best of each), with `fast`'s largest
 difference from eager relative to the output's scale, on issue 20's workloads: conv nets at
 batch 1, transformers of 4 layers at d=256 on 32 tokens (no cache), and 8 x (Linear 256->256
 + GELU) at batch 4. A peer that fails on a model (or computes something else) is a cell
 saying so. Writes nothing; prints a Markdown table (BENCHMARKS.md, "Optimization levels").
 
-    python benches/optimize.py [--peers ort,openvino,aoti]
+    python benches/optimize.py [--peers ort,openvino,executorch,aoti]
 """
 
 import tempfile
@@ -126,6 +126,29 @@ def openvino_model(model, kwargs, tmp: Path):
     return run
 
 
+def executorch_model(model, kwargs, tmp: Path):
+    """ExecuTorch with the XNNPACK delegate (``to_edge_transform_and_lower``), its threadpool
+    reset to one thread; ``pip install executorch`` (not in the bench extra: it is large)."""
+    try:
+        import executorch.extension.pybindings.portable_lib as portable
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+        from executorch.exir import to_edge_transform_and_lower
+        from executorch.runtime import Runtime
+    except ImportError:
+        return None
+    try:
+        portable._unsafe_reset_threadpool(1)
+        ep = torch.export.export(model, (), kwargs)
+        program = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]).to_executorch()
+        path = tmp / "m.pte"
+        path.write_bytes(program.buffer)
+        method = Runtime.get().load_program(path).load_method("forward")
+    except Exception as e:
+        return peer_failure(e)
+    tensors = [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    return lambda **_kw: method.execute(tensors)
+
+
 def aoti_model(model, kwargs, tmp: Path):
     """AOTInductor (``aoti_compile_and_package``), in torch: compiling takes minutes per model
     on two cores, so it runs only when asked (``--peers ...,aoti``)."""
@@ -196,5 +219,5 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peers", default="ort,openvino", help="comma-separated: " + ", ".join(PEERS))
+    parser.add_argument("--peers", default="ort,openvino,executorch", help="comma-separated: " + ", ".join(PEERS))
     main(parser.parse_args().peers.split(","))
