@@ -1,10 +1,10 @@
 """Optimization levels side by side with the peers: eager, kwexport `exact` and `fast`, ONNX
 Runtime (`torch.onnx.export(..., dynamo=True)`, default graph optimizations) and OpenVINO
 (`ov.convert_model(exported_program)`, f32) where the bench extra is installed, ExecuTorch
-with XNNPACK where `executorch` is installed, and AOTInductor when asked; one thread, interleaved rounds (best of each), with `fast`'s largest
-difference from eager relative to the output's scale, on issue 20's workloads: conv nets at
-batch 1, transformers of 4 layers at d=256 on 32 tokens (no cache), and 8 x (Linear 256->256
-+ GELU) at batch 4. A peer that fails on a model (or computes something else) is a cell
+with XNNPACK where `executorch` is installed, and AOTInductor when asked; one thread,
+interleaved rounds (best of each), with `fast`'s largest difference from eager relative to
+the output's scale, on issue 20's workloads: conv nets at batch 1, transformers of 4 layers
+at d=256 on 32 tokens (no cache), and 8 x (Linear 256->256 + GELU) at batch 4. A peer that fails on a model (or computes something else) is a cell
 saying so. Writes nothing; prints a Markdown table (BENCHMARKS.md, "Optimization levels").
 
     python benches/optimize.py [--peers ort,openvino,executorch,aoti]
@@ -166,6 +166,7 @@ def aoti_model(model, kwargs, tmp: Path):
 PEERS = {
     "ort": ("ONNX Runtime", ort_session),
     "openvino": ("OpenVINO", openvino_model),
+    "executorch": ("ExecuTorch + XNNPACK", executorch_model),
     "aoti": ("AOTInductor", aoti_model),
 }
 
