@@ -196,11 +196,13 @@ mod avx512 {
     pub unsafe fn linear(x: &[f32], m: usize, k: usize, wt: &[f32], n: usize, bias: Option<&[f32]>, out: &mut [f32]) {
         let b = bias.map_or(std::ptr::null(), |b| b.as_ptr());
         let (xp, wp, op) = (x.as_ptr(), wt.as_ptr(), out.as_mut_ptr());
-        let mut i = 0;
-        while i < m {
-            let rows = (m - i).min(4);
-            let mut j = 0;
-            while j < n {
+        // Column blocks outermost: a block's `k x 64` panel of the weight stays in cache while
+        // every group of rows reads it, so the weight streams from memory once per call.
+        let mut j = 0;
+        while j < n {
+            let mut i = 0;
+            while i < m {
+                let rows = (m - i).min(4);
                 // SAFETY: rows [i, i + rows) and columns from j exist (see the caller).
                 unsafe {
                     let (xr, orow) = (xp.add(i * k), op.add(i * n));
@@ -211,9 +213,9 @@ mod avx512 {
                         _ => tile::<1, 4>(xr, k, wp, n, b, orow, j),
                     }
                 }
-                j += 64;
+                i += rows;
             }
-            i += rows;
+            j += 64;
         }
     }
 }
