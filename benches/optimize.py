@@ -65,11 +65,15 @@ def first(out):
     return torch.as_tensor(out[0]) if isinstance(out, (list, tuple)) else out[0]
 
 
-def as_numpy(v):
-    """A keyword argument as the array a peer is fed."""
-    import numpy as np
+class WithConstants(torch.nn.Module):
+    """A model called with some keyword arguments fixed."""
 
-    return v.numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+    def __init__(self, model, constants):
+        super().__init__()
+        self.model, self.constants = model, constants
+
+    def forward(self, **tensors):
+        return self.model(**tensors, **self.constants)
 
 
 def peer_failure(e: Exception) -> str:
@@ -107,15 +111,18 @@ def openvino_model(model, kwargs, tmp: Path):
     except ImportError:
         return None
     try:
-        ep = torch.export.export(model, (), kwargs)
+        # Its CPU plugin can't take a non-tensor input (`use_cache=False`) as a parameter:
+        # those are bound into the exported program instead.
+        constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        ep = torch.export.export(WithConstants(model, constants), (), tensors)
         compiled = ov.Core().compile_model(
             ov.convert_model(ep),
             "CPU",
             {"INFERENCE_NUM_THREADS": 1, "INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"},
         )
         request = compiled.create_infer_request()
-        # Every user input is an input of the model, constants (`use_cache=False`) included.
-        feed = [as_numpy(kwargs[i.get_any_name()]) for i in compiled.inputs]
+        feed = [tensors[i.get_any_name()].numpy() for i in compiled.inputs]
     except Exception as e:
         return peer_failure(e)
 

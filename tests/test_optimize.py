@@ -386,3 +386,35 @@ def test_fast_runs_gelu_on_kwexports_kernel(tmp_path):
         got = fast(x.clone().requires_grad_())
     assert rel_err(got[0].detach(), want[0]) < 1e-6
     assert rel_err(kwexport.load(path, optimize="fast", dispatch="python")(x)[0], want[0]) < 1e-6
+
+
+class UnbatchedConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Hardswish())
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def test_lowered_convolutions_off_onednn_compute_what_the_graph_did(tmp_path):
+    """Where oneDNN's kernel can't take a call (an unbatched input, float64, autograd), the
+    lowered node runs the convolution and activation it replaced, as torch's ops."""
+    torch.manual_seed(0)
+    model = UnbatchedConv().eval()
+    path = tmp_path / "unbatched.kwx"
+    x = torch.randn(3, 10, 10)
+    kwexport.save(kwexport.export(model, (x,)), path)
+    fast = kwexport.load(path, optimize="fast")
+    with torch.no_grad():
+        assert rel_err(fast(x), model(x)) < 1e-5
+    batched = tmp_path / "batched.kwx"
+    kwexport.save(kwexport.export(model, (x[None],)), batched)
+    fast = kwexport.load(batched, optimize="fast")
+    xg = x[None].clone().requires_grad_()
+    got = fast(xg)
+    got.sum().backward()
+    xe = x[None].clone().requires_grad_()
+    want = model(xe)
+    want.sum().backward()
+    assert rel_err(got.detach(), want.detach()) < 1e-5 and rel_err(xg.grad, xe.grad) < 1e-5

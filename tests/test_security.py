@@ -65,3 +65,45 @@ def test_unregistered_custom_ops_are_not_imported(custom_file):
         f"methods.forward.ops[0] (kwtest::scale.default): op not found in the running torch {torch.__version__} "
         "(custom ops must be registered before loading)"
     )
+
+
+def test_only_the_ops_a_pass_inserts_load_from_other_torch_namespaces(tmp_path):
+    """`mkldnn::_convolution_pointwise` (what `optimize="fast"` lowers convolutions onto) loads
+    from a file too, running as the convolution it stands for; torch's other oneDNN ops don't."""
+    import json
+
+    import kwexport._cli
+
+    conv = torch.nn.Conv2d(3, 4, 3).eval()
+    path = tmp_path / "conv.kwx"
+    kwexport.save(kwexport.export(conv, (torch.randn(1, 3, 6, 6),)), path)
+
+    def rewrite(op: str, dst: str) -> str:
+        d = kwexport._rt.describe(str(path))
+        header = json.loads(d["header"])
+        ops = header["methods"]["forward"]["ops"]
+        node = header["methods"]["forward"]["graph"]["nodes"][0]
+        ops[node["op"]] = {"name": op, "schema": None}
+        node["args"] = node["args"][:3] + [
+            {"list": [{"int": 0}, {"int": 0}]},
+            {"list": [{"int": 1}, {"int": 1}]},
+            {"list": [{"int": 1}, {"int": 1}]},
+            {"int": 1},
+            {"str": "relu"},
+            {"list": []},
+            {"none": None},
+        ]
+        with open(path, "rb") as f:
+            f.seek(d["data_offset"])
+            data = f.read()
+        out = tmp_path / dst
+        kwexport._cli.write_atomic(str(out), kwexport._rt.container_head(json.dumps(header).encode()), [(0, data)])
+        return str(out)
+
+    x = torch.randn(1, 3, 6, 6)
+    with torch.no_grad():
+        want = torch.relu(conv(x))
+    prog = kwexport.load(rewrite("mkldnn::_convolution_pointwise.default", "fused.kwx"))
+    assert (prog(x) - want).abs().max() < 1e-5
+    with pytest.raises(kwexport.ArtifactError, match='op namespace "mkldnn" is not allowed'):
+        kwexport.load(rewrite("mkldnn::_linear_pointwise.default", "other.kwx"))

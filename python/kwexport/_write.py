@@ -191,7 +191,7 @@ def optimized(header: dict[str, Any], weights: dict[str, Any], mutable: set[str]
     rewritten, channels_last, folds = optimize_header(json.dumps(probe), level)
     header = json.loads(rewritten)
     if channels_last or folds:
-        from kwexport._fold import fold_batch_norms
+        from kwexport._passes import fold_batch_norms
 
         weights = dict(weights, **fold_batch_norms(weights, folds))
         for name in channels_last:

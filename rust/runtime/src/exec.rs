@@ -445,12 +445,10 @@ impl CStep {
                 && unsafe { shims.admits(Family::Cpu, &t[..n], false, false) && shims.dim(t[0]) == Some(4) }
                 && shims.is_f32(t[0]);
             if !admitted {
-                let fallback = shim.fallback.as_ref().ok_or_else(|| CError::Internal("no fallback".into()))?;
-                return Python::attach(|py| run_fallback(py, abi, fallback, slots)).map_err(CError::Python);
+                return self.on_python(abi, shim, slots);
             }
             let Some(weight) = conv.packed.get_or_init(|| pack_conv_weight(abi, conv, &consts[conv.weight])) else {
-                let fallback = shim.fallback.as_ref().ok_or_else(|| CError::Internal("no fallback".into()))?;
-                return Python::attach(|py| run_fallback(py, abi, fallback, slots)).map_err(CError::Python);
+                return self.on_python(abi, shim, slots);
             };
             let mut bias = t[2];
             let mut out: abi::Raw = std::ptr::null_mut();
@@ -484,8 +482,7 @@ impl CStep {
             // SAFETY: a handle just read from a live slot.
             let done = if direct.no_autograd { unsafe { abi.gelu(t[0], shim.scalars[0] != 0.0) } } else { None };
             let Some(result) = done else {
-                let fallback = shim.fallback.as_ref().ok_or_else(|| CError::Internal("no fallback".into()))?;
-                return Python::attach(|py| run_fallback(py, abi, fallback, slots)).map_err(CError::Python);
+                return self.on_python(abi, shim, slots);
             };
             self.finish(slots, result?);
             return Ok(());
@@ -495,8 +492,7 @@ impl CStep {
             let (eps, n) = (shim.scalars[0], shim.scalars[1] as i64);
             let done = if direct.no_autograd { unsafe { abi.rms_norm(t[0], t[1], eps, n) } } else { None };
             let Some(result) = done else {
-                let fallback = shim.fallback.as_ref().ok_or_else(|| CError::Internal("no fallback".into()))?;
-                return Python::attach(|py| run_fallback(py, abi, fallback, slots)).map_err(CError::Python);
+                return self.on_python(abi, shim, slots);
             };
             self.finish(slots, result?);
             return Ok(());
@@ -536,8 +532,7 @@ impl CStep {
             }
         }
         if !admitted || (skips_dispatcher && !direct.no_autograd) || (shim.autocast && !direct.no_autocast) {
-            let fallback = shim.fallback.as_ref().ok_or_else(|| CError::Internal("no fallback".into()))?;
-            return Python::attach(|py| run_fallback(py, abi, fallback, slots)).map_err(CError::Python);
+            return self.on_python(abi, shim, slots);
         }
         let packed = shim.packed.as_deref().map(|p| (p, consts[p.wt].raw()));
         let mut result = match packed {
@@ -562,6 +557,12 @@ impl CStep {
         }
         self.finish(slots, result);
         Ok(())
+    }
+
+    /// Runs a shim step's node through its Python op, for tensors or calls the shim can't take.
+    fn on_python(&self, abi: &Abi, shim: &ShimStep, slots: &mut [Option<Native>]) -> Result<(), CError> {
+        let fallback = shim.fallback.as_ref().ok_or_else(|| CError::Internal("no fallback".into()))?;
+        Python::attach(|py| run_fallback(py, abi, fallback, slots)).map_err(CError::Python)
     }
 
     /// Stores a one-tensor step's result in its slot and frees the slots it read last.
@@ -596,9 +597,10 @@ fn pack_conv_weight(abi: &Abi, conv: &crate::plan::Conv, weight: &abi::Tensor) -
             }
             return Err(e);
         }
-        stack.extend([conv.groups as StableIValue, 0]); // groups, input_size=None
-                                                        // SAFETY: one value per argument of `_reorder_convolution_weight`'s schema, encoded
-                                                        // for its type; it returns one tensor.
+        // groups, and input_size=None
+        stack.extend([conv.groups as StableIValue, 0]);
+        // SAFETY: one value per argument of `_reorder_convolution_weight`'s schema, encoded
+        // for its type; it returns one tensor.
         unsafe { abi.call(c"mkldnn::_reorder_convolution_weight", c"", &mut stack) }?;
         Ok(abi.adopt(stack[0]))
     };

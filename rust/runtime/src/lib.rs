@@ -179,7 +179,7 @@ fn check_extra_name(name: &str) -> PyResult<()> {
 /// Rewrites a header (JSON, at the current format) at an optimization level, as loading at
 /// that level would, but portable (nothing only a loader may decide): returns the new header,
 /// the weights to store channels-last, and the batch-norm folds whose weights the writer
-/// computes (`kwexport._fold`); weights stay plain tensors. For `kwexport optimize` and
+/// computes (`kwexport._passes`); weights stay plain tensors. For `kwexport optimize` and
 /// `kwexport.save(..., optimize=...)`.
 #[pyfunction]
 fn optimize_header<'py>(

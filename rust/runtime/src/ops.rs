@@ -130,8 +130,15 @@ pub fn resolve_ops(
             }
         }
         let schema = schema.map(|s| OpSchema::read(&s)).transpose()?;
-        // OpOverload.__call__ is a Python frame around `_op`, the C++ callable: skip it.
-        let callable = op.bind(py).getattr("_op").map(Bound::unbind).unwrap_or(op);
+        // OpOverload.__call__ is a Python frame around `_op`, the C++ callable: skip it. An op
+        // a load-time pass inserts runs, off its C path, as kwexport's Python form of what it
+        // replaced (`kwexport._passes`): torch's fused kernel takes fewer inputs than the
+        // ops it stands for (no autograd, no unbatched or float64 input).
+        let callable = if kwexport_core::tables::PASS_OPS.contains(&name.to_string().as_str()) {
+            py.import("kwexport._passes")?.getattr(name.name.as_str())?.unbind()
+        } else {
+            op.bind(py).getattr("_op").map(Bound::unbind).unwrap_or(op)
+        };
         resolved.push(ResolvedOp { callable, schema, hop: None });
     }
     Ok((resolved, notes))

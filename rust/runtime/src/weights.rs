@@ -174,7 +174,7 @@ pub fn mark_grad_sensitive<'a>(
     Ok(marked)
 }
 
-/// The core's batch-norm folds as `kwexport._fold` reads them: one dict per fold.
+/// The core's batch-norm folds as `kwexport._passes` reads them: one dict per fold.
 pub fn folds_to_py<'py>(py: Python<'py>, folds: &[Fold]) -> PyResult<Bound<'py, PyList>> {
     let items = folds.iter().map(|f| {
         let d = PyDict::new(py);
@@ -191,7 +191,7 @@ pub fn folds_to_py<'py>(py: Python<'py>, folds: &[Fold]) -> PyResult<Bound<'py, 
     PyList::new(py, items.collect::<PyResult<Vec<_>>>()?)
 }
 
-/// Replaces the weights the folds rewrite with their folded values (`kwexport._fold`).
+/// Replaces the weights the folds rewrite with their folded values (`kwexport._passes`).
 pub fn fold_batch_norms(py: Python<'_>, weights: &mut BTreeMap<String, Py<PyAny>>, folds: &[Fold]) -> PyResult<()> {
     if folds.is_empty() {
         return Ok(());
@@ -200,7 +200,7 @@ pub fn fold_batch_norms(py: Python<'_>, weights: &mut BTreeMap<String, Py<PyAny>
     for (name, w) in weights.iter() {
         given.set_item(name, w)?;
     }
-    let new = py.import("kwexport._fold")?.call_method1("fold_batch_norms", (given, folds_to_py(py, folds)?))?;
+    let new = py.import("kwexport._passes")?.call_method1("fold_batch_norms", (given, folds_to_py(py, folds)?))?;
     for (name, w) in new.cast::<PyDict>()?.iter() {
         weights.insert(name.extract()?, w.unbind());
     }

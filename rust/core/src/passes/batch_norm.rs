@@ -8,7 +8,7 @@
 //!
 //! becomes `y = conv(x, W * s, (b - mean) * s + beta)`: one node and one pass over the output
 //! instead of two. The pass decides; the new weights are computed with torch where the
-//! weights are (`kwexport._fold`, at load or when a file is written), as [`Fold`] says.
+//! weights are (`kwexport._passes`, at load or when a file is written), as [`Fold`] says.
 //!
 //! The folded tensors take the place of existing ones, so the weight table keeps its shapes:
 //! `W` holds `W * s`, and the bias goes where the convolution's bias was, or else where

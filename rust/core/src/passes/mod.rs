@@ -72,7 +72,7 @@ pub struct Rewrites {
     /// The weights to hold channels-last (a no-op for weights a file already holds so).
     pub channels_last: Vec<String>,
     /// Batch norms folded into convolutions: the weights to recompute, before anything else
-    /// reads them (`kwexport._fold`).
+    /// reads them (`kwexport._passes`).
     pub folds: Vec<batch_norm::Fold>,
 }
 

@@ -24,3 +24,40 @@ def fold_batch_norms(weights: dict[str, Any], folds: list[dict[str, Any]]) -> di
             bias = (f64(f["conv_bias"], 0.0) - f64(f["mean"], 0.0)) * scale + f64(f["beta"], 0.0)
             new[f["bias"]] = bias.to(weights[f["bias"]].dtype)
     return new
+
+
+# The post-ops of oneDNN's fused convolution, as torch computes them
+# (rust/core/src/passes/conv_pointwise.rs's ACTIVATIONS).
+def _post_op(attr: str) -> Any:
+    import torch
+
+    return {
+        "none": lambda y: y,
+        "relu": torch.relu,
+        "hardswish": torch.nn.functional.hardswish,
+        "hardsigmoid": torch.nn.functional.hardsigmoid,
+        "swish": torch.nn.functional.silu,
+        "sigmoid": torch.sigmoid,
+        "tanh": torch.tanh,
+    }[attr]
+
+
+def _convolution_pointwise(
+    x: Any,
+    w: Any,
+    b: Any,
+    padding: list[int],
+    stride: list[int],
+    dilation: list[int],
+    groups: int,
+    attr: str,
+    scalars: list[Any],
+    algorithm: str | None,
+) -> Any:
+    """``mkldnn::_convolution_pointwise`` where the runtime can't call oneDNN's kernel on the
+    tensors (autograd, autocast, an unbatched or non-float32 input, another device): the
+    convolution and its activation as torch's own ops, which is what the pass replaced, so
+    such a call computes what the graph as exported does."""
+    import torch
+
+    return _post_op(attr)(torch.conv2d(x, w, b, stride, padding, dilation, groups))
