@@ -42,7 +42,7 @@ def _post_op(attr: str) -> Any:
     }[attr]
 
 
-def _convolution_pointwise(
+def _convolution_pointwise(  # noqa: PLR0917 (the op's schema, positionally)
     x: Any,
     w: Any,
     b: Any,
