@@ -74,7 +74,7 @@ fn find(m: &Method, weight_shape: impl Fn(&str) -> Option<Vec<i64>>) -> Vec<(usi
         let Some(geometry) = convolution(op_of(conv), conv) else { continue };
         let Some(Arg::Ref(w)) = conv.args.get(1) else { continue };
         let Some(shape) = weight_shape(w) else { continue };
-        if shape.len() != 4 || shape[2] * shape[3] <= 1 {
+        if shape.len() != 4 || (shape[2] <= 1 && shape[3] <= 1) {
             continue;
         }
         let activation = sole_reader(&readers, conv).and_then(|ai| {
@@ -135,16 +135,25 @@ fn convolution(op: Option<&str>, n: &Node) -> Option<[Arg; 4]> {
         _ => None,
     };
     let a = &n.args;
-    match op? {
+    let geometry = match op? {
         "aten::conv2d.default" if bias_ok && a.len() <= 7 => {
-            Some([pair(a.get(3), 1)?, pair(a.get(4), 0)?, pair(a.get(5), 1)?, groups(a.get(6))?])
+            [pair(a.get(3), 1)?, pair(a.get(4), 0)?, pair(a.get(5), 1)?, groups(a.get(6))?]
         }
         // convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
         "aten::convolution.default" if bias_ok && a.len() == 9 && a[6] == Arg::Bool(false) => {
-            Some([pair(a.get(3), 1)?, pair(a.get(4), 0)?, pair(a.get(5), 1)?, groups(a.get(8))?])
+            [pair(a.get(3), 1)?, pair(a.get(4), 0)?, pair(a.get(5), 1)?, groups(a.get(8))?]
         }
-        _ => None,
-    }
+        _ => return None,
+    };
+    // Geometry torch's convolution would refuse (a negative padding, a zero stride) stays with
+    // torch's convolution, which says why.
+    let at_least = |a: &Arg, min: i64| match a {
+        Arg::List(items) => items.iter().all(|i| matches!(i, Arg::Int(v) if *v >= min)),
+        Arg::Int(v) => *v >= min,
+        _ => false,
+    };
+    let [stride, padding, dilation, groups] = &geometry;
+    (at_least(stride, 1) && at_least(padding, 0) && at_least(dilation, 1) && at_least(groups, 1)).then_some(geometry)
 }
 
 #[cfg(test)]
@@ -217,7 +226,9 @@ mod tests {
 
     #[test]
     fn leaves_near_misses_alone() {
-        let cases: [fn(&mut serde_json::Value); 4] = [
+        let cases: [fn(&mut serde_json::Value); 5] = [
+            // A negative padding: torch's convolution refuses it, with its message.
+            |h| h["methods"]["forward"]["graph"]["nodes"][0]["args"][4] = json!({"list": [{"int": -1}]}),
             // A 1×1 kernel: torch's path is as fast.
             |h| h["weights"]["tensors"]["w"]["shape"] = json!([16, 1, 1, 1]),
             // A stride that isn't a literal.
