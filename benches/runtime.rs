@@ -1,5 +1,6 @@
 //! Criterion benches for the runtime, with libpython embedded: the call path and per-node
-//! dispatch. (Parse + validate and binding alone are the core's: `benches/validate.rs`.)
+//! dispatch; and kwexport's own kernels, which need no Python. (Parse + validate and
+//! binding alone are the core's: `benches/validate.rs`.)
 //!
 //!     PYO3_PYTHON=.venv/bin/python cargo bench -p kwexport-runtime --bench runtime
 //!
@@ -106,11 +107,34 @@ fn per_node_dispatch(c: &mut Criterion) {
     });
 }
 
+/// kwexport's own kernels on plain slices, at the shapes `optimize="fast"` gives them: GELU
+/// over an MLP's activations, the small-batch linear at a decode step and at 32 tokens.
+fn kernels(c: &mut Criterion) {
+    use kwexport_runtime::kernels::{gelu_f32, linear_f32};
+    let data = |n: usize| (0..n).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<f32>>();
+    let mut group = c.benchmark_group("kernels");
+    for n in [4 * 256, 32 * 1024] {
+        let (x, mut out) = (data(n), vec![0.0; n]);
+        group.throughput(Throughput::Elements(n as u64));
+        for (name, tanh) in [("gelu", false), ("gelu_tanh", true)] {
+            group.bench_function(format!("{name}/{n}"), |b| b.iter(|| gelu_f32(&x, tanh, &mut out)));
+        }
+    }
+    for (m, k, n) in [(1, 256, 256), (4, 256, 256), (32, 256, 1024), (32, 1024, 256)] {
+        let (x, wt, bias, mut out) = (data(m * k), data(k * n), data(n), vec![0.0; m * n]);
+        group.throughput(Throughput::Elements((2 * m * k * n) as u64));
+        group.bench_function(format!("linear/{m}x{k}x{n}"), |b| {
+            b.iter(|| linear_f32(&x, m, k, &wt, n, Some(&bias), &mut out))
+        });
+    }
+    group.finish();
+}
+
 fn tempdir() -> PathBuf {
     let dir = std::env::temp_dir().join(format!("kwexport-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
 
-criterion_group!(benches, bind_flatten_check, per_node_dispatch);
+criterion_group!(benches, bind_flatten_check, per_node_dispatch, kernels);
 criterion_main!(benches);

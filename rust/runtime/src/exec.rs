@@ -534,13 +534,15 @@ impl CStep {
         if !admitted || (skips_dispatcher && !direct.no_autograd) || (shim.autocast && !direct.no_autocast) {
             return self.on_python(abi, shim, slots);
         }
-        let packed = shim.packed.as_deref().map(|p| (p, consts[p.wt].raw()));
+        let packed = shim.packed.as_deref().map(|p| (p, consts[p.panels].raw()));
         let mut result = match packed {
             // SAFETY: live handles; the packed weight is a const of the plan.
-            Some((p, wt)) => match unsafe { choose_linear(abi, p, &t, p.input, wt, || torch_kernel(abi, shim, &t)) } {
-                Some(r) => r?,
-                None => torch_kernel(abi, shim, &t)?,
-            },
+            Some((p, panels)) => {
+                match unsafe { choose_linear(abi, p, &t, p.input, panels, || torch_kernel(abi, shim, &t)) } {
+                    Some(r) => r?,
+                    None => torch_kernel(abi, shim, &t)?,
+                }
+            }
             None => torch_kernel(abi, shim, &t)?,
         };
         if let Some((_, leading)) = &folded {
@@ -672,7 +674,7 @@ unsafe fn choose_linear(
     packed: &crate::plan::Packed,
     t: &[abi::Raw; 3],
     input: usize,
-    wt: abi::Raw,
+    panels: abi::Raw,
     torch: impl Fn() -> Result<abi::Tensor, CError>,
 ) -> Option<Result<abi::Tensor, CError>> {
     let bias = (input == 1).then_some(t[0]);
@@ -682,7 +684,7 @@ unsafe fn choose_linear(
         return None;
     }
     let known = forced_linear_kernel().or_else(|| packed.choice(rows));
-    let ours = || unsafe { abi.linear(t[input], wt, bias) };
+    let ours = || unsafe { abi.linear(t[input], panels, packed.n, bias) };
     match known {
         Some(true) => ours(),
         Some(false) => None,

@@ -29,21 +29,52 @@ pub fn rms_norm_f32(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// `out[m, n] = bias[n] + x[m, k] @ wt[k, n]` for small `m` (a few rows of activations: a
+/// The width of a weight panel: the columns one pass of the linear kernel computes.
+pub const PANEL: usize = 64;
+
+/// `out[m, n] = bias[n] + x[m, k] @ w[k, n]` for small `m` (a few rows of activations: a
 /// decode step, a small batch), where torch's GEMM spends more on setup than on arithmetic.
-/// `wt` is the weight transposed once at load, contiguous. Returns `false` (writing nothing)
-/// where this CPU lacks AVX-512; the plan measures it against torch's kernel per shape and
-/// keeps the faster (`exec`).
-pub fn linear_f32(x: &[f32], m: usize, k: usize, wt: &[f32], n: usize, bias: Option<&[f32]>, out: &mut [f32]) -> bool {
-    let fits = x.len() >= m * k && wt.len() >= k * n && out.len() >= m * n && bias.is_none_or(|b| b.len() >= n);
+/// `panels` is the weight packed once at load ([`pack_panels`]): `ceil(n / 64)` contiguous
+/// `[k, 64]` panels, so the kernel streams each panel from memory in order (a row of a plain
+/// `[k, n]` weight is a new page every few rows, which the prefetchers don't follow). Returns
+/// `false` (writing nothing) where this CPU lacks AVX-512; the plan measures it against
+/// torch's kernel per shape and keeps the faster (`exec`).
+pub fn linear_f32(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    panels: &[f32],
+    n: usize,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) -> bool {
+    let fits = x.len() >= m * k
+        && panels.len() >= k * n.div_ceil(PANEL) * PANEL
+        && out.len() >= m * n
+        && bias.is_none_or(|b| b.len() >= n);
     #[cfg(target_arch = "x86_64")]
     if fits && std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F is present, and every slice holds what the shapes say (checked).
-        unsafe { avx512::linear(x, m, k, wt, n, bias, out) };
+        unsafe { avx512::linear(x, m, k, panels, n, bias, out) };
         return true;
     }
-    let _ = (fits, x, m, k, wt, n, bias, out);
+    let _ = (fits, x, m, k, panels, n, bias, out);
     false
+}
+
+/// A `[k, n]` weight (row-major, `w[r * n + c]`) as the linear kernel's panels: panel `p`
+/// holds columns `[64 p, 64 p + 64)` as a contiguous `[k, 64]` block, zero past `n`.
+pub fn pack_panels(w: &[f32], k: usize, n: usize, panels: &mut [f32]) {
+    if k == 0 {
+        return;
+    }
+    for (p, panel) in panels.chunks_exact_mut(k * PANEL).take(n.div_ceil(PANEL)).enumerate() {
+        let (c0, width) = (p * PANEL, (n - p * PANEL).min(PANEL));
+        for (r, row) in panel.chunks_exact_mut(PANEL).enumerate() {
+            row[..width].copy_from_slice(&w[r * n + c0..r * n + c0 + width]);
+            row[width..].fill(0.0);
+        }
+    }
 }
 
 /// GELU of each element: `0.5 x (1 + erf(x / sqrt 2))`, or with `tanh`, the tanh
@@ -138,15 +169,16 @@ mod avx512 {
         }
     }
 
-    /// Rows `[0, R)` of `x` (row stride `k`) times columns `[j0, j0 + 16 V)` of `wt` (masked
-    /// past `n`), plus the bias, into `out` (row stride `n`): `R * V` accumulators held in
-    /// registers across the whole `k` loop, each weight vector loaded once per `k`.
+    /// Rows `[0, R)` of `x` (row stride `k`) times the `[k, 64]` panel of columns
+    /// `[j0, j0 + 16 V)` (zero past `n`), plus the bias, into `out` (row stride `n`, masked past
+    /// `n`): `R * V` accumulators held in registers across the whole `k` loop, each weight
+    /// vector loaded once per `k`.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     unsafe fn tile<const R: usize, const V: usize>(
         x: *const f32,
         k: usize,
-        wt: *const f32,
+        panel: *const f32,
         n: usize,
         bias: *const f32,
         out: *mut f32,
@@ -157,7 +189,7 @@ mod avx512 {
             let left = n.saturating_sub(j0 + v * 16).min(16);
             *mask = ((1u32 << left) - 1) as u16;
         }
-        // SAFETY (all below): the caller guarantees R rows of `x`, `k` rows of `wt` and R rows
+        // SAFETY (all below): the caller guarantees R rows of `x`, a `[k, 64]` panel and R rows
         // of `out` of their strides; masked lanes past `n` are neither read nor written.
         unsafe {
             let mut acc = [[_mm512_setzero_ps(); V]; R];
@@ -168,10 +200,7 @@ mod avx512 {
                 }
             }
             for kk in 0..k {
-                let mut w = [_mm512_setzero_ps(); V];
-                for v in 0..V {
-                    w[v] = _mm512_maskz_loadu_ps(masks[v], wt.add(kk * n + j0 + v * 16));
-                }
+                let w: [__m512; V] = std::array::from_fn(|v| _mm512_loadu_ps(panel.add(kk * super::PANEL + v * 16)));
                 for (r, row) in acc.iter_mut().enumerate() {
                     let a = _mm512_set1_ps(*x.add(r * k + kk));
                     for v in 0..V {
@@ -190,12 +219,20 @@ mod avx512 {
     /// See `super::linear_f32`.
     ///
     /// # Safety
-    /// AVX-512F must be present; the slices must hold `m * k`, `k * n`, `n` and `m * n`
-    /// elements.
+    /// AVX-512F must be present; the slices must hold `m * k`, `ceil(n / 64) * k * 64`, `n`
+    /// and `m * n` elements.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn linear(x: &[f32], m: usize, k: usize, wt: &[f32], n: usize, bias: Option<&[f32]>, out: &mut [f32]) {
+    pub unsafe fn linear(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        panels: &[f32],
+        n: usize,
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+    ) {
         let b = bias.map_or(std::ptr::null(), |b| b.as_ptr());
-        let (xp, wp, op) = (x.as_ptr(), wt.as_ptr(), out.as_mut_ptr());
+        let (xp, op) = (x.as_ptr(), out.as_mut_ptr());
         // Column blocks outermost: a block's `k x 64` panel of the weight stays in cache while
         // every group of rows reads it, so the weight streams from memory once per call.
         let mut j = 0;
@@ -203,9 +240,10 @@ mod avx512 {
             let mut i = 0;
             while i < m {
                 let rows = (m - i).min(4);
-                // SAFETY: rows [i, i + rows) and columns from j exist (see the caller).
+                // SAFETY: rows [i, i + rows), columns from j and their panel exist (see the
+                // caller).
                 unsafe {
-                    let (xr, orow) = (xp.add(i * k), op.add(i * n));
+                    let (xr, orow, wp) = (xp.add(i * k), op.add(i * n), panels.as_ptr().add(j / 64 * k * 64));
                     match rows {
                         4 => tile::<4, 4>(xr, k, wp, n, b, orow, j),
                         3 => tile::<3, 4>(xr, k, wp, n, b, orow, j),
@@ -244,13 +282,17 @@ mod tests {
 
     #[test]
     fn linear_matches_a_double_precision_reference() {
-        for (m, k, n) in [(1, 64, 128), (3, 100, 70), (4, 256, 256), (9, 17, 5), (2, 1, 1)] {
+        for (m, k, n) in
+            [(1usize, 64usize, 128usize), (3, 100, 70), (4, 256, 256), (9, 17, 5), (2, 1, 1), (33, 40, 200)]
+        {
             let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.01).sin()).collect();
             let wt: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.013).cos()).collect();
             let b: Vec<f32> = (0..n).map(|i| i as f32 * 0.001).collect();
+            let mut panels = vec![f32::NAN; k * n.div_ceil(PANEL) * PANEL];
+            pack_panels(&wt, k, n, &mut panels);
             for bias in [Some(&b[..]), None] {
                 let mut out = vec![f32::NAN; m * n];
-                if !linear_f32(&x, m, k, &wt, n, bias, &mut out) {
+                if !linear_f32(&x, m, k, &panels, n, bias, &mut out) {
                     return; // no AVX-512 here: the plan keeps torch's kernel
                 }
                 for r in 0..m {

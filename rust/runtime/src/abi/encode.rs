@@ -48,8 +48,10 @@ pub trait Consts {
     fn number(&mut self, lit: &Arg) -> Option<usize>;
     /// The index of weight `name`'s transpose (`weight.t()`), if it is a matrix.
     fn weight_t(&mut self, name: &str) -> Option<usize>;
-    /// The index of `weight.t().contiguous()`, a copy made once, for a float32 matrix.
-    fn weight_t_packed(&mut self, name: &str) -> Option<usize>;
+    /// The index of a float32 matrix weight packed once into kwexport's linear kernel's
+    /// panels (`kernels::pack_panels`), read as `[k, n]`: the weight transposed
+    /// (`transpose`, a linear's `[n, k]`) or as it is (an `addmm`'s second matrix); and `n`.
+    fn weight_panels(&mut self, name: &str, transpose: bool) -> Option<(usize, i64)>;
     /// The index of the wrapped number `wrapped` (an index `number` gave) cast to `dtype`
     /// as torch's type promotion casts it.
     fn number_cast(&mut self, wrapped: usize, dtype: &str) -> Option<usize>;

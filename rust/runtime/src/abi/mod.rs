@@ -570,17 +570,18 @@ impl Abi {
         done.then_some(Ok(out))
     }
 
-    /// kwexport's linear kernel on `x` (`[m, k]`), `wt` (`[k, n]`, the weight transposed) and
-    /// `bias` (`[n]`), all contiguous float32 CPU tensors: a new `[m, n]` tensor, or `None`
-    /// where they don't qualify or the CPU lacks the kernel's instructions.
+    /// kwexport's linear kernel on `x` (`[m, k]`), the weight's `panels` (`[ceil(n / 64), k,
+    /// 64]`, `kernels::pack_panels`) and `bias` (`[n]`), all contiguous float32 CPU tensors: a
+    /// new `[m, n]` tensor, or `None` where they don't qualify or the CPU lacks the kernel's
+    /// instructions.
     ///
     /// # Safety
-    /// All must be live handles.
-    pub unsafe fn linear(&self, x: Raw, wt: Raw, bias: Option<Raw>) -> Option<Result<Tensor, CError>> {
+    /// `x`, `panels` and `bias` must be live handles.
+    pub unsafe fn linear(&self, x: Raw, panels: Raw, n: i64, bias: Option<Raw>) -> Option<Result<Tensor, CError>> {
         let shims = self.shims.as_ref()?;
         // SAFETY: live handles.
-        let (xs, ws, bs) = unsafe {
-            let all_f32 = shims.is_cpu_f32(x) && shims.is_cpu_f32(wt) && bias.is_none_or(|b| shims.is_cpu_f32(b));
+        let (xs, ps, bs) = unsafe {
+            let all_f32 = shims.is_cpu_f32(x) && shims.is_cpu_f32(panels) && bias.is_none_or(|b| shims.is_cpu_f32(b));
             if !all_f32 {
                 return None;
             }
@@ -588,13 +589,15 @@ impl Abi {
                 Some(b) => Some(self.contiguous_sizes(b)?),
                 None => None,
             };
-            (self.contiguous_sizes(x)?, self.contiguous_sizes(wt)?, bs)
+            (self.contiguous_sizes(x)?, self.contiguous_sizes(panels)?, bs)
         };
-        let ([m, k], [k2, n]) = (xs.as_slice(), ws.as_slice()) else { return None };
-        if k != k2 || bs.as_ref().is_some_and(|b| b.as_slice() != [*n]) || *m == 0 || *n == 0 {
+        let panel = crate::kernels::PANEL as i64;
+        let ([m, k], [np, k2, width]) = (xs.as_slice(), ps.as_slice()) else { return None };
+        let fits = k == k2 && *width == panel && n > 0 && *np == (n + panel - 1) / panel;
+        if !fits || bs.as_ref().is_some_and(|b| b.as_slice() != [n]) || *m == 0 {
             return None;
         }
-        let (m, k, n) = (usize::try_from(*m).ok()?, usize::try_from(*k).ok()?, usize::try_from(*n).ok()?);
+        let (m, k, n) = (usize::try_from(*m).ok()?, usize::try_from(*k).ok()?, usize::try_from(n).ok()?);
         let out = match self.owned(shims.empty_f32(&[m as i64, n as i64])) {
             Ok(out) => out,
             Err(e) => return Some(Err(e)),
@@ -602,13 +605,13 @@ impl Abi {
         // SAFETY: contiguous float32 CPU tensors of the sizes checked above; the output is new.
         unsafe {
             let xs = std::slice::from_raw_parts(shims.data_ptr(x)? as *const f32, m * k);
-            let ws = std::slice::from_raw_parts(shims.data_ptr(wt)? as *const f32, k * n);
+            let ps = std::slice::from_raw_parts(shims.data_ptr(panels)? as *const f32, k * n.div_ceil(64) * 64);
             let bs = match bias {
                 Some(b) => Some(std::slice::from_raw_parts(shims.data_ptr(b)? as *const f32, n)),
                 None => None,
             };
             let os = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut f32, m * n);
-            if !crate::kernels::linear_f32(xs, m, k, ws, n, bs, os) {
+            if !crate::kernels::linear_f32(xs, m, k, ps, n, bs, os) {
                 return None;
             }
         }

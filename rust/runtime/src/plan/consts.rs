@@ -24,6 +24,8 @@ pub(super) struct ConstTable<'a, 'py> {
     /// Tensors C steps read, by index.
     tensors: Vec<Const>,
     weight_index: HashMap<String, usize>,
+    /// Weights packed for kwexport's linear kernel, and their `n`.
+    panels: HashMap<String, (usize, i64)>,
     /// Wrapped numbers, one per distinct number literal.
     numbers: Vec<WrappedNumber>,
 }
@@ -51,7 +53,16 @@ impl<'a, 'py> ConstTable<'a, 'py> {
         weights: &'a BTreeMap<String, Py<PyAny>>,
         abi: Option<&'static Abi>,
     ) -> Self {
-        ConstTable { py, torch, weights, abi, tensors: Vec::new(), weight_index: HashMap::new(), numbers: Vec::new() }
+        ConstTable {
+            py,
+            torch,
+            weights,
+            abi,
+            tensors: Vec::new(),
+            weight_index: HashMap::new(),
+            panels: HashMap::new(),
+            numbers: Vec::new(),
+        }
     }
 
     /// Handles to the tensors C steps read, in the order their encodings name them.
@@ -232,10 +243,10 @@ impl Consts for ConstTable<'_, '_> {
         Some(i)
     }
 
-    fn weight_t_packed(&mut self, name: &str) -> Option<usize> {
-        let key = format!("{name}\u{0}t packed");
-        if let Some(&i) = self.weight_index.get(&key) {
-            return Some(i);
+    fn weight_panels(&mut self, name: &str, transpose: bool) -> Option<(usize, i64)> {
+        let key = format!("{name}\u{0}panels {transpose}");
+        if let Some(&(i, n)) = self.panels.get(&key) {
+            return Some((i, n));
         }
         let w = self.weights.get(name)?.bind(self.py);
         let is_f32_matrix = w.getattr("dim").ok()?.call0().ok()?.extract::<i64>().ok()? == 2
@@ -243,13 +254,33 @@ impl Consts for ConstTable<'_, '_> {
         let elements: i64 = w.getattr("numel").ok()?.call0().ok()?.extract().ok()?;
         // The copy costs the weight's memory again: only for the small matrices the kernel is
         // for, where it stays a small share of a model's weights.
-        if !is_f32_matrix || elements > MAX_PACKED_ELEMENTS {
+        if !is_f32_matrix || elements > MAX_PACKED_ELEMENTS || elements == 0 {
             return None;
         }
-        let packed = w.call_method0("detach").ok()?.call_method0("t").ok()?.call_method0("contiguous").ok()?;
-        let i = self.push(Const::Py(packed.unbind()));
-        self.weight_index.insert(key, i);
-        Some(i)
+        let w = w.call_method0("detach").ok()?;
+        let kn = if transpose { w.call_method0("t").ok()? } else { w };
+        let (k, n): (i64, i64) = kn.getattr("shape").ok()?.extract().ok()?;
+        // Zero-padded to whole panels, then each panel's columns made contiguous.
+        let panel = crate::kernels::PANEL as i64;
+        let count = (n + panel - 1) / panel;
+        let padded = self
+            .torch
+            .getattr("nn")
+            .ok()?
+            .getattr("functional")
+            .ok()?
+            .call_method1("pad", (kn, (0, count * panel - n)));
+        let panels = padded
+            .ok()?
+            .call_method1("reshape", (k, count, panel))
+            .ok()?
+            .call_method1("permute", (1, 0, 2))
+            .ok()?
+            .call_method0("contiguous")
+            .ok()?;
+        let i = self.push(Const::Py(panels.unbind()));
+        self.panels.insert(key, (i, n));
+        Some((i, n))
     }
 
     fn number_cast(&mut self, wrapped: usize, dtype: &str) -> Option<usize> {

@@ -179,9 +179,11 @@ pub struct Conv {
 /// A linear's weight for kwexport's kernel (`kernels::linear_f32`), and the kernel measured
 /// fastest for each number of input rows seen, per process.
 pub struct Packed {
-    /// The const index of the weight as `[k, n]`: `weight.t().contiguous()` for a linear, the
-    /// weight itself for an `addmm`'s second matrix (the kernel checks it is contiguous).
-    pub(crate) wt: usize,
+    /// The const index of the weight as `[k, n]` packed into the kernel's panels (a copy made
+    /// at load: of `weight.t()` for a linear, of the weight itself for an `addmm`'s second
+    /// matrix), and `n`.
+    pub(crate) panels: usize,
+    pub(crate) n: i64,
     /// Which of the step's tensors is the input matrix (a bias, if any, is tensor 0 before it).
     pub(crate) input: usize,
     /// Choices made, each `rows * 2 + (1 if kwexport's kernel won)`, or -1 for a free slot:
@@ -191,8 +193,8 @@ pub struct Packed {
 }
 
 impl Packed {
-    pub(crate) fn new(wt: usize, input: usize) -> Self {
-        Packed { wt, input, choices: std::array::from_fn(|_| std::sync::atomic::AtomicI64::new(-1)) }
+    pub(crate) fn new(panels: usize, n: i64, input: usize) -> Self {
+        Packed { panels, n, input, choices: std::array::from_fn(|_| std::sync::atomic::AtomicI64::new(-1)) }
     }
 
     /// The choice made for `rows`, if one was.

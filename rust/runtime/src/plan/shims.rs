@@ -288,8 +288,7 @@ fn shim_step(
     let scalars = uses.scalars.iter().map(|&i| exact_double(bound.get(i)?)).collect::<Option<Vec<_>>>()?;
     let packed = match uses.packed.map(|p| (p, bound.get(p.arg))) {
         Some((p, Some(SlotArg::Value(ValueRef::Weight(w))))) => {
-            let wt = if p.transpose { consts.weight_t_packed(w) } else { Some(consts.weight(w)) };
-            wt.map(|wt| Box::new(super::Packed::new(wt, p.input)))
+            consts.weight_panels(w, p.transpose).map(|(panels, n)| Box::new(super::Packed::new(panels, n, p.input)))
         }
         _ => None,
     };
