@@ -11,7 +11,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("views", &[]),
     ("abi", &["kernels", "views"]),
     ("ops", &["abi", "errors"]),
-    ("plan", &["abi", "ops", "errors", "constants", "views"]),
+    // The plan packs weights in the layout a kernel reads (`kernels::PANEL`).
+    ("plan", &["abi", "ops", "errors", "constants", "views", "kernels"]),
     ("exec", &["abi", "plan", "errors", "views"]),
 ];
 
