@@ -1,6 +1,7 @@
-"""The weights the core's ``batch_norm`` pass folds (rust/core/src/passes/batch_norm.rs), computed
-with torch: at load for a file loaded at ``fast``, and when ``kwexport optimize`` writes one.
-The arithmetic is done in float64 and rounded once to the weight's dtype."""
+"""What the core's graph passes (rust/core/src/passes/) leave to torch: the weights the
+``batch_norm`` pass folds, computed at load for a file loaded at ``fast`` and when ``kwexport
+optimize`` writes one (in float64, rounded once to the weight's dtype); and the Python form of
+the op ``conv_pointwise`` inserts, for calls its C kernel can't take."""
 
 from typing import Any
 
