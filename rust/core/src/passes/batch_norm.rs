@@ -17,7 +17,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use super::readers::{one, readers, sole_reader};
+use super::readers::{one, readers, sole_reader, weight_inputs};
 use crate::schema::{Arg, Document, InputSource, Method, Node, Outputs, WeightTensor};
 
 /// Convolutions (argument 1 is the weight, 2 the bias) whose output a batch norm may fold into.
@@ -74,14 +74,7 @@ fn fold_method(m: &mut Method, tensors: &BTreeMap<String, WeightTensor>, named: 
     let g = &m.graph;
     let op_of = |n: &Node| m.ops.get(n.op).map(|o| o.name.as_str());
     let readers = readers(g);
-    let weight_of: HashMap<&str, &str> = g
-        .inputs
-        .iter()
-        .filter_map(|i| match &i.source {
-            InputSource::Weight(w) => Some((i.name.as_str(), w.as_str())),
-            InputSource::User(_) => None,
-        })
-        .collect();
+    let weight_of = weight_inputs(g);
     // A float32 weight (with `channels`, a vector of that many) read only by node `reader`,
     // named once in the file, not state: its weight name.
     let sole_weight = |a: &Arg, reader: usize, channels: Option<i64>| -> Option<String> {
@@ -189,7 +182,7 @@ mod tests {
 
     /// conv2d(x, w) then batch_norm with every parameter a weight of 4 channels.
     fn doc(mutate: impl FnOnce(&mut serde_json::Value)) -> Document {
-        let bytes = crate::artifact::tests::file(|h| {
+        let header = |h: &mut serde_json::Value| {
             let m = &mut h["methods"]["forward"];
             m["ops"] = json!([{"name": "aten::conv2d.default", "schema": null},
                               {"name": "aten::batch_norm.default", "schema": null}]);
@@ -208,10 +201,8 @@ mod tests {
             h["weights"]["tensors"] = json!({
                 "w": {"dtype": "float32", "shape": [4, 1, 2, 2], "strides": [4, 4, 2, 1], "storage": 0},
                 "g": vec(0), "b": vec(1), "m": vec(2), "v": vec(3)});
-        });
-        let mut json: serde_json::Value = serde_json::to_value(crate::parse(&bytes).unwrap().document).unwrap();
-        mutate(&mut json);
-        serde_json::from_value(json).unwrap()
+        };
+        super::super::tests::document(header, mutate)
     }
 
     #[test]

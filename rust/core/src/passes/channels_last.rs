@@ -5,9 +5,7 @@
 //! format, with no conversion node in the graph (the first convolution converts its input).
 //! Results differ from eager's by the kernels' rounding (`docs/format.md`'s levels).
 
-use std::collections::BTreeMap;
-
-use crate::schema::{Arg, Document, InputSource};
+use crate::schema::{Arg, Document};
 
 /// The ops whose argument 1 is a convolution weight.
 const CONVOLUTIONS: &[&str] = &["aten::convolution.default", "aten::conv2d.default", "aten::conv2d.padding"];
@@ -19,15 +17,7 @@ pub fn conv_weights(doc: &Document) -> Vec<String> {
         .methods
         .values()
         .flat_map(|m| {
-            let weight_of: BTreeMap<&str, &str> = m
-                .graph
-                .inputs
-                .iter()
-                .filter_map(|i| match &i.source {
-                    InputSource::Weight(w) => Some((i.name.as_str(), w.as_str())),
-                    InputSource::User(_) => None,
-                })
-                .collect();
+            let weight_of = super::readers::weight_inputs(&m.graph);
             m.graph
                 .nodes
                 .iter()

@@ -12,8 +12,8 @@
 //! shouldn't pay), so files keep plain tensors and the pass runs at load only: a file
 //! written by `kwexport optimize` keeps its `convolution` nodes, portable to any torch.
 
-use super::readers::{readers, sole_reader};
-use crate::schema::{Arg, Document, InputSource, Method, Node};
+use super::readers::{readers, sole_reader, weight_inputs};
+use crate::schema::{Arg, Document, Method, Node};
 
 /// The op a lowered convolution runs.
 pub const FUSED: &str = crate::tables::PASS_OPS[0];
@@ -38,10 +38,9 @@ pub fn apply(doc: &mut Document) -> usize {
     let tensors = &doc.weights.tensors;
     let mut lowered = 0;
     for m in doc.methods.values_mut() {
+        let weight_of = weight_inputs(&m.graph);
         let found = find(m, |input| {
-            let i = m.graph.inputs.iter().find(|i| i.name == input)?;
-            let InputSource::Weight(w) = &i.source else { return None };
-            let t = tensors.get(w)?;
+            let t = tensors.get(*weight_of.get(input)?)?;
             (t.dtype == "float32" && !t.mutable).then(|| t.shape.clone())
         });
         if found.is_empty() {
@@ -163,7 +162,7 @@ mod tests {
 
     /// conv2d(x, w, b, stride=[2, 2], padding=[1, 1]) then relu_.
     fn doc(mutate: impl FnOnce(&mut serde_json::Value)) -> Document {
-        let bytes = crate::artifact::tests::file(|h| {
+        let header = |h: &mut serde_json::Value| {
             let m = &mut h["methods"]["forward"];
             m["ops"] = json!([{"name": "aten::conv2d.default", "schema": null},
                               {"name": "aten::relu_.default", "schema": null}]);
@@ -179,10 +178,8 @@ mod tests {
             h["weights"]["tensors"] = json!({
                 "w": {"dtype": "float32", "shape": [4, 1, 2, 2], "strides": [4, 4, 2, 1], "storage": 0},
                 "b": {"dtype": "float32", "shape": [4], "strides": [1], "storage": 0, "storage_offset": 16}});
-        });
-        let mut json: serde_json::Value = serde_json::to_value(crate::parse(&bytes).unwrap().document).unwrap();
-        mutate(&mut json);
-        serde_json::from_value(json).unwrap()
+        };
+        super::super::tests::document(header, mutate)
     }
 
     fn ints(v: &[i64]) -> Arg {

@@ -141,9 +141,22 @@ fn remove_nodes(nodes: &mut Vec<crate::schema::Node>, removed: &[bool]) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use serde_json::json;
+
+    /// The test file with `header` applied before it is written, then `mutate` applied to its
+    /// parsed document's JSON (changes a written file couldn't hold, such as a weight's dtype
+    /// without its bytes).
+    pub(crate) fn document(
+        header: impl FnOnce(&mut serde_json::Value),
+        mutate: impl FnOnce(&mut serde_json::Value),
+    ) -> Document {
+        let bytes = crate::artifact::tests::file(header);
+        let mut json = serde_json::to_value(crate::parse(&bytes).unwrap().document).unwrap();
+        mutate(&mut json);
+        serde_json::from_value(json).unwrap()
+    }
 
     /// The test file with a metadata assertion added to its graph.
     fn doc() -> Document {

@@ -1,9 +1,21 @@
-//! Who reads each value of a graph: what the pattern passes need to know before they fuse
-//! nodes (a fused intermediate must have no other reader).
+//! Who reads each value of a graph, and which weight each graph input is: what the pattern
+//! passes need to know before they fuse nodes (a fused intermediate must have no other
+//! reader) or rewrite a weight.
 
 use std::collections::HashMap;
 
-use crate::schema::{Graph, Node, Outputs};
+use crate::schema::{Graph, InputSource, Node, Outputs};
+
+/// The weight (its name in the file) each of `g`'s weight inputs names, by input name.
+pub fn weight_inputs(g: &Graph) -> HashMap<&str, &str> {
+    g.inputs
+        .iter()
+        .filter_map(|i| match &i.source {
+            InputSource::Weight(w) => Some((i.name.as_str(), w.as_str())),
+            InputSource::User(_) => None,
+        })
+        .collect()
+}
 
 /// A reader that is not a node: a graph output or a mutation's value.
 pub const OUTSIDE: usize = usize::MAX;

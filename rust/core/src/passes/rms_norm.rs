@@ -11,8 +11,8 @@
 //! torch's `rms_norm` otherwise. Each intermediate must be read only by the next op, so nothing
 //! else needs the values that disappear.
 
-use super::readers::{one, readers, sole_reader};
-use crate::schema::{Arg, InputSource, Method, Node, Weights};
+use super::readers::{one, readers, sole_reader, weight_inputs};
+use crate::schema::{Arg, Method, Node, Weights};
 
 /// Fuses every RMS-norm pattern of the method's top-level graph; returns how many.
 pub fn apply(m: &mut Method, weights: &Weights) -> usize {
@@ -41,10 +41,9 @@ fn find(m: &Method, weights: &Weights) -> Vec<(Vec<usize>, Node)> {
     // The node that alone reads `n`'s value, if it is `op`.
     let sole_reader =
         |n: &Node, op: &str| -> Option<usize> { sole_reader(&readers, n).filter(|&j| op_of(&g.nodes[j]) == Some(op)) };
+    let weight_of = weight_inputs(g);
     let weight_1d = |name: &str| -> Option<(String, i64, &str)> {
-        let input = g.inputs.iter().find(|i| i.name == name)?;
-        let InputSource::Weight(w) = &input.source else { return None };
-        let t = weights.tensors.get(w)?;
+        let t = weights.tensors.get(*weight_of.get(name)?)?;
         match (t.shape.as_slice(), t.mutable) {
             ([n], false) => Some((name.to_owned(), *n, t.dtype.as_str())),
             _ => None,
