@@ -38,6 +38,15 @@ impl OpName {
     }
 }
 
+impl OpName {
+    /// Whether this is one of the torch ops outside the default namespaces that a load-time
+    /// pass inserts ([`crate::tables::PASS_OPS`]).
+    pub fn is_pass_op(&self) -> bool {
+        !crate::tables::DEFAULT_NAMESPACES.contains(&self.namespace.as_str())
+            && crate::tables::PASS_OPS.contains(&self.to_string().as_str())
+    }
+}
+
 impl std::fmt::Display for OpName {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}::{}", self.namespace, self.name)?;

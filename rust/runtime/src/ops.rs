@@ -53,7 +53,7 @@ impl AllowOps {
 
     fn allows(&self, op: &OpName) -> bool {
         DEFAULT_NAMESPACES.contains(&op.namespace.as_str())
-            || kwexport_core::tables::PASS_OPS.contains(&op.to_string().as_str())
+            || op.is_pass_op()
             || self.0.iter().any(|(ns, name, overload)| {
                 *ns == op.namespace
                     && name.as_ref().is_none_or(|n| *n == op.name)
@@ -134,7 +134,7 @@ pub fn resolve_ops(
         // a load-time pass inserts runs, off its C path, as kwexport's Python form of what it
         // replaced (`kwexport._passes`): torch's fused kernel takes fewer inputs than the
         // ops it stands for (no autograd, no unbatched or float64 input).
-        let callable = if kwexport_core::tables::PASS_OPS.contains(&name.to_string().as_str()) {
+        let callable = if name.is_pass_op() {
             py.import("kwexport._passes")?.getattr(name.name.as_str())?.unbind()
         } else {
             op.bind(py).getattr("_op").map(Bound::unbind).unwrap_or(op)

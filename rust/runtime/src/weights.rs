@@ -18,6 +18,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::abi::Abi;
+use crate::errors::{RtError, RtResult};
 
 /// The mapped data section, exposed to torch through the buffer protocol.
 #[pyclass(frozen, module = "kwexport._rt")]
@@ -192,16 +193,21 @@ pub fn folds_to_py<'py>(py: Python<'py>, folds: &[Fold]) -> PyResult<Bound<'py, 
 }
 
 /// Replaces the weights the folds rewrite with their folded values (`kwexport._passes`).
-pub fn fold_batch_norms(py: Python<'_>, weights: &mut BTreeMap<String, Py<PyAny>>, folds: &[Fold]) -> PyResult<()> {
+pub fn fold_batch_norms(py: Python<'_>, weights: &mut BTreeMap<String, Py<PyAny>>, folds: &[Fold]) -> RtResult<()> {
     if folds.is_empty() {
         return Ok(());
     }
+    // Only the tensors the folds read.
     let given = PyDict::new(py);
-    for (name, w) in weights.iter() {
-        given.set_item(name, w)?;
+    for f in folds {
+        let names = [Some(&f.weight), Some(&f.bias), f.conv_bias.as_ref(), f.gamma.as_ref(), f.beta.as_ref()];
+        for name in names.into_iter().flatten().chain([&f.mean, &f.var]) {
+            let w = weights.get(name).ok_or_else(|| RtError::Internal(format!("fold: no weight {name}")))?;
+            given.set_item(name, w)?;
+        }
     }
     let new = py.import("kwexport._passes")?.call_method1("fold_batch_norms", (given, folds_to_py(py, folds)?))?;
-    for (name, w) in new.cast::<PyDict>()?.iter() {
+    for (name, w) in new.cast::<PyDict>().map_err(PyErr::from)?.iter() {
         weights.insert(name.extract()?, w.unbind());
     }
     Ok(())

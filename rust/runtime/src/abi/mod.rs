@@ -570,6 +570,36 @@ impl Abi {
         done.then_some(Ok(out))
     }
 
+    /// A contiguous float32 CPU matrix `[k, n]` packed into the linear kernel's panels
+    /// (`kernels::pack_panels`): a new `[ceil(n / 64), k, 64]` tensor, or `None` where `kn`
+    /// isn't such a matrix.
+    ///
+    /// # Safety
+    /// `kn` must be a live handle.
+    pub unsafe fn pack_panels(&self, kn: Raw) -> Option<Tensor> {
+        let shims = self.shims.as_ref()?;
+        // SAFETY: a live handle.
+        let sizes = unsafe {
+            if shims.is_cpu_f32(kn) {
+                self.contiguous_sizes(kn)?
+            } else {
+                return None;
+            }
+        };
+        let [k, n] = sizes.as_slice() else { return None };
+        let (k, n) = (usize::try_from(*k).ok()?, usize::try_from(*n).ok()?);
+        let panel = crate::kernels::PANEL;
+        let out = self.owned(shims.empty_f32(&[n.div_ceil(panel) as i64, k as i64, panel as i64])).ok()?;
+        // SAFETY: a contiguous float32 CPU matrix of `k * n` elements (checked above), and the
+        // fresh output of its panels, which aliases nothing.
+        unsafe {
+            let src = std::slice::from_raw_parts(shims.data_ptr(kn)? as *const f32, k * n);
+            let dst = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut f32, n.div_ceil(panel) * k * panel);
+            crate::kernels::pack_panels(src, k, n, dst);
+        }
+        Some(out)
+    }
+
     /// kwexport's linear kernel on `x` (`[m, k]`), the weight's `panels` (`[ceil(n / 64), k,
     /// 64]`, `kernels::pack_panels`) and `bias` (`[n]`), all contiguous float32 CPU tensors: a
     /// new `[m, n]` tensor, or `None` where they don't qualify or the CPU lacks the kernel's

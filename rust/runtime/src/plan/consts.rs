@@ -258,27 +258,12 @@ impl Consts for ConstTable<'_, '_> {
             return None;
         }
         let w = w.call_method0("detach").ok()?;
-        let kn = if transpose { w.call_method0("t").ok()? } else { w };
-        let (k, n): (i64, i64) = kn.getattr("shape").ok()?.extract().ok()?;
-        // Zero-padded to whole panels, then each panel's columns made contiguous.
-        let panel = crate::kernels::PANEL as i64;
-        let count = (n + panel - 1) / panel;
-        let padded = self
-            .torch
-            .getattr("nn")
-            .ok()?
-            .getattr("functional")
-            .ok()?
-            .call_method1("pad", (kn, (0, count * panel - n)));
-        let panels = padded
-            .ok()?
-            .call_method1("reshape", (k, count, panel))
-            .ok()?
-            .call_method1("permute", (1, 0, 2))
-            .ok()?
-            .call_method0("contiguous")
-            .ok()?;
-        let i = self.push(Const::Py(panels.unbind()));
+        let kn = if transpose { w.call_method0("t").ok()? } else { w }.call_method0("contiguous").ok()?;
+        let n: i64 = kn.getattr("shape").ok()?.get_item(1).ok()?.extract().ok()?;
+        let abi = self.abi?;
+        // SAFETY: a live handle to the matrix just made.
+        let panels = unsafe { abi.pack_panels(abi.handle_of(&kn).ok()?.raw()) }?;
+        let i = self.push(Const::Native(panels));
         self.panels.insert(key, (i, n));
         Some((i, n))
     }
