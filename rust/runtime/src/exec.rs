@@ -478,22 +478,18 @@ impl CStep {
             self.finish(slots, result.ok_or_else(|| CError::Internal("a shim returned no tensor".into()))?);
             return Ok(());
         }
-        if matches!(shim.f, ShimFn::Gelu) {
-            // SAFETY: a handle just read from a live slot.
-            let done = if direct.no_autograd { unsafe { abi.gelu(t[0], shim.scalars[0] != 0.0) } } else { None };
-            let Some(result) = done else {
-                return self.on_python(abi, shim, slots);
+        if matches!(shim.f, ShimFn::Gelu | ShimFn::RmsNorm) {
+            // kwexport's own kernels, on the tensors they take; torch's op on the others.
+            let done = if !direct.no_autograd {
+                None
+            } else if let ShimFn::Gelu = shim.f {
+                // SAFETY: a handle just read from a live slot.
+                unsafe { abi.gelu(t[0], shim.scalars[0] != 0.0) }
+            } else {
+                // SAFETY: the handles just read from live slots and constants.
+                unsafe { abi.rms_norm(t[0], t[1], shim.scalars[0], shim.scalars[1] as i64) }
             };
-            self.finish(slots, result?);
-            return Ok(());
-        }
-        if matches!(shim.f, ShimFn::RmsNorm) {
-            // SAFETY: the handles just read from live slots and constants.
-            let (eps, n) = (shim.scalars[0], shim.scalars[1] as i64);
-            let done = if direct.no_autograd { unsafe { abi.rms_norm(t[0], t[1], eps, n) } } else { None };
-            let Some(result) = done else {
-                return self.on_python(abi, shim, slots);
-            };
+            let Some(result) = done else { return self.on_python(abi, shim, slots) };
             self.finish(slots, result?);
             return Ok(());
         }
