@@ -205,10 +205,12 @@ def optimized(header: dict[str, Any], weights: dict[str, Any], mutable: set[str]
 
 
 def referenced_weights(header: dict[str, Any]) -> set[str]:
-    """The weights a header's methods name: as graph inputs or as parameter defaults."""
+    """The weights a header's methods name, every place ``_renamed`` renames: graph inputs,
+    state writes and parameter defaults."""
     named = set()
     for m in header["methods"].values():
         named.update(i["source"]["weight"] for i in m["graph"]["inputs"] if "weight" in i["source"])
+        named.update(w["target"]["weight"] for w in m["graph"].get("mutations", []) if "weight" in w["target"])
         named.update(p["default_weight"] for p in m["signature"]["params"] if p.get("default_weight"))
     return named
 
