@@ -178,7 +178,7 @@ PEERS = {
 }
 
 
-def main(peers: list[str], rounds: int = 3) -> None:
+def main(peers: list[str], models: list[str] | None = None, rounds: int = 3) -> None:
     torch.set_num_threads(1)
     names = [PEERS[p][0] for p in peers]
     print(
@@ -187,6 +187,8 @@ def main(peers: list[str], rounds: int = 3) -> None:
     print("| --- |" + " ---: |" * (len(names) + 6))
     with tempfile.TemporaryDirectory() as tmp:
         for name, build, make_inputs in MODELS:
+            if models and not any(m in name for m in models):
+                continue
             torch.manual_seed(0)
             model, kwargs = build().eval(), make_inputs()
             path = Path(tmp) / "m.kwx"
@@ -231,4 +233,6 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", default="ort,openvino,executorch", help="comma-separated: " + ", ".join(PEERS))
-    main(parser.parse_args().peers.split(","))
+    parser.add_argument("--models", help="comma-separated: only the models whose names contain one of these")
+    args = parser.parse_args()
+    main(args.peers.split(","), args.models.split(",") if args.models else None)

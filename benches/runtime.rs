@@ -108,9 +108,13 @@ fn per_node_dispatch(c: &mut Criterion) {
 }
 
 /// kwexport's own kernels on plain slices, at the shapes `optimize="fast"` gives them: GELU
-/// over an MLP's activations, the small-batch linear at a decode step and at 32 tokens.
+/// over an MLP's activations, the small-batch linear at a decode step and at 32 tokens, and
+/// the convolutions of mobilenet_v3_small at 224×224 (1×1 as a GEMM over pixels, depthwise,
+/// and the RGB stem).
 fn kernels(c: &mut Criterion) {
-    use kwexport_runtime::kernels::{gelu_f32, linear_f32};
+    use kwexport_runtime::kernels::{
+        depthwise_f32, direct_f32, gelu_f32, gemm_f32, linear_f32, Depthwise, Direct, Epilogue,
+    };
     let data = |n: usize| (0..n).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<f32>>();
     let mut group = c.benchmark_group("kernels");
     for n in [4 * 256, 32 * 1024] {
@@ -127,6 +131,30 @@ fn kernels(c: &mut Criterion) {
             b.iter(|| linear_f32(&x, m, k, &wt, n, Some(&bias), &mut out))
         });
     }
+    for (m, k, n) in [(3136usize, 16usize, 72usize), (784, 72, 24), (196, 40, 240), (49, 576, 96)] {
+        let (x, wt, bias, mut out) = (data(m * k), data(k * n.div_ceil(64) * 64), data(n), vec![0.0; m * n]);
+        group.throughput(Throughput::Elements((2 * m * k * n) as u64));
+        group.bench_function(format!("conv1x1/{m}x{k}x{n}"), |b| {
+            b.iter(|| gemm_f32(&x, m, k, &wt, n, Some(&bias), Epilogue::Hardswish, &mut out))
+        });
+    }
+    for (ch, k, s, size) in [(72, 3, 2, 56), (240, 5, 1, 14), (576, 5, 1, 7)] {
+        let g = Depthwise::new([ch as i64, k as i64, k as i64], [s as i64; 2], [(k / 2) as i64; 2]).unwrap();
+        let [ho, wo] = g.output(size, size).unwrap();
+        let (x, taps, bias, mut out) = (data(size * size * ch), data(k * k * ch), data(ch), vec![0.0; ho * wo * ch]);
+        group.throughput(Throughput::Elements((2 * ho * wo * ch * k * k) as u64));
+        group.bench_function(format!("depthwise/{ch}x{size}x{size}/k{k}s{s}"), |b| {
+            b.iter(|| depthwise_f32(&x, [1, size, size], &taps, &g, Some(&bias), Epilogue::Relu, &mut out))
+        });
+    }
+    let g = Direct::new([16, 3, 3, 3], [2, 2], [1, 1]).unwrap();
+    let [ho, wo] = g.output(224, 224).unwrap();
+    let (x, taps, bias, mut out) = (data(3 * 224 * 224), data(27 * 16), data(16), vec![0.0; ho * wo * 16]);
+    group.throughput(Throughput::Elements((2 * ho * wo * 16 * 27) as u64));
+    group.bench_function("direct/3x224x224/k3s2", |b| {
+        let nchw = [3 * 224 * 224, 224 * 224, 224, 1];
+        b.iter(|| direct_f32(&x, [1, 224, 224], nchw, &taps, &g, Some(&bias), Epilogue::Hardswish, &mut out))
+    });
     group.finish();
 }
 

@@ -21,6 +21,13 @@ def rel_err(got, want):
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
+def has_avx512() -> bool:
+    """Whether kwexport's own kernels run here (else torch's do, and results are eager's or
+    oneDNN's)."""
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    return cpuinfo.exists() and "avx512f" in cpuinfo.read_text()
+
+
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small"])
 def test_fast_conv_nets_stay_within_tolerance(name, tmp_path):
     torch.manual_seed(0)
@@ -224,8 +231,7 @@ def test_both_linear_kernels_run_in_place_of_each_other(tmp_path):
         want = model(x)
     assert torch.equal(outs["torch"], want)
     assert rel_err(outs["kwexport"], want) < 1e-6
-    cpuinfo = pathlib.Path("/proc/cpuinfo")
-    if cpuinfo.exists() and "avx512f" in cpuinfo.read_text():
+    if has_avx512():
         assert not torch.equal(outs["kwexport"], want)  # it did run: other rounding
 
 
@@ -279,9 +285,10 @@ def test_fast_folds_batch_norms_and_lowers_convolutions(tmp_path):
     assert ran.count("aten::batch_norm.default") == 2
     if onednn:
         # Every spatial kernel runs on oneDNN (the first with its ReLU as a post-op), the
-        # shared weight's two unfolded; the 1×1 stays torch's.
-        assert ran.count("mkldnn::_convolution_pointwise.default") == 5
-        assert ran.count("aten::conv2d.default") == 1
+        # shared weight's two unfolded; the 1×1 too where kwexport's GEMM can run it.
+        lowered = 6 if has_avx512() else 5
+        assert ran.count("mkldnn::_convolution_pointwise.default") == lowered
+        assert ran.count("aten::conv2d.default") == 6 - lowered
         assert "aten::relu_.default" not in ran
     assert fast.dispatch["python"] == 0
     # Offline, the folds are written (the batch norms' tensors with them) and the graph keeps
@@ -347,6 +354,103 @@ for g, w in zip(fast(x), want):
     env = dict(os.environ, KWEXPORT_HIDE_SYMBOLS="aoti_torch_cpu_mkldnn__convolution_pointwise")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+class MobileBlocks(nn.Module):
+    """What kwexport's convolution kernels take at `fast`, beside what they leave to oneDNN: a
+    1×1 convolution on the NCHW input (not channels-last: oneDNN's), 1×1 convolutions with
+    each post-op they absorb and none, depthwise 3×3 and 5×5 ones with strides 1 and 2 on
+    channel counts that aren't multiples of 16, a squeeze-excite block (1×1 convolutions on a
+    pooled 1×1 image), and a strided 1×1 convolution (torch's)."""
+
+    def __init__(self):
+        super().__init__()
+        acts = [nn.ReLU(), nn.Hardswish(), nn.Hardsigmoid(), nn.SiLU(), nn.Sigmoid(), nn.Identity()]
+        self.stem = nn.Conv2d(3, 20, 1)
+        self.pointwise = nn.ModuleList(nn.Sequential(nn.Conv2d(20, 20, 1), a) for a in acts)
+        self.dw3 = nn.Sequential(nn.Conv2d(20, 20, 3, padding=1, groups=20), nn.ReLU())
+        self.dw5 = nn.Sequential(nn.Conv2d(20, 20, 5, stride=2, padding=2, groups=20), nn.Hardswish())
+        self.dw3s2 = nn.Conv2d(20, 20, 3, stride=2, padding=1, groups=20, bias=False)
+        self.se = nn.Sequential(
+            nn.AdaptiveAvgPool2d(1), nn.Conv2d(20, 8, 1), nn.ReLU(), nn.Conv2d(8, 20, 1), nn.Hardsigmoid()
+        )
+        self.down = nn.Conv2d(20, 36, 1, stride=2)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.pointwise:
+            h = block(h) + h
+        h = self.dw3s2(self.dw5(self.dw3(h)))
+        h = h * self.se(h)
+        return self.down(h)
+
+
+def test_fast_runs_convolutions_on_kwexports_kernels(tmp_path):
+    """KWEXPORT_LINEAR_KERNEL forces the choice between kwexport's convolution kernels and
+    oneDNN's, as for linears: each within tolerance of eager, and different from the other
+    where kwexport's ran (on a CPU with AVX-512)."""
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    model = MobileBlocks().eval()
+    x = torch.randn(2, 3, 19, 21)
+    path = tmp_path / "blocks.kwx"
+    kwexport.save(kwexport.export(model, (x,)), path)
+    torch.save(x, tmp_path / "x.pt")
+    script = (
+        "import sys, torch, kwexport\n"
+        f"x = torch.load({str(tmp_path / 'x.pt')!r})\n"
+        f"prog = kwexport.load({str(path)!r}, optimize='fast')\n"
+        "out = prog(x)\n"
+        "assert prog.dispatch['python'] == 0, prog.dispatch\n"
+        "assert torch.equal(prog(x), out)  # the same kernels on the next call\n"
+        "torch.save((out, [n['op'] for n in prog.profile(x)]), sys.argv[1])\n"
+    )
+    outs = {}
+    for kernel in ("torch", "kwexport"):
+        env = dict(os.environ, KWEXPORT_LINEAR_KERNEL=kernel)
+        dst = tmp_path / f"{kernel}.pt"
+        r = subprocess.run([sys.executable, "-c", script, str(dst)], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        outs[kernel] = torch.load(dst)
+    with torch.no_grad():
+        want = model(x)
+    for kernel, (got, _) in outs.items():
+        assert got.shape == want.shape and rel_err(got, want) < 1e-5, kernel
+        assert got.is_contiguous(memory_format=torch.channels_last), kernel
+    ran = outs["kwexport"][1]
+    if torch.backends.mkldnn.is_available() and has_avx512():
+        # Every convolution but the strided 1×1 is lowered, with its activation absorbed.
+        assert ran.count("mkldnn::_convolution_pointwise.default") == 12, ran
+        assert ran.count("aten::conv2d.default") == 1, ran
+        assert not {"aten::relu.default", "aten::hardsigmoid.default", "aten::silu.default"} & set(ran), ran
+        assert not torch.equal(outs["kwexport"][0], outs["torch"][0])  # kwexport's kernels ran
+    # Under autograd the graph's own ops run, with gradients.
+    fast = kwexport.load(path, optimize="fast")
+    xg = x.clone().requires_grad_()
+    fast(xg).sum().backward()
+    xe = x.clone().requires_grad_()
+    model(xe).sum().backward()
+    assert rel_err(xg.grad, xe.grad) < 1e-5
+
+
+class GlobalPool(nn.Module):
+    def forward(self, x):
+        return nn.functional.adaptive_avg_pool2d(x, 1), nn.functional.adaptive_avg_pool2d(x, (1, 1)).flatten(1)
+
+
+@pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format])
+def test_fast_global_pooling_matches_eager_in_either_layout(layout, tmp_path):
+    """kwexport's pooling of channels-last images differs from torch's mean by the order of
+    its sums only; other layouts run torch's kernel. Both keep eager's strides."""
+    x = torch.randn(2, 20, 7, 5).contiguous(memory_format=layout)
+    path = tmp_path / "pool.kwx"
+    kwexport.save(kwexport.export(GlobalPool(), (x,)), path)
+    got = kwexport.load(path, optimize="fast")(x)
+    want = GlobalPool()(x)
+    for g, w in zip(got, want):
+        assert g.stride() == w.stride() and rel_err(g, w) < 1e-6
 
 
 class GeluMLP(nn.Module):

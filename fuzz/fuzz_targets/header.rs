@@ -9,7 +9,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     file.resize(file.len().div_ceil(64) * 64 + 256, 0);
     if let Ok(mut parsed) = kwexport_core::parse(&file) {
         let mut optimized = parsed.document.clone();
-        kwexport_core::passes::apply(&mut optimized, kwexport_core::passes::Level::Fast, kwexport_core::passes::Target { in_place: true, onednn: true });
+        kwexport_core::passes::apply(&mut optimized, kwexport_core::passes::Level::Fast, kwexport_core::passes::Target { in_place: true, onednn: true, gemm: true });
         parsed.document = optimized;
         if let Ok(artifact) = parsed.validate(&file) {
             let _ = artifact.describe();

@@ -15,7 +15,7 @@ use crate::abi::encode::{build, decode, Enc, Native};
 use crate::abi::shims::{Family, ShimFn};
 use crate::abi::{self, Abi, CError, StableIValue, Ty};
 use crate::errors::{RtError, RtResult};
-use crate::plan::{CStep, HopStep, Plan, PyArg, PyOp, PyStep, Segment, ShimStep};
+use crate::plan::{CStep, HopStep, OwnKernel, OwnOp, Plan, PyArg, PyOp, PyStep, Segment, ShimStep};
 use crate::views::{self, ViewArg, ViewKind};
 
 /// What a call allows of shims that skip the dispatcher (see `Plan::direct_kernels_apply`).
@@ -318,6 +318,12 @@ impl CStep {
         if let Some(shim) = &self.shim {
             return self.call_shim(abi, shim, slots, consts, direct);
         }
+        if let (Some(own), true) = (self.own, direct.no_autograd) {
+            if let Some(result) = self.run_own(abi, own, slots) {
+                self.finish(slots, result?);
+                return Ok(());
+            }
+        }
         if let (Some(kind), true) = (self.view, direct.no_autograd) {
             if let Some(view) = self.view_of(abi, kind, slots)? {
                 self.finish(slots, view);
@@ -450,32 +456,59 @@ impl CStep {
             let Some(weight) = conv.packed.get_or_init(|| pack_conv_weight(abi, conv, &consts[conv.weight])) else {
                 return self.on_python(abi, shim, slots);
             };
-            let mut bias = t[2];
-            let mut out: abi::Raw = std::ptr::null_mut();
-            // SAFETY: live handles (the bias, if any, is the third tensor); pairs of two ints;
-            // no scalars and no algorithm, as compiled.
-            let status = unsafe {
-                f(
-                    t[0],
-                    weight.raw(),
-                    if n == 3 { &mut bias } else { std::ptr::null_mut() },
-                    conv.padding.as_ptr(),
-                    2,
-                    conv.stride.as_ptr(),
-                    2,
-                    conv.dilation.as_ptr(),
-                    2,
-                    conv.groups,
-                    conv.attr.as_ptr(),
-                    std::ptr::null(),
-                    0,
-                    std::ptr::null(),
-                    &mut out,
-                )
+            let onednn = || -> Result<abi::Tensor, CError> {
+                let mut bias = t[2];
+                let mut out: abi::Raw = std::ptr::null_mut();
+                // SAFETY: live handles (the bias, if any, is the third tensor); pairs of two
+                // ints; no scalars and no algorithm, as compiled.
+                let status = unsafe {
+                    f(
+                        t[0],
+                        weight.raw(),
+                        if n == 3 { &mut bias } else { std::ptr::null_mut() },
+                        conv.padding.as_ptr(),
+                        2,
+                        conv.stride.as_ptr(),
+                        2,
+                        conv.dilation.as_ptr(),
+                        2,
+                        conv.groups,
+                        conv.attr.as_ptr(),
+                        std::ptr::null(),
+                        0,
+                        std::ptr::null(),
+                        &mut out,
+                    )
+                };
+                let result = (!out.is_null()).then(|| abi.adopt(out as StableIValue));
+                abi.status(status)?;
+                result.ok_or_else(|| CError::Internal("a shim returned no tensor".into()))
             };
-            let result = (!out.is_null()).then(|| abi.adopt(out as StableIValue));
-            abi.status(status)?;
-            self.finish(slots, result.ok_or_else(|| CError::Internal("a shim returned no tensor".into()))?);
+            if let Some(own) = conv.own.as_deref() {
+                let bias = (n == 3).then_some(t[2]);
+                // SAFETY: a live handle.
+                let pixels = unsafe { abi.sizes_strides(t[0]) }.map(|(s, _)| s[0] * s[2] * s[3]);
+                // SAFETY: live handles: the input, the bias and the packed weight (a const of
+                // the plan).
+                let ours = || unsafe {
+                    match &own.kernel {
+                        OwnKernel::Gemm { panels, n } => {
+                            abi.conv1x1(t[0], consts[*panels].raw(), *n, bias, own.epilogue)
+                        }
+                        OwnKernel::Depthwise { taps, geometry } => {
+                            abi.depthwise(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
+                        }
+                        OwnKernel::Direct { taps, geometry } => {
+                            abi.direct_conv(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
+                        }
+                    }
+                };
+                if let Some(result) = pixels.and_then(|p| choose(&own.choices, p, ours, onednn)) {
+                    self.finish(slots, result?);
+                    return Ok(());
+                }
+            }
+            self.finish(slots, onednn()?);
             return Ok(());
         }
         if matches!(shim.f, ShimFn::Gelu | ShimFn::RmsNorm) {
@@ -555,6 +588,17 @@ impl CStep {
         }
         self.finish(slots, result);
         Ok(())
+    }
+
+    /// The node on kwexport's kernel, or `None` where its tensors don't qualify (the
+    /// dispatcher's op runs).
+    fn run_own(&self, abi: &Abi, own: OwnOp, slots: &[Option<Native>]) -> Option<Result<abi::Tensor, CError>> {
+        let Some((_, Enc::Slot(s))) = self.args.first() else { return None };
+        let Some(Native::Tensor(x)) = &slots[*s] else { return None };
+        match own {
+            // SAFETY: a live handle from a slot.
+            OwnOp::GlobalAvgPool => unsafe { abi.global_avg_pool(x.raw()) },
+        }
     }
 
     /// Runs a shim step's node through its Python op, for tensors or calls the shim can't take.
@@ -645,6 +689,8 @@ fn torch_kernel(abi: &Abi, shim: &ShimStep, t: &[abi::Raw; 3]) -> Result<abi::Te
 
 /// `KWEXPORT_LINEAR_KERNEL=kwexport` or `=torch` skips the measuring and always takes that
 /// kernel where both qualify (for tests and for comparing the two); read once per process.
+/// It chooses for every node kwexport's GEMM is a candidate for: linears, and the 1×1
+/// convolutions where the other kernel is oneDNN's.
 fn forced_linear_kernel() -> Option<bool> {
     static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
     *FORCED.get_or_init(|| match std::env::var("KWEXPORT_LINEAR_KERNEL").as_deref() {
@@ -657,10 +703,9 @@ fn forced_linear_kernel() -> Option<bool> {
 /// Rows up to which kwexport's linear kernel is a candidate: beyond, torch's GEMM wins.
 const SMALL_ROWS: i64 = 64;
 
-/// At `fast`, a linear on a float32 matrix of few rows: kwexport's kernel or torch's, whichever
-/// measured faster for this number of rows the first time it came (best of five runs of
-/// each, interleaved; kwexport's must be 5% faster; per process). `None` where the kernel can't take the tensors (the caller
-/// runs torch's).
+/// At `fast`, a linear on a float32 matrix of few rows: kwexport's kernel or torch's, as
+/// [`choose`] picks. `None` where the kernel can't take the tensors or lost (the caller runs
+/// torch's).
 ///
 /// # Safety
 /// `t` and `wt` must be live handles: `t[input]` the linear's input matrix, `t[0]` its bias
@@ -679,9 +724,21 @@ unsafe fn choose_linear(
     if rows > SMALL_ROWS {
         return None;
     }
-    let known = forced_linear_kernel().or_else(|| packed.choice(rows));
-    let ours = || unsafe { abi.linear(t[input], panels, packed.n, bias) };
-    match known {
+    choose(&packed.choices, rows, || unsafe { abi.linear(t[input], panels, packed.n, bias) }, torch)
+}
+
+/// kwexport's GEMM (`ours`) or the other kernel (`theirs`) for a node, whichever measured
+/// faster for this number of rows the first time it came (best of five runs of each,
+/// interleaved; kwexport's must be 5% faster; per process): `ours`'s result where it is
+/// chosen, `None` where the other is (or `ours` can't take the tensors), for the caller to
+/// run.
+fn choose(
+    choices: &crate::plan::Choices,
+    rows: i64,
+    ours: impl Fn() -> Option<Result<abi::Tensor, CError>>,
+    theirs: impl Fn() -> Result<abi::Tensor, CError>,
+) -> Option<Result<abi::Tensor, CError>> {
+    match forced_linear_kernel().or_else(|| choices.choice(rows)) {
         Some(true) => ours(),
         Some(false) => None,
         None => {
@@ -689,21 +746,21 @@ unsafe fn choose_linear(
                 let start = std::time::Instant::now();
                 f().map(|r| r.map(|_| start.elapsed()))
             };
-            let (mut best_ours, mut best_torch) = (std::time::Duration::MAX, std::time::Duration::MAX);
+            let (mut best_ours, mut best_theirs) = (std::time::Duration::MAX, std::time::Duration::MAX);
             for _ in 0..5 {
                 best_ours = best_ours.min(match time(&ours)? {
                     Ok(d) => d,
                     Err(e) => return Some(Err(e)),
                 });
-                best_torch = best_torch.min(match time(&|| Some(torch())).expect("always Some") {
+                best_theirs = best_theirs.min(match time(&|| Some(theirs())).expect("always Some") {
                     Ok(d) => d,
                     Err(e) => return Some(Err(e)),
                 });
             }
             // Only a clear win counts: at a tie the two are within the noise of five runs, and
             // torch's kernel gives eager's bits.
-            let won = best_ours.as_secs_f64() * 1.05 < best_torch.as_secs_f64();
-            if packed.record(rows, won) && won {
+            let won = best_ours.as_secs_f64() * 1.05 < best_theirs.as_secs_f64();
+            if choices.record(rows, won) && won {
                 ours()
             } else {
                 None

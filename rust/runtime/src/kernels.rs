@@ -48,17 +48,212 @@ pub fn linear_f32(
     bias: Option<&[f32]>,
     out: &mut [f32],
 ) -> bool {
+    gemm_f32(x, m, k, panels, n, bias, Epilogue::None, out)
+}
+
+/// What the GEMM applies to each result before storing it: the activation a 1×1
+/// convolution absorbed (`passes::conv_pointwise`), computed as torch's CPU kernels do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Epilogue {
+    None,
+    Relu,
+    /// `x * min(max(x + 3, 0), 6) / 6`.
+    Hardswish,
+    /// `min(max(x + 3, 0), 6) / 6`.
+    Hardsigmoid,
+    /// `1 / (1 + e^-x)`.
+    Sigmoid,
+    /// `x / (1 + e^-x)` (SiLU).
+    Swish,
+}
+
+impl Epilogue {
+    /// The epilogue for oneDNN's name of a post-op (`mkldnn::_convolution_pointwise`'s
+    /// `attr`), if the kernel has it.
+    pub fn of_attr(attr: &str) -> Option<Epilogue> {
+        Some(match attr {
+            "none" => Epilogue::None,
+            "relu" => Epilogue::Relu,
+            "hardswish" => Epilogue::Hardswish,
+            "hardsigmoid" => Epilogue::Hardsigmoid,
+            "sigmoid" => Epilogue::Sigmoid,
+            "swish" => Epilogue::Swish,
+            _ => return None,
+        })
+    }
+}
+
+/// Whether this CPU runs kwexport's GEMM ([`gemm_f32`]), so that a plan may lower onto it.
+pub fn has_gemm() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        return true;
+    }
+    false
+}
+
+/// [`linear_f32`] for any number of rows, then `epilogue` on each result: also a 1×1
+/// convolution over channels-last pixels (rows are pixels, `k` and `n` channels). Tiles of up
+/// to 6 rows × 64 columns, or more rows where fewer columns are left (12 × 16 for a 16-channel
+/// convolution), keep every accumulator in a register across the whole `k` loop.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_f32(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    panels: &[f32],
+    n: usize,
+    bias: Option<&[f32]>,
+    epilogue: Epilogue,
+    out: &mut [f32],
+) -> bool {
     let fits = x.len() >= m * k
         && panels.len() >= k * n.div_ceil(PANEL) * PANEL
         && out.len() >= m * n
         && bias.is_none_or(|b| b.len() >= n);
     #[cfg(target_arch = "x86_64")]
-    if fits && std::arch::is_x86_feature_detected!("avx512f") {
+    if fits && has_gemm() {
         // SAFETY: AVX-512F is present, and every slice holds what the shapes say (checked).
-        unsafe { avx512::linear(x, m, k, panels, n, bias, out) };
+        unsafe { avx512::gemm(x, m, k, panels, n, bias, epilogue, out) };
         return true;
     }
-    let _ = (fits, x, m, k, panels, n, bias, out);
+    let _ = (fits, x, m, k, panels, n, bias, epilogue, out);
+    false
+}
+
+/// A depthwise convolution's geometry (one group per channel, one output per group, no
+/// dilation), checked once when the plan is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Depthwise {
+    pub channels: usize,
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+}
+
+impl Depthwise {
+    /// From the weight's `[c, kh, kw]`, the stride and the padding: `None` for an empty
+    /// kernel, a stride under 1 or a negative padding (torch's convolution then says why).
+    pub fn new(shape: [i64; 3], stride: [i64; 2], padding: [i64; 2]) -> Option<Depthwise> {
+        let positive = |v: i64| usize::try_from(v).ok().filter(|&v| v > 0);
+        Some(Depthwise {
+            channels: positive(shape[0])?,
+            kernel: [positive(shape[1])?, positive(shape[2])?],
+            stride: [positive(stride[0])?, positive(stride[1])?],
+            padding: [usize::try_from(padding[0]).ok()?, usize::try_from(padding[1]).ok()?],
+        })
+    }
+
+    /// The output's height and width for an input's, `None` where the kernel doesn't fit.
+    pub fn output(&self, h: usize, w: usize) -> Option<[usize; 2]> {
+        let out = |size: usize, d: usize| {
+            let padded = size + 2 * self.padding[d];
+            (padded >= self.kernel[d]).then(|| (padded - self.kernel[d]) / self.stride[d] + 1)
+        };
+        Some([out(h, 0)?, out(w, 1)?])
+    }
+}
+
+/// A depthwise convolution over `batch` channels-last images (`x`: `[batch, h, w, c]`), with
+/// the weight as `[kh * kw, c]` taps, the bias and `epilogue`, into `out` (`[batch, ho, wo,
+/// c]`): for each output pixel, sixteen channels at a time, the sum over the taps that fall
+/// inside the image (the padding is zeros). Returns `false` (writing nothing) where the
+/// slices don't fit the shapes or this CPU lacks AVX-512.
+#[allow(clippy::too_many_arguments)]
+pub fn depthwise_f32(
+    x: &[f32],
+    [batch, h, w]: [usize; 3],
+    taps: &[f32],
+    g: &Depthwise,
+    bias: Option<&[f32]>,
+    epilogue: Epilogue,
+    out: &mut [f32],
+) -> bool {
+    let c = g.channels;
+    let Some([ho, wo]) = g.output(h, w) else { return false };
+    let fits = x.len() >= batch * h * w * c
+        && taps.len() >= g.kernel[0] * g.kernel[1] * c
+        && out.len() >= batch * ho * wo * c
+        && bias.is_none_or(|b| b.len() >= c);
+    #[cfg(target_arch = "x86_64")]
+    if fits && has_gemm() {
+        // SAFETY: AVX-512F is present, and every slice holds what the shapes say (checked).
+        unsafe { avx512::depthwise(x, [batch, h, w], taps, g, [ho, wo], bias, epilogue, out) };
+        return true;
+    }
+    let _ = (fits, x, batch, taps, bias, epilogue, out);
+    false
+}
+
+/// A convolution over few input channels (an image's three: a network's stem), one group, no
+/// dilation: the geometry checked once when the plan is made. oneDNN's kernels block over
+/// input channels, which such a convolution hasn't enough of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Direct {
+    pub in_channels: usize,
+    pub out_channels: usize,
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+}
+
+impl Direct {
+    /// The most input channels × kernel taps a direct convolution takes.
+    pub const MAX_TAPS: usize = 64;
+
+    /// From the weight's `[out, in, kh, kw]`, the stride and the padding: `None` for an empty
+    /// weight, more than [`Self::MAX_TAPS`] taps, a stride under 1 or a negative padding.
+    pub fn new(shape: [i64; 4], stride: [i64; 2], padding: [i64; 2]) -> Option<Direct> {
+        let positive = |v: i64| usize::try_from(v).ok().filter(|&v| v > 0);
+        let d = Direct {
+            out_channels: positive(shape[0])?,
+            in_channels: positive(shape[1])?,
+            kernel: [positive(shape[2])?, positive(shape[3])?],
+            stride: [positive(stride[0])?, positive(stride[1])?],
+            padding: [usize::try_from(padding[0]).ok()?, usize::try_from(padding[1]).ok()?],
+        };
+        (d.in_channels * d.kernel[0] * d.kernel[1] <= Self::MAX_TAPS).then_some(d)
+    }
+
+    /// The output's height and width for an input's, `None` where the kernel doesn't fit.
+    pub fn output(&self, h: usize, w: usize) -> Option<[usize; 2]> {
+        let out = |size: usize, d: usize| {
+            let padded = size + 2 * self.padding[d];
+            (padded >= self.kernel[d]).then(|| (padded - self.kernel[d]) / self.stride[d] + 1)
+        };
+        Some([out(h, 0)?, out(w, 1)?])
+    }
+}
+
+/// A direct convolution of `x` (`[batch, cin, h, w]` at element `strides`: any layout), with
+/// the weight as `[cin * kh * kw, cout]` (its taps' output channels contiguous), the bias and
+/// `epilogue`, into `out` (channels-last `[batch, ho, wo, cout]`). Returns `false` (writing
+/// nothing) where the slices don't fit the shapes or this CPU lacks AVX-512.
+#[allow(clippy::too_many_arguments)]
+pub fn direct_f32(
+    x: &[f32],
+    [batch, h, w]: [usize; 3],
+    strides: [usize; 4],
+    taps: &[f32],
+    g: &Direct,
+    bias: Option<&[f32]>,
+    epilogue: Epilogue,
+    out: &mut [f32],
+) -> bool {
+    let Some([ho, wo]) = g.output(h, w) else { return false };
+    let last = [batch, g.in_channels, h, w].iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>();
+    let fits = batch > 0
+        && x.len() > last
+        && taps.len() >= g.in_channels * g.kernel[0] * g.kernel[1] * g.out_channels
+        && out.len() >= batch * ho * wo * g.out_channels
+        && bias.is_none_or(|b| b.len() >= g.out_channels);
+    #[cfg(target_arch = "x86_64")]
+    if fits && has_gemm() {
+        // SAFETY: AVX-512F is present, and every slice holds what the shapes say (checked).
+        unsafe { avx512::direct(x, [batch, h, w], strides, taps, g, [ho, wo], bias, epilogue, out) };
+        return true;
+    }
+    let _ = (fits, x, strides, taps, bias, epilogue, out);
     false
 }
 
@@ -98,6 +293,8 @@ pub fn gelu_f32(x: &[f32], tanh: bool, out: &mut [f32]) -> bool {
 mod avx512 {
     use std::arch::x86_64::*;
 
+    use super::Epilogue;
+
     /// `e^x` in each lane, for `x` clamped to [-87, 88] (float32's normal range): `2^n e^r`
     /// with `r = x - n ln 2` in [-ln2/2, ln2/2], `e^r` by its Taylor series to `r^7`
     /// (relative error ~1e-8, below float32's rounding).
@@ -118,6 +315,25 @@ mod avx512 {
                 p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
             }
             _mm512_scalef_ps(p, n)
+        }
+    }
+
+    /// `epilogue` on 16 lanes, as torch's vectorized CPU kernels compute it.
+    #[inline(always)]
+    unsafe fn apply(epilogue: Epilogue, x: __m512) -> __m512 {
+        // SAFETY (all below): register arithmetic; the caller enabled AVX-512F.
+        unsafe {
+            let (zero, one) = (_mm512_setzero_ps(), _mm512_set1_ps(1.0));
+            let relu6_of_x_plus_3 =
+                || _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(x, _mm512_set1_ps(3.0)), zero), _mm512_set1_ps(6.0));
+            match epilogue {
+                Epilogue::None => x,
+                Epilogue::Relu => _mm512_max_ps(x, zero),
+                Epilogue::Hardswish => _mm512_div_ps(_mm512_mul_ps(x, relu6_of_x_plus_3()), _mm512_set1_ps(6.0)),
+                Epilogue::Hardsigmoid => _mm512_div_ps(relu6_of_x_plus_3(), _mm512_set1_ps(6.0)),
+                Epilogue::Sigmoid => _mm512_div_ps(one, _mm512_add_ps(one, exp(_mm512_sub_ps(zero, x)))),
+                Epilogue::Swish => _mm512_div_ps(x, _mm512_add_ps(one, exp(_mm512_sub_ps(zero, x)))),
+            }
         }
     }
 
@@ -181,6 +397,7 @@ mod avx512 {
         panel: *const f32,
         n: usize,
         bias: *const f32,
+        epilogue: Epilogue,
         out: *mut f32,
         j0: usize,
     ) {
@@ -210,25 +427,28 @@ mod avx512 {
             }
             for (r, row) in acc.iter().enumerate() {
                 for v in 0..V {
-                    _mm512_mask_storeu_ps(out.add(r * n + j0 + v * 16), masks[v], row[v]);
+                    let y = apply(epilogue, row[v]);
+                    _mm512_mask_storeu_ps(out.add(r * n + j0 + v * 16), masks[v], y);
                 }
             }
         }
     }
 
-    /// See `super::linear_f32`.
+    /// See `super::gemm_f32`.
     ///
     /// # Safety
     /// AVX-512F must be present; the slices must hold `m * k`, `ceil(n / 64) * k * 64`, `n`
     /// and `m * n` elements.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn linear(
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemm(
         x: &[f32],
         m: usize,
         k: usize,
         panels: &[f32],
         n: usize,
         bias: Option<&[f32]>,
+        epilogue: Epilogue,
         out: &mut [f32],
     ) {
         let b = bias.map_or(std::ptr::null(), |b| b.as_ptr());
@@ -237,25 +457,326 @@ mod avx512 {
         // every group of rows reads it, so the weight streams from memory once per call.
         let mut j = 0;
         while j < n {
-            let mut i = 0;
-            while i < m {
-                let rows = (m - i).min(4);
-                // SAFETY: rows [i, i + rows), columns from j and their panel exist (see the
-                // caller).
-                unsafe {
-                    let (xr, orow, wp) = (xp.add(i * k), op.add(i * n), panels.as_ptr().add(j / 64 * k * 64));
-                    match rows {
-                        4 => tile::<4, 4>(xr, k, wp, n, b, orow, j),
-                        3 => tile::<3, 4>(xr, k, wp, n, b, orow, j),
-                        2 => tile::<2, 4>(xr, k, wp, n, b, orow, j),
-                        _ => tile::<1, 4>(xr, k, wp, n, b, orow, j),
-                    }
+            // A block narrower than 64 columns (the last, or a small `n`: a 1x1 convolution's
+            // 16-48 channels) holds fewer vectors per row, so more rows fit the registers.
+            let vectors = (n - j).min(64).div_ceil(16);
+            // SAFETY: columns from j and their panel exist (see the caller).
+            unsafe {
+                let wp = panels.as_ptr().add(j / 64 * k * 64);
+                match vectors {
+                    4 => rows::<6, 4>(xp, m, k, wp, n, b, epilogue, op, j),
+                    3 => rows::<8, 3>(xp, m, k, wp, n, b, epilogue, op, j),
+                    2 => rows::<12, 2>(xp, m, k, wp, n, b, epilogue, op, j),
+                    _ => rows::<12, 1>(xp, m, k, wp, n, b, epilogue, op, j),
                 }
-                i += rows;
             }
             j += 64;
         }
     }
+
+    /// See `super::depthwise_f32`.
+    ///
+    /// # Safety
+    /// AVX-512F must be present; the slices must hold what the shapes say.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn depthwise(
+        x: &[f32],
+        [batch, h, w]: [usize; 3],
+        taps: &[f32],
+        g: &super::Depthwise,
+        [ho, wo]: [usize; 2],
+        bias: Option<&[f32]>,
+        epilogue: Epilogue,
+        out: &mut [f32],
+    ) {
+        let c = g.channels;
+        let ([kh, kw], [sh, sw], [ph, pw]) = (g.kernel, g.stride, g.padding);
+        let (xp, tp, op) = (x.as_ptr(), taps.as_ptr(), out.as_mut_ptr());
+        let bp = bias.map_or(std::ptr::null(), |b| b.as_ptr());
+        // The taps of a pixel that fall inside the image, along one dimension.
+        let inside = |o: usize, s: usize, p: usize, k: usize, size: usize| {
+            let start = (o * s) as isize - p as isize;
+            let first = (-start).max(0) as usize;
+            let last = ((size as isize - start).min(k as isize)).max(0) as usize;
+            (start, first, last.max(first))
+        };
+        for b in 0..batch {
+            for oy in 0..ho {
+                let (iy, i0, i1) = inside(oy, sh, ph, kh, h);
+                let mut ox = 0;
+                while ox < wo {
+                    let (ix, j0, j1) = inside(ox, sw, pw, kw, w);
+                    // Four pixels at once where each has every tap of its row inside the
+                    // image: four independent sums per weight vector loaded.
+                    let pixels = if ox + 4 <= wo && j0 == 0 && j1 == kw && inside(ox + 3, sw, pw, kw, w).2 == kw {
+                        4
+                    } else {
+                        1
+                    };
+                    // SAFETY: the pixel's row and column of its first tap inside the image (a
+                    // negative start is offset by `i0`, `j0`), and its output pixel.
+                    unsafe {
+                        let first_tap = ((b * h) as isize + iy) * w as isize + ix;
+                        let (x0, o) = (xp.offset(first_tap * c as isize), op.add(((b * ho + oy) * wo + ox) * c));
+                        let d = Taps { rows: [i0, i1], cols: [j0, j1], kw, c, row: w * c, step: sw * c };
+                        let mut c0 = 0;
+                        while c0 < c {
+                            let blocks = (c - c0).div_ceil(16).min(4);
+                            match (pixels, blocks) {
+                                (4, 4) => dw_tile::<4, 4>(x0, tp, bp, o, c0, &d, epilogue),
+                                (4, 3) => dw_tile::<4, 3>(x0, tp, bp, o, c0, &d, epilogue),
+                                (4, 2) => dw_tile::<4, 2>(x0, tp, bp, o, c0, &d, epilogue),
+                                (4, _) => dw_tile::<4, 1>(x0, tp, bp, o, c0, &d, epilogue),
+                                (_, 4) => dw_tile::<1, 4>(x0, tp, bp, o, c0, &d, epilogue),
+                                (_, 3) => dw_tile::<1, 3>(x0, tp, bp, o, c0, &d, epilogue),
+                                (_, 2) => dw_tile::<1, 2>(x0, tp, bp, o, c0, &d, epilogue),
+                                _ => dw_tile::<1, 1>(x0, tp, bp, o, c0, &d, epilogue),
+                            }
+                            c0 += blocks * 16;
+                        }
+                    }
+                    ox += pixels;
+                }
+            }
+        }
+    }
+
+    /// Where a depthwise tile's taps are: the kernel rows and columns inside the image, the
+    /// kernel's width, the channels, and the strides (in elements) of an input row and of
+    /// one output pixel's step along it.
+    struct Taps {
+        rows: [usize; 2],
+        cols: [usize; 2],
+        kw: usize,
+        c: usize,
+        row: usize,
+        step: usize,
+    }
+
+    /// `P` neighbouring output pixels × `B` blocks of 16 channels from `c0` (masked past
+    /// `c`): `P * B` independent sums over the taps, so the FMAs' latency overlaps. `x0` is
+    /// the first pixel's kernel origin (row and column of tap (0, 0), which may lie in the
+    /// padding: only taps inside are read).
+    #[inline(always)]
+    unsafe fn dw_tile<const P: usize, const B: usize>(
+        x0: *const f32,
+        taps: *const f32,
+        bias: *const f32,
+        out: *mut f32,
+        c0: usize,
+        d: &Taps,
+        epilogue: Epilogue,
+    ) {
+        let masks: [u16; B] = std::array::from_fn(|v| ((1u32 << d.c.saturating_sub(c0 + v * 16).min(16)) - 1) as u16);
+        // SAFETY (all below): taps inside the image and channels masked past `c` (see the
+        // caller).
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); B]; P];
+            if !bias.is_null() {
+                for v in 0..B {
+                    let b = _mm512_maskz_loadu_ps(masks[v], bias.add(c0 + v * 16));
+                    acc.iter_mut().for_each(|px| px[v] = b);
+                }
+            }
+            for i in d.rows[0]..d.rows[1] {
+                for j in d.cols[0]..d.cols[1] {
+                    let (xt, wt) = (x0.add(i * d.row + j * d.c + c0), taps.add((i * d.kw + j) * d.c + c0));
+                    let wv: [__m512; B] = std::array::from_fn(|v| _mm512_maskz_loadu_ps(masks[v], wt.add(v * 16)));
+                    for (p, px) in acc.iter_mut().enumerate() {
+                        for v in 0..B {
+                            let xv = _mm512_maskz_loadu_ps(masks[v], xt.add(p * d.step + v * 16));
+                            px[v] = _mm512_fmadd_ps(xv, wv[v], px[v]);
+                        }
+                    }
+                }
+            }
+            for (p, px) in acc.iter().enumerate() {
+                for v in 0..B {
+                    _mm512_mask_storeu_ps(out.add(p * d.c + c0 + v * 16), masks[v], apply(epilogue, px[v]));
+                }
+            }
+        }
+    }
+
+    /// See `super::direct_f32`.
+    ///
+    /// # Safety
+    /// AVX-512F must be present; the slices must hold what the shapes and strides say.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn direct(
+        x: &[f32],
+        [batch, h, w]: [usize; 3],
+        [sb, sc, sy, sx]: [usize; 4],
+        taps: &[f32],
+        g: &super::Direct,
+        [ho, wo]: [usize; 2],
+        bias: Option<&[f32]>,
+        epilogue: Epilogue,
+        out: &mut [f32],
+    ) {
+        let (cin, cout) = (g.in_channels, g.out_channels);
+        let ([kh, kw], [sh, sw], [ph, pw]) = (g.kernel, g.stride, g.padding);
+        let (xp, tp, op) = (x.as_ptr(), taps.as_ptr(), out.as_mut_ptr());
+        let bp = bias.map_or(std::ptr::null(), |b| b.as_ptr());
+        let inside = |o: usize, s: usize, p: usize, k: usize, size: usize| {
+            let start = (o * s) as isize - p as isize;
+            let first = (-start).max(0) as usize;
+            let last = ((size as isize - start).min(k as isize)).max(0) as usize;
+            (start, first, last.max(first))
+        };
+        for b in 0..batch {
+            for oy in 0..ho {
+                let (iy, i0, i1) = inside(oy, sh, ph, kh, h);
+                let mut ox = 0;
+                while ox < wo {
+                    let (ix, j0, j1) = inside(ox, sw, pw, kw, w);
+                    let pixels = if ox + 4 <= wo && j0 == 0 && j1 == kw && inside(ox + 3, sw, pw, kw, w).2 == kw {
+                        4
+                    } else {
+                        1
+                    };
+                    // SAFETY: the pixel's kernel origin (offset by `i0`, `j0` where it lies in
+                    // the padding) and its output pixel.
+                    unsafe {
+                        let origin = (b * sb) as isize + iy * sy as isize + ix * sx as isize;
+                        let (x0, o) = (xp.offset(origin), op.add(((b * ho + oy) * wo + ox) * cout));
+                        let d = Patch { rows: [i0, i1], cols: [j0, j1], kh, kw, cin, cout, sc, sy, sx, step: sw * sx };
+                        let mut c0 = 0;
+                        while c0 < cout {
+                            let blocks = (cout - c0).div_ceil(16).min(2);
+                            match (pixels, blocks) {
+                                (4, 2) => direct_tile::<4, 2>(x0, tp, bp, o, c0, &d, epilogue),
+                                (4, _) => direct_tile::<4, 1>(x0, tp, bp, o, c0, &d, epilogue),
+                                (_, 2) => direct_tile::<1, 2>(x0, tp, bp, o, c0, &d, epilogue),
+                                _ => direct_tile::<1, 1>(x0, tp, bp, o, c0, &d, epilogue),
+                            }
+                            c0 += blocks * 16;
+                        }
+                    }
+                    ox += pixels;
+                }
+            }
+        }
+    }
+
+    /// Where a direct tile's inputs are: the kernel rows and columns inside the image, the
+    /// kernel's size, the channels, and the input's element strides (channel, row, column,
+    /// and one output pixel's step along a row).
+    struct Patch {
+        rows: [usize; 2],
+        cols: [usize; 2],
+        kh: usize,
+        kw: usize,
+        cin: usize,
+        cout: usize,
+        sc: usize,
+        sy: usize,
+        sx: usize,
+        step: usize,
+    }
+
+    /// `P` neighbouring output pixels × `B` blocks of 16 output channels from `c0` (masked
+    /// past `cout`): each input value broadcast against each block's weights.
+    #[inline(always)]
+    unsafe fn direct_tile<const P: usize, const B: usize>(
+        x0: *const f32,
+        taps: *const f32,
+        bias: *const f32,
+        out: *mut f32,
+        c0: usize,
+        d: &Patch,
+        epilogue: Epilogue,
+    ) {
+        let masks: [u16; B] =
+            std::array::from_fn(|v| ((1u32 << d.cout.saturating_sub(c0 + v * 16).min(16)) - 1) as u16);
+        // SAFETY (all below): taps inside the image, output channels masked past `cout` (see
+        // the caller).
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); B]; P];
+            if !bias.is_null() {
+                for v in 0..B {
+                    let b = _mm512_maskz_loadu_ps(masks[v], bias.add(c0 + v * 16));
+                    acc.iter_mut().for_each(|px| px[v] = b);
+                }
+            }
+            for ci in 0..d.cin {
+                for i in d.rows[0]..d.rows[1] {
+                    for j in d.cols[0]..d.cols[1] {
+                        let xt = x0.add(ci * d.sc + i * d.sy + j * d.sx);
+                        let wt = taps.add(((ci * d.kh + i) * d.kw + j) * d.cout + c0);
+                        let wv: [__m512; B] = std::array::from_fn(|v| _mm512_maskz_loadu_ps(masks[v], wt.add(v * 16)));
+                        for (p, px) in acc.iter_mut().enumerate() {
+                            let xv = _mm512_set1_ps(*xt.add(p * d.step));
+                            for v in 0..B {
+                                px[v] = _mm512_fmadd_ps(xv, wv[v], px[v]);
+                            }
+                        }
+                    }
+                }
+            }
+            for (p, px) in acc.iter().enumerate() {
+                for v in 0..B {
+                    _mm512_mask_storeu_ps(out.add(p * d.cout + c0 + v * 16), masks[v], apply(epilogue, px[v]));
+                }
+            }
+        }
+    }
+
+    /// Every row of `x` times `V` vectors of the panel at `wp` (columns from `j`): tiles of `R`
+    /// rows, then the remainder in tiles of 4, 2 and 1.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn rows<const R: usize, const V: usize>(
+        xp: *const f32,
+        m: usize,
+        k: usize,
+        wp: *const f32,
+        n: usize,
+        b: *const f32,
+        epilogue: Epilogue,
+        op: *mut f32,
+        j: usize,
+    ) {
+        let mut i = 0;
+        // SAFETY (all below): rows [i, i + tile) of `x` and `out` exist (see the caller).
+        unsafe {
+            while i + R <= m {
+                tile::<R, V>(xp.add(i * k), k, wp, n, b, epilogue, op.add(i * n), j);
+                i += R;
+            }
+            while i + 4 <= m {
+                tile::<4, V>(xp.add(i * k), k, wp, n, b, epilogue, op.add(i * n), j);
+                i += 4;
+            }
+            if i + 2 <= m {
+                tile::<2, V>(xp.add(i * k), k, wp, n, b, epilogue, op.add(i * n), j);
+                i += 2;
+            }
+            if i < m {
+                tile::<1, V>(xp.add(i * k), k, wp, n, b, epilogue, op.add(i * n), j);
+            }
+        }
+    }
+}
+
+/// The mean of each of `out.len()` channels over `pixels` channels-last pixels (`x`: `[pixels,
+/// c]`): summed pixel by pixel from zero, then divided by the count. torch's `mean` sums in a
+/// cascade of partial sums past 16 pixels, so the two differ by float32 rounding there.
+pub fn mean_pixels_f32(x: &[f32], pixels: usize, out: &mut [f32]) {
+    let c = out.len();
+    out.fill(0.0);
+    if c == 0 {
+        return;
+    }
+    for pixel in x.chunks_exact(c).take(pixels) {
+        for (o, v) in out.iter_mut().zip(pixel) {
+            *o += v;
+        }
+    }
+    let n = pixels as f32;
+    out.iter_mut().for_each(|o| *o /= n);
 }
 
 /// `a + b` over int64 values, where each operand has `out.len()` elements or one (broadcast):
@@ -282,9 +803,17 @@ mod tests {
 
     #[test]
     fn linear_matches_a_double_precision_reference() {
-        for (m, k, n) in
-            [(1usize, 64usize, 128usize), (3, 100, 70), (4, 256, 256), (9, 17, 5), (2, 1, 1), (33, 40, 200)]
-        {
+        for (m, k, n) in [
+            (1usize, 64usize, 128usize),
+            (3, 100, 70),
+            (4, 256, 256),
+            (9, 17, 5),
+            (2, 1, 1),
+            (33, 40, 200),
+            (50, 16, 16),
+            (31, 24, 40),
+            (101, 20, 130),
+        ] {
             let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.01).sin()).collect();
             let wt: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.013).cos()).collect();
             let b: Vec<f32> = (0..n).map(|i| i as f32 * 0.001).collect();
@@ -304,6 +833,119 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn gemm_epilogues_match_torchs_definitions() {
+        // 1x1-convolution shapes: many rows (pixels), few columns (channels), each tile width.
+        type Definition = (Epilogue, fn(f64) -> f64);
+        let defs: [Definition; 6] = [
+            (Epilogue::None, |v| v),
+            (Epilogue::Relu, |v| v.max(0.0)),
+            (Epilogue::Hardswish, |v| v * (v + 3.0).clamp(0.0, 6.0) / 6.0),
+            (Epilogue::Hardsigmoid, |v| (v + 3.0).clamp(0.0, 6.0) / 6.0),
+            (Epilogue::Sigmoid, |v| 1.0 / (1.0 + (-v).exp())),
+            (Epilogue::Swish, |v| v / (1.0 + (-v).exp())),
+        ];
+        for (m, k, n) in [(49usize, 24usize, 16usize), (23, 16, 40), (7, 9, 72), (196, 40, 240)] {
+            let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+            let wt: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
+            let b: Vec<f32> = (0..n).map(|i| i as f32 * 0.01 - 0.2).collect();
+            let mut panels = vec![0.0; k * n.div_ceil(PANEL) * PANEL];
+            pack_panels(&wt, k, n, &mut panels);
+            for (epilogue, f) in defs {
+                let mut out = vec![f32::NAN; m * n];
+                if !gemm_f32(&x, m, k, &panels, n, Some(&b), epilogue, &mut out) {
+                    return; // no AVX-512 here
+                }
+                for r in 0..m {
+                    for j in 0..n {
+                        let dot: f64 = (0..k).map(|kk| x[r * k + kk] as f64 * wt[kk * n + j] as f64).sum();
+                        let want = f(dot + b[j] as f64);
+                        let got = out[r * n + j] as f64;
+                        assert!((got - want).abs() < 2e-6 * (k as f64).sqrt(), "{epilogue:?} {m}x{k}x{n} {r} {j}");
+                    }
+                }
+            }
+        }
+        assert_eq!(Epilogue::of_attr("swish"), Some(Epilogue::Swish));
+        assert_eq!(Epilogue::of_attr("tanh"), None);
+    }
+
+    #[test]
+    fn depthwise_matches_a_direct_convolution() {
+        // (c, kernel, stride, padding, h, w): mobilenet's shapes, odd sizes, a kernel larger
+        // than the image with padding, channels that aren't a multiple of 16.
+        for (c, k, s, p, h, w) in [(16, 3, 2, 1, 9, 9), (24, 5, 1, 2, 7, 6), (5, 3, 1, 1, 4, 5), (40, 5, 2, 2, 3, 3)] {
+            let g = Depthwise::new([c as i64, k as i64, k as i64], [s as i64; 2], [p as i64; 2]).unwrap();
+            let [ho, wo] = g.output(h, w).unwrap();
+            let x: Vec<f32> = (0..2 * h * w * c).map(|i| (i as f32 * 0.29).sin()).collect();
+            let taps: Vec<f32> = (0..k * k * c).map(|i| (i as f32 * 0.07).cos()).collect();
+            let bias: Vec<f32> = (0..c).map(|i| i as f32 * 0.1).collect();
+            let mut out = vec![f32::NAN; 2 * ho * wo * c];
+            if !depthwise_f32(&x, [2, h, w], &taps, &g, Some(&bias), Epilogue::Relu, &mut out) {
+                return; // no AVX-512 here
+            }
+            for b in 0..2 {
+                for (oy, ox, ch) in (0..ho).flat_map(|y| (0..wo).flat_map(move |x| (0..c).map(move |ch| (y, x, ch)))) {
+                    let mut want = bias[ch] as f64;
+                    for (i, j) in (0..k).flat_map(|i| (0..k).map(move |j| (i, j))) {
+                        let (y, xx) = ((oy * s + i) as isize - p as isize, (ox * s + j) as isize - p as isize);
+                        if (0..h as isize).contains(&y) && (0..w as isize).contains(&xx) {
+                            let v = x[((b * h + y as usize) * w + xx as usize) * c + ch] as f64;
+                            want += v * taps[(i * k + j) * c + ch] as f64;
+                        }
+                    }
+                    let got = out[((b * ho + oy) * wo + ox) * c + ch] as f64;
+                    assert!((got - want.max(0.0)).abs() < 1e-5, "c{c} k{k} s{s} p{p} ({b}, {oy}, {ox}, {ch})");
+                }
+            }
+        }
+        assert_eq!(Depthwise::new([4, 3, 3], [0, 1], [0, 0]), None);
+        assert_eq!(Depthwise::new([4, 5, 5], [1, 1], [0, 0]).unwrap().output(3, 3), None);
+    }
+
+    #[test]
+    fn direct_matches_a_reference_convolution_in_either_layout() {
+        // (cin, cout, k, stride, padding, h, w): an RGB stem, odd sizes, 40 outputs (a masked
+        // block), a kernel larger than the image with padding.
+        for (ci, co, k, s, p, h, w) in [(3, 16, 3, 2, 1, 11, 9), (3, 40, 3, 1, 1, 6, 7), (2, 8, 5, 2, 2, 3, 4)] {
+            let g = Direct::new([co as i64, ci as i64, k as i64, k as i64], [s as i64; 2], [p as i64; 2]).unwrap();
+            let [ho, wo] = g.output(h, w).unwrap();
+            let x: Vec<f32> = (0..2 * ci * h * w).map(|i| (i as f32 * 0.31).sin()).collect();
+            let wts: Vec<f32> = (0..co * ci * k * k).map(|i| (i as f32 * 0.05).cos()).collect(); // [co, ci, k, k]
+            let taps: Vec<f32> = (0..ci * k * k * co).map(|t| wts[(t % co) * ci * k * k + t / co]).collect();
+            let bias: Vec<f32> = (0..co).map(|i| i as f32 * 0.1).collect();
+            // NCHW, and the same values laid out channels-last.
+            let nchw = [ci * h * w, h * w, w, 1];
+            let nhwc: Vec<f32> = (0..2 * h * w * ci)
+                .map(|i| {
+                    let (b, y, xx, c) = (i / (h * w * ci), i / (w * ci) % h, i / ci % w, i % ci);
+                    x[b * ci * h * w + c * h * w + y * w + xx]
+                })
+                .collect();
+            for (input, strides) in [(&x, nchw), (&nhwc, [h * w * ci, 1, w * ci, ci])] {
+                let mut out = vec![f32::NAN; 2 * ho * wo * co];
+                if !direct_f32(input, [2, h, w], strides, &taps, &g, Some(&bias), Epilogue::None, &mut out) {
+                    return; // no AVX-512 here
+                }
+                for (b, oy, ox, o) in (0..2).flat_map(|b| {
+                    (0..ho).flat_map(move |y| (0..wo).flat_map(move |xx| (0..co).map(move |o| (b, y, xx, o))))
+                }) {
+                    let mut want = bias[o] as f64;
+                    for (c, i, j) in (0..ci).flat_map(|c| (0..k).flat_map(move |i| (0..k).map(move |j| (c, i, j)))) {
+                        let (y, xx) = ((oy * s + i) as isize - p as isize, (ox * s + j) as isize - p as isize);
+                        if (0..h as isize).contains(&y) && (0..w as isize).contains(&xx) {
+                            let v = x[((b * ci + c) * h + y as usize) * w + xx as usize] as f64;
+                            want += v * wts[((o * ci + c) * k + i) * k + j] as f64;
+                        }
+                    }
+                    let got = out[((b * ho + oy) * wo + ox) * co + o] as f64;
+                    assert!((got - want).abs() < 1e-5, "{ci}->{co} k{k} s{s} ({b}, {oy}, {ox}, {o}) {strides:?}");
+                }
+            }
+        }
+        assert_eq!(Direct::new([16, 8, 3, 3], [1, 1], [1, 1]), None, "72 taps: oneDNN's");
     }
 
     /// erf in double: its Taylor series below 2.5, else 1 - erfc by erfc's continued fraction.

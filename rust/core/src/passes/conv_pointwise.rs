@@ -5,9 +5,11 @@
 //! `convolution` reorders a plain weight on every call; packed, a 3×3 convolution at
 //! resnet18's small shapes takes 0.45–0.8× the time (docs/optimize.md).
 //!
-//! Only convolutions with a spatial kernel (more than 1×1) are lowered: a 1×1 convolution is
-//! a matrix product, where torch's channels-last path measured as fast or faster (up to 2×
-//! on 1×1 spatial inputs, where the fused op's setup dominates). The runtime packs each
+//! A 1×1 convolution is a matrix product over pixels, where oneDNN's fused op measured as
+//! fast as torch's channels-last path or up to 2× slower (on 1×1 spatial inputs, where its
+//! setup dominates): it is lowered only where the runtime has its own GEMM for it (`gemm`:
+//! stride 1, no padding, one group), which the runtime measures against oneDNN per shape
+//! and which absorbs the activation as well. The runtime packs each
 //! weight on the node's first call (packing all of resnet18's takes ~70 ms, which a load
 //! shouldn't pay), so files keep plain tensors and the pass runs at load only: a file
 //! written by `kwexport optimize` keeps its `convolution` nodes, portable to any torch.
@@ -33,13 +35,14 @@ const ACTIVATIONS: &[(&str, &str)] = &[
     ("aten::tanh.default", "tanh"),
 ];
 
-/// Lowers every qualifying 2-D convolution of each method's top-level graph; returns how many.
-pub fn apply(doc: &mut Document) -> usize {
+/// Lowers every qualifying 2-D convolution of each method's top-level graph (1×1 ones with
+/// stride 1, no padding and one group only with `gemm`); returns how many.
+pub fn apply(doc: &mut Document, gemm: bool) -> usize {
     let tensors = &doc.weights.tensors;
     let mut lowered = 0;
     for m in doc.methods.values_mut() {
         let weight_of = weight_inputs(&m.graph);
-        let found = find(m, |input| {
+        let found = find(m, gemm, |input| {
             let t = tensors.get(*weight_of.get(input)?)?;
             (t.dtype == "float32" && !t.mutable).then(|| t.shape.clone())
         });
@@ -64,7 +67,7 @@ pub fn apply(doc: &mut Document) -> usize {
 /// Each convolution to lower: its index, the activation's it absorbs, and the fused node
 /// (`op` left for the caller). `weight_shape(input)` is the shape of the float32 weight a
 /// graph input names, if it names one that isn't state.
-fn find(m: &Method, weight_shape: impl Fn(&str) -> Option<Vec<i64>>) -> Vec<(usize, Option<usize>, Node)> {
+fn find(m: &Method, gemm: bool, weight_shape: impl Fn(&str) -> Option<Vec<i64>>) -> Vec<(usize, Option<usize>, Node)> {
     let g = &m.graph;
     let op_of = |n: &Node| m.ops.get(n.op).map(|o| o.name.as_str());
     let readers = readers(g);
@@ -73,7 +76,10 @@ fn find(m: &Method, weight_shape: impl Fn(&str) -> Option<Vec<i64>>) -> Vec<(usi
         let Some(geometry) = convolution(op_of(conv), conv) else { continue };
         let Some(Arg::Ref(w)) = conv.args.get(1) else { continue };
         let Some(shape) = weight_shape(w) else { continue };
-        if shape.len() != 4 || (shape[2] <= 1 && shape[3] <= 1) {
+        let [stride, padding, dilation, groups] = geometry;
+        let ones = |a: &Arg, v: i64| matches!(a, Arg::List(items) if items.iter().all(|i| *i == Arg::Int(v)));
+        let for_gemm = gemm && ones(&stride, 1) && ones(&padding, 0) && ones(&dilation, 1) && groups == Arg::Int(1);
+        if shape.len() != 4 || (shape[2] <= 1 && shape[3] <= 1 && !for_gemm) {
             continue;
         }
         let activation = sole_reader(&readers, conv).and_then(|ai| {
@@ -82,7 +88,6 @@ fn find(m: &Method, weight_shape: impl Fn(&str) -> Option<Vec<i64>>) -> Vec<(usi
             (a.args.len() == 1 && a.kwargs.is_empty()).then_some((ai, attr))
         });
         let (x, bias) = (conv.args[0].clone(), conv.args.get(2).cloned().unwrap_or(Arg::None(())));
-        let [stride, padding, dilation, groups] = geometry;
         let node = Node {
             op: 0,
             args: vec![
@@ -189,7 +194,7 @@ mod tests {
     #[test]
     fn lowers_a_convolution_and_its_activation() {
         let mut d = doc(|_| {});
-        assert_eq!(apply(&mut d), 1);
+        assert_eq!(apply(&mut d, false), 1);
         let m = &d.methods["forward"];
         assert_eq!(m.graph.nodes.len(), 1);
         let n = &m.graph.nodes[0];
@@ -208,17 +213,41 @@ mod tests {
         ];
         assert_eq!(n.args, expected);
         assert_eq!(n.outputs, crate::schema::Outputs::One("y".into()));
-        assert_eq!(apply(&mut d), 0, "idempotent");
+        assert_eq!(apply(&mut d, false), 0, "idempotent");
     }
 
     #[test]
     fn an_activation_read_elsewhere_stays_a_node() {
         // The conv's output is also a graph output: no post-op, the relu stays.
         let mut d = doc(|h| h["methods"]["forward"]["graph"]["outputs"] = json!([{"ref": "y"}, {"ref": "c"}]));
-        assert_eq!(apply(&mut d), 1);
+        assert_eq!(apply(&mut d, false), 1);
         let m = &d.methods["forward"];
         assert_eq!(m.graph.nodes.len(), 2);
         assert_eq!(m.graph.nodes[0].args[7], Arg::Str("none".into()));
+    }
+
+    #[test]
+    fn lowers_a_pointwise_convolution_only_for_the_runtimes_gemm() {
+        let one_by_one = |h: &mut serde_json::Value| {
+            h["weights"]["tensors"]["w"]["shape"] = json!([4, 4, 1, 1]);
+            h["weights"]["tensors"]["w"]["strides"] = json!([4, 1, 1, 1]);
+            let args = &mut h["methods"]["forward"]["graph"]["nodes"][0]["args"];
+            args[3] = json!({"list": [{"int": 1}]});
+            args[4] = json!({"list": [{"int": 0}, {"int": 0}]});
+        };
+        let mut d = doc(one_by_one);
+        assert_eq!(apply(&mut d, false), 0, "without the GEMM, torch's path");
+        assert_eq!(apply(&mut d, true), 1);
+        let n = &d.methods["forward"].graph.nodes[0];
+        assert_eq!((&n.args[3], &n.args[4], &n.args[7]), (&ints(&[0, 0]), &ints(&[1, 1]), &Arg::Str("relu".into())));
+        // A stride of 2 or a padding isn't a product over pixels.
+        for (at, value) in [(3, json!({"list": [{"int": 2}]})), (4, json!({"list": [{"int": 1}]}))] {
+            let mut d = doc(|h| {
+                one_by_one(h);
+                h["methods"]["forward"]["graph"]["nodes"][0]["args"][at] = value;
+            });
+            assert_eq!(apply(&mut d, true), 0, "argument {at}");
+        }
     }
 
     #[test]
@@ -237,7 +266,7 @@ mod tests {
         ];
         for (i, case) in cases.into_iter().enumerate() {
             let mut d = doc(case);
-            assert_eq!(apply(&mut d), 0, "case {i}");
+            assert_eq!(apply(&mut d, false), 0, "case {i}");
             assert_eq!(d.methods["forward"].graph.nodes.len(), 2, "case {i}");
         }
     }

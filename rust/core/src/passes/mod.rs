@@ -85,6 +85,9 @@ pub struct Target {
     /// The program runs on a CPU torch built with oneDNN: lower convolutions onto it. Never
     /// for a file being written, which must load on any torch.
     pub onednn: bool,
+    /// The runtime has its own GEMM for this CPU, which runs a lowered 1×1 convolution over
+    /// channels-last pixels: lower those too (with `onednn`, which runs the rest).
+    pub gemm: bool,
 }
 
 /// Applies `level`'s graph passes (and those of every level) to each method of `doc`; the
@@ -113,7 +116,7 @@ pub fn apply(doc: &mut Document, level: Level, target: Target) -> Rewrites {
     }
     if level == Level::Fast {
         if target.onednn {
-            conv_pointwise::apply(doc);
+            conv_pointwise::apply(doc, target.gemm);
         }
         rewrites.channels_last = channels_last::conv_weights(doc);
     }

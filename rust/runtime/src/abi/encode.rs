@@ -52,6 +52,10 @@ pub trait Consts {
     /// panels (`kernels::pack_panels`), read as `[k, n]`: the weight transposed
     /// (`transpose`, a linear's `[n, k]`) or as it is (an `addmm`'s second matrix); and `n`.
     fn weight_panels(&mut self, name: &str, transpose: bool) -> Option<(usize, i64)>;
+    /// A convolution's float32 `[out, in, kh, kw]` weight as a new contiguous `[in * kh * kw,
+    /// out]` tensor of taps (each tap's output channels contiguous: `kernels::depthwise_f32`,
+    /// `kernels::direct_f32`), and the weight's shape; `None` for any other weight.
+    fn conv_taps(&mut self, name: &str) -> Option<(usize, [i64; 4])>;
     /// The index of the wrapped number `wrapped` (an index `number` gave) cast to `dtype`
     /// as torch's type promotion casts it.
     fn number_cast(&mut self, wrapped: usize, dtype: &str) -> Option<usize>;

@@ -648,6 +648,229 @@ impl Abi {
         Some(Ok(out))
     }
 
+    /// A 1×1 convolution (stride 1, no padding, one group) on `x`, a float32 CPU `[N, C, H,
+    /// W]` tensor laid out channels-last (`[N·H·W, C]` in memory), as kwexport's GEMM over
+    /// its pixels with the weight's `panels` (`[ceil(n / 64), C, 64]`, the `[C, n]` transpose
+    /// of the `[n, C, 1, 1]` weight packed), `bias` (`[n]`) and `epilogue`: a new channels-last
+    /// `[N, n, H, W]` tensor, the layout torch's convolution gives a channels-last weight.
+    /// `None` where the tensors don't qualify or the CPU lacks the kernel.
+    ///
+    /// # Safety
+    /// `x`, `panels` and `bias` must be live handles.
+    pub unsafe fn conv1x1(
+        &self,
+        x: Raw,
+        panels: Raw,
+        n: i64,
+        bias: Option<Raw>,
+        epilogue: crate::kernels::Epilogue,
+    ) -> Option<Result<Tensor, CError>> {
+        let shims = self.shims.as_ref()?;
+        // SAFETY: live handles.
+        let (sizes, ps, bs) = unsafe {
+            let all_f32 = shims.is_cpu_f32(x) && shims.is_cpu_f32(panels) && bias.is_none_or(|b| shims.is_cpu_f32(b));
+            if !all_f32 {
+                return None;
+            }
+            let bs = match bias {
+                Some(b) => Some(self.contiguous_sizes(b)?),
+                None => None,
+            };
+            (self.sizes_strides(x)?.0, self.contiguous_sizes(panels)?, bs)
+        };
+        let panel = crate::kernels::PANEL as i64;
+        let ([batch, c, h, w], [np, k, width]) = (sizes.as_slice(), ps.as_slice()) else { return None };
+        let fits = c == k && *width == panel && n > 0 && *np == (n + panel - 1) / panel;
+        if !fits || bs.as_ref().is_some_and(|b| b.as_slice() != [n]) {
+            return None;
+        }
+        // SAFETY: the caller's live handle.
+        unsafe { self.channels_last_dense(x, *c) }?;
+        let m = batch * h * w;
+        let out = match self.owned(shims.empty_f32_strided(&[*batch, n, *h, *w], &[h * w * n, 1, w * n, n])) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        let (m, k, n) = (usize::try_from(m).ok()?, usize::try_from(*k).ok()?, usize::try_from(n).ok()?);
+        // SAFETY: float32 CPU tensors of the sizes checked above (`x` dense as `[m, k]`); the
+        // output is new.
+        unsafe {
+            let xs = std::slice::from_raw_parts(shims.data_ptr(x)? as *const f32, m * k);
+            let ps = std::slice::from_raw_parts(shims.data_ptr(panels)? as *const f32, k * n.div_ceil(64) * 64);
+            let bs = match bias {
+                Some(b) => Some(std::slice::from_raw_parts(shims.data_ptr(b)? as *const f32, n)),
+                None => None,
+            };
+            let os = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut f32, m * n);
+            if !crate::kernels::gemm_f32(xs, m, k, ps, n, bs, epilogue, os) {
+                return None;
+            }
+        }
+        Some(Ok(out))
+    }
+
+    /// A depthwise convolution (`kernels::depthwise_f32`) on `x`, a float32 CPU `[N, C, H, W]`
+    /// tensor laid out channels-last, with the weight as `taps` (`[kh * kw, C]`), `bias`
+    /// (`[C]`) and `epilogue`: a new channels-last `[N, C, Ho, Wo]` tensor. `None` where the
+    /// tensors don't qualify or the CPU lacks the kernel.
+    ///
+    /// # Safety
+    /// `x`, `taps` and `bias` must be live handles.
+    pub unsafe fn depthwise(
+        &self,
+        x: Raw,
+        taps: Raw,
+        g: &crate::kernels::Depthwise,
+        bias: Option<Raw>,
+        epilogue: crate::kernels::Epilogue,
+    ) -> Option<Result<Tensor, CError>> {
+        let shims = self.shims.as_ref()?;
+        let c = g.channels as i64;
+        // SAFETY: live handles.
+        let (batch, h, w) = unsafe {
+            let all_f32 = shims.is_cpu_f32(x) && shims.is_cpu_f32(taps) && bias.is_none_or(|b| shims.is_cpu_f32(b));
+            let taps_fit = self.contiguous_sizes(taps)? == [(g.kernel[0] * g.kernel[1]) as i64, c];
+            if !all_f32 || !taps_fit || bias.is_some_and(|b| self.contiguous_sizes(b).as_deref() != Some(&[c][..])) {
+                return None;
+            }
+            self.channels_last_dense(x, c)?
+        };
+        let [ho, wo] = g.output(h, w)?;
+        let (hw, ww) = (ho as i64, wo as i64);
+        let out = match self.owned(shims.empty_f32_strided(&[batch as i64, c, hw, ww], &[hw * ww * c, 1, ww * c, c])) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        let (cu, kk) = (g.channels, g.kernel[0] * g.kernel[1]);
+        // SAFETY: float32 CPU tensors of the sizes checked above (`x` dense as `[N, H, W, C]`);
+        // the output is new.
+        unsafe {
+            let xs = std::slice::from_raw_parts(shims.data_ptr(x)? as *const f32, batch * h * w * cu);
+            let ts = std::slice::from_raw_parts(shims.data_ptr(taps)? as *const f32, kk * cu);
+            let bs = match bias {
+                Some(b) => Some(std::slice::from_raw_parts(shims.data_ptr(b)? as *const f32, cu)),
+                None => None,
+            };
+            let os = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut f32, batch * ho * wo * cu);
+            if !crate::kernels::depthwise_f32(xs, [batch, h, w], ts, g, bs, epilogue, os) {
+                return None;
+            }
+        }
+        Some(Ok(out))
+    }
+
+    /// `adaptive_avg_pool2d(x, [1, 1])` for a float32 CPU `[N, C, H, W]` tensor laid out
+    /// channels-last (`kernels::mean_pixels_f32`): a new channels-last `[N, C, 1, 1]` tensor,
+    /// as torch's kernel returns. `None` for any other tensor.
+    ///
+    /// # Safety
+    /// `x` must be a live handle.
+    pub unsafe fn global_avg_pool(&self, x: Raw) -> Option<Result<Tensor, CError>> {
+        let shims = self.shims.as_ref()?;
+        // SAFETY: a live handle.
+        let (batch, h, w, c) = unsafe {
+            if !shims.is_cpu_f32(x) || shims.dim(x)? != 4 {
+                return None;
+            }
+            let c = self.size(x, 1)?;
+            let (batch, h, w) = self.channels_last_dense(x, c)?;
+            (batch, h, w, usize::try_from(c).ok()?)
+        };
+        let ci = c as i64;
+        let out = match self.owned(shims.empty_f32_strided(&[batch as i64, ci, 1, 1], &[ci, 1, ci, ci])) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        // SAFETY: a float32 CPU tensor dense as `[N, H, W, C]` (checked above); the output is
+        // new.
+        unsafe {
+            let xs = std::slice::from_raw_parts(shims.data_ptr(x)? as *const f32, batch * h * w * c);
+            let os = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut f32, batch * c);
+            for (image, o) in xs.chunks_exact(h * w * c).zip(os.chunks_exact_mut(c)) {
+                crate::kernels::mean_pixels_f32(image, h * w, o);
+            }
+        }
+        Some(Ok(out))
+    }
+
+    /// A direct convolution (`kernels::direct_f32`) on `x`, a float32 CPU `[N, C, H, W]`
+    /// tensor of any layout, with the weight as `taps` (`[C * kh * kw, out]`), `bias`
+    /// (`[out]`) and `epilogue`: a new channels-last `[N, out, Ho, Wo]` tensor. `None` where
+    /// the tensors don't qualify or the CPU lacks the kernel.
+    ///
+    /// # Safety
+    /// `x`, `taps` and `bias` must be live handles.
+    pub unsafe fn direct_conv(
+        &self,
+        x: Raw,
+        taps: Raw,
+        g: &crate::kernels::Direct,
+        bias: Option<Raw>,
+        epilogue: crate::kernels::Epilogue,
+    ) -> Option<Result<Tensor, CError>> {
+        let shims = self.shims.as_ref()?;
+        let (cin, cout) = (g.in_channels as i64, g.out_channels as i64);
+        let taps_len = (g.in_channels * g.kernel[0] * g.kernel[1]) as i64;
+        // SAFETY: live handles.
+        let (sizes, strides) = unsafe {
+            let all_f32 = shims.is_cpu_f32(x) && shims.is_cpu_f32(taps) && bias.is_none_or(|b| shims.is_cpu_f32(b));
+            let taps_fit = self.contiguous_sizes(taps)? == [taps_len, cout];
+            if !all_f32 || !taps_fit || bias.is_some_and(|b| self.contiguous_sizes(b).as_deref() != Some(&[cout][..])) {
+                return None;
+            }
+            self.sizes_strides(x)?
+        };
+        let (&[batch, c, h, w], Ok(strides)) = (sizes.as_slice(), <[i64; 4]>::try_from(strides)) else { return None };
+        if c != cin || batch == 0 || strides.iter().any(|&s| s < 0) {
+            return None;
+        }
+        let [b, h, w] = [batch, h, w].map(|v| usize::try_from(v).unwrap_or(0));
+        let [ho, wo] = g.output(h, w)?;
+        let (hw, ww) = (ho as i64, wo as i64);
+        let out =
+            match self.owned(shims.empty_f32_strided(&[batch, cout, hw, ww], &[hw * ww * cout, 1, ww * cout, cout])) {
+                Ok(out) => out,
+                Err(e) => return Some(Err(e)),
+            };
+        let strides = strides.map(|s| s as usize);
+        // The elements the input spans: its last one's offset, plus one.
+        let span = 1 + [b, g.in_channels, h, w].iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>();
+        // SAFETY: float32 CPU tensors of the sizes checked above, `x` spanning `span` elements
+        // from its first; the output is new.
+        unsafe {
+            let xs = std::slice::from_raw_parts(shims.data_ptr(x)? as *const f32, span);
+            let ts =
+                std::slice::from_raw_parts(shims.data_ptr(taps)? as *const f32, taps_len as usize * g.out_channels);
+            let bs = match bias {
+                Some(bias) => Some(std::slice::from_raw_parts(shims.data_ptr(bias)? as *const f32, g.out_channels)),
+                None => None,
+            };
+            let os = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut f32, b * ho * wo * g.out_channels);
+            if !crate::kernels::direct_f32(xs, [b, h, w], strides, ts, g, bs, epilogue, os) {
+                return None;
+            }
+        }
+        Some(Ok(out))
+    }
+
+    /// `[N, H, W]` of a 4-D tensor of `c` channels laid out channels-last, with no gaps
+    /// (`[N, H, W, C]` in memory; a stride only matters where its dimension has more than
+    /// one element).
+    ///
+    /// # Safety
+    /// `x` must be a live handle.
+    unsafe fn channels_last_dense(&self, x: Raw, c: i64) -> Option<(usize, usize, usize)> {
+        // SAFETY: the caller's live handle.
+        let (sizes, strides) = unsafe { self.sizes_strides(x) }?;
+        let &[batch, channels, h, w] = sizes.as_slice() else { return None };
+        let want = [h * w * c, 1, w * c, c];
+        let dense = sizes.iter().zip(&strides).zip(want).all(|((&size, &stride), want)| size <= 1 || stride == want);
+        if channels != c || !dense || batch * h * w == 0 {
+            return None;
+        }
+        Some((usize::try_from(batch).ok()?, usize::try_from(h).ok()?, usize::try_from(w).ok()?))
+    }
+
     /// `a + b` for int64 CPU tensors, contiguous, of one shape or one of them a single element
     /// (torch's broadcasting for these cases): kwexport's kernel, exact. `None` for anything
     /// else (the caller runs torch's op).

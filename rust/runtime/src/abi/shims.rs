@@ -289,6 +289,20 @@ impl Shims {
         self.empty_contiguous(sizes, self.int64.ok_or(1)?)
     }
 
+    /// A new CPU float32 tensor of these sizes and strides (a channels-last output).
+    pub fn empty_f32_strided(&self, sizes: &[i64], strides: &[i64]) -> Result<Raw, Status> {
+        let mut out: Raw = std::ptr::null_mut();
+        let dtype = self.float32.ok_or(1)?;
+        if sizes.len() != strides.len() {
+            return Err(1);
+        }
+        // SAFETY: arrays of `sizes.len()` elements and an out-pointer.
+        check(unsafe {
+            (self.empty_strided)(sizes.len() as i64, sizes.as_ptr(), strides.as_ptr(), dtype, self.cpu, 0, &mut out)
+        })?;
+        Ok(out)
+    }
+
     fn empty_contiguous(&self, sizes: &[i64], dtype: i32) -> Result<Raw, Status> {
         let strides = crate::views::contiguous_strides(sizes);
         let mut out: Raw = std::ptr::null_mut();

@@ -249,6 +249,12 @@ impl Consts for ConstTable<'_, '_> {
             return Some((i, n));
         }
         let w = self.weights.get(name)?.bind(self.py);
+        let shape: Vec<i64> = w.getattr("shape").ok()?.extract().ok()?;
+        // A 1×1 convolution's `[n, k, 1, 1]` weight is its `[n, k]` matrix.
+        let w = match shape.as_slice() {
+            [_, _, 1, 1] if transpose => w.call_method1("flatten", (1,)).ok()?,
+            _ => w.clone(),
+        };
         let is_f32_matrix = w.getattr("dim").ok()?.call0().ok()?.extract::<i64>().ok()? == 2
             && w.getattr("dtype").ok()?.eq(self.torch.getattr("float32").ok()?).ok()?;
         let elements: i64 = w.getattr("numel").ok()?.call0().ok()?.extract().ok()?;
@@ -266,6 +272,19 @@ impl Consts for ConstTable<'_, '_> {
         let i = self.push(Const::Native(panels));
         self.panels.insert(key, (i, n));
         Some((i, n))
+    }
+
+    fn conv_taps(&mut self, name: &str) -> Option<(usize, [i64; 4])> {
+        let w = self.weights.get(name)?.bind(self.py);
+        let shape: [i64; 4] = w.getattr("shape").ok()?.extract::<Vec<i64>>().ok()?.try_into().ok()?;
+        let is_f32 = w.getattr("dtype").ok()?.eq(self.torch.getattr("float32").ok()?).ok()?;
+        if !is_f32 || shape.contains(&0) {
+            return None;
+        }
+        let taps = w.call_method0("detach").ok()?.call_method1("flatten", (1,)).ok()?.call_method0("t").ok()?;
+        let taps = taps.call_method0("contiguous").ok()?;
+        let i = self.push(Const::Py(taps.unbind()));
+        Some((i, shape))
     }
 
     fn number_cast(&mut self, wrapped: usize, dtype: &str) -> Option<usize> {

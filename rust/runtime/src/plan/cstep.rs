@@ -53,6 +53,7 @@ impl CStep {
             free: node.free.clone(),
             shim: None,
             view,
+            own: None,
             node: 0,
         })
     }
@@ -68,6 +69,7 @@ impl CStep {
             free: node.free.clone(),
             shim: None,
             view: None,
+            own: None,
             node: 0,
         }
     }

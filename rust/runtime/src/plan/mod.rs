@@ -128,8 +128,20 @@ pub struct CStep {
     /// Set where the node is a view of a tensor slot that kwexport can compute
     /// (`views.rs`): made without the dispatcher on calls with no autograd to record.
     pub(crate) view: Option<crate::views::ViewKind>,
+    /// At `fast`, a kernel of kwexport's that the node runs where its tensors qualify, on
+    /// calls with no autograd to record; the dispatcher's op otherwise.
+    pub(crate) own: Option<OwnOp>,
     /// The node's index in its graph, for errors.
     pub(crate) node: usize,
+}
+
+/// A kernel of kwexport's for a node that otherwise dispatches (`CStep::own`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OwnOp {
+    /// `adaptive_avg_pool2d(x, [1, 1])` on a channels-last float32 CPU tensor: each channel's
+    /// mean over its pixels (`kernels::mean_pixels_f32`; torch's op is a `mean` over the
+    /// two dimensions, which sets up a reduction on every call).
+    GlobalAvgPool,
 }
 
 /// A node run through one of torch's per-op C shims (see `shims`).
@@ -174,6 +186,30 @@ pub struct Conv {
     /// The packed weight, or the plain one where torch couldn't pack it (oneDNN then
     /// reorders it on each call: slower, the same values).
     pub(crate) packed: std::sync::OnceLock<Option<crate::abi::Tensor>>,
+    /// kwexport's kernel for this convolution, where it has one (below).
+    pub(crate) own: Option<Box<OwnConv>>,
+}
+
+/// A convolution kwexport runs on a kernel of its own over channels-last pixels, where that
+/// measured faster than oneDNN for that many pixels (`exec`), with the post-op applied as
+/// each result is stored.
+pub struct OwnConv {
+    pub(crate) kernel: OwnKernel,
+    pub(crate) epilogue: crate::kernels::Epilogue,
+    pub(crate) choices: Choices,
+}
+
+/// Which of kwexport's kernels, on which packed weight (a const index).
+pub enum OwnKernel {
+    /// A 1×1 convolution with stride 1, no padding and one group: a matrix product over
+    /// pixels, on the `[n, k, 1, 1]` weight's `[k, n]` transpose packed into panels.
+    Gemm { panels: usize, n: i64 },
+    /// A depthwise convolution (one group per channel, one output per group, no dilation):
+    /// its `[c, 1, kh, kw]` weight as `[kh * kw, c]` taps.
+    Depthwise { taps: usize, geometry: crate::kernels::Depthwise },
+    /// A convolution over few input channels (a stem's: `kernels::Direct::MAX_TAPS`), one
+    /// group, no dilation, on an input of any layout: its weight as `[in * kh * kw, out]` taps.
+    Direct { taps: usize, geometry: crate::kernels::Direct },
 }
 
 /// A linear's weight for kwexport's kernel (`kernels::linear_f32`), and the kernel measured
@@ -186,28 +222,35 @@ pub struct Packed {
     pub(crate) n: i64,
     /// Which of the step's tensors is the input matrix (a bias, if any, is tensor 0 before it).
     pub(crate) input: usize,
-    /// Choices made, each `rows * 2 + (1 if kwexport's kernel won)`, or -1 for a free slot:
-    /// atomics read with plain loads, so threads calling one program share them without
-    /// contending (a lock here would bounce between cores on every node).
-    pub(crate) choices: [std::sync::atomic::AtomicI64; 8],
+    pub(crate) choices: Choices,
 }
 
-impl Packed {
-    pub(crate) fn new(panels: usize, n: i64, input: usize) -> Self {
-        Packed { panels, n, input, choices: std::array::from_fn(|_| std::sync::atomic::AtomicI64::new(-1)) }
-    }
+/// Which kernel won for each number of rows (or pixels) a node has seen, per process.
+pub struct Choices {
+    /// Each `rows * 2 + (1 if kwexport's kernel won)`, or -1 for a free slot: atomics read
+    /// with plain loads, so threads calling one program share them without contending (a
+    /// lock here would bounce between cores on every node).
+    slots: [std::sync::atomic::AtomicI64; 8],
+}
 
+impl Default for Choices {
+    fn default() -> Self {
+        Choices { slots: std::array::from_fn(|_| std::sync::atomic::AtomicI64::new(-1)) }
+    }
+}
+
+impl Choices {
     /// The choice made for `rows`, if one was.
     pub(crate) fn choice(&self, rows: i64) -> Option<bool> {
         use std::sync::atomic::Ordering::Relaxed;
-        self.choices.iter().map(|c| c.load(Relaxed)).find(|&c| c >= 0 && c / 2 == rows).map(|c| c % 2 == 1)
+        self.slots.iter().map(|c| c.load(Relaxed)).find(|&c| c >= 0 && c / 2 == rows).map(|c| c % 2 == 1)
     }
 
     /// Records a choice; returns false where every slot is taken (the caller keeps torch's).
     pub(crate) fn record(&self, rows: i64, ours: bool) -> bool {
         use std::sync::atomic::Ordering::Relaxed;
         let code = rows * 2 + ours as i64;
-        self.choices.iter().any(|c| c.compare_exchange(-1, code, Relaxed, Relaxed).is_ok() || c.load(Relaxed) == code)
+        self.slots.iter().any(|c| c.compare_exchange(-1, code, Relaxed, Relaxed).is_ok() || c.load(Relaxed) == code)
     }
 }
 
@@ -399,7 +442,12 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
                     match shims::compile(abi, schema, node, &bound, &is_tensor, &mut consts, cx.on_cpu, cx.fast) {
                         Some(step) => Ok(step),
                         None => match CStep::compile(abi, schema, node, &bound, &is_tensor, &mut consts) {
-                            Ok(step) => Ok(step),
+                            Ok(mut step) => {
+                                if cx.fast && cx.on_cpu {
+                                    step.own = shims::own_op(schema, &bound);
+                                }
+                                Ok(step)
+                            }
                             Err(why) => {
                                 consts.folded_factory(node, op, i)?.map(|c| CStep::clone_of(c, node)).ok_or(why)
                             }
@@ -459,8 +507,8 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
         })
     };
     // Views made without the dispatcher need the same check of autograd as direct shims.
-    let has_direct_shims =
-        direct(false) || compiled.iter().any(|c| matches!(c, Compiled::C(CStep { view: Some(_), .. })));
+    let has_direct_shims = direct(false)
+        || compiled.iter().any(|c| matches!(c, Compiled::C(CStep { view: Some(_), .. } | CStep { own: Some(_), .. })));
     let autocast_probe = direct(true).then(|| cx.torch.getattr("is_autocast_enabled")).transpose()?.map(Bound::unbind);
     let (segments, outputs_to_py) = segments::segment(graph, compiled);
     Ok(Plan {

@@ -178,6 +178,19 @@ pub(super) fn compile(
     shim_step(abi, op, node, bound, is_tensor, consts, uses)
 }
 
+/// At `fast`, the kernel of kwexport's a dispatched node runs where its tensors qualify.
+pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg]) -> Option<super::OwnOp> {
+    let name = (op.c_name.0.to_str().ok()?, op.c_name.1.to_str().ok()?);
+    match (name, bound) {
+        (("aten::adaptive_avg_pool2d", ""), [SlotArg::Value(_), SlotArg::List(size)])
+            if matches!(size.as_slice(), [SlotArg::Literal(Arg::Int(1)), SlotArg::Literal(Arg::Int(1))]) =>
+        {
+            Some(super::OwnOp::GlobalAvgPool)
+        }
+        _ => None,
+    }
+}
+
 /// oneDNN's fused convolution (`passes::conv_pointwise` made the node): input, weight (a
 /// weight of the file, packed on the first call) and bias as tensors, the geometry and the
 /// post-op as literals. The shim skips the dispatcher, so autograd and autocast calls run
@@ -213,6 +226,28 @@ fn conv_step(
     {
         return None;
     }
+    let (padding, stride, dilation) = (pair(padding)?, pair(stride)?, pair(dilation)?);
+    let own = crate::kernels::Epilogue::of_attr(attr).and_then(|epilogue| {
+        let kernel = if padding == [0, 0] && stride == [1, 1] && dilation == [1, 1] && *groups == 1 {
+            // `weight_panels` packs only a `[n, k, 1, 1]` weight of a small enough size.
+            let (panels, n) = consts.weight_panels(w, true)?;
+            super::OwnKernel::Gemm { panels, n }
+        } else if dilation == [1, 1] {
+            let (taps, [out, inputs, kh, kw]) = consts.conv_taps(w)?;
+            if *groups == out && inputs == 1 {
+                let geometry = crate::kernels::Depthwise::new([out, kh, kw], stride, padding)?;
+                super::OwnKernel::Depthwise { taps, geometry }
+            } else if *groups == 1 {
+                let geometry = crate::kernels::Direct::new([out, inputs, kh, kw], stride, padding)?;
+                super::OwnKernel::Direct { taps, geometry }
+            } else {
+                return None;
+            }
+        } else {
+            return None;
+        };
+        Some(Box::new(super::OwnConv { kernel, epilogue, choices: Default::default() }))
+    });
     let weight = consts.weight(w);
     let mut args = vec![
         (Ty::Tensor, encode::encode(abi, &Ty::Tensor, false, x, is_tensor, consts)?),
@@ -222,13 +257,14 @@ fn conv_step(
         args.push((Ty::Tensor, encode::encode(abi, &Ty::Tensor, false, bias, is_tensor, consts)?));
     }
     let conv = super::Conv {
-        padding: pair(padding)?,
-        stride: pair(stride)?,
-        dilation: pair(dilation)?,
+        padding,
+        stride,
+        dilation,
         groups: *groups,
         attr: CString::new(attr.as_str()).ok()?,
         weight,
         packed: std::sync::OnceLock::new(),
+        own,
     };
     Some(CStep {
         name: (c"mkldnn::_convolution_pointwise".to_owned(), c"".to_owned()),
@@ -250,6 +286,7 @@ fn conv_step(
             fallback: None,
         })),
         view: None,
+        own: None,
         node: 0,
     })
 }
@@ -287,9 +324,9 @@ fn shim_step(
     }
     let scalars = uses.scalars.iter().map(|&i| exact_double(bound.get(i)?)).collect::<Option<Vec<_>>>()?;
     let packed = match uses.packed.map(|p| (p, bound.get(p.arg))) {
-        Some((p, Some(SlotArg::Value(ValueRef::Weight(w))))) => {
-            consts.weight_panels(w, p.transpose).map(|(panels, n)| Box::new(super::Packed::new(panels, n, p.input)))
-        }
+        Some((p, Some(SlotArg::Value(ValueRef::Weight(w))))) => consts
+            .weight_panels(w, p.transpose)
+            .map(|(panels, n)| Box::new(super::Packed { panels, n, input: p.input, choices: Default::default() })),
         _ => None,
     };
     Some(CStep {
@@ -312,6 +349,7 @@ fn shim_step(
             fallback: None,
         })),
         view: None,
+        own: None,
         node: 0,
     })
 }
@@ -340,6 +378,7 @@ fn wrapped_overload(
         free: node.free.clone(),
         shim: None,
         view: None,
+        own: None,
         node: 0,
     })
 }
