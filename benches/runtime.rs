@@ -113,7 +113,7 @@ fn per_node_dispatch(c: &mut Criterion) {
 /// and the RGB stem).
 fn kernels(c: &mut Criterion) {
     use kwexport_runtime::kernels::{
-        depthwise_f32, direct_f32, gelu_f32, gemm_f32, linear_f32, Depthwise, Direct, Epilogue,
+        depthwise_f32, direct_f32, gelu_f32, gemm_f32, linear_f32, Conv2d, Depthwise, Epilogue,
     };
     let data = |n: usize| (0..n).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<f32>>();
     let mut group = c.benchmark_group("kernels");
@@ -147,7 +147,7 @@ fn kernels(c: &mut Criterion) {
             b.iter(|| depthwise_f32(&x, [1, size, size], &taps, &g, Some(&bias), Epilogue::Relu, &mut out))
         });
     }
-    let g = Direct::new([16, 3, 3, 3], [2, 2], [1, 1]).unwrap();
+    let g = Conv2d::new([16, 3, 3, 3], [2, 2], [1, 1]).unwrap();
     let [ho, wo] = g.output(224, 224).unwrap();
     let (x, taps, bias, mut out) = (data(3 * 224 * 224), data(27 * 16), data(16), vec![0.0; ho * wo * 16]);
     group.throughput(Throughput::Elements((2 * ho * wo * 16 * 27) as u64));

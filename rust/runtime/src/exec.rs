@@ -501,6 +501,10 @@ impl CStep {
                         OwnKernel::Direct { taps, geometry } => {
                             abi.direct_conv(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
                         }
+                        OwnKernel::Im2col { weight, geometry, panels } => {
+                            let panels = panels.get_or_init(|| abi.pack_conv_panels(&consts[*weight]));
+                            abi.im2col_conv(t[0], panels.as_ref()?.raw(), geometry, bias, own.epilogue)
+                        }
                     }
                 };
                 if let Some(result) = pixels.and_then(|p| choose(&own.choices, p, ours, onednn)) {

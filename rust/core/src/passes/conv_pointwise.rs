@@ -8,8 +8,8 @@
 //! A 1×1 convolution is a matrix product over pixels, where oneDNN's fused op measured as
 //! fast as torch's channels-last path or up to 2× slower (on 1×1 spatial inputs, where its
 //! setup dominates): it is lowered only where the runtime has its own GEMM for it (`gemm`:
-//! stride 1, no padding, one group), which the runtime measures against oneDNN per shape
-//! and which absorbs the activation as well. The runtime packs each
+//! one group, no dilation), which the runtime measures against oneDNN per shape and which
+//! absorbs the activation as well. The runtime packs each
 //! weight on the node's first call (packing all of resnet18's takes ~70 ms, which a load
 //! shouldn't pay), so files keep plain tensors and the pass runs at load only: a file
 //! written by `kwexport optimize` keeps its `convolution` nodes, portable to any torch.
@@ -77,8 +77,8 @@ fn find(m: &Method, gemm: bool, weight_shape: impl Fn(&str) -> Option<Vec<i64>>)
         let Some(Arg::Ref(w)) = conv.args.get(1) else { continue };
         let Some(shape) = weight_shape(w) else { continue };
         let [stride, padding, dilation, groups] = geometry;
-        let ones = |a: &Arg, v: i64| matches!(a, Arg::List(items) if items.iter().all(|i| *i == Arg::Int(v)));
-        let for_gemm = gemm && ones(&stride, 1) && ones(&padding, 0) && ones(&dilation, 1) && groups == Arg::Int(1);
+        let ones = |a: &Arg| matches!(a, Arg::List(items) if items.iter().all(|i| *i == Arg::Int(1)));
+        let for_gemm = gemm && ones(&dilation) && groups == Arg::Int(1);
         if shape.len() != 4 || (shape[2] <= 1 && shape[3] <= 1 && !for_gemm) {
             continue;
         }
@@ -240,13 +240,21 @@ mod tests {
         assert_eq!(apply(&mut d, true), 1);
         let n = &d.methods["forward"].graph.nodes[0];
         assert_eq!((&n.args[3], &n.args[4], &n.args[7]), (&ints(&[0, 0]), &ints(&[1, 1]), &Arg::Str("relu".into())));
-        // A stride of 2 or a padding isn't a product over pixels.
-        for (at, value) in [(3, json!({"list": [{"int": 2}]})), (4, json!({"list": [{"int": 1}]}))] {
+        // A strided one is too (the runtime gathers its pixels); a dilated or grouped one isn't.
+        let strided = |h: &mut serde_json::Value| {
+            one_by_one(h);
+            h["methods"]["forward"]["graph"]["nodes"][0]["args"][3] = json!({"list": [{"int": 2}]});
+        };
+        assert_eq!(apply(&mut doc(strided), true), 1);
+        let dilated = json!([{"list": [{"int": 2}]}]);
+        let grouped = json!([{"list": [{"int": 1}]}, {"int": 2}]);
+        for (case, extra) in [("dilated", dilated), ("grouped", grouped)] {
             let mut d = doc(|h| {
                 one_by_one(h);
-                h["methods"]["forward"]["graph"]["nodes"][0]["args"][at] = value;
+                let args = h["methods"]["forward"]["graph"]["nodes"][0]["args"].as_array_mut().unwrap();
+                args.extend(extra.as_array().unwrap().iter().cloned());
             });
-            assert_eq!(apply(&mut d, true), 0, "argument {at}");
+            assert_eq!(apply(&mut d, true), 0, "{case}");
         }
     }
 

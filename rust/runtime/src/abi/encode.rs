@@ -56,6 +56,8 @@ pub trait Consts {
     /// out]` tensor of taps (each tap's output channels contiguous: `kernels::depthwise_f32`,
     /// `kernels::direct_f32`), and the weight's shape; `None` for any other weight.
     fn conv_taps(&mut self, name: &str) -> Option<(usize, [i64; 4])>;
+    /// The shape of a float32 weight; `None` for another dtype.
+    fn f32_shape(&mut self, name: &str) -> Option<Vec<i64>>;
     /// The index of the wrapped number `wrapped` (an index `number` gave) cast to `dtype`
     /// as torch's type promotion casts it.
     fn number_cast(&mut self, wrapped: usize, dtype: &str) -> Option<usize>;

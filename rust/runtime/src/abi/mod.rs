@@ -804,7 +804,7 @@ impl Abi {
         &self,
         x: Raw,
         taps: Raw,
-        g: &crate::kernels::Direct,
+        g: &crate::kernels::Conv2d,
         bias: Option<Raw>,
         epilogue: crate::kernels::Epilogue,
     ) -> Option<Result<Tensor, CError>> {
@@ -851,6 +851,92 @@ impl Abi {
             }
         }
         Some(Ok(out))
+    }
+
+    /// A convolution (`kernels::im2col_f32`) on `x`, a float32 CPU `[N, C, H, W]` tensor laid
+    /// out channels-last, with the weight's `panels` (`kernels::pack_conv_panels`), `bias`
+    /// (`[out]`) and `epilogue`: a new channels-last `[N, out, Ho, Wo]` tensor. `None` where
+    /// the tensors don't qualify or the CPU lacks the kernel.
+    ///
+    /// # Safety
+    /// `x`, `panels` and `bias` must be live handles.
+    pub unsafe fn im2col_conv(
+        &self,
+        x: Raw,
+        panels: Raw,
+        g: &crate::kernels::Conv2d,
+        bias: Option<Raw>,
+        epilogue: crate::kernels::Epilogue,
+    ) -> Option<Result<Tensor, CError>> {
+        let shims = self.shims.as_ref()?;
+        let (cout, k) = (g.out_channels, g.taps());
+        let panel = crate::kernels::PANEL;
+        // SAFETY: live handles.
+        let (batch, h, w) = unsafe {
+            let all_f32 = shims.is_cpu_f32(x) && shims.is_cpu_f32(panels) && bias.is_none_or(|b| shims.is_cpu_f32(b));
+            let panels_fit = self.contiguous_sizes(panels)? == [cout.div_ceil(panel) as i64, k as i64, panel as i64];
+            let bias_fits = bias.is_none_or(|b| self.contiguous_sizes(b).as_deref() == Some(&[cout as i64][..]));
+            if !all_f32 || !panels_fit || !bias_fits {
+                return None;
+            }
+            self.channels_last_dense(x, g.in_channels as i64)?
+        };
+        let [ho, wo] = g.output(h, w)?;
+        let (co, hw, ww) = (cout as i64, ho as i64, wo as i64);
+        let out =
+            match self.owned(shims.empty_f32_strided(&[batch as i64, co, hw, ww], &[hw * ww * co, 1, ww * co, co])) {
+                Ok(out) => out,
+                Err(e) => return Some(Err(e)),
+            };
+        // SAFETY: float32 CPU tensors of the sizes checked above (`x` dense as `[N, H, W, C]`);
+        // the output is new.
+        unsafe {
+            let xs = std::slice::from_raw_parts(shims.data_ptr(x)? as *const f32, batch * h * w * g.in_channels);
+            let ps =
+                std::slice::from_raw_parts(shims.data_ptr(panels)? as *const f32, cout.div_ceil(panel) * k * panel);
+            let bs = match bias {
+                Some(b) => Some(std::slice::from_raw_parts(shims.data_ptr(b)? as *const f32, cout)),
+                None => None,
+            };
+            let os = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut f32, batch * ho * wo * cout);
+            if !crate::kernels::im2col_f32(xs, [batch, h, w], ps, g, bs, epilogue, os) {
+                return None;
+            }
+        }
+        Some(Ok(out))
+    }
+
+    /// A float32 CPU convolution weight (`[out, in, kh, kw]`, any strides) packed for
+    /// [`Abi::im2col_conv`] (`kernels::pack_conv_panels`): a new `[ceil(out / 64), in * kh *
+    /// kw, 64]` tensor, or `None` for another tensor.
+    pub fn pack_conv_panels(&self, weight: &Tensor) -> Option<Tensor> {
+        let shims = self.shims.as_ref()?;
+        let weight = weight.raw();
+        // SAFETY: a live handle.
+        let (sizes, strides) = unsafe {
+            if !shims.is_cpu_f32(weight) {
+                return None;
+            }
+            self.sizes_strides(weight)?
+        };
+        let shape: [usize; 4] =
+            sizes.iter().map(|&v| usize::try_from(v).ok()).collect::<Option<Vec<_>>>()?.try_into().ok()?;
+        let strides: [usize; 4] =
+            strides.iter().map(|&v| usize::try_from(v).ok()).collect::<Option<Vec<_>>>()?.try_into().ok()?;
+        if shape.contains(&0) {
+            return None;
+        }
+        let span = 1 + shape.iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>();
+        let (n, k, panel) = (shape[0], shape[1] * shape[2] * shape[3], crate::kernels::PANEL);
+        let out = self.owned(shims.empty_f32(&[n.div_ceil(panel) as i64, k as i64, panel as i64])).ok()?;
+        // SAFETY: a float32 CPU tensor spanning `span` elements from its first (checked
+        // above), and the fresh output of its panels, which aliases nothing.
+        unsafe {
+            let src = std::slice::from_raw_parts(shims.data_ptr(weight)? as *const f32, span);
+            let dst = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut f32, n.div_ceil(panel) * k * panel);
+            crate::kernels::pack_conv_panels(src, shape, strides, dst);
+        }
+        Some(out)
     }
 
     /// `[N, H, W]` of a 4-D tensor of `c` channels laid out channels-last, with no gaps

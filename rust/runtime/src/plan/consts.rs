@@ -287,6 +287,12 @@ impl Consts for ConstTable<'_, '_> {
         Some((i, shape))
     }
 
+    fn f32_shape(&mut self, name: &str) -> Option<Vec<i64>> {
+        let w = self.weights.get(name)?.bind(self.py);
+        let is_f32 = w.getattr("dtype").ok()?.eq(self.torch.getattr("float32").ok()?).ok()?;
+        is_f32.then(|| w.getattr("shape").ok()?.extract().ok())?
+    }
+
     fn number_cast(&mut self, wrapped: usize, dtype: &str) -> Option<usize> {
         let n = self.numbers.iter().position(|n| n.const_index == Some(wrapped))?;
         if let Some((_, at)) = self.numbers[n].casts.iter().find(|(d, _)| d == dtype) {

@@ -207,9 +207,14 @@ pub enum OwnKernel {
     /// A depthwise convolution (one group per channel, one output per group, no dilation):
     /// its `[c, 1, kh, kw]` weight as `[kh * kw, c]` taps.
     Depthwise { taps: usize, geometry: crate::kernels::Depthwise },
-    /// A convolution over few input channels (a stem's: `kernels::Direct::MAX_TAPS`), one
-    /// group, no dilation, on an input of any layout: its weight as `[in * kh * kw, out]` taps.
-    Direct { taps: usize, geometry: crate::kernels::Direct },
+    /// A convolution over few input channels (a stem's: `kernels::Conv2d::MAX_DIRECT_IN_CHANNELS`),
+    /// one group, on an input of any layout: its weight as `[in * kh * kw, out]` taps.
+    Direct { taps: usize, geometry: crate::kernels::Conv2d },
+    /// Any other convolution with one group: channels-last patches gathered into the GEMM
+    /// (`kernels::im2col_f32`), on the plain weight packed into panels on the node's first
+    /// call (`kernels::pack_conv_panels`), as oneDNN's is: a load shouldn't pay for every
+    /// weight of a network.
+    Im2col { weight: usize, geometry: crate::kernels::Conv2d, panels: std::sync::OnceLock<Option<crate::abi::Tensor>> },
 }
 
 /// A linear's weight for kwexport's kernel (`kernels::linear_f32`), and the kernel measured

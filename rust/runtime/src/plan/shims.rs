@@ -227,28 +227,31 @@ fn conv_step(
         return None;
     }
     let (padding, stride, dilation) = (pair(padding)?, pair(stride)?, pair(dilation)?);
-    let own = crate::kernels::Epilogue::of_attr(attr).and_then(|epilogue| {
-        let kernel = if padding == [0, 0] && stride == [1, 1] && dilation == [1, 1] && *groups == 1 {
-            // `weight_panels` packs only a `[n, k, 1, 1]` weight of a small enough size.
-            let (panels, n) = consts.weight_panels(w, true)?;
-            super::OwnKernel::Gemm { panels, n }
-        } else if dilation == [1, 1] {
-            let (taps, [out, inputs, kh, kw]) = consts.conv_taps(w)?;
-            if *groups == out && inputs == 1 {
-                let geometry = crate::kernels::Depthwise::new([out, kh, kw], stride, padding)?;
-                super::OwnKernel::Depthwise { taps, geometry }
-            } else if *groups == 1 {
-                let geometry = crate::kernels::Direct::new([out, inputs, kh, kw], stride, padding)?;
-                super::OwnKernel::Direct { taps, geometry }
-            } else {
-                return None;
+    let weight = consts.weight(w);
+    let own = crate::kernels::Epilogue::of_attr(attr).filter(|_| dilation == [1, 1]).and_then(|epilogue| {
+        use crate::kernels::Conv2d;
+        let shape: [i64; 4] = consts.f32_shape(w)?.try_into().ok()?;
+        let [out, inputs, kh, kw] = shape;
+        let geometry = Conv2d::new(shape, stride, padding)?;
+        let pointwise = [kh, kw] == [1, 1] && stride == [1, 1] && padding == [0, 0];
+        let kernel = match *groups {
+            // `weight_panels` packs a `[n, k, 1, 1]` weight of a small enough size at load.
+            1 if pointwise && consts.weight_panels(w, true).is_some() => {
+                let (panels, n) = consts.weight_panels(w, true)?;
+                super::OwnKernel::Gemm { panels, n }
             }
-        } else {
-            return None;
+            1 if geometry.in_channels <= Conv2d::MAX_DIRECT_IN_CHANNELS && !pointwise => {
+                super::OwnKernel::Direct { taps: consts.conv_taps(w)?.0, geometry }
+            }
+            1 => super::OwnKernel::Im2col { weight, geometry, panels: std::sync::OnceLock::new() },
+            g if g == out && inputs == 1 => {
+                let geometry = crate::kernels::Depthwise::new([out, kh, kw], stride, padding)?;
+                super::OwnKernel::Depthwise { taps: consts.conv_taps(w)?.0, geometry }
+            }
+            _ => return None,
         };
         Some(Box::new(super::OwnConv { kernel, epilogue, choices: Default::default() }))
     });
-    let weight = consts.weight(w);
     let mut args = vec![
         (Ty::Tensor, encode::encode(abi, &Ty::Tensor, false, x, is_tensor, consts)?),
         (Ty::Tensor, Enc::Const(weight)),
