@@ -601,6 +601,21 @@ mod avx512 {
                         let (x0, o) = (xp.offset(first_tap * c as isize), op.add(((b * ho + oy) * wo + ox) * c));
                         let d = Taps { rows: [i0, i1], cols: [j0, j1], kw, c, row: w * c, step: sw * c };
                         let mut c0 = 0;
+                        // Four interior pixels with a 3- or 5-wide kernel at stride 1 or 2:
+                        // each input vector of a kernel row loaded once for every pixel and
+                        // tap that reads it (a 512-bit load takes both of this core's load
+                        // ports, so loads, not FMAs, bound the general tile).
+                        if pixels == 4 && matches!((kw, sw), (3 | 5, 1 | 2)) {
+                            while c0 < c {
+                                match (kw, sw) {
+                                    (3, 1) => dw_slide::<3, 1>(x0, tp, bp, o, c0, &d, epilogue),
+                                    (3, _) => dw_slide::<3, 2>(x0, tp, bp, o, c0, &d, epilogue),
+                                    (_, 1) => dw_slide::<5, 1>(x0, tp, bp, o, c0, &d, epilogue),
+                                    _ => dw_slide::<5, 2>(x0, tp, bp, o, c0, &d, epilogue),
+                                }
+                                c0 += 16;
+                            }
+                        }
                         while c0 < c {
                             let blocks = (c - c0).div_ceil(16).min(4);
                             match (pixels, blocks) {
@@ -632,6 +647,45 @@ mod avx512 {
         c: usize,
         row: usize,
         step: usize,
+    }
+
+    /// Four neighbouring interior output pixels × 16 channels from `c0` (masked past `c`),
+    /// for a kernel `KW` wide at stride `S`: per kernel row, the `3 S + KW` input vectors the
+    /// four pixels read are loaded once, with the row's `KW` weight vectors, for `4 KW` FMAs.
+    #[inline(always)]
+    unsafe fn dw_slide<const KW: usize, const S: usize>(
+        x0: *const f32,
+        taps: *const f32,
+        bias: *const f32,
+        out: *mut f32,
+        c0: usize,
+        d: &Taps,
+        epilogue: Epilogue,
+    ) {
+        let mask = ((1u32 << d.c.saturating_sub(c0).min(16)) - 1) as u16;
+        // SAFETY (all below): the caller's four pixels have every tap of each row inside the
+        // image; channels masked past `c`.
+        unsafe {
+            let start = if bias.is_null() { _mm512_setzero_ps() } else { _mm512_maskz_loadu_ps(mask, bias.add(c0)) };
+            let mut acc = [start; 4];
+            for i in d.rows[0]..d.rows[1] {
+                let (xr, wr) = (x0.add(i * d.row + c0), taps.add(i * KW * d.c + c0));
+                let ws: [__m512; KW] = std::array::from_fn(|j| _mm512_maskz_loadu_ps(mask, wr.add(j * d.c)));
+                // Positions 0 .. 3 S + KW of the row, `d.c` apart (S = 2: at most 11).
+                let mut xs = [_mm512_setzero_ps(); 11];
+                for (q, v) in xs.iter_mut().enumerate().take(3 * S + KW) {
+                    *v = _mm512_maskz_loadu_ps(mask, xr.add(q * d.c));
+                }
+                for (p, a) in acc.iter_mut().enumerate() {
+                    for (j, wv) in ws.iter().enumerate() {
+                        *a = _mm512_fmadd_ps(xs[p * S + j], *wv, *a);
+                    }
+                }
+            }
+            for (p, a) in acc.iter().enumerate() {
+                _mm512_mask_storeu_ps(out.add(p * d.c + c0), mask, apply(epilogue, *a));
+            }
+        }
     }
 
     /// `P` neighbouring output pixels × `B` blocks of 16 channels from `c0` (masked past
