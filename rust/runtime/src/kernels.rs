@@ -121,6 +121,16 @@ pub fn gemm_f32(
     false
 }
 
+/// A convolution's output height and width for an input's, `None` where the kernel doesn't
+/// fit the padded input.
+fn output_size(input: [usize; 2], kernel: [usize; 2], stride: [usize; 2], padding: [usize; 2]) -> Option<[usize; 2]> {
+    let out = |d: usize| {
+        let padded = input[d] + 2 * padding[d];
+        (padded >= kernel[d]).then(|| (padded - kernel[d]) / stride[d] + 1)
+    };
+    Some([out(0)?, out(1)?])
+}
+
 /// A depthwise convolution's geometry (one group per channel, one output per group, no
 /// dilation), checked once when the plan is made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -146,11 +156,7 @@ impl Depthwise {
 
     /// The output's height and width for an input's, `None` where the kernel doesn't fit.
     pub fn output(&self, h: usize, w: usize) -> Option<[usize; 2]> {
-        let out = |size: usize, d: usize| {
-            let padded = size + 2 * self.padding[d];
-            (padded >= self.kernel[d]).then(|| (padded - self.kernel[d]) / self.stride[d] + 1)
-        };
-        Some([out(h, 0)?, out(w, 1)?])
+        output_size([h, w], self.kernel, self.stride, self.padding)
     }
 }
 
@@ -221,11 +227,7 @@ impl Conv2d {
 
     /// The output's height and width for an input's, `None` where the kernel doesn't fit.
     pub fn output(&self, h: usize, w: usize) -> Option<[usize; 2]> {
-        let out = |size: usize, d: usize| {
-            let padded = size + 2 * self.padding[d];
-            (padded >= self.kernel[d]).then(|| (padded - self.kernel[d]) / self.stride[d] + 1)
-        };
-        Some([out(h, 0)?, out(w, 1)?])
+        output_size([h, w], self.kernel, self.stride, self.padding)
     }
 }
 
@@ -554,6 +556,16 @@ mod avx512 {
         }
     }
 
+    /// Along one dimension, for output `o` at stride `s` and padding `p` of a `k`-tap kernel
+    /// over `size` inputs: the first tap's input position (negative in the padding), and the
+    /// range of taps inside the input.
+    fn inside(o: usize, s: usize, p: usize, k: usize, size: usize) -> (isize, usize, usize) {
+        let start = (o * s) as isize - p as isize;
+        let first = (-start).max(0) as usize;
+        let last = ((size as isize - start).min(k as isize)).max(0) as usize;
+        (start, first, last.max(first))
+    }
+
     /// See `super::depthwise_f32`.
     ///
     /// # Safety
@@ -574,13 +586,6 @@ mod avx512 {
         let ([kh, kw], [sh, sw], [ph, pw]) = (g.kernel, g.stride, g.padding);
         let (xp, tp, op) = (x.as_ptr(), taps.as_ptr(), out.as_mut_ptr());
         let bp = bias.map_or(std::ptr::null(), |b| b.as_ptr());
-        // The taps of a pixel that fall inside the image, along one dimension.
-        let inside = |o: usize, s: usize, p: usize, k: usize, size: usize| {
-            let start = (o * s) as isize - p as isize;
-            let first = (-start).max(0) as usize;
-            let last = ((size as isize - start).min(k as isize)).max(0) as usize;
-            (start, first, last.max(first))
-        };
         for b in 0..batch {
             for oy in 0..ho {
                 let (iy, i0, i1) = inside(oy, sh, ph, kh, h);
@@ -754,12 +759,6 @@ mod avx512 {
         let ([kh, kw], [sh, sw], [ph, pw]) = (g.kernel, g.stride, g.padding);
         let (xp, tp, op) = (x.as_ptr(), taps.as_ptr(), out.as_mut_ptr());
         let bp = bias.map_or(std::ptr::null(), |b| b.as_ptr());
-        let inside = |o: usize, s: usize, p: usize, k: usize, size: usize| {
-            let start = (o * s) as isize - p as isize;
-            let first = (-start).max(0) as usize;
-            let last = ((size as isize - start).min(k as isize)).max(0) as usize;
-            (start, first, last.max(first))
-        };
         for b in 0..batch {
             for oy in 0..ho {
                 let (iy, i0, i1) = inside(oy, sh, ph, kh, h);
