@@ -592,31 +592,38 @@ mod avx512 {
                 let mut ox = 0;
                 while ox < wo {
                     let (ix, j0, j1) = inside(ox, sw, pw, kw, w);
-                    // Four pixels at once where each has every tap of its row inside the
-                    // image: four independent sums per weight vector loaded.
-                    let pixels = if ox + 4 <= wo && j0 == 0 && j1 == kw && inside(ox + 3, sw, pw, kw, w).2 == kw {
+                    // A 3- or 5-wide kernel at stride 1 or 2 slides over up to four pixels at
+                    // once, borders included: each input vector of a kernel row is loaded once
+                    // for every pixel and tap that reads it (a 512-bit load takes both of this
+                    // core's load ports, so loads, not FMAs, bound the general tile).
+                    let slides = matches!((kw, sw), (3 | 5, 1 | 2));
+                    // Otherwise four pixels at once where each has every tap of its row inside
+                    // the image: four independent sums per weight vector loaded.
+                    let pixels = if slides {
+                        (wo - ox).min(4)
+                    } else if ox + 4 <= wo && j0 == 0 && j1 == kw && inside(ox + 3, sw, pw, kw, w).2 == kw {
                         4
                     } else {
                         1
                     };
-                    // SAFETY: the pixel's row and column of its first tap inside the image (a
-                    // negative start is offset by `i0`, `j0`), and its output pixel.
+                    // SAFETY: taps inside the image only are read: rows from `i0`, columns
+                    // from `j0` (or, sliding, the columns inside the image), each address
+                    // formed with wrapping arithmetic from an origin that may lie in the
+                    // padding; and the output pixels.
                     unsafe {
                         let first_tap = ((b * h) as isize + iy) * w as isize + ix;
-                        let (x0, o) = (xp.offset(first_tap * c as isize), op.add(((b * ho + oy) * wo + ox) * c));
+                        let (x0, o) =
+                            (xp.wrapping_offset(first_tap * c as isize), op.add(((b * ho + oy) * wo + ox) * c));
                         let d = Taps { rows: [i0, i1], cols: [j0, j1], kw, c, row: w * c, step: sw * c };
                         let mut c0 = 0;
-                        // Four interior pixels with a 3- or 5-wide kernel at stride 1 or 2:
-                        // each input vector of a kernel row loaded once for every pixel and
-                        // tap that reads it (a 512-bit load takes both of this core's load
-                        // ports, so loads, not FMAs, bound the general tile).
-                        if pixels == 4 && matches!((kw, sw), (3 | 5, 1 | 2)) {
+                        if slides {
+                            let row = Slide { origin: x0, column: ix, width: w, pixels };
                             while c0 < c {
                                 match (kw, sw) {
-                                    (3, 1) => dw_slide::<3, 1>(x0, tp, bp, o, c0, &d, epilogue),
-                                    (3, _) => dw_slide::<3, 2>(x0, tp, bp, o, c0, &d, epilogue),
-                                    (_, 1) => dw_slide::<5, 1>(x0, tp, bp, o, c0, &d, epilogue),
-                                    _ => dw_slide::<5, 2>(x0, tp, bp, o, c0, &d, epilogue),
+                                    (3, 1) => dw_slide::<3, 1>(&row, tp, bp, o, c0, &d, epilogue),
+                                    (3, _) => dw_slide::<3, 2>(&row, tp, bp, o, c0, &d, epilogue),
+                                    (_, 1) => dw_slide::<5, 1>(&row, tp, bp, o, c0, &d, epilogue),
+                                    _ => dw_slide::<5, 2>(&row, tp, bp, o, c0, &d, epilogue),
                                 }
                                 c0 += 16;
                             }
@@ -654,12 +661,23 @@ mod avx512 {
         step: usize,
     }
 
-    /// Four neighbouring interior output pixels × 16 channels from `c0` (masked past `c`),
-    /// for a kernel `KW` wide at stride `S`: per kernel row, the `3 S + KW` input vectors the
-    /// four pixels read are loaded once, with the row's `KW` weight vectors, for `4 KW` FMAs.
+    /// Where a sliding depthwise tile reads: the first pixel's kernel origin (row and column
+    /// of tap (0, 0), possibly in the padding), that column, the image's width, and how many
+    /// of the four pixels are outputs.
+    struct Slide {
+        origin: *const f32,
+        column: isize,
+        width: usize,
+        pixels: usize,
+    }
+
+    /// Up to four neighbouring output pixels × 16 channels from `c0` (masked past `c`), for a
+    /// kernel `KW` wide at stride `S`: per kernel row inside the image, the `3 S + KW` input
+    /// vectors the four pixels read are loaded once (zeros where they fall in the padding),
+    /// with the row's `KW` weight vectors, for `4 KW` FMAs.
     #[inline(always)]
     unsafe fn dw_slide<const KW: usize, const S: usize>(
-        x0: *const f32,
+        row: &Slide,
         taps: *const f32,
         bias: *const f32,
         out: *mut f32,
@@ -668,18 +686,21 @@ mod avx512 {
         epilogue: Epilogue,
     ) {
         let mask = ((1u32 << d.c.saturating_sub(c0).min(16)) - 1) as u16;
-        // SAFETY (all below): the caller's four pixels have every tap of each row inside the
-        // image; channels masked past `c`.
+        // SAFETY (all below): rows inside the image (`d.rows`), columns checked against the
+        // width before each load, channels masked past `c`; outputs for `row.pixels` pixels.
         unsafe {
             let start = if bias.is_null() { _mm512_setzero_ps() } else { _mm512_maskz_loadu_ps(mask, bias.add(c0)) };
             let mut acc = [start; 4];
             for i in d.rows[0]..d.rows[1] {
-                let (xr, wr) = (x0.add(i * d.row + c0), taps.add(i * KW * d.c + c0));
+                let (xr, wr) = (row.origin.wrapping_add(i * d.row + c0), taps.add(i * KW * d.c + c0));
                 let ws: [__m512; KW] = std::array::from_fn(|j| _mm512_maskz_loadu_ps(mask, wr.add(j * d.c)));
                 // Positions 0 .. 3 S + KW of the row, `d.c` apart (S = 2: at most 11).
                 let mut xs = [_mm512_setzero_ps(); 11];
+                let inside = row.column >= 0 && row.column as usize + 3 * S + KW <= row.width;
                 for (q, v) in xs.iter_mut().enumerate().take(3 * S + KW) {
-                    *v = _mm512_maskz_loadu_ps(mask, xr.add(q * d.c));
+                    if inside || (0..row.width as isize).contains(&(row.column + q as isize)) {
+                        *v = _mm512_maskz_loadu_ps(mask, xr.wrapping_add(q * d.c));
+                    }
                 }
                 for (p, a) in acc.iter_mut().enumerate() {
                     for (j, wv) in ws.iter().enumerate() {
@@ -687,7 +708,7 @@ mod avx512 {
                     }
                 }
             }
-            for (p, a) in acc.iter().enumerate() {
+            for (p, a) in acc.iter().enumerate().take(row.pixels) {
                 _mm512_mask_storeu_ps(out.add(p * d.c + c0), mask, apply(epilogue, *a));
             }
         }
@@ -720,11 +741,11 @@ mod avx512 {
             }
             for i in d.rows[0]..d.rows[1] {
                 for j in d.cols[0]..d.cols[1] {
-                    let (xt, wt) = (x0.add(i * d.row + j * d.c + c0), taps.add((i * d.kw + j) * d.c + c0));
+                    let (xt, wt) = (x0.wrapping_add(i * d.row + j * d.c + c0), taps.add((i * d.kw + j) * d.c + c0));
                     let wv: [__m512; B] = std::array::from_fn(|v| _mm512_maskz_loadu_ps(masks[v], wt.add(v * 16)));
                     for (p, px) in acc.iter_mut().enumerate() {
                         for v in 0..B {
-                            let xv = _mm512_maskz_loadu_ps(masks[v], xt.add(p * d.step + v * 16));
+                            let xv = _mm512_maskz_loadu_ps(masks[v], xt.wrapping_add(p * d.step + v * 16));
                             px[v] = _mm512_fmadd_ps(xv, wv[v], px[v]);
                         }
                     }
@@ -774,7 +795,7 @@ mod avx512 {
                     // the padding) and its output pixel.
                     unsafe {
                         let origin = (b * sb) as isize + iy * sy as isize + ix * sx as isize;
-                        let (x0, o) = (xp.offset(origin), op.add(((b * ho + oy) * wo + ox) * cout));
+                        let (x0, o) = (xp.wrapping_offset(origin), op.add(((b * ho + oy) * wo + ox) * cout));
                         let d = Patch { rows: [i0, i1], cols: [j0, j1], kh, kw, cin, cout, sc, sy, sx, step: sw * sx };
                         let mut c0 = 0;
                         while c0 < cout {
@@ -837,11 +858,11 @@ mod avx512 {
             for ci in 0..d.cin {
                 for i in d.rows[0]..d.rows[1] {
                     for j in d.cols[0]..d.cols[1] {
-                        let xt = x0.add(ci * d.sc + i * d.sy + j * d.sx);
+                        let xt = x0.wrapping_add(ci * d.sc + i * d.sy + j * d.sx);
                         let wt = taps.add(((ci * d.kh + i) * d.kw + j) * d.cout + c0);
                         let wv: [__m512; B] = std::array::from_fn(|v| _mm512_maskz_loadu_ps(masks[v], wt.add(v * 16)));
                         for (p, px) in acc.iter_mut().enumerate() {
-                            let xv = _mm512_set1_ps(*xt.add(p * d.step));
+                            let xv = _mm512_set1_ps(*xt.wrapping_add(p * d.step));
                             for v in 0..B {
                                 px[v] = _mm512_fmadd_ps(xv, wv[v], px[v]);
                             }
