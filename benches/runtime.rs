@@ -113,7 +113,7 @@ fn per_node_dispatch(c: &mut Criterion) {
 /// and the RGB stem).
 fn kernels(c: &mut Criterion) {
     use kwexport_runtime::kernels::{
-        depthwise_f32, direct_f32, gelu_f32, gemm_f32, linear_f32, Conv2d, Depthwise, Epilogue,
+        depthwise_f32, direct_f32, gelu_f32, gemm_f32, indirect_f32, linear_f32, Conv2d, Depthwise, Epilogue,
     };
     let data = |n: usize| (0..n).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<f32>>();
     let mut group = c.benchmark_group("kernels");
@@ -145,6 +145,16 @@ fn kernels(c: &mut Criterion) {
         group.throughput(Throughput::Elements((2 * ho * wo * ch * k * k) as u64));
         group.bench_function(format!("depthwise/{ch}x{size}x{size}/k{k}s{s}"), |b| {
             b.iter(|| depthwise_f32(&x, [1, size, size], &taps, &g, Some(&bias), Epilogue::Relu, &mut out))
+        });
+    }
+    for (ch, size) in [(64usize, 56usize), (256, 14), (512, 7), (512, 2)] {
+        let g = Conv2d::new([ch as i64, ch as i64, 3, 3], [1, 1], [1, 1]).unwrap();
+        let k = ch * 9;
+        let (x, panels, bias) = (data(size * size * ch), data(k * ch), data(ch));
+        let mut out = vec![0.0; size * size * ch];
+        group.throughput(Throughput::Elements((2 * size * size * ch * k) as u64));
+        group.bench_function(format!("indirect/{ch}x{size}x{size}/k3"), |b| {
+            b.iter(|| indirect_f32(&x, [1, size, size], &panels, &g, Some(&bias), Epilogue::Relu, &mut out))
         });
     }
     let g = Conv2d::new([16, 3, 3, 3], [2, 2], [1, 1]).unwrap();

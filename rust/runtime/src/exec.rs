@@ -501,9 +501,9 @@ impl CStep {
                         OwnKernel::Direct { taps, geometry } => {
                             abi.direct_conv(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
                         }
-                        OwnKernel::Im2col { weight, geometry, panels } => {
+                        OwnKernel::Indirect { weight, geometry, panels } => {
                             let panels = panels.get_or_init(|| abi.pack_conv_panels(&consts[*weight]));
-                            abi.im2col_conv(t[0], panels.as_ref()?.raw(), geometry, bias, own.epilogue)
+                            abi.indirect_conv(t[0], panels.as_ref()?.raw(), geometry, bias, own.epilogue)
                         }
                     }
                 };

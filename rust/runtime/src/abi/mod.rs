@@ -853,14 +853,14 @@ impl Abi {
         Some(Ok(out))
     }
 
-    /// A convolution (`kernels::im2col_f32`) on `x`, a float32 CPU `[N, C, H, W]` tensor laid
+    /// A convolution (`kernels::indirect_f32`) on `x`, a float32 CPU `[N, C, H, W]` tensor laid
     /// out channels-last, with the weight's `panels` (`kernels::pack_conv_panels`), `bias`
     /// (`[out]`) and `epilogue`: a new channels-last `[N, out, Ho, Wo]` tensor. `None` where
     /// the tensors don't qualify or the CPU lacks the kernel.
     ///
     /// # Safety
     /// `x`, `panels` and `bias` must be live handles.
-    pub unsafe fn im2col_conv(
+    pub unsafe fn indirect_conv(
         &self,
         x: Raw,
         panels: Raw,
@@ -899,7 +899,7 @@ impl Abi {
                 None => None,
             };
             let os = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut f32, batch * ho * wo * cout);
-            if !crate::kernels::im2col_f32(xs, [batch, h, w], ps, g, bs, epilogue, os) {
+            if !crate::kernels::indirect_f32(xs, [batch, h, w], ps, g, bs, epilogue, os) {
                 return None;
             }
         }
@@ -907,7 +907,7 @@ impl Abi {
     }
 
     /// A float32 CPU convolution weight (`[out, in, kh, kw]`, any strides) packed for
-    /// [`Abi::im2col_conv`] (`kernels::pack_conv_panels`): a new `[ceil(out / 64), in * kh *
+    /// [`Abi::indirect_conv`] (`kernels::pack_conv_panels`): a new `[ceil(out / 64), in * kh *
     /// kw, 64]` tensor, or `None` for another tensor.
     pub fn pack_conv_panels(&self, weight: &Tensor) -> Option<Tensor> {
         let shims = self.shims.as_ref()?;

@@ -210,11 +210,15 @@ pub enum OwnKernel {
     /// A convolution over few input channels (a stem's: `kernels::Conv2d::MAX_DIRECT_IN_CHANNELS`),
     /// one group, on an input of any layout: its weight as `[in * kh * kw, out]` taps.
     Direct { taps: usize, geometry: crate::kernels::Conv2d },
-    /// Any other convolution with one group: channels-last patches gathered into the GEMM
-    /// (`kernels::im2col_f32`), on the plain weight packed into panels on the node's first
+    /// Any other convolution with one group: the GEMM over channels-last patches read in
+    /// place (`kernels::indirect_f32`), on the plain weight packed into panels on the node's first
     /// call (`kernels::pack_conv_panels`), as oneDNN's is: a load shouldn't pay for every
     /// weight of a network.
-    Im2col { weight: usize, geometry: crate::kernels::Conv2d, panels: std::sync::OnceLock<Option<crate::abi::Tensor>> },
+    Indirect {
+        weight: usize,
+        geometry: crate::kernels::Conv2d,
+        panels: std::sync::OnceLock<Option<crate::abi::Tensor>>,
+    },
 }
 
 /// A linear's weight for kwexport's kernel (`kernels::linear_f32`), and the kernel measured

@@ -243,7 +243,7 @@ fn conv_step(
             1 if geometry.in_channels <= Conv2d::MAX_DIRECT_IN_CHANNELS && !pointwise => {
                 super::OwnKernel::Direct { taps: consts.conv_taps(w)?.0, geometry }
             }
-            1 => super::OwnKernel::Im2col { weight, geometry, panels: std::sync::OnceLock::new() },
+            1 => super::OwnKernel::Indirect { weight, geometry, panels: std::sync::OnceLock::new() },
             g if g == out && inputs == 1 => {
                 let geometry = crate::kernels::Depthwise::new([out, kh, kw], stride, padding)?;
                 super::OwnKernel::Depthwise { taps: consts.conv_taps(w)?.0, geometry }
