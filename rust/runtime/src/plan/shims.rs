@@ -234,21 +234,19 @@ fn conv_step(
         let [out, inputs, kh, kw] = shape;
         let geometry = Conv2d::new(shape, stride, padding)?;
         let pointwise = [kh, kw] == [1, 1] && stride == [1, 1] && padding == [0, 0];
-        let kernel = match *groups {
-            // `weight_panels` packs a `[n, k, 1, 1]` weight of a small enough size at load.
-            1 if pointwise && consts.weight_panels(w, true).is_some() => {
-                let (panels, n) = consts.weight_panels(w, true)?;
-                super::OwnKernel::Gemm { panels, n }
-            }
-            1 if geometry.in_channels <= Conv2d::MAX_DIRECT_IN_CHANNELS && !pointwise => {
+        // `weight_panels` packs a `[n, k, 1, 1]` weight of a small enough size at load.
+        let gemm = (pointwise && *groups == 1).then(|| consts.weight_panels(w, true)).flatten();
+        let kernel = match (*groups, gemm) {
+            (1, Some((panels, n))) => super::OwnKernel::Gemm { panels, n },
+            (1, None) if geometry.in_channels <= Conv2d::MAX_DIRECT_IN_CHANNELS && !pointwise => {
                 super::OwnKernel::Direct { taps: consts.conv_taps(w)?.0, geometry }
             }
-            1 => super::OwnKernel::Indirect { weight, geometry, panels: std::sync::OnceLock::new() },
-            g if g == out && inputs == 1 => {
+            (1, None) => super::OwnKernel::Indirect { weight, geometry, panels: std::sync::OnceLock::new() },
+            (g, _) if g == out && inputs == 1 => {
                 let geometry = crate::kernels::Depthwise::new([out, kh, kw], stride, padding)?;
                 super::OwnKernel::Depthwise { taps: consts.conv_taps(w)?.0, geometry }
             }
-            _ => return None,
+            (_, _) => return None,
         };
         Some(Box::new(super::OwnConv { kernel, epilogue, choices: Default::default() }))
     });
