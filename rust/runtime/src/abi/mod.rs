@@ -610,42 +610,17 @@ impl Abi {
     pub unsafe fn linear(&self, x: Raw, panels: Raw, n: i64, bias: Option<Raw>) -> Option<Result<Tensor, CError>> {
         let shims = self.shims.as_ref()?;
         // SAFETY: live handles.
-        let (xs, ps, bs) = unsafe {
-            let all_f32 = shims.is_cpu_f32(x) && shims.is_cpu_f32(panels) && bias.is_none_or(|b| shims.is_cpu_f32(b));
-            if !all_f32 {
-                return None;
-            }
-            let bs = match bias {
-                Some(b) => Some(self.contiguous_sizes(b)?),
-                None => None,
-            };
-            (self.contiguous_sizes(x)?, self.contiguous_sizes(panels)?, bs)
+        let (xs, [m, k]) = unsafe {
+            let &[m, k] = self.contiguous_sizes(x)?.as_slice() else { return None };
+            (self.contiguous_f32(x, &[m, k])?, [usize::try_from(m).ok()?, usize::try_from(k).ok()?])
         };
-        let panel = crate::kernels::PANEL as i64;
-        let ([m, k], [np, k2, width]) = (xs.as_slice(), ps.as_slice()) else { return None };
-        let fits = k == k2 && *width == panel && n > 0 && *np == (n + panel - 1) / panel;
-        if !fits || bs.as_ref().is_some_and(|b| b.as_slice() != [n]) || *m == 0 {
-            return None;
-        }
-        let (m, k, n) = (usize::try_from(*m).ok()?, usize::try_from(*k).ok()?, usize::try_from(n).ok()?);
-        let out = match self.owned(shims.empty_f32(&[m as i64, n as i64])) {
-            Ok(out) => out,
-            Err(e) => return Some(Err(e)),
-        };
-        // SAFETY: contiguous float32 CPU tensors of the sizes checked above; the output is new.
+        let n = usize::try_from(n).ok()?;
+        // SAFETY: the caller's live handles.
         unsafe {
-            let xs = std::slice::from_raw_parts(shims.data_ptr(x)? as *const f32, m * k);
-            let ps = std::slice::from_raw_parts(shims.data_ptr(panels)? as *const f32, k * n.div_ceil(64) * 64);
-            let bs = match bias {
-                Some(b) => Some(std::slice::from_raw_parts(shims.data_ptr(b)? as *const f32, n)),
-                None => None,
-            };
-            let os = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut f32, m * n);
-            if !crate::kernels::linear_f32(xs, m, k, ps, n, bs, os) {
-                return None;
-            }
+            self.gemm(xs, [m, k, n], panels, bias, crate::kernels::Epilogue::None, || {
+                self.owned(shims.empty_f32(&[m as i64, n as i64]))
+            })
         }
-        Some(Ok(out))
     }
 
     /// A 1×1 convolution (stride 1, no padding, one group) on `x`, a float32 CPU `[N, C, H,
@@ -665,48 +640,51 @@ impl Abi {
         bias: Option<Raw>,
         epilogue: crate::kernels::Epilogue,
     ) -> Option<Result<Tensor, CError>> {
-        let shims = self.shims.as_ref()?;
+        let n = usize::try_from(n).ok()?;
         // SAFETY: live handles.
-        let (sizes, ps, bs) = unsafe {
-            let all_f32 = shims.is_cpu_f32(x) && shims.is_cpu_f32(panels) && bias.is_none_or(|b| shims.is_cpu_f32(b));
-            if !all_f32 {
+        unsafe {
+            if self.shims.as_ref()?.dim(x)? != 4 {
                 return None;
             }
-            let bs = match bias {
-                Some(b) => Some(self.contiguous_sizes(b)?),
-                None => None,
-            };
-            (self.sizes_strides(x)?.0, self.contiguous_sizes(panels)?, bs)
-        };
-        let panel = crate::kernels::PANEL as i64;
-        let ([batch, c, h, w], [np, k, width]) = (sizes.as_slice(), ps.as_slice()) else { return None };
-        let fits = c == k && *width == panel && n > 0 && *np == (n + panel - 1) / panel;
-        if !fits || bs.as_ref().is_some_and(|b| b.as_slice() != [n]) {
+            let c = usize::try_from(self.size(x, 1)?).ok()?;
+            let (xs, [batch, h, w]) = self.channels_last_f32(x, c)?;
+            let out = || self.empty_channels_last([batch, n, h, w]);
+            self.gemm(xs, [batch * h * w, c, n], panels, bias, epilogue, out)
+        }
+    }
+
+    /// kwexport's GEMM (`kernels::gemm_f32`) of `xs` (`m` rows of `k`) with the weight's
+    /// `panels` (`[ceil(n / 64), k, 64]`), `bias` (`[n]`) and `epilogue` into the tensor `out`
+    /// makes (`m * n` elements in row order), once the weight and bias qualify; `None` where
+    /// they don't or the CPU lacks the kernel.
+    ///
+    /// # Safety
+    /// `panels` and `bias` must be live handles; `out` must make a new float32 CPU tensor.
+    unsafe fn gemm(
+        &self,
+        xs: &[f32],
+        [m, k, n]: [usize; 3],
+        panels: Raw,
+        bias: Option<Raw>,
+        epilogue: crate::kernels::Epilogue,
+        out: impl FnOnce() -> Result<Tensor, CError>,
+    ) -> Option<Result<Tensor, CError>> {
+        let panel = crate::kernels::PANEL;
+        if m == 0 || n == 0 {
             return None;
         }
-        // SAFETY: the caller's live handle.
-        unsafe { self.channels_last_dense(x, *c) }?;
-        let m = batch * h * w;
-        let out = match self.owned(shims.empty_f32_strided(&[*batch, n, *h, *w], &[h * w * n, 1, w * n, n])) {
+        // SAFETY: the caller's live handles.
+        let (ps, bs) = unsafe {
+            let ps = self.contiguous_f32(panels, &[n.div_ceil(panel) as i64, k as i64, panel as i64])?;
+            (ps, self.bias_f32(bias, n)?)
+        };
+        let mut out = match out() {
             Ok(out) => out,
             Err(e) => return Some(Err(e)),
         };
-        let (m, k, n) = (usize::try_from(m).ok()?, usize::try_from(*k).ok()?, usize::try_from(n).ok()?);
-        // SAFETY: float32 CPU tensors of the sizes checked above (`x` dense as `[m, k]`); the
-        // output is new.
-        unsafe {
-            let xs = std::slice::from_raw_parts(shims.data_ptr(x)? as *const f32, m * k);
-            let ps = std::slice::from_raw_parts(shims.data_ptr(panels)? as *const f32, k * n.div_ceil(64) * 64);
-            let bs = match bias {
-                Some(b) => Some(std::slice::from_raw_parts(shims.data_ptr(b)? as *const f32, n)),
-                None => None,
-            };
-            let os = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut f32, m * n);
-            if !crate::kernels::gemm_f32(xs, m, k, ps, n, bs, epilogue, os) {
-                return None;
-            }
-        }
-        Some(Ok(out))
+        // SAFETY: the new output of `m * n` elements.
+        let os = unsafe { self.floats_mut(&mut out, m * n) }?;
+        crate::kernels::gemm_f32(xs, m, k, ps, n, bs, epilogue, os).then_some(Ok(out))
     }
 
     /// A depthwise convolution (`kernels::depthwise_f32`) on `x`, a float32 CPU `[N, C, H, W]`
@@ -724,39 +702,22 @@ impl Abi {
         bias: Option<Raw>,
         epilogue: crate::kernels::Epilogue,
     ) -> Option<Result<Tensor, CError>> {
-        let shims = self.shims.as_ref()?;
-        let c = g.channels as i64;
+        let c = g.channels;
         // SAFETY: live handles.
-        let (batch, h, w) = unsafe {
-            let all_f32 = shims.is_cpu_f32(x) && shims.is_cpu_f32(taps) && bias.is_none_or(|b| shims.is_cpu_f32(b));
-            let taps_fit = self.contiguous_sizes(taps)? == [(g.kernel[0] * g.kernel[1]) as i64, c];
-            if !all_f32 || !taps_fit || bias.is_some_and(|b| self.contiguous_sizes(b).as_deref() != Some(&[c][..])) {
-                return None;
-            }
-            self.channels_last_dense(x, c)?
+        let (xs, [batch, h, w], ts, bs) = unsafe {
+            let ts = self.contiguous_f32(taps, &[(g.kernel[0] * g.kernel[1]) as i64, c as i64])?;
+            let bs = self.bias_f32(bias, c)?;
+            let (xs, dims) = self.channels_last_f32(x, c)?;
+            (xs, dims, ts, bs)
         };
         let [ho, wo] = g.output(h, w)?;
-        let (hw, ww) = (ho as i64, wo as i64);
-        let out = match self.owned(shims.empty_f32_strided(&[batch as i64, c, hw, ww], &[hw * ww * c, 1, ww * c, c])) {
+        let mut out = match self.empty_channels_last([batch, c, ho, wo]) {
             Ok(out) => out,
             Err(e) => return Some(Err(e)),
         };
-        let (cu, kk) = (g.channels, g.kernel[0] * g.kernel[1]);
-        // SAFETY: float32 CPU tensors of the sizes checked above (`x` dense as `[N, H, W, C]`);
-        // the output is new.
-        unsafe {
-            let xs = std::slice::from_raw_parts(shims.data_ptr(x)? as *const f32, batch * h * w * cu);
-            let ts = std::slice::from_raw_parts(shims.data_ptr(taps)? as *const f32, kk * cu);
-            let bs = match bias {
-                Some(b) => Some(std::slice::from_raw_parts(shims.data_ptr(b)? as *const f32, cu)),
-                None => None,
-            };
-            let os = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut f32, batch * ho * wo * cu);
-            if !crate::kernels::depthwise_f32(xs, [batch, h, w], ts, g, bs, epilogue, os) {
-                return None;
-            }
-        }
-        Some(Ok(out))
+        // SAFETY: the new output of that many elements.
+        let os = unsafe { self.floats_mut(&mut out, batch * ho * wo * c) }?;
+        crate::kernels::depthwise_f32(xs, [batch, h, w], ts, g, bs, epilogue, os).then_some(Ok(out))
     }
 
     /// `adaptive_avg_pool2d(x, [1, 1])` for a float32 CPU `[N, C, H, W]` tensor laid out
@@ -766,29 +727,23 @@ impl Abi {
     /// # Safety
     /// `x` must be a live handle.
     pub unsafe fn global_avg_pool(&self, x: Raw) -> Option<Result<Tensor, CError>> {
-        let shims = self.shims.as_ref()?;
         // SAFETY: a live handle.
-        let (batch, h, w, c) = unsafe {
-            if !shims.is_cpu_f32(x) || shims.dim(x)? != 4 {
+        let (xs, [batch, h, w], c) = unsafe {
+            if self.shims.as_ref()?.dim(x)? != 4 {
                 return None;
             }
-            let c = self.size(x, 1)?;
-            let (batch, h, w) = self.channels_last_dense(x, c)?;
-            (batch, h, w, usize::try_from(c).ok()?)
+            let c = usize::try_from(self.size(x, 1)?).ok()?;
+            let (xs, dims) = self.channels_last_f32(x, c)?;
+            (xs, dims, c)
         };
-        let ci = c as i64;
-        let out = match self.owned(shims.empty_f32_strided(&[batch as i64, ci, 1, 1], &[ci, 1, ci, ci])) {
+        let mut out = match self.empty_channels_last([batch, c, 1, 1]) {
             Ok(out) => out,
             Err(e) => return Some(Err(e)),
         };
-        // SAFETY: a float32 CPU tensor dense as `[N, H, W, C]` (checked above); the output is
-        // new.
-        unsafe {
-            let xs = std::slice::from_raw_parts(shims.data_ptr(x)? as *const f32, batch * h * w * c);
-            let os = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut f32, batch * c);
-            for (image, o) in xs.chunks_exact(h * w * c).zip(os.chunks_exact_mut(c)) {
-                crate::kernels::mean_pixels_f32(image, h * w, o);
-            }
+        // SAFETY: the new output of that many elements.
+        let os = unsafe { self.floats_mut(&mut out, batch * c) }?;
+        for (image, o) in xs.chunks_exact(h * w * c).zip(os.chunks_exact_mut(c)) {
+            crate::kernels::mean_pixels_f32(image, h * w, o);
         }
         Some(Ok(out))
     }
@@ -809,48 +764,36 @@ impl Abi {
         epilogue: crate::kernels::Epilogue,
     ) -> Option<Result<Tensor, CError>> {
         let shims = self.shims.as_ref()?;
-        let (cin, cout) = (g.in_channels as i64, g.out_channels as i64);
-        let taps_len = (g.in_channels * g.kernel[0] * g.kernel[1]) as i64;
+        let (cin, cout) = (g.in_channels, g.out_channels);
         // SAFETY: live handles.
-        let (sizes, strides) = unsafe {
-            let all_f32 = shims.is_cpu_f32(x) && shims.is_cpu_f32(taps) && bias.is_none_or(|b| shims.is_cpu_f32(b));
-            let taps_fit = self.contiguous_sizes(taps)? == [taps_len, cout];
-            if !all_f32 || !taps_fit || bias.is_some_and(|b| self.contiguous_sizes(b).as_deref() != Some(&[cout][..])) {
+        let (ts, bs, sizes, strides) = unsafe {
+            let ts = self.contiguous_f32(taps, &[g.taps() as i64, cout as i64])?;
+            let bs = self.bias_f32(bias, cout)?;
+            if !shims.is_cpu_f32(x) {
                 return None;
             }
-            self.sizes_strides(x)?
+            let (sizes, strides) = self.sizes_strides(x)?;
+            (ts, bs, sizes, strides)
         };
-        let (&[batch, c, h, w], Ok(strides)) = (sizes.as_slice(), <[i64; 4]>::try_from(strides)) else { return None };
-        if c != cin || batch == 0 || strides.iter().any(|&s| s < 0) {
+        let to_usize = |v: &Vec<i64>| -> Option<[usize; 4]> {
+            v.iter().map(|&v| usize::try_from(v).ok()).collect::<Option<Vec<_>>>()?.try_into().ok()
+        };
+        let ([batch, c, h, w], strides) = (to_usize(&sizes)?, to_usize(&strides)?);
+        if c != cin || batch == 0 || h == 0 || w == 0 {
             return None;
         }
-        let [b, h, w] = [batch, h, w].map(|v| usize::try_from(v).unwrap_or(0));
         let [ho, wo] = g.output(h, w)?;
-        let (hw, ww) = (ho as i64, wo as i64);
-        let out =
-            match self.owned(shims.empty_f32_strided(&[batch, cout, hw, ww], &[hw * ww * cout, 1, ww * cout, cout])) {
-                Ok(out) => out,
-                Err(e) => return Some(Err(e)),
-            };
-        let strides = strides.map(|s| s as usize);
         // The elements the input spans: its last one's offset, plus one.
-        let span = 1 + [b, g.in_channels, h, w].iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>();
-        // SAFETY: float32 CPU tensors of the sizes checked above, `x` spanning `span` elements
-        // from its first; the output is new.
-        unsafe {
-            let xs = std::slice::from_raw_parts(shims.data_ptr(x)? as *const f32, span);
-            let ts =
-                std::slice::from_raw_parts(shims.data_ptr(taps)? as *const f32, taps_len as usize * g.out_channels);
-            let bs = match bias {
-                Some(bias) => Some(std::slice::from_raw_parts(shims.data_ptr(bias)? as *const f32, g.out_channels)),
-                None => None,
-            };
-            let os = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut f32, b * ho * wo * g.out_channels);
-            if !crate::kernels::direct_f32(xs, [b, h, w], strides, ts, g, bs, epilogue, os) {
-                return None;
-            }
-        }
-        Some(Ok(out))
+        let span = 1 + [batch, c, h, w].iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>();
+        // SAFETY: a float32 CPU tensor spanning `span` elements from its first.
+        let xs = unsafe { self.floats(x, span) }?;
+        let mut out = match self.empty_channels_last([batch, cout, ho, wo]) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        // SAFETY: the new output of that many elements.
+        let os = unsafe { self.floats_mut(&mut out, batch * ho * wo * cout) }?;
+        crate::kernels::direct_f32(xs, [batch, h, w], strides, ts, g, bs, epilogue, os).then_some(Ok(out))
     }
 
     /// A convolution (`kernels::indirect_f32`) on `x`, a float32 CPU `[N, C, H, W]` tensor laid
@@ -868,42 +811,22 @@ impl Abi {
         bias: Option<Raw>,
         epilogue: crate::kernels::Epilogue,
     ) -> Option<Result<Tensor, CError>> {
-        let shims = self.shims.as_ref()?;
-        let (cout, k) = (g.out_channels, g.taps());
-        let panel = crate::kernels::PANEL;
+        let (cout, panel) = (g.out_channels, crate::kernels::PANEL);
         // SAFETY: live handles.
-        let (batch, h, w) = unsafe {
-            let all_f32 = shims.is_cpu_f32(x) && shims.is_cpu_f32(panels) && bias.is_none_or(|b| shims.is_cpu_f32(b));
-            let panels_fit = self.contiguous_sizes(panels)? == [cout.div_ceil(panel) as i64, k as i64, panel as i64];
-            let bias_fits = bias.is_none_or(|b| self.contiguous_sizes(b).as_deref() == Some(&[cout as i64][..]));
-            if !all_f32 || !panels_fit || !bias_fits {
-                return None;
-            }
-            self.channels_last_dense(x, g.in_channels as i64)?
+        let (xs, [batch, h, w], ps, bs) = unsafe {
+            let ps = self.contiguous_f32(panels, &[cout.div_ceil(panel) as i64, g.taps() as i64, panel as i64])?;
+            let bs = self.bias_f32(bias, cout)?;
+            let (xs, dims) = self.channels_last_f32(x, g.in_channels)?;
+            (xs, dims, ps, bs)
         };
         let [ho, wo] = g.output(h, w)?;
-        let (co, hw, ww) = (cout as i64, ho as i64, wo as i64);
-        let out =
-            match self.owned(shims.empty_f32_strided(&[batch as i64, co, hw, ww], &[hw * ww * co, 1, ww * co, co])) {
-                Ok(out) => out,
-                Err(e) => return Some(Err(e)),
-            };
-        // SAFETY: float32 CPU tensors of the sizes checked above (`x` dense as `[N, H, W, C]`);
-        // the output is new.
-        unsafe {
-            let xs = std::slice::from_raw_parts(shims.data_ptr(x)? as *const f32, batch * h * w * g.in_channels);
-            let ps =
-                std::slice::from_raw_parts(shims.data_ptr(panels)? as *const f32, cout.div_ceil(panel) * k * panel);
-            let bs = match bias {
-                Some(b) => Some(std::slice::from_raw_parts(shims.data_ptr(b)? as *const f32, cout)),
-                None => None,
-            };
-            let os = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut f32, batch * ho * wo * cout);
-            if !crate::kernels::indirect_f32(xs, [batch, h, w], ps, g, bs, epilogue, os) {
-                return None;
-            }
-        }
-        Some(Ok(out))
+        let mut out = match self.empty_channels_last([batch, cout, ho, wo]) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        // SAFETY: the new output of that many elements.
+        let os = unsafe { self.floats_mut(&mut out, batch * ho * wo * cout) }?;
+        crate::kernels::indirect_f32(xs, [batch, h, w], ps, g, bs, epilogue, os).then_some(Ok(out))
     }
 
     /// A float32 CPU convolution weight (`[out, in, kh, kw]`, any strides) packed for
@@ -939,22 +862,83 @@ impl Abi {
         Some(out)
     }
 
-    /// `[N, H, W]` of a 4-D tensor of `c` channels laid out channels-last, with no gaps
-    /// (`[N, H, W, C]` in memory; a stride only matters where its dimension has more than
-    /// one element).
+    /// The elements and `[N, H, W]` of `x` where it is a float32 CPU `[N, c, H, W]` tensor
+    /// laid out channels-last with no gaps (`[N, H, W, c]` in memory; a stride only matters
+    /// where its dimension has more than one element) and no empty dimension.
     ///
     /// # Safety
-    /// `x` must be a live handle.
-    unsafe fn channels_last_dense(&self, x: Raw, c: i64) -> Option<(usize, usize, usize)> {
+    /// `x` must be a live handle, which nothing writes while the slice is used.
+    unsafe fn channels_last_f32<'a>(&self, x: Raw, c: usize) -> Option<(&'a [f32], [usize; 3])> {
         // SAFETY: the caller's live handle.
-        let (sizes, strides) = unsafe { self.sizes_strides(x) }?;
-        let &[batch, channels, h, w] = sizes.as_slice() else { return None };
+        let (sizes, strides) = unsafe {
+            if !self.shims.as_ref()?.is_cpu_f32(x) {
+                return None;
+            }
+            self.sizes_strides(x)?
+        };
+        let (&[batch, channels, h, w], c) = (sizes.as_slice(), c as i64) else { return None };
         let want = [h * w * c, 1, w * c, c];
         let dense = sizes.iter().zip(&strides).zip(want).all(|((&size, &stride), want)| size <= 1 || stride == want);
         if channels != c || !dense || batch * h * w == 0 {
             return None;
         }
-        Some((usize::try_from(batch).ok()?, usize::try_from(h).ok()?, usize::try_from(w).ok()?))
+        let dims = [usize::try_from(batch).ok()?, usize::try_from(h).ok()?, usize::try_from(w).ok()?];
+        // SAFETY: a float32 CPU tensor of that many elements from its first, densely.
+        Some((unsafe { self.floats(x, dims.iter().product::<usize>() * c as usize) }?, dims))
+    }
+
+    /// The elements of `t` where it is a contiguous float32 CPU tensor of exactly `sizes`.
+    ///
+    /// # Safety
+    /// `t` must be a live handle, which nothing writes while the slice is used.
+    unsafe fn contiguous_f32<'a>(&self, t: Raw, sizes: &[i64]) -> Option<&'a [f32]> {
+        // SAFETY: the caller's live handle.
+        unsafe {
+            if !self.shims.as_ref()?.is_cpu_f32(t) || self.contiguous_sizes(t)? != sizes {
+                return None;
+            }
+            self.floats(t, usize::try_from(sizes.iter().product::<i64>()).ok()?)
+        }
+    }
+
+    /// A bias of `n` elements: `Some(None)` without one, `None` where it isn't a contiguous
+    /// float32 CPU `[n]` tensor.
+    ///
+    /// # Safety
+    /// `bias` must be a live handle, which nothing writes while the slice is used.
+    unsafe fn bias_f32<'a>(&self, bias: Option<Raw>, n: usize) -> Option<Option<&'a [f32]>> {
+        match bias {
+            None => Some(None),
+            // SAFETY: the caller's live handle.
+            Some(b) => unsafe { self.contiguous_f32(b, &[n as i64]) }.map(Some),
+        }
+    }
+
+    /// `len` floats from a tensor's first element.
+    ///
+    /// # Safety
+    /// `t` must be a live float32 CPU tensor with `len` elements from its first in its
+    /// storage, which nothing writes while the slice is used.
+    unsafe fn floats<'a>(&self, t: Raw, len: usize) -> Option<&'a [f32]> {
+        // SAFETY: the caller's live handle, and `len` floats there.
+        unsafe { Some(std::slice::from_raw_parts(self.shims.as_ref()?.data_ptr(t)? as *const f32, len)) }
+    }
+
+    /// A tensor this call made, as its `len` floats to write.
+    ///
+    /// # Safety
+    /// `t` must be a new contiguous float32 CPU tensor of `len` elements that nothing else
+    /// reads or writes while the slice is used.
+    unsafe fn floats_mut<'a>(&self, t: &'a mut Tensor, len: usize) -> Option<&'a mut [f32]> {
+        // SAFETY: the caller's new tensor of `len` floats.
+        unsafe { Some(std::slice::from_raw_parts_mut(self.shims.as_ref()?.data_ptr(t.0)? as *mut f32, len)) }
+    }
+
+    /// A new float32 CPU `[n, c, h, w]` tensor laid out channels-last.
+    fn empty_channels_last(&self, [n, c, h, w]: [usize; 4]) -> Result<Tensor, CError> {
+        let shims = self.shims.as_ref().ok_or_else(|| CError::Internal("no shims".into()))?;
+        let [n, c, h, w] = [n, c, h, w].map(|v| v as i64);
+        self.owned(shims.empty_f32_strided(&[n, c, h, w], &[h * w * c, 1, w * c, c]))
     }
 
     /// `a + b` for int64 CPU tensors, contiguous, of one shape or one of them a single element
