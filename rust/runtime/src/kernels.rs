@@ -458,102 +458,13 @@ mod avx512 {
         let mut i = 0;
         while i < x.len() {
             let left = (x.len() - i).min(16);
-            let mask = ((1u32 << left) - 1) as u16;
+            let mask = lanes(left);
             // SAFETY: lanes [i, i + left) of both slices exist; masked lanes aren't touched.
             unsafe {
                 let v = _mm512_maskz_loadu_ps(mask, xp.add(i));
                 _mm512_mask_storeu_ps(op.add(i), mask, gelu16(v, tanh));
             }
             i += 16;
-        }
-    }
-
-    /// Rows `[0, R)` of `x` (row stride `k`) times the `[k, 64]` panel of columns
-    /// `[j0, j0 + 16 V)` (zero past `n`), plus the bias, into `out` (row stride `n`, masked past
-    /// `n`): `R * V` accumulators held in registers across the whole `k` loop, each weight
-    /// vector loaded once per `k`.
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn tile<const R: usize, const V: usize>(
-        x: *const f32,
-        k: usize,
-        panel: *const f32,
-        n: usize,
-        bias: *const f32,
-        epilogue: Epilogue,
-        out: *mut f32,
-        j0: usize,
-    ) {
-        let mut masks = [0u16; V];
-        for (v, mask) in masks.iter_mut().enumerate() {
-            let left = n.saturating_sub(j0 + v * 16).min(16);
-            *mask = ((1u32 << left) - 1) as u16;
-        }
-        // SAFETY (all below): the caller guarantees R rows of `x`, a `[k, 64]` panel and R rows
-        // of `out` of their strides; masked lanes past `n` are neither read nor written.
-        unsafe {
-            let mut acc = [[_mm512_setzero_ps(); V]; R];
-            if !bias.is_null() {
-                for v in 0..V {
-                    let b = _mm512_maskz_loadu_ps(masks[v], bias.add(j0 + v * 16));
-                    acc.iter_mut().for_each(|row| row[v] = b);
-                }
-            }
-            for kk in 0..k {
-                let w: [__m512; V] = std::array::from_fn(|v| _mm512_loadu_ps(panel.add(kk * super::PANEL + v * 16)));
-                for (r, row) in acc.iter_mut().enumerate() {
-                    let a = _mm512_set1_ps(*x.add(r * k + kk));
-                    for v in 0..V {
-                        row[v] = _mm512_fmadd_ps(a, w[v], row[v]);
-                    }
-                }
-            }
-            for (r, row) in acc.iter().enumerate() {
-                for v in 0..V {
-                    let y = apply(epilogue, row[v]);
-                    _mm512_mask_storeu_ps(out.add(r * n + j0 + v * 16), masks[v], y);
-                }
-            }
-        }
-    }
-
-    /// See `super::gemm_f32`.
-    ///
-    /// # Safety
-    /// AVX-512F must be present; the slices must hold `m * k`, `ceil(n / 64) * k * 64`, `n`
-    /// and `m * n` elements.
-    #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn gemm(
-        x: &[f32],
-        m: usize,
-        k: usize,
-        panels: &[f32],
-        n: usize,
-        bias: Option<&[f32]>,
-        epilogue: Epilogue,
-        out: &mut [f32],
-    ) {
-        let b = bias.map_or(std::ptr::null(), |b| b.as_ptr());
-        let (xp, op) = (x.as_ptr(), out.as_mut_ptr());
-        // Column blocks outermost: a block's `k x 64` panel of the weight stays in cache while
-        // every group of rows reads it, so the weight streams from memory once per call.
-        let mut j = 0;
-        while j < n {
-            // A block narrower than 64 columns (the last, or a small `n`: a 1x1 convolution's
-            // 16-48 channels) holds fewer vectors per row, so more rows fit the registers.
-            let vectors = (n - j).min(64).div_ceil(16);
-            // SAFETY: columns from j and their panel exist (see the caller).
-            unsafe {
-                let wp = panels.as_ptr().add(j / 64 * k * 64);
-                match vectors {
-                    4 => rows::<6, 4>(xp, m, k, wp, n, b, epilogue, op, j),
-                    3 => rows::<8, 3>(xp, m, k, wp, n, b, epilogue, op, j),
-                    2 => rows::<12, 2>(xp, m, k, wp, n, b, epilogue, op, j),
-                    _ => rows::<12, 1>(xp, m, k, wp, n, b, epilogue, op, j),
-                }
-            }
-            j += 64;
         }
     }
 
@@ -565,6 +476,19 @@ mod avx512 {
         let first = (-start).max(0) as usize;
         let last = ((size as isize - start).min(k as isize)).max(0) as usize;
         (start, first, last.max(first))
+    }
+
+    /// Whether the four output pixels from `ox` (of `wo`) all have every tap of their kernel
+    /// row inside the image: pixel `ox`'s taps are `cols`, along a dimension of stride `sw`,
+    /// padding `pw`, a `kw`-wide kernel and `w` inputs.
+    fn four_inside(ox: usize, wo: usize, cols: (usize, usize), [sw, pw, kw, w]: [usize; 4]) -> bool {
+        ox + 4 <= wo && cols == (0, kw) && inside(ox + 3, sw, pw, kw, w).2 == kw
+    }
+
+    /// A mask of the first `left` of 16 lanes (all of them from 16 on).
+    #[inline(always)]
+    fn lanes(left: usize) -> u16 {
+        ((1u32 << left.min(16)) - 1) as u16
     }
 
     /// See `super::depthwise_f32`.
@@ -602,7 +526,7 @@ mod avx512 {
                     // the image: four independent sums per weight vector loaded.
                     let pixels = if slides {
                         (wo - ox).min(4)
-                    } else if ox + 4 <= wo && j0 == 0 && j1 == kw && inside(ox + 3, sw, pw, kw, w).2 == kw {
+                    } else if four_inside(ox, wo, (j0, j1), [sw, pw, kw, w]) {
                         4
                     } else {
                         1
@@ -686,7 +610,7 @@ mod avx512 {
         d: &Taps,
         epilogue: Epilogue,
     ) {
-        let mask = ((1u32 << d.c.saturating_sub(c0).min(16)) - 1) as u16;
+        let mask = lanes(d.c.saturating_sub(c0));
         // SAFETY (all below): rows inside the image (`d.rows`), columns checked against the
         // width before each load, channels masked past `c`; outputs for `row.pixels` pixels.
         unsafe {
@@ -729,7 +653,7 @@ mod avx512 {
         d: &Taps,
         epilogue: Epilogue,
     ) {
-        let masks: [u16; B] = std::array::from_fn(|v| ((1u32 << d.c.saturating_sub(c0 + v * 16).min(16)) - 1) as u16);
+        let masks: [u16; B] = std::array::from_fn(|v| lanes(d.c.saturating_sub(c0 + v * 16)));
         // SAFETY (all below): taps inside the image and channels masked past `c` (see the
         // caller).
         unsafe {
@@ -787,11 +711,7 @@ mod avx512 {
                 let mut ox = 0;
                 while ox < wo {
                     let (ix, j0, j1) = inside(ox, sw, pw, kw, w);
-                    let pixels = if ox + 4 <= wo && j0 == 0 && j1 == kw && inside(ox + 3, sw, pw, kw, w).2 == kw {
-                        4
-                    } else {
-                        1
-                    };
+                    let pixels = if four_inside(ox, wo, (j0, j1), [sw, pw, kw, w]) { 4 } else { 1 };
                     // SAFETY: the pixel's kernel origin (offset by `i0`, `j0` where it lies in
                     // the padding) and its output pixel.
                     unsafe {
@@ -844,8 +764,7 @@ mod avx512 {
         d: &Patch,
         epilogue: Epilogue,
     ) {
-        let masks: [u16; B] =
-            std::array::from_fn(|v| ((1u32 << d.cout.saturating_sub(c0 + v * 16).min(16)) - 1) as u16);
+        let masks: [u16; B] = std::array::from_fn(|v| lanes(d.cout.saturating_sub(c0 + v * 16)));
         // SAFETY (all below): taps inside the image, output channels masked past `cout` (see
         // the caller).
         unsafe {
@@ -879,7 +798,79 @@ mod avx512 {
         }
     }
 
-    /// See `super::indirect_f32`: `gemm`'s loops, with each row's taps read through `table`.
+    /// Where a GEMM tile reads each row's values: `taps` runs of `cin` floats per row, which
+    /// the weight's panel rows follow in order.
+    trait Rows: Copy {
+        /// The first of row `r`'s values for tap `t`.
+        ///
+        /// # Safety
+        /// Row `r` and tap `t` must exist.
+        unsafe fn at(self, r: usize, t: usize) -> *const f32;
+    }
+
+    /// The rows of a dense `[m, k]` matrix: one tap of `k` values each.
+    #[derive(Clone, Copy)]
+    struct Dense {
+        x: *const f32,
+        k: usize,
+    }
+
+    impl Rows for Dense {
+        #[inline(always)]
+        unsafe fn at(self, r: usize, _: usize) -> *const f32 {
+            // SAFETY: row `r` exists (the caller's).
+            unsafe { self.x.add(r * self.k) }
+        }
+    }
+
+    /// Rows read through a table of pointers, `taps` per row (`super::indirect_f32`).
+    #[derive(Clone, Copy)]
+    struct Table {
+        table: *const *const f32,
+        taps: usize,
+    }
+
+    impl Rows for Table {
+        #[inline(always)]
+        unsafe fn at(self, r: usize, t: usize) -> *const f32 {
+            // SAFETY: entry `(r, t)` exists (the caller's).
+            unsafe { *self.table.add(r * self.taps + t) }
+        }
+    }
+
+    /// A GEMM's shape besides its rows: taps and values per tap of each row, the output's
+    /// width, the bias (or null) and the epilogue.
+    struct Shape {
+        taps: usize,
+        cin: usize,
+        n: usize,
+        bias: *const f32,
+        epilogue: Epilogue,
+    }
+
+    /// See `super::gemm_f32`.
+    ///
+    /// # Safety
+    /// AVX-512F must be present; the slices must hold `m * k`, `ceil(n / 64) * k * 64`, `n`
+    /// and `m * n` elements.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemm(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        panels: &[f32],
+        n: usize,
+        bias: Option<&[f32]>,
+        epilogue: Epilogue,
+        out: &mut [f32],
+    ) {
+        let shape = Shape { taps: 1, cin: k, n, bias: bias.map_or(std::ptr::null(), |b| b.as_ptr()), epilogue };
+        // SAFETY: as the caller guarantees.
+        unsafe { columns(Dense { x: x.as_ptr(), k }, m, &shape, panels, out) }
+    }
+
+    /// See `super::indirect_f32`: the GEMM with each row's taps read through `table`.
     ///
     /// # Safety
     /// AVX-512F must be present; `table` holds `m * taps` pointers to `cin` readable floats
@@ -897,93 +888,94 @@ mod avx512 {
         epilogue: Epilogue,
         out: &mut [f32],
     ) {
-        let b = bias.map_or(std::ptr::null(), |b| b.as_ptr());
-        let (tp, op, k) = (table.as_ptr(), out.as_mut_ptr(), taps * cin);
+        let shape = Shape { taps, cin, n, bias: bias.map_or(std::ptr::null(), |b| b.as_ptr()), epilogue };
+        // SAFETY: as the caller guarantees.
+        unsafe { columns(Table { table: table.as_ptr(), taps }, m, &shape, panels, out) }
+    }
+
+    /// The GEMM's column blocks, outermost: a block's `k x 64` panel of the weight stays in
+    /// cache while every group of rows reads it, so the weight streams from memory once per
+    /// call.
+    #[inline(always)]
+    unsafe fn columns<S: Rows>(rows_of: S, m: usize, s: &Shape, panels: &[f32], out: &mut [f32]) {
+        let (k, op) = (s.taps * s.cin, out.as_mut_ptr());
         let mut j = 0;
-        while j < n {
-            let vectors = (n - j).min(64).div_ceil(16);
-            // SAFETY: columns from j and their panel exist; rows as the caller says.
+        while j < s.n {
+            // A block narrower than 64 columns (the last, or a small `n`: a 1x1 convolution's
+            // 16-48 channels) holds fewer vectors per row, so more rows fit the registers.
+            let vectors = (s.n - j).min(64).div_ceil(16);
+            // SAFETY: columns from j and their panel exist (see the callers).
             unsafe {
                 let wp = panels.as_ptr().add(j / 64 * k * 64);
-                let shape = Indirect { taps, cin, n, bias: b, epilogue, j };
                 match vectors {
-                    4 => irows::<6, 4>(tp, m, wp, op, &shape),
-                    3 => irows::<8, 3>(tp, m, wp, op, &shape),
-                    2 => irows::<12, 2>(tp, m, wp, op, &shape),
-                    _ => irows::<12, 1>(tp, m, wp, op, &shape),
+                    4 => rows::<S, 6, 4>(rows_of, m, wp, op, s, j),
+                    3 => rows::<S, 8, 3>(rows_of, m, wp, op, s, j),
+                    2 => rows::<S, 12, 2>(rows_of, m, wp, op, s, j),
+                    _ => rows::<S, 12, 1>(rows_of, m, wp, op, s, j),
                 }
             }
             j += 64;
         }
     }
 
-    /// What an indirect tile needs besides its rows: taps and channels per row, the output's
-    /// width, the bias, the epilogue and the first column.
-    struct Indirect {
-        taps: usize,
-        cin: usize,
-        n: usize,
-        bias: *const f32,
-        epilogue: Epilogue,
-        j: usize,
-    }
-
-    /// `rows` for the indirect GEMM: tiles of `R` rows, then 4, 2 and 1.
+    /// Every row times `V` vectors of the panel at `wp` (columns from `j`): tiles of `R` rows,
+    /// then the remainder in tiles of 4, 2 and 1.
     #[inline(always)]
-    unsafe fn irows<const R: usize, const V: usize>(
-        table: *const *const f32,
+    unsafe fn rows<S: Rows, const R: usize, const V: usize>(
+        rows_of: S,
         m: usize,
         wp: *const f32,
         op: *mut f32,
-        s: &Indirect,
+        s: &Shape,
+        j: usize,
     ) {
         let mut i = 0;
-        // SAFETY (all below): rows [i, i + tile) of the table and of `out` exist.
+        // SAFETY (all below): rows [i, i + tile) and their outputs exist (see the callers).
         unsafe {
-            let at = |i: usize| (table.add(i * s.taps), op.add(i * s.n));
             while i + R <= m {
-                let (t, o) = at(i);
-                itile::<R, V>(t, wp, o, s);
+                tile::<S, R, V>(rows_of, i, wp, op.add(i * s.n), s, j);
                 i += R;
             }
             while i + 4 <= m {
-                let (t, o) = at(i);
-                itile::<4, V>(t, wp, o, s);
+                tile::<S, 4, V>(rows_of, i, wp, op.add(i * s.n), s, j);
                 i += 4;
             }
             if i + 2 <= m {
-                let (t, o) = at(i);
-                itile::<2, V>(t, wp, o, s);
+                tile::<S, 2, V>(rows_of, i, wp, op.add(i * s.n), s, j);
                 i += 2;
             }
             if i < m {
-                let (t, o) = at(i);
-                itile::<1, V>(t, wp, o, s);
+                tile::<S, 1, V>(rows_of, i, wp, op.add(i * s.n), s, j);
             }
         }
     }
 
-    /// `tile` with row `r`'s values for tap `t` read from `table[r * taps + t]`.
+    /// Rows `[i, i + R)` times the panel of columns `[j, j + 16 V)` (zero past `n`), plus the
+    /// bias, then the epilogue, into `out` (row stride `n`, masked past `n`): `R * V`
+    /// accumulators held in registers across all the rows' taps and values, each weight
+    /// vector loaded once per value.
     #[inline(always)]
-    unsafe fn itile<const R: usize, const V: usize>(
-        table: *const *const f32,
+    unsafe fn tile<S: Rows, const R: usize, const V: usize>(
+        rows_of: S,
+        i: usize,
         panel: *const f32,
         out: *mut f32,
-        s: &Indirect,
+        s: &Shape,
+        j: usize,
     ) {
-        let masks: [u16; V] = std::array::from_fn(|v| ((1u32 << s.n.saturating_sub(s.j + v * 16).min(16)) - 1) as u16);
-        // SAFETY (all below): R rows of the table, each pointer to `cin` floats; the panel
-        // holds `taps * cin` rows of 64; masked lanes past `n` are neither read nor written.
+        let masks: [u16; V] = std::array::from_fn(|v| lanes(s.n.saturating_sub(j + v * 16)));
+        // SAFETY (all below): R rows with `taps` runs of `cin` values; the panel holds `taps *
+        // cin` rows of 64; masked lanes past `n` are neither read nor written.
         unsafe {
             let mut acc = [[_mm512_setzero_ps(); V]; R];
             if !s.bias.is_null() {
                 for v in 0..V {
-                    let b = _mm512_maskz_loadu_ps(masks[v], s.bias.add(s.j + v * 16));
+                    let b = _mm512_maskz_loadu_ps(masks[v], s.bias.add(j + v * 16));
                     acc.iter_mut().for_each(|row| row[v] = b);
                 }
             }
             for t in 0..s.taps {
-                let rows: [*const f32; R] = std::array::from_fn(|r| *table.add(r * s.taps + t));
+                let rows: [*const f32; R] = std::array::from_fn(|r| rows_of.at(i + r, t));
                 let wt = panel.add(t * s.cin * super::PANEL);
                 for c in 0..s.cin {
                     let w: [__m512; V] = std::array::from_fn(|v| _mm512_loadu_ps(wt.add(c * super::PANEL + v * 16)));
@@ -998,44 +990,8 @@ mod avx512 {
             for (r, row) in acc.iter().enumerate() {
                 for v in 0..V {
                     let y = apply(s.epilogue, row[v]);
-                    _mm512_mask_storeu_ps(out.add(r * s.n + s.j + v * 16), masks[v], y);
+                    _mm512_mask_storeu_ps(out.add(r * s.n + j + v * 16), masks[v], y);
                 }
-            }
-        }
-    }
-
-    /// Every row of `x` times `V` vectors of the panel at `wp` (columns from `j`): tiles of `R`
-    /// rows, then the remainder in tiles of 4, 2 and 1.
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn rows<const R: usize, const V: usize>(
-        xp: *const f32,
-        m: usize,
-        k: usize,
-        wp: *const f32,
-        n: usize,
-        b: *const f32,
-        epilogue: Epilogue,
-        op: *mut f32,
-        j: usize,
-    ) {
-        let mut i = 0;
-        // SAFETY (all below): rows [i, i + tile) of `x` and `out` exist (see the caller).
-        unsafe {
-            while i + R <= m {
-                tile::<R, V>(xp.add(i * k), k, wp, n, b, epilogue, op.add(i * n), j);
-                i += R;
-            }
-            while i + 4 <= m {
-                tile::<4, V>(xp.add(i * k), k, wp, n, b, epilogue, op.add(i * n), j);
-                i += 4;
-            }
-            if i + 2 <= m {
-                tile::<2, V>(xp.add(i * k), k, wp, n, b, epilogue, op.add(i * n), j);
-                i += 2;
-            }
-            if i < m {
-                tile::<1, V>(xp.add(i * k), k, wp, n, b, epilogue, op.add(i * n), j);
             }
         }
     }
