@@ -204,11 +204,25 @@ def test_fast_linear_on_few_rows_stays_within_tolerance(tmp_path):
             assert got.shape == want.shape and rel_err(got, want) < 1e-5, shape
 
 
+def with_each_kernel(tmp_path, script: str) -> dict:
+    """Runs `script` in a child process per forced kernel choice (`KWEXPORT_LINEAR_KERNEL`,
+    read once per process): what each saved to `sys.argv[1]`, by choice."""
+    import subprocess
+    import sys
+
+    outs = {}
+    for kernel in ("torch", "kwexport"):
+        env = dict(os.environ, KWEXPORT_LINEAR_KERNEL=kernel)
+        dst = tmp_path / f"{kernel}.pt"
+        r = subprocess.run([sys.executable, "-c", script, str(dst)], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        outs[kernel] = torch.load(dst)
+    return outs
+
+
 def test_both_linear_kernels_run_in_place_of_each_other(tmp_path):
     """KWEXPORT_LINEAR_KERNEL forces the choice fast measures: torch's kernel gives eager's
     bits, kwexport's differs by rounding only (on a CPU without AVX-512, torch's runs)."""
-    import subprocess
-    import sys
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32, bias=False)).eval()
@@ -222,13 +236,7 @@ def test_both_linear_kernels_run_in_place_of_each_other(tmp_path):
         f"out = kwexport.load({str(path)!r}, optimize='fast')(x)\n"
         "torch.save(out, sys.argv[1])\n"
     )
-    outs = {}
-    for kernel in ("torch", "kwexport"):
-        env = dict(os.environ, KWEXPORT_LINEAR_KERNEL=kernel)
-        dst = tmp_path / f"{kernel}.pt"
-        r = subprocess.run([sys.executable, "-c", script, str(dst)], env=env, capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
-        outs[kernel] = torch.load(dst)
+    outs = with_each_kernel(tmp_path, script)
     with torch.no_grad():
         want = model(x)
     assert torch.equal(outs["torch"], want)
@@ -395,8 +403,6 @@ def test_fast_runs_convolutions_on_kwexports_kernels(tmp_path):
     """KWEXPORT_LINEAR_KERNEL forces the choice between kwexport's convolution kernels and
     oneDNN's, as for linears: each within tolerance of eager, and different from the other
     where kwexport's ran (on a CPU with AVX-512)."""
-    import subprocess
-    import sys
 
     torch.manual_seed(0)
     model = MobileBlocks().eval()
@@ -413,13 +419,7 @@ def test_fast_runs_convolutions_on_kwexports_kernels(tmp_path):
         "assert torch.equal(prog(x), out)  # the same kernels on the next call\n"
         "torch.save((out, [n['op'] for n in prog.profile(x)]), sys.argv[1])\n"
     )
-    outs = {}
-    for kernel in ("torch", "kwexport"):
-        env = dict(os.environ, KWEXPORT_LINEAR_KERNEL=kernel)
-        dst = tmp_path / f"{kernel}.pt"
-        r = subprocess.run([sys.executable, "-c", script, str(dst)], env=env, capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
-        outs[kernel] = torch.load(dst)
+    outs = with_each_kernel(tmp_path, script)
     with torch.no_grad():
         want = model(x)
     for kernel, (got, _) in outs.items():
