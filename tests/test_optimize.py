@@ -528,3 +528,79 @@ def test_lowered_convolutions_off_onednn_compute_what_the_graph_did(tmp_path):
     want = model(xe)
     want.sum().backward()
     assert rel_err(got.detach(), want.detach()) < 1e-5 and rel_err(xg.grad, xe.grad) < 1e-5
+
+
+class MaskedAttention(nn.Module):
+    """What transformers build from the traced sizes on every call: a causal mask from
+    `arange`s and a rotary table in a no-grad region, read by the layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8), persistent=False)
+
+    @torch.no_grad()
+    def rotary(self, pos):
+        with torch.autocast("cpu", enabled=False):
+            angles = (self.inv_freq[:, None] @ pos[None, :].float()).t()
+            return torch.cat([angles, angles], dim=-1)
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1])
+        mask = (pos[None, :] <= pos[:, None]).cumsum(-1) > 0
+        table = self.rotary(pos)
+        q = self.proj(x) * table.cos() + x * table.sin()
+        attn = nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        return attn, pos * 2, torch.rand_like(table) < 2
+
+
+def test_fast_folds_what_reads_only_constants(tmp_path):
+    torch.manual_seed(0)
+    model, x = MaskedAttention().eval(), torch.randn(2, 6, 8)
+    path = tmp_path / "fold.kwx"
+    kwexport.save(kwexport.export(model, (x,)), path)
+    exact, fast = kwexport.load(path), kwexport.load(path, optimize="fast")
+    with torch.no_grad():
+        want = model(x)
+    ran = [n["op"] for n in fast.profile(x)]
+    # The mask and the table are made once, at load; the returned `pos * 2` and the random
+    # draw are made on each call.
+    for folded in ("aten::cumsum.default", "aten::cos.default", "higher_order::wrap_with_set_grad_enabled"):
+        assert folded in [n["op"] for n in exact.profile(x)] and folded not in ran
+    assert {"aten::mul.Tensor", "aten::rand_like.default"} <= set(ran)
+    for prog in (fast, kwexport.load(path, optimize="fast", dispatch="python")):
+        got = prog(x)
+        assert rel_err(got[0], want[0]) < 1e-6 and torch.equal(got[1], want[1]) and got[2].all()
+    # A returned value is new on each call: writing to it changes no later call.
+    first = fast(x)[1]
+    first.add_(100)
+    assert torch.equal(fast(x)[1], want[1])
+    # Under autograd the folded values are constants, as in eager.
+    xg = x.clone().requires_grad_()
+    fast(xg)[0].sum().backward()
+    xe = x.clone().requires_grad_()
+    model(xe)[0].sum().backward()
+    assert rel_err(xg.grad, xe.grad) < 1e-5
+
+
+class Steps(nn.Module):
+    """A value read from state, which each call writes: never a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("step", torch.zeros(3))
+
+    def forward(self, x):
+        self.step.add_(1)
+        return x * torch.arange(3.0).exp() + self.step.cos()
+
+
+def test_fast_never_folds_what_reads_state(tmp_path):
+    x = torch.randn(3)
+    path = tmp_path / "steps.kwx"
+    kwexport.save(kwexport.export(Steps(), (x,)), path)
+    fast, model = kwexport.load(path, optimize="fast"), Steps()
+    assert "aten::exp.default" not in [n["op"] for n in fast.profile(x)]
+    fast.reset()
+    for _ in range(3):
+        assert rel_err(fast(x), model(x)) < 1e-6

@@ -231,22 +231,30 @@ pub fn validate<'g>(
         .chain(graph.mutations.iter().map(|m| resolve(&m.value, &defs, &|| "graph.mutations".to_owned())))
         .collect::<Result<Vec<_>>>()?;
 
-    // Last reader of each slot; outputs are read "after" every node, so never freed early.
+    plan_frees(&mut nodes, &outputs, n_slots);
+    Ok(SlotGraph { n_slots, n_inputs: n_leaves, user_inputs, nodes, outputs, n_user_outputs: graph.outputs.len() })
+}
+
+/// Sets each node's `free` list: the slots it reads for the last time (outputs are read
+/// "after" every node, so never freed early); and drops outputs no one reads. Run again
+/// whenever a pass removes or rewires nodes.
+pub fn plan_frees(nodes: &mut [SlotNode], outputs: &[SlotArg], n_slots: usize) {
     let mut last_use: Vec<Option<usize>> = vec![None; n_slots];
     for (s, node) in nodes.iter().enumerate() {
         node.visit_reads(&mut |slot| last_use[slot] = Some(s));
     }
     let mut is_output = vec![false; n_slots];
-    for a in &outputs {
+    for a in outputs {
         visit_slots(a, &mut |slot| is_output[slot] = true);
     }
+    nodes.iter_mut().for_each(|n| n.free.clear());
     for (slot, last) in last_use.iter().enumerate() {
         if let (Some(s), false) = (last, is_output[slot]) {
             nodes[*s].free.push(slot);
         }
     }
     // A node output no one reads is dropped right away.
-    for node in &mut nodes {
+    for node in nodes {
         let unread = |slot: &mut Option<usize>| {
             if let Some(s) = *slot {
                 if last_use[s].is_none() && !is_output[s] {
@@ -260,7 +268,6 @@ pub fn validate<'g>(
             SlotOutputs::None => {}
         }
     }
-    Ok(SlotGraph { n_slots, n_inputs: n_leaves, user_inputs, nodes, outputs, n_user_outputs: graph.outputs.len() })
 }
 
 fn resolve(arg: &Arg, defs: &HashMap<&str, ValueRef>, what: &dyn Fn() -> String) -> Result<SlotArg> {

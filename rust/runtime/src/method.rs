@@ -115,11 +115,21 @@ impl Method {
         let on_cpu = file.placement.target == "cpu";
         let dispatch = file.options.dispatch;
         let fast = file.options.optimize == kwexport_core::passes::Level::Fast;
-        let cx = plan::Context { torch, ops: &ops, weights, subgraphs: &a.subgraphs, dispatch, on_cpu, fast };
-        // Constants made while planning (weights' transposes, cast numbers) are plain tensors:
-        // made with grad mode on, a transpose of a weight that requires grad records a view
-        // node, which costs more than the view.
-        let mut plan = plan::with_grad_mode(torch, false, || plan::build(&cx, &a.graph, &leaf_is_tensor))??;
+        let mut cx = plan::Context { torch, ops: &ops, weights, subgraphs: &a.subgraphs, dispatch, on_cpu, fast };
+        // Constants made while planning (weights' transposes, cast numbers, folded nodes) are
+        // plain tensors: made with grad mode on, a transpose of a weight that requires grad
+        // records a view node, which costs more than the view.
+        let is_state = |w: &str| file.state.as_ref().is_some_and(|(s, _)| s.names.iter().any(|n| n == w));
+        let folded = match fast {
+            true => plan::with_grad_mode(torch, false, || plan::fold::constants(&cx, &a.graph, &doc.ops, is_state))??,
+            false => None,
+        };
+        let (graph, weights) = match &folded {
+            Some((graph, weights)) => (graph, weights),
+            None => (&a.graph, weights),
+        };
+        cx.weights = weights;
+        let mut plan = plan::with_grad_mode(torch, false, || plan::build(&cx, graph, &leaf_is_tensor))??;
         if grad_weights {
             plan.set_grad_off_when_unused(torch)?;
         }
@@ -205,7 +215,7 @@ impl Method {
             binder: a.binder,
             writes,
             fallback: plan_has_c_steps.then(|| {
-                let (graph, subgraphs) = (a.graph, a.subgraphs);
+                let (graph, subgraphs) = (graph.clone(), a.subgraphs);
                 let weights = weights.iter().map(|(k, v)| (k.clone(), v.clone_ref(py))).collect();
                 Fallback::new(fallback::Parts { ops, weights, graph, subgraphs, leaf_is_tensor, on_cpu, grad_weights })
             }),

@@ -68,7 +68,7 @@ fn prune<'a>(nodes: &mut Vec<Node>, ops: &[OpEntry], roots: impl Iterator<Item =
 }
 
 /// Whether an op neither writes its arguments nor draws random numbers.
-fn pure(op: &OpEntry) -> bool {
+pub(crate) fn pure(op: &OpEntry) -> bool {
     let namespace_ok = op.name.starts_with("aten::") || op.name.starts_with("prims::");
     let writes = op.schema.as_deref().is_none_or(|s| s.contains('!'));
     namespace_ok && !writes && !RANDOM.iter().any(|r| op.name.contains(r))

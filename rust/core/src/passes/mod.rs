@@ -14,11 +14,14 @@
 //!   (`fast`; the new weights are computed where the tensors are)
 //! - [`conv_pointwise`]     convolutions (and the activation after) onto oneDNN's fused
 //!   convolution over a weight packed once (`fast`, at load on a CPU with oneDNN)
+//! - [`constant_fold`]      nodes that read only constants, run once at load; the rest of
+//!   the graph reads their values as weights (`fast`; the runtime splits the validated graph)
 //! - [`inplace_state`]      state writes (a KV cache's) run in place, with nothing to copy back
 //!   (every level: the values are the same)
 
 pub mod batch_norm;
 pub mod channels_last;
+pub mod constant_fold;
 pub mod conv_pointwise;
 pub mod dead_code;
 pub mod gelu_tanh;

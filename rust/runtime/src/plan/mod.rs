@@ -10,10 +10,12 @@
 //! - `hop`       higher-order ops' nodes, with a nested plan per subgraph
 //! - `cost`      which C-capable runs are worth their crossings
 //! - `segments`  grouping by path, and the crossings each segment needs
+//! - `fold`      the nodes that read only constants, run once at load (`fast`)
 
 mod consts;
 mod cost;
 mod cstep;
+pub mod fold;
 mod hop;
 mod segments;
 mod shims;

@@ -1,0 +1,43 @@
+//! Constant folding at load (`fast`): the core splits a graph (`passes::constant_fold`);
+//! here the half that reads only constants runs once, as a plan of its own, and its values
+//! become weights of the half that runs on every call.
+
+use std::collections::BTreeMap;
+
+use kwexport_core::graph::SlotGraph;
+use kwexport_core::passes::constant_fold;
+use kwexport_core::schema::OpEntry;
+use pyo3::prelude::*;
+
+use super::{build, Context};
+use crate::errors::RtResult;
+
+/// The graph a call runs and the weights it reads: `graph` and `cx.weights` where nothing
+/// folds, or where the folded nodes fail or return something other than tensors (a call
+/// then meets the same nodes as it would have). Run with grad mode off: the values are
+/// constants, never part of what a call differentiates.
+pub fn constants(
+    cx: &Context<'_, '_>,
+    graph: &SlotGraph,
+    ops: &[OpEntry],
+    is_state: impl Fn(&str) -> bool,
+) -> RtResult<Option<(SlotGraph, BTreeMap<String, Py<PyAny>>)>> {
+    let py = cx.torch.py();
+    let name = |slot: usize| format!("<constant {slot}>");
+    if cx.weights.keys().any(|w| w.starts_with("<constant ")) {
+        return Ok(None);
+    }
+    let Some(split) = constant_fold::split(graph, ops, cx.subgraphs, is_state, name) else {
+        return Ok(None);
+    };
+    let Ok(plan) = build(cx, &split.once, &[]) else { return Ok(None) };
+    let Ok(values) = plan.run(py, &[]) else { return Ok(None) };
+    let tensor = cx.torch.getattr("Tensor")?;
+    if !values.iter().all(|v| v.is_instance(&tensor).unwrap_or(false)) {
+        return Ok(None);
+    }
+    let mut weights: BTreeMap<String, Py<PyAny>> =
+        cx.weights.iter().map(|(k, v)| (k.clone(), v.clone_ref(py))).collect();
+    weights.extend(split.names.into_iter().zip(values.into_iter().map(Bound::unbind)));
+    Ok(Some((split.rest, weights)))
+}
