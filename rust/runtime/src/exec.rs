@@ -319,7 +319,7 @@ impl CStep {
             return self.call_shim(abi, shim, slots, consts, direct);
         }
         if let (Some(own), true) = (self.own, direct.no_autograd) {
-            if let Some(result) = self.run_own(abi, own, slots) {
+            if let Some(result) = self.run_own(abi, own, slots, consts) {
                 self.finish(slots, result?);
                 return Ok(());
             }
@@ -596,12 +596,37 @@ impl CStep {
 
     /// The node on kwexport's kernel, or `None` where its tensors don't qualify (the
     /// dispatcher's op runs).
-    fn run_own(&self, abi: &Abi, own: OwnOp, slots: &[Option<Native>]) -> Option<Result<abi::Tensor, CError>> {
-        let Some((_, Enc::Slot(s))) = self.args.first() else { return None };
-        let Some(Native::Tensor(x)) = &slots[*s] else { return None };
+    fn run_own(
+        &self,
+        abi: &Abi,
+        own: OwnOp,
+        slots: &[Option<Native>],
+        consts: &[abi::Tensor],
+    ) -> Option<Result<abi::Tensor, CError>> {
+        // A tensor argument's handle: `Some(None)` for an optional one not given.
+        let tensor = |i: usize| -> Option<Option<abi::Raw>> {
+            fn of(enc: &Enc, slots: &[Option<Native>], consts: &[abi::Tensor]) -> Option<Option<abi::Raw>> {
+                match enc {
+                    Enc::Slot(s) => match &slots[*s] {
+                        Some(Native::Tensor(t)) => Some(Some(t.raw())),
+                        _ => None,
+                    },
+                    Enc::Const(c) => Some(Some(consts.get(*c)?.raw())),
+                    Enc::Some(inner) => of(inner, slots, consts),
+                    Enc::Bits(0) => Some(None),
+                    _ => None,
+                }
+            }
+            of(&self.args.get(i)?.1, slots, consts)
+        };
         match own {
-            // SAFETY: a live handle from a slot.
-            OwnOp::GlobalAvgPool => unsafe { abi.global_avg_pool(x.raw()) },
+            // SAFETY: live handles from slots and constants.
+            OwnOp::GlobalAvgPool => unsafe { abi.global_avg_pool(tensor(0)??) },
+            OwnOp::Attention { causal, scale } => {
+                let qkv = [tensor(0)??, tensor(1)??, tensor(2)??];
+                // SAFETY: as above.
+                unsafe { abi.attention(qkv, tensor(3)?, causal, scale) }
+            }
         }
     }
 

@@ -372,6 +372,79 @@ pub fn gelu_f32(x: &[f32], tanh: bool, out: &mut [f32]) -> bool {
     false
 }
 
+/// What masks an attention's scores, per query row.
+#[derive(Debug, Clone, Copy)]
+pub enum AttentionMask<'a> {
+    None,
+    /// Query `i` sees keys `0..=i` (torch's `is_causal`: the top-left triangle).
+    Causal,
+    /// Whether each key takes part (nonzero bytes): `[batch, heads, l, s]` at element
+    /// strides for the first three dimensions (0 where broadcast), keys contiguous.
+    Bool(&'a [u8], [usize; 3]),
+    /// What is added to each key's score, laid out as `Bool`'s.
+    Float(&'a [f32], [usize; 3]),
+}
+
+/// Scaled dot-product attention's sizes: queries `[batch, heads, l, e]`, keys `[batch,
+/// heads, s, e]`, values `[batch, heads, s, ev]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Attention {
+    pub batch: usize,
+    pub heads: usize,
+    pub l: usize,
+    pub s: usize,
+    pub e: usize,
+    pub ev: usize,
+    pub scale: f32,
+}
+
+impl Attention {
+    /// Whether a tensor of `[batch, heads, rows, cols]` at `strides` (the last 1) lies in
+    /// `len` elements.
+    fn fits(&self, len: usize, rows: usize, cols: usize, strides: [usize; 3]) -> bool {
+        let dims = [self.batch, self.heads, rows];
+        let last = dims.iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>() + cols - 1;
+        len > last
+    }
+}
+
+/// `softmax(q k^T scale + mask) v` for each batch and head, into `out` laid out `[batch, l,
+/// heads, ev]` (as torch's CPU kernel lays out its result). `q`, `k` and `v` are at element
+/// strides for their first three dimensions, their last contiguous. For the few dozen
+/// tokens of a small model's call, where torch's flash kernel spends most of its time on
+/// setup: keys are transposed once per head, then each block of four query rows takes its
+/// scores, softmax and weighted values in registers. Returns `false` where a query row has no
+/// key to attend (torch decides what that gives), the slices don't fit the sizes, or this
+/// CPU lacks AVX-512; `out` may then be partly written.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_f32(
+    q: (&[f32], [usize; 3]),
+    k: (&[f32], [usize; 3]),
+    v: (&[f32], [usize; 3]),
+    g: &Attention,
+    mask: AttentionMask<'_>,
+    out: &mut [f32],
+) -> bool {
+    let nonempty = [g.batch, g.heads, g.l, g.s, g.e, g.ev].iter().all(|&n| n > 0);
+    let fits = nonempty
+        && g.fits(q.0.len(), g.l, g.e, q.1)
+        && g.fits(k.0.len(), g.s, g.e, k.1)
+        && g.fits(v.0.len(), g.s, g.ev, v.1)
+        && out.len() >= g.batch * g.l * g.heads * g.ev
+        && match mask {
+            AttentionMask::Bool(m, ms) => g.fits(m.len(), g.l, g.s, ms),
+            AttentionMask::Float(m, ms) => g.fits(m.len(), g.l, g.s, ms),
+            _ => true,
+        };
+    #[cfg(target_arch = "x86_64")]
+    if fits && has_gemm() {
+        // SAFETY: AVX-512F is present, and every slice holds what the sizes say (checked).
+        return unsafe { avx512::attention(q, k, v, g, mask, out) };
+    }
+    let _ = (fits, q, k, v, mask, out);
+    false
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
@@ -489,6 +562,156 @@ mod avx512 {
     #[inline(always)]
     fn lanes(left: usize) -> u16 {
         ((1u32 << left.min(16)) - 1) as u16
+    }
+
+    /// See `super::attention_f32`.
+    ///
+    /// # Safety
+    /// AVX-512F must be present; the slices must hold what the sizes say.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn attention(
+        (q, qs): (&[f32], [usize; 3]),
+        (k, ks): (&[f32], [usize; 3]),
+        (v, vs): (&[f32], [usize; 3]),
+        g: &super::Attention,
+        mask: super::AttentionMask<'_>,
+        out: &mut [f32],
+    ) -> bool {
+        use super::AttentionMask;
+        const R: usize = 4;
+        let (l, s, e, ev) = (g.l, g.s, g.e, g.ev);
+        let sp = s.div_ceil(16) * 16;
+        let nv = sp / 16;
+        // Keys transposed (`kt[c][j]`), and each block's scores, then probabilities.
+        let mut kt = vec![0.0f32; e * sp];
+        let mut sc = vec![0.0f32; R * sp];
+        let (ktp, scp, op) = (kt.as_mut_ptr(), sc.as_mut_ptr(), out.as_mut_ptr());
+        // SAFETY (all below): the slices hold what the sizes say (the caller's check), and
+        // every index stays within them; masked lanes aren't touched.
+        unsafe {
+            let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+            for b in 0..g.batch {
+                for h in 0..g.heads {
+                    let kb = k.as_ptr().add(b * ks[0] + h * ks[1]);
+                    for j in 0..s {
+                        let row = kb.add(j * ks[2]);
+                        for c in 0..e {
+                            *ktp.add(c * sp + j) = *row.add(c);
+                        }
+                    }
+                    let vb = v.as_ptr().add(b * vs[0] + h * vs[1]);
+                    let mut i0 = 0;
+                    while i0 < l {
+                        let rows = (l - i0).min(R);
+                        // Rows past the last repeat it; their results aren't stored.
+                        let qrow: [*const f32; R] = std::array::from_fn(|r| {
+                            q.as_ptr().add(b * qs[0] + h * qs[1] + (i0 + r.min(rows - 1)) * qs[2])
+                        });
+                        let mut jb = 0;
+                        while jb < nv {
+                            let two = jb + 1 < nv;
+                            let mut acc = [[_mm512_setzero_ps(); 2]; R];
+                            for c in 0..e {
+                                let k0 = _mm512_loadu_ps(ktp.add(c * sp + jb * 16));
+                                let k1 = if two { _mm512_loadu_ps(ktp.add(c * sp + jb * 16 + 16)) } else { k0 };
+                                for r in 0..R {
+                                    let qv = _mm512_set1_ps(*qrow[r].add(c));
+                                    acc[r][0] = _mm512_fmadd_ps(qv, k0, acc[r][0]);
+                                    acc[r][1] = _mm512_fmadd_ps(qv, k1, acc[r][1]);
+                                }
+                            }
+                            for (r, a) in acc.iter().enumerate() {
+                                _mm512_storeu_ps(scp.add(r * sp + jb * 16), a[0]);
+                                if two {
+                                    _mm512_storeu_ps(scp.add(r * sp + jb * 16 + 16), a[1]);
+                                }
+                            }
+                            jb += 2;
+                        }
+                        // Softmax of each row, its scale left for the weighted sum.
+                        let mut inv = [0.0f32; R];
+                        for (r, inv) in inv.iter_mut().enumerate().take(rows) {
+                            let i = i0 + r;
+                            let row = scp.add(r * sp);
+                            let mut mx = neg_inf;
+                            for jb in 0..nv {
+                                let j0 = jb * 16;
+                                let mut valid = lanes(s - j0.min(s));
+                                let mut x = _mm512_mul_ps(_mm512_loadu_ps(row.add(j0)), _mm512_set1_ps(g.scale));
+                                match mask {
+                                    AttentionMask::None => {}
+                                    AttentionMask::Causal => valid &= lanes((i + 1).saturating_sub(j0)),
+                                    AttentionMask::Bool(m, ms) => {
+                                        let at = m.as_ptr().add(b * ms[0] + h * ms[1] + i * ms[2] + j0);
+                                        let mut bytes = [0u8; 16];
+                                        std::ptr::copy_nonoverlapping(at, bytes.as_mut_ptr(), (s - j0).min(16));
+                                        let wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes.as_ptr().cast()));
+                                        valid &= _mm512_test_epi32_mask(wide, wide);
+                                    }
+                                    AttentionMask::Float(m, ms) => {
+                                        let at = m.as_ptr().add(b * ms[0] + h * ms[1] + i * ms[2] + j0);
+                                        x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(valid, at));
+                                    }
+                                }
+                                // A score of -inf (masked, or a float mask's) takes no part.
+                                valid &= _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(x, neg_inf);
+                                x = _mm512_mask_blend_ps(valid, neg_inf, x);
+                                _mm512_storeu_ps(row.add(j0), x);
+                                mx = _mm512_max_ps(mx, x);
+                            }
+                            let m = _mm512_reduce_max_ps(mx);
+                            if m == f32::NEG_INFINITY || m.is_nan() {
+                                return false;
+                            }
+                            let mut sum = _mm512_setzero_ps();
+                            for jb in 0..nv {
+                                let x = _mm512_loadu_ps(row.add(jb * 16));
+                                let taken = _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(x, neg_inf);
+                                let p = _mm512_maskz_mov_ps(taken, exp(_mm512_sub_ps(x, _mm512_set1_ps(m))));
+                                _mm512_storeu_ps(row.add(jb * 16), p);
+                                sum = _mm512_add_ps(sum, p);
+                            }
+                            *inv = 1.0 / _mm512_reduce_add_ps(sum);
+                        }
+                        // The weighted values, 64 columns at a time.
+                        let mut c0 = 0;
+                        while c0 < ev {
+                            let width = (ev - c0).min(64);
+                            let masks: [u16; 4] = std::array::from_fn(|t| lanes(width.saturating_sub(16 * t)));
+                            let mut acc = [[_mm512_setzero_ps(); 4]; R];
+                            for j in 0..s {
+                                let vrow = vb.add(j * vs[2] + c0);
+                                let vv: [__m512; 4] = std::array::from_fn(|t| {
+                                    if masks[t] == 0 {
+                                        _mm512_setzero_ps()
+                                    } else {
+                                        _mm512_maskz_loadu_ps(masks[t], vrow.add(16 * t))
+                                    }
+                                });
+                                for (r, a) in acc.iter_mut().enumerate() {
+                                    let p = _mm512_set1_ps(*scp.add(r * sp + j));
+                                    for t in 0..4 {
+                                        a[t] = _mm512_fmadd_ps(p, vv[t], a[t]);
+                                    }
+                                }
+                            }
+                            for r in 0..rows {
+                                let o = op.add(((b * l + i0 + r) * g.heads + h) * ev + c0);
+                                let scale = _mm512_set1_ps(inv[r]);
+                                for t in 0..4 {
+                                    if masks[t] != 0 {
+                                        _mm512_mask_storeu_ps(o.add(16 * t), masks[t], _mm512_mul_ps(acc[r][t], scale));
+                                    }
+                                }
+                            }
+                            c0 += 64;
+                        }
+                        i0 += R;
+                    }
+                }
+            }
+        }
+        true
     }
 
     /// See `super::depthwise_f32`.
@@ -1256,5 +1479,114 @@ mod tests {
                 assert!((out[r * 35 + i] as f64 - want).abs() <= 1e-6 * want.abs().max(1.0), "{r} {i}");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod attention_tests {
+    use super::*;
+
+    /// `[batch, heads, rows, cols]` values of `f`, laid out `[batch, rows, heads, cols]` (the
+    /// transposed view attention reads from a projection), and that layout's strides.
+    fn transposed(g: &Attention, rows: usize, cols: usize, f: impl Fn(usize) -> f32) -> (Vec<f32>, [usize; 3]) {
+        let data = (0..g.batch * rows * g.heads * cols).map(f).collect();
+        (data, [rows * g.heads * cols, cols, g.heads * cols])
+    }
+
+    /// The reference in double precision, `None` where a row has no key.
+    fn reference(
+        g: &Attention,
+        (q, qs): (&[f32], [usize; 3]),
+        (k, ks): (&[f32], [usize; 3]),
+        (v, vs): (&[f32], [usize; 3]),
+        mask: &dyn Fn(usize, usize, usize, usize) -> Option<f64>,
+    ) -> Option<Vec<f64>> {
+        let mut out = vec![0.0; g.batch * g.l * g.heads * g.ev];
+        for b in 0..g.batch {
+            for h in 0..g.heads {
+                for i in 0..g.l {
+                    let scores: Vec<Option<f64>> = (0..g.s)
+                        .map(|j| {
+                            let dot: f64 = (0..g.e)
+                                .map(|c| {
+                                    q[b * qs[0] + h * qs[1] + i * qs[2] + c] as f64
+                                        * k[b * ks[0] + h * ks[1] + j * ks[2] + c] as f64
+                                })
+                                .sum();
+                            mask(b, h, i, j).map(|m| dot * g.scale as f64 + m).filter(|x| x.is_finite())
+                        })
+                        .collect();
+                    let max = scores.iter().flatten().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    if max == f64::NEG_INFINITY {
+                        return None;
+                    }
+                    let p: Vec<f64> = scores.iter().map(|s| s.map_or(0.0, |s| (s - max).exp())).collect();
+                    let sum: f64 = p.iter().sum();
+                    for c in 0..g.ev {
+                        let acc: f64 = (0..g.s).map(|j| p[j] * v[b * vs[0] + h * vs[1] + j * vs[2] + c] as f64).sum();
+                        out[((b * g.l + i) * g.heads + h) * g.ev + c] = acc / sum;
+                    }
+                }
+            }
+        }
+        Some(out)
+    }
+
+    #[test]
+    fn attention_matches_a_double_precision_reference() {
+        if !has_gemm() {
+            return;
+        }
+        for (batch, heads, l, s, e, ev) in
+            [(1, 4, 32, 32, 64, 64), (2, 3, 5, 37, 24, 80), (1, 1, 1, 1, 1, 1), (2, 2, 9, 16, 16, 130)]
+        {
+            let g = Attention { batch, heads, l, s, e, ev, scale: 1.0 / (e as f32).sqrt() };
+            let (q, qs) = transposed(&g, l, e, |i| (i as f32 * 0.37).sin());
+            let (k, ks) = transposed(&g, s, e, |i| (i as f32 * 0.11).cos());
+            let (v, vs) = transposed(&g, s, ev, |i| (i as f32 * 0.07).sin() * 3.0);
+            // A padding-style bool mask over [batch, 1, 1, s] (zero strides where broadcast), a
+            // float mask over [l, s] with some -inf, and the causal triangle.
+            let keep: Vec<u8> = (0..batch * s).map(|i| u8::from(i % s == 0 || i % 3 != 1)).collect();
+            let add: Vec<f32> = (0..l * s)
+                .map(|i| if i % s != 0 && i % 5 == 2 { f32::NEG_INFINITY } else { (i as f32).sin() })
+                .collect();
+            let cases: [(AttentionMask, &dyn Fn(usize, usize, usize, usize) -> Option<f64>); 4] = [
+                (AttentionMask::None, &|_, _, _, _| Some(0.0)),
+                (AttentionMask::Causal, &|_, _, i, j| (j <= i).then_some(0.0)),
+                (AttentionMask::Bool(&keep, [s, 0, 0]), &|b, _, _, j| (keep[b * s + j] != 0).then_some(0.0)),
+                (AttentionMask::Float(&add, [0, 0, s]), &|_, _, i, j| Some(add[i * s + j] as f64)),
+            ];
+            for (mask, want_mask) in cases {
+                let mut out = vec![f32::NAN; batch * l * heads * ev];
+                let ok = attention_f32((&q, qs), (&k, ks), (&v, vs), &g, mask, &mut out);
+                let want = reference(&g, (&q, qs), (&k, ks), (&v, vs), want_mask);
+                assert_eq!(ok, want.is_some(), "{g:?} {mask:?}");
+                let Some(want) = want else { continue };
+                let scale = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+                for (got, want) in out.iter().zip(&want) {
+                    assert!((*got as f64 - want).abs() <= 1e-5 * scale, "{g:?} {mask:?}: {got} vs {want}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_query_with_no_key_is_left_to_torch() {
+        if !has_gemm() {
+            return;
+        }
+        let g = Attention { batch: 1, heads: 1, l: 2, s: 3, e: 2, ev: 2, scale: 1.0 };
+        let x = [0.5f32; 6];
+        let keep = [1u8, 1, 1, 0, 0, 0];
+        let mut out = [0.0f32; 4];
+        let ok = attention_f32(
+            (&x[..4], [4, 4, 2]),
+            (&x, [6, 6, 2]),
+            (&x, [6, 6, 2]),
+            &g,
+            AttentionMask::Bool(&keep, [0, 0, 3]),
+            &mut out,
+        );
+        assert!(!ok);
     }
 }

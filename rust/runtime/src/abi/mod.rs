@@ -748,6 +748,105 @@ impl Abi {
         Some(Ok(out))
     }
 
+    /// Scaled dot-product attention (`kernels::attention_f32`) over float32 CPU `[batch,
+    /// heads, rows, cols]` queries, keys and values whose last dimension is contiguous, with
+    /// `mask` (bool or float32, broadcast to `[batch, heads, l, s]` with its keys contiguous)
+    /// or the causal triangle, and `scale` (`1 / sqrt(e)` where `None`, as torch computes it):
+    /// a new `[batch, heads, l, ev]` tensor laid out `[batch, l, heads, ev]`, as torch's CPU
+    /// kernel returns it. `None` where the tensors don't qualify, the keys are many (torch's
+    /// blocked kernel is the faster there), a query has no key, or the CPU lacks the kernel.
+    ///
+    /// # Safety
+    /// `q`, `k`, `v` and `mask` must be live handles.
+    pub unsafe fn attention(
+        &self,
+        [q, k, v]: [Raw; 3],
+        mask: Option<Raw>,
+        causal: bool,
+        scale: Option<f64>,
+    ) -> Option<Result<Tensor, CError>> {
+        use crate::kernels::{Attention, AttentionMask};
+        /// Keys beyond which torch's kernel keeps the node.
+        const MAX_KEYS: usize = 512;
+        let shims = self.shims.as_ref()?;
+        let dims = |t: Raw| -> Option<([usize; 4], [usize; 4])> {
+            // SAFETY: the caller's live handles.
+            let (sizes, strides) = unsafe { self.sizes_strides(t) }?;
+            let sizes: [usize; 4] =
+                sizes.iter().map(|&d| usize::try_from(d).ok()).collect::<Option<Vec<_>>>()?.try_into().ok()?;
+            let strides: [usize; 4] =
+                strides.iter().map(|&d| usize::try_from(d).ok()).collect::<Option<Vec<_>>>()?.try_into().ok()?;
+            (strides[3] == 1 || sizes[3] == 1).then_some((sizes, strides))
+        };
+        // SAFETY: the caller's live handles.
+        if !unsafe { shims.is_cpu_f32(q) && shims.is_cpu_f32(k) && shims.is_cpu_f32(v) } || (causal && mask.is_some()) {
+            return None;
+        }
+        let ((qd, qs), (kd, ks), (vd, vs)) = (dims(q)?, dims(k)?, dims(v)?);
+        let [batch, heads, l, e] = qd;
+        let (s, ev) = (kd[2], e);
+        // Values as wide as keys: torch's flash kernel then runs, whose output's strides the
+        // kernel's match (torch's math kernel returns a contiguous one).
+        if kd != [batch, heads, s, e] || vd != kd || s > MAX_KEYS || qd.contains(&0) || s == 0 {
+            return None;
+        }
+        let scale = scale.unwrap_or(1.0 / (e as f64).sqrt()) as f32;
+        let g = Attention { batch, heads, l, s, e, ev, scale };
+        let span = |d: [usize; 4], st: [usize; 4]| 1 + d.iter().zip(st).map(|(n, s)| (n - 1) * s).sum::<usize>();
+        let three = |st: [usize; 4]| [st[0], st[1], st[2]];
+        // SAFETY: float32 CPU tensors spanning that many elements from their first.
+        let (qx, kx, vx) =
+            unsafe { (self.floats(q, span(qd, qs))?, self.floats(k, span(kd, ks))?, self.floats(v, span(vd, vs))?) };
+        let mask = match mask {
+            None if causal => AttentionMask::Causal,
+            None => AttentionMask::None,
+            Some(m) => {
+                // SAFETY: the caller's live handle.
+                let (sizes, strides) = unsafe { self.sizes_strides(m) }?;
+                if sizes.len() > 4 {
+                    return None;
+                }
+                // Broadcast to [batch, heads, l, s]: missing leading dimensions and size-1 ones
+                // read at stride 0.
+                let pad = 4 - sizes.len();
+                let target = [batch, heads, l, s];
+                let mut st = [0usize; 4];
+                for (i, (&n, &stride)) in sizes.iter().zip(&strides).enumerate() {
+                    let (n, stride) = (usize::try_from(n).ok()?, usize::try_from(stride).ok()?);
+                    match n {
+                        _ if n == target[pad + i] && (n > 1 || pad + i == 3) => st[pad + i] = stride,
+                        1 => st[pad + i] = 0,
+                        _ => return None,
+                    }
+                }
+                if st[3] != 1 && s > 1 {
+                    return None;
+                }
+                let span = span(target, st);
+                // SAFETY: the caller's live handle, of that dtype, spanning `span` elements.
+                unsafe {
+                    if shims.is_cpu_bool(m) {
+                        let p = shims.data_ptr(m)? as *const u8;
+                        AttentionMask::Bool(std::slice::from_raw_parts(p, span), three(st))
+                    } else if shims.is_cpu_f32(m) {
+                        AttentionMask::Float(self.floats(m, span)?, three(st))
+                    } else {
+                        return None;
+                    }
+                }
+            }
+        };
+        let [b, h, l_, ev_] = [batch, heads, l, ev].map(|d| d as i64);
+        let mut out = match self.owned(shims.empty_f32_strided(&[b, h, l_, ev_], &[l_ * h * ev_, ev_, h * ev_, 1])) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        // SAFETY: the new output of that many elements.
+        let os = unsafe { self.floats_mut(&mut out, batch * l * heads * ev) }?;
+        crate::kernels::attention_f32((qx, three(qs)), (kx, three(ks)), (vx, three(vs)), &g, mask, os)
+            .then_some(Ok(out))
+    }
+
     /// A direct convolution (`kernels::direct_f32`) on `x`, a float32 CPU `[N, C, H, W]`
     /// tensor of any layout, with the weight as `taps` (`[C * kh * kw, out]`), `bias`
     /// (`[out]`) and `epilogue`: a new channels-last `[N, out, Ho, Wo]` tensor. `None` where

@@ -106,6 +106,7 @@ pub struct Shims {
     get_data_ptr: Option<unsafe extern "C" fn(Raw, *mut *mut std::ffi::c_void) -> Status>,
     float32: Option<i32>,
     int64: Option<i32>,
+    boolean: Option<i32>,
     get_dtype: unsafe extern "C" fn(Raw, *mut i32) -> Status,
     get_device_type: unsafe extern "C" fn(Raw, *mut i32) -> Status,
     get_device_index: unsafe extern "C" fn(Raw, *mut i32) -> Status,
@@ -160,6 +161,7 @@ impl Shims {
             get_data_ptr: sym(lib, hidden, "aoti_torch_get_data_ptr"),
             float32: sym::<unsafe extern "C" fn() -> i32>(lib, hidden, "aoti_torch_dtype_float32").map(|f| f()),
             int64: sym::<unsafe extern "C" fn() -> i32>(lib, hidden, "aoti_torch_dtype_int64").map(|f| f()),
+            boolean: sym::<unsafe extern "C" fn() -> i32>(lib, hidden, "aoti_torch_dtype_bool").map(|f| f()),
             get_dtype: sym(lib, hidden, "aoti_torch_get_dtype")?,
             get_device_type: sym(lib, hidden, "aoti_torch_get_device_type")?,
             get_device_index: sym(lib, hidden, "aoti_torch_get_device_index")?,
@@ -266,6 +268,15 @@ impl Shims {
     pub unsafe fn is_cpu_i64(&self, t: Raw) -> bool {
         // SAFETY: the caller's live handle.
         unsafe { self.is_cpu_of(t, self.int64) }
+    }
+
+    /// Whether `t` is a bool CPU tensor.
+    ///
+    /// # Safety
+    /// `t` must be a live handle.
+    pub unsafe fn is_cpu_bool(&self, t: Raw) -> bool {
+        // SAFETY: the caller's live handle.
+        unsafe { self.is_cpu_of(t, self.boolean) }
     }
 
     /// Whether `t` is a CPU tensor of dtype code `dtype` (`None`: a dtype torch lacks).

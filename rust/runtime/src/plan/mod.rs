@@ -138,12 +138,16 @@ pub struct CStep {
 }
 
 /// A kernel of kwexport's for a node that otherwise dispatches (`CStep::own`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum OwnOp {
     /// `adaptive_avg_pool2d(x, [1, 1])` on a channels-last float32 CPU tensor: each channel's
     /// mean over its pixels (`kernels::mean_pixels_f32`; torch's op is a `mean` over the
     /// two dimensions, which sets up a reduction on every call).
     GlobalAvgPool,
+    /// `scaled_dot_product_attention` without dropout over float32 CPU tensors and few keys
+    /// (`kernels::attention_f32`): the mask (argument 3) as the call gives it, or the causal
+    /// triangle, and the scale where the node sets one.
+    Attention { causal: bool, scale: Option<f64> },
 }
 
 /// A node run through one of torch's per-op C shims (see `shims`).

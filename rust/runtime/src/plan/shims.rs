@@ -187,6 +187,21 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg]) -> Option<super::OwnOp> 
         {
             Some(super::OwnOp::GlobalAvgPool)
         }
+        (
+            ("aten::scaled_dot_product_attention", ""),
+            [SlotArg::Value(_), SlotArg::Value(_), SlotArg::Value(_), mask, dropout, SlotArg::Literal(Arg::Bool(causal)), scale, gqa],
+        ) => {
+            let no_dropout = matches!(dropout, SlotArg::Literal(Arg::Float(p)) if p.0 == 0.0)
+                || matches!(dropout, SlotArg::Literal(Arg::Int(0)));
+            let scale = match scale {
+                SlotArg::Literal(Arg::None(())) => None,
+                SlotArg::Literal(Arg::Float(f)) => Some(f.0),
+                _ => return None,
+            };
+            let mask_ok = matches!(mask, SlotArg::Value(_) | SlotArg::Literal(Arg::None(())));
+            let no_gqa = matches!(gqa, SlotArg::Literal(Arg::Bool(false)));
+            (no_dropout && mask_ok && no_gqa).then_some(super::OwnOp::Attention { causal: *causal, scale })
+        }
         _ => None,
     }
 }
