@@ -110,10 +110,11 @@ fn per_node_dispatch(c: &mut Criterion) {
 /// kwexport's own kernels on plain slices, at the shapes `optimize="fast"` gives them: GELU
 /// over an MLP's activations, the small-batch linear at a decode step and at 32 tokens, and
 /// the convolutions of mobilenet_v3_small at 224×224 (1×1 as a GEMM over pixels, depthwise,
-/// and the RGB stem).
+/// and the RGB stem), and a small transformer's attention.
 fn kernels(c: &mut Criterion) {
     use kwexport_runtime::kernels::{
-        depthwise_f32, direct_f32, gelu_f32, gemm_f32, indirect_f32, linear_f32, Conv2d, Depthwise, Epilogue,
+        attention_f32, depthwise_f32, direct_f32, gelu_f32, gemm_f32, indirect_f32, linear_f32, Attention,
+        AttentionMask, Conv2d, Depthwise, Epilogue,
     };
     let data = |n: usize| (0..n).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<f32>>();
     let mut group = c.benchmark_group("kernels");
@@ -165,6 +166,18 @@ fn kernels(c: &mut Criterion) {
         let nchw = [3 * 224 * 224, 224 * 224, 224, 1];
         b.iter(|| direct_f32(&x, [1, 224, 224], nchw, &taps, &g, Some(&bias), Epilogue::Hardswish, &mut out))
     });
+    // A small transformer's attention: 4 heads of 64 over 32 tokens, read as the transposed
+    // views of a projection.
+    let (heads, l, e) = (4usize, 32usize, 64usize);
+    let g = Attention { batch: 1, heads, l, s: l, e, ev: e, scale: 0.125 };
+    let strides = [l * heads * e, e, heads * e];
+    let (q, k, v, mut out) = (data(l * heads * e), data(l * heads * e), data(l * heads * e), vec![0.0; l * heads * e]);
+    group.throughput(Throughput::Elements((4 * heads * l * l * e) as u64));
+    for (name, mask) in [("none", AttentionMask::None), ("causal", AttentionMask::Causal)] {
+        group.bench_function(format!("attention/{heads}x{l}x{e}/{name}"), |b| {
+            b.iter(|| attention_f32((&q, strides), (&k, strides), (&v, strides), &g, mask, &mut out))
+        });
+    }
     group.finish();
 }
 

@@ -379,10 +379,10 @@ pub enum AttentionMask<'a> {
     /// Query `i` sees keys `0..=i` (torch's `is_causal`: the top-left triangle).
     Causal,
     /// Whether each key takes part (nonzero bytes): `[batch, heads, l, s]` at element
-    /// strides for the first three dimensions (0 where broadcast), keys contiguous.
-    Bool(&'a [u8], [usize; 3]),
+    /// strides (0 where broadcast).
+    Bool(&'a [u8], [usize; 4]),
     /// What is added to each key's score, laid out as `Bool`'s.
-    Float(&'a [f32], [usize; 3]),
+    Float(&'a [f32], [usize; 4]),
 }
 
 /// Scaled dot-product attention's sizes: queries `[batch, heads, l, e]`, keys `[batch,
@@ -399,12 +399,10 @@ pub struct Attention {
 }
 
 impl Attention {
-    /// Whether a tensor of `[batch, heads, rows, cols]` at `strides` (the last 1) lies in
-    /// `len` elements.
-    fn fits(&self, len: usize, rows: usize, cols: usize, strides: [usize; 3]) -> bool {
-        let dims = [self.batch, self.heads, rows];
-        let last = dims.iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>() + cols - 1;
-        len > last
+    /// Whether a tensor of `[batch, heads, rows, cols]` at `strides` lies in `len` elements.
+    fn fits(&self, len: usize, rows: usize, cols: usize, strides: [usize; 4]) -> bool {
+        let dims = [self.batch, self.heads, rows, cols];
+        len > dims.iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>()
     }
 }
 
@@ -427,9 +425,9 @@ pub fn attention_f32(
 ) -> bool {
     let nonempty = [g.batch, g.heads, g.l, g.s, g.e, g.ev].iter().all(|&n| n > 0);
     let fits = nonempty
-        && g.fits(q.0.len(), g.l, g.e, q.1)
-        && g.fits(k.0.len(), g.s, g.e, k.1)
-        && g.fits(v.0.len(), g.s, g.ev, v.1)
+        && g.fits(q.0.len(), g.l, g.e, [q.1[0], q.1[1], q.1[2], 1])
+        && g.fits(k.0.len(), g.s, g.e, [k.1[0], k.1[1], k.1[2], 1])
+        && g.fits(v.0.len(), g.s, g.ev, [v.1[0], v.1[1], v.1[2], 1])
         && out.len() >= g.batch * g.l * g.heads * g.ev
         && match mask {
             AttentionMask::Bool(m, ms) => g.fits(m.len(), g.l, g.s, ms),
@@ -642,15 +640,26 @@ mod avx512 {
                                     AttentionMask::None => {}
                                     AttentionMask::Causal => valid &= lanes((i + 1).saturating_sub(j0)),
                                     AttentionMask::Bool(m, ms) => {
-                                        let at = m.as_ptr().add(b * ms[0] + h * ms[1] + i * ms[2] + j0);
+                                        let at = m.as_ptr().add(b * ms[0] + h * ms[1] + i * ms[2] + j0 * ms[3]);
                                         let mut bytes = [0u8; 16];
-                                        std::ptr::copy_nonoverlapping(at, bytes.as_mut_ptr(), (s - j0).min(16));
+                                        for (t, byte) in bytes.iter_mut().enumerate().take((s - j0).min(16)) {
+                                            *byte = *at.add(t * ms[3]);
+                                        }
                                         let wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes.as_ptr().cast()));
                                         valid &= _mm512_test_epi32_mask(wide, wide);
                                     }
                                     AttentionMask::Float(m, ms) => {
-                                        let at = m.as_ptr().add(b * ms[0] + h * ms[1] + i * ms[2] + j0);
-                                        x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(valid, at));
+                                        let at = m.as_ptr().add(b * ms[0] + h * ms[1] + i * ms[2] + j0 * ms[3]);
+                                        let add = if ms[3] == 1 {
+                                            _mm512_maskz_loadu_ps(valid, at)
+                                        } else {
+                                            let mut row = [0f32; 16];
+                                            for (t, a) in row.iter_mut().enumerate().take((s - j0).min(16)) {
+                                                *a = *at.add(t * ms[3]);
+                                            }
+                                            _mm512_loadu_ps(row.as_ptr())
+                                        };
+                                        x = _mm512_add_ps(x, add);
                                     }
                                 }
                                 // A score of -inf (masked, or a float mask's) takes no part.
@@ -1550,11 +1559,16 @@ mod attention_tests {
             let add: Vec<f32> = (0..l * s)
                 .map(|i| if i % s != 0 && i % 5 == 2 { f32::NEG_INFINITY } else { (i as f32).sin() })
                 .collect();
-            let cases: [(AttentionMask, &dyn Fn(usize, usize, usize, usize) -> Option<f64>); 4] = [
+            // And masks that vary along the queries only (BERT's: keys at stride 0).
+            let rows: Vec<u8> = (0..l).map(|i| u8::from(i % 4 != 3)).collect();
+            let row_add: Vec<f32> = (0..l).map(|i| (i as f32).cos()).collect();
+            let cases: [(AttentionMask, &dyn Fn(usize, usize, usize, usize) -> Option<f64>); 6] = [
                 (AttentionMask::None, &|_, _, _, _| Some(0.0)),
                 (AttentionMask::Causal, &|_, _, i, j| (j <= i).then_some(0.0)),
-                (AttentionMask::Bool(&keep, [s, 0, 0]), &|b, _, _, j| (keep[b * s + j] != 0).then_some(0.0)),
-                (AttentionMask::Float(&add, [0, 0, s]), &|_, _, i, j| Some(add[i * s + j] as f64)),
+                (AttentionMask::Bool(&keep, [s, 0, 0, 1]), &|b, _, _, j| (keep[b * s + j] != 0).then_some(0.0)),
+                (AttentionMask::Float(&add, [0, 0, s, 1]), &|_, _, i, j| Some(add[i * s + j] as f64)),
+                (AttentionMask::Float(&row_add, [0, 0, 1, 0]), &|_, _, i, _| Some(row_add[i] as f64)),
+                (AttentionMask::Bool(&rows, [0, 0, 1, 0]), &|_, _, i, _| (rows[i] != 0).then_some(0.0)),
             ];
             for (mask, want_mask) in cases {
                 let mut out = vec![f32::NAN; batch * l * heads * ev];
@@ -1584,7 +1598,7 @@ mod attention_tests {
             (&x, [6, 6, 2]),
             (&x, [6, 6, 2]),
             &g,
-            AttentionMask::Bool(&keep, [0, 0, 3]),
+            AttentionMask::Bool(&keep, [0, 0, 3, 1]),
             &mut out,
         );
         assert!(!ok);

@@ -750,7 +750,7 @@ impl Abi {
 
     /// Scaled dot-product attention (`kernels::attention_f32`) over float32 CPU `[batch,
     /// heads, rows, cols]` queries, keys and values whose last dimension is contiguous, with
-    /// `mask` (bool or float32, broadcast to `[batch, heads, l, s]` with its keys contiguous)
+    /// `mask` (bool or float32, broadcast to `[batch, heads, l, s]`)
     /// or the causal triangle, and `scale` (`1 / sqrt(e)` where `None`, as torch computes it):
     /// a new `[batch, heads, l, ev]` tensor laid out `[batch, l, heads, ev]`, as torch's CPU
     /// kernel returns it. `None` where the tensors don't qualify, the keys are many (torch's
@@ -819,17 +819,14 @@ impl Abi {
                         _ => return None,
                     }
                 }
-                if st[3] != 1 && s > 1 {
-                    return None;
-                }
                 let span = span(target, st);
                 // SAFETY: the caller's live handle, of that dtype, spanning `span` elements.
                 unsafe {
                     if shims.is_cpu_bool(m) {
                         let p = shims.data_ptr(m)? as *const u8;
-                        AttentionMask::Bool(std::slice::from_raw_parts(p, span), three(st))
+                        AttentionMask::Bool(std::slice::from_raw_parts(p, span), st)
                     } else if shims.is_cpu_f32(m) {
-                        AttentionMask::Float(self.floats(m, span)?, three(st))
+                        AttentionMask::Float(self.floats(m, span)?, st)
                     } else {
                         return None;
                     }
