@@ -132,6 +132,15 @@ fn kernels(c: &mut Criterion) {
             b.iter(|| linear_f32(&x, m, k, &wt, n, Some(&bias), &mut out))
         });
     }
+    // A fused linear's activation, as the GEMM stores (BERT's and Llama's MLPs).
+    let (m, k, n) = (32, 256, 1024);
+    let (x, wt, mut out) = (data(m * k), data(k * n), vec![0.0; m * n]);
+    group.throughput(Throughput::Elements((2 * m * k * n) as u64));
+    for (name, epilogue) in [("gelu", Epilogue::Gelu), ("swish", Epilogue::Swish)] {
+        group.bench_function(format!("linear_{name}/{m}x{k}x{n}"), |b| {
+            b.iter(|| gemm_f32(&x, m, k, &wt, n, None, epilogue, &mut out))
+        });
+    }
     for (m, k, n) in [(3136usize, 16usize, 72usize), (784, 72, 24), (196, 40, 240), (49, 576, 96)] {
         let (x, wt, bias, mut out) = (data(m * k), data(k * n.div_ceil(64) * 64), data(n), vec![0.0; m * n]);
         group.throughput(Throughput::Elements((2 * m * k * n) as u64));

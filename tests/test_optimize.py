@@ -484,8 +484,10 @@ def test_fast_runs_gelu_on_kwexports_kernel(tmp_path):
         want = model(x)
     assert_same(exact(x), want, bitwise=True)
     ran = [n["op"] for n in fast.profile(x)]
-    # The written-out form is one node; all three run on kwexport's kernel, not torch's.
-    assert ran.count("aten::gelu.default") == 3 and "aten::tanh.default" not in ran
+    # The written-out form is one node; all three run on kwexport's kernel, not torch's (the
+    # two after a linear in its GEMM, where that fuses).
+    fused = ran.count("mkldnn::_linear_pointwise.default")
+    assert ran.count("aten::gelu.default") + fused == 3 and "aten::tanh.default" not in ran
     with torch.profiler.profile() as prof:
         fast(x)
     assert "aten::gelu" not in [e.name for e in prof.events()]
@@ -661,3 +663,88 @@ def test_fast_runs_attention_on_kwexports_kernel(tmp_path):
     xe = x.clone().requires_grad_()
     model(xe, memory, keep, bias)[0].sum().backward()
     assert rel_err(xg.grad, xe.grad) < 1e-5
+
+
+class ActivatedLinears(nn.Module):
+    """Linears and the activation after each, as MLPs write them: BERT's GELU, GPT-2's tanh
+    GELU, Llama's SiLU without a bias, a ReLU; and one whose output is read twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 48), nn.Linear(48, 40), nn.Linear(40, 24, bias=False)
+        self.d, self.e = nn.Linear(24, 24), nn.Linear(24, 8)
+
+    def forward(self, x):
+        h = nn.functional.gelu(self.a(x))
+        h = nn.functional.gelu(self.b(h), approximate="tanh")
+        h = nn.functional.silu(self.c(h))
+        h = torch.relu(self.d(h))
+        shared = self.e(h)
+        return torch.relu(shared) + shared
+
+
+@pytest.mark.parametrize("rows", [5, 100])
+def test_fast_fuses_linears_with_their_activation(rows, tmp_path):
+    """Few rows run kwexport's GEMM, which applies the activation as it stores (or torch's
+    GEMM, then kwexport's activation, where that measured faster); many rows run torch's."""
+    torch.manual_seed(0)
+    model, x = ActivatedLinears().eval(), torch.randn(2, rows, 16) * 3
+    path = tmp_path / "mlp.kwx"
+    kwexport.save(kwexport.export(model, (x,)), path)
+    torch.save(x, tmp_path / "x.pt")
+    fast = kwexport.load(path, optimize="fast")
+    ran = [n["op"] for n in fast.profile(x)]
+    if has_avx512() and torch.backends.mkldnn.is_available():
+        assert ran.count("mkldnn::_linear_pointwise.default") == 4
+        assert {"aten::gelu.default", "aten::silu.default"}.isdisjoint(ran) and ran.count("aten::relu.default") == 1
+    with torch.no_grad():
+        want = model(x)
+    script = (
+        "import sys, torch, kwexport\n"
+        f"x = torch.load({str(tmp_path / 'x.pt')!r})\n"
+        f"prog = kwexport.load({str(path)!r}, optimize='fast')\n"
+        "torch.save([prog(x), prog(x)], sys.argv[1])\n"
+    )
+    for kernel, outs in with_each_kernel(tmp_path, script).items():
+        for got in outs:
+            assert got.shape == want.shape and rel_err(got, want) < 1e-5, kernel
+    # Under autograd the fused node runs the linear and its activation as torch's ops.
+    xg, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    fast(xg).sum().backward()
+    model(xe).sum().backward()
+    assert rel_err(xg.grad, xe.grad) < 1e-5
+
+
+class Norms(nn.Module):
+    """Layer norms as transformers use them (after a residual add), one without an affine
+    part, one over a transposed (non-contiguous) input, and one in float64."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.LayerNorm(48), nn.LayerNorm(48, elementwise_affine=False)
+        self.c = nn.LayerNorm(48).double()
+
+    def forward(self, x, y):
+        return self.a(x + y), self.b(x), self.a(x.transpose(0, 1)), self.c(x.double()).float()
+
+
+def test_fast_runs_layer_norm_on_kwexports_kernel(tmp_path):
+    torch.manual_seed(0)
+    model = Norms().eval()
+    with torch.no_grad():
+        model.a.weight.uniform_(0.5, 1.5)
+        model.a.bias.uniform_(-1, 1)
+    x, y = torch.randn(5, 5, 48) * 3 + 20, torch.randn(5, 5, 48)
+    path = tmp_path / "norms.kwx"
+    kwexport.save(kwexport.export(model, (x, y)), path)
+    fast = kwexport.load(path, optimize="fast")
+    with torch.no_grad():
+        want = model(x, y)
+    with torch.profiler.profile() as prof:
+        got = fast(x, y)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and rel_err(g, w) < 1e-6
+    if kwexport._rt.stable_abi_available():
+        # Only the first runs kwexport's kernel: the others lack an affine part, a contiguous
+        # input or float32.
+        assert [e.name for e in prof.events()].count("aten::layer_norm") == 3

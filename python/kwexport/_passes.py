@@ -62,3 +62,22 @@ def _convolution_pointwise(  # noqa: PLR0917 (the op's schema, positionally)
     import torch
 
     return _post_op(attr)(torch.conv2d(x, w, b, stride, padding, dilation, groups))
+
+
+def _linear_pointwise(  # noqa: PLR0917 (the op's schema, positionally)
+    x: Any,
+    w: Any,
+    b: Any,
+    attr: str,
+    scalars: list[Any],
+    algorithm: str | None,
+) -> Any:
+    """``mkldnn::_linear_pointwise`` off the runtime's kernels (autograd, autocast, another
+    dtype or device): the linear and its activation as torch's own ops, which is what the
+    pass replaced (rust/core/src/passes/linear_pointwise.rs)."""
+    import torch
+
+    y = torch.nn.functional.linear(x, w, b)
+    if attr == "gelu":
+        return torch.nn.functional.gelu(y, approximate=algorithm or "none")
+    return _post_op(attr)(y)

@@ -515,16 +515,14 @@ impl CStep {
             self.finish(slots, onednn()?);
             return Ok(());
         }
-        if matches!(shim.f, ShimFn::Gelu | ShimFn::RmsNorm) {
+        if matches!(shim.f, ShimFn::Gelu | ShimFn::RmsNorm | ShimFn::LayerNorm) {
             // kwexport's own kernels, on the tensors they take; torch's op on the others.
-            let done = if !direct.no_autograd {
-                None
-            } else if let ShimFn::Gelu = shim.f {
-                // SAFETY: a handle just read from a live slot.
-                unsafe { abi.gelu(t[0], shim.scalars[0] != 0.0) }
-            } else {
-                // SAFETY: the handles just read from live slots and constants.
-                unsafe { abi.rms_norm(t[0], t[1], shim.scalars[0], shim.scalars[1] as i64) }
+            // SAFETY (each): the handles just read from live slots and constants.
+            let done = match shim.f {
+                _ if !direct.no_autograd => None,
+                ShimFn::Gelu => unsafe { abi.gelu(t[0], shim.scalars[0] != 0.0) },
+                ShimFn::RmsNorm => unsafe { abi.rms_norm(t[0], t[1], shim.scalars[0], shim.scalars[1] as i64) },
+                _ => unsafe { abi.layer_norm(t[0], t[1], t[2], shim.scalars[0], shim.scalars[1] as i64) },
             };
             let Some(result) = done else { return self.on_python(abi, shim, slots) };
             self.finish(slots, result?);
@@ -568,15 +566,19 @@ impl CStep {
             return self.on_python(abi, shim, slots);
         }
         let packed = shim.packed.as_deref().map(|p| (p, consts[p.panels].raw()));
+        // torch's kernel, then a fused linear's activation on its result.
+        let torch = || {
+            let mut r = torch_kernel(abi, shim, &t)?;
+            abi.apply_epilogue(&mut r, shim.epilogue)?;
+            Ok(r)
+        };
         let mut result = match packed {
             // SAFETY: live handles; the packed weight is a const of the plan.
-            Some((p, panels)) => {
-                match unsafe { choose_linear(abi, p, &t, p.input, panels, || torch_kernel(abi, shim, &t)) } {
-                    Some(r) => r?,
-                    None => torch_kernel(abi, shim, &t)?,
-                }
-            }
-            None => torch_kernel(abi, shim, &t)?,
+            Some((p, panels)) => match unsafe { choose_linear(abi, shim, p, &t, panels, torch) } {
+                Some(r) => r?,
+                None => torch()?,
+            },
+            None => torch()?,
         };
         if let Some((_, leading)) = &folded {
             // SAFETY: the shim's result, a live 2-D tensor.
@@ -705,7 +707,7 @@ fn torch_kernel(abi: &Abi, shim: &ShimStep, t: &[abi::Raw; 3]) -> Result<abi::Te
                 }
                 Err(status) => status,
             },
-            ShimFn::RmsNorm | ShimFn::Gelu | ShimFn::ConvPointwise(_) => {
+            ShimFn::RmsNorm | ShimFn::Gelu | ShimFn::LayerNorm | ShimFn::ConvPointwise(_) => {
                 return Err(CError::Internal(format!("{:?} runs in call_shim", shim.f)))
             }
         }
@@ -732,28 +734,30 @@ fn forced_linear_kernel() -> Option<bool> {
 /// Rows up to which kwexport's linear kernel is a candidate: beyond, torch's GEMM wins.
 const SMALL_ROWS: i64 = 64;
 
-/// At `fast`, a linear on a float32 matrix of few rows: kwexport's kernel or torch's, as
-/// [`choose`] picks. `None` where the kernel can't take the tensors or lost (the caller runs
-/// torch's).
+/// At `fast`, a linear on a float32 matrix of few rows, with a fused linear's epilogue:
+/// kwexport's kernel or torch's (`torch`, which applies the epilogue itself), as [`choose`]
+/// picks. `None` where the kernel can't take the tensors or lost (the caller runs torch's).
 ///
 /// # Safety
-/// `t` and `wt` must be live handles: `t[input]` the linear's input matrix, `t[0]` its bias
-/// where there are three tensors, `wt` the packed weight.
+/// `t` and `panels` must be live handles: `t[packed.input]` the linear's input matrix, `t[0]`
+/// its bias where there are three tensors, `panels` the packed weight.
 unsafe fn choose_linear(
     abi: &Abi,
+    shim: &ShimStep,
     packed: &crate::plan::Packed,
     t: &[abi::Raw; 3],
-    input: usize,
     panels: abi::Raw,
     torch: impl Fn() -> Result<abi::Tensor, CError>,
 ) -> Option<Result<abi::Tensor, CError>> {
+    let epilogue = shim.epilogue;
+    let input = packed.input;
     let bias = (input == 1).then_some(t[0]);
     // SAFETY: live handles (the caller's).
     let rows = *unsafe { abi.contiguous_sizes(t[input]) }?.first()?;
     if rows > SMALL_ROWS {
         return None;
     }
-    choose(&packed.choices, rows, || unsafe { abi.linear(t[input], panels, packed.n, bias) }, torch)
+    choose(&packed.choices, rows, || unsafe { abi.linear(t[input], panels, packed.n, bias, epilogue) }, torch)
 }
 
 /// kwexport's GEMM (`ours`) or the other kernel (`theirs`) for a node, whichever measured

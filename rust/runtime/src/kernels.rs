@@ -29,6 +29,34 @@ pub fn rms_norm_f32(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+/// Layer normalization over rows of `n = w.len()` values: `(x - mean) / sqrt(var + eps) * w +
+/// b`, the biased variance taken around the mean in a second pass (as torch's CPU kernel's
+/// moments are exact to rounding), sums in sixteen lanes.
+pub fn layer_norm_f32(x: &[f32], w: &[f32], b: &[f32], eps: f32, out: &mut [f32]) {
+    let n = w.len();
+    if n == 0 || b.len() != n {
+        return;
+    }
+    let lanes_sum = |row: &[f32], f: &dyn Fn(f32) -> f32| {
+        let mut lanes = [0f32; 16];
+        let mut chunks = row.chunks_exact(16);
+        for c in &mut chunks {
+            for (l, &v) in lanes.iter_mut().zip(c) {
+                *l += f(v);
+            }
+        }
+        lanes.iter().sum::<f32>() + chunks.remainder().iter().map(|&v| f(v)).sum::<f32>()
+    };
+    for (row, dst) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+        let mean = lanes_sum(row, &|v| v) / n as f32;
+        let var = lanes_sum(row, &|v| (v - mean) * (v - mean)) / n as f32;
+        let rstd = 1.0 / (var + eps).sqrt();
+        for (((d, &v), &g), &c) in dst.iter_mut().zip(row).zip(w).zip(b) {
+            *d = (v - mean) * rstd * g + c;
+        }
+    }
+}
+
 /// The width of a weight panel: the columns one pass of the linear kernel computes.
 pub const PANEL: usize = 64;
 
@@ -65,6 +93,10 @@ pub enum Epilogue {
     Sigmoid,
     /// `x / (1 + e^-x)` (SiLU).
     Swish,
+    /// GELU, `0.5 x (1 + erf(x / sqrt 2))` (see [`gelu_f32`]).
+    Gelu,
+    /// GELU's tanh approximation (see [`gelu_f32`]).
+    GeluTanh,
 }
 
 impl Epilogue {
@@ -81,6 +113,30 @@ impl Epilogue {
             _ => return None,
         })
     }
+
+    /// The epilogue for a fused linear's post-op (`mkldnn::_linear_pointwise`'s `attr` and
+    /// `algorithm`: GELU's approximation), if the kernel has it.
+    pub fn of_linear(attr: &str, algorithm: Option<&str>) -> Option<Epilogue> {
+        match (attr, algorithm) {
+            ("gelu", Some("none") | None) => Some(Epilogue::Gelu),
+            ("gelu", Some("tanh")) => Some(Epilogue::GeluTanh),
+            ("gelu", _) => None,
+            _ => Epilogue::of_attr(attr),
+        }
+    }
+}
+
+/// `epilogue` applied to each element of `x`, in place: a fused linear's activation on the
+/// result of torch's GEMM. Returns `false` (writing nothing) where this CPU lacks AVX-512.
+pub fn epilogue_f32(epilogue: Epilogue, x: &mut [f32]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F is present.
+        unsafe { avx512::epilogue(epilogue, x) };
+        return true;
+    }
+    let _ = (epilogue, x);
+    false
 }
 
 /// Whether this CPU runs kwexport's GEMM ([`gemm_f32`]), so that a plan may lower onto it.
@@ -487,6 +543,8 @@ mod avx512 {
                 Epilogue::Hardsigmoid => _mm512_div_ps(relu6_of_x_plus_3(), _mm512_set1_ps(6.0)),
                 Epilogue::Sigmoid => _mm512_div_ps(one, _mm512_add_ps(one, exp(_mm512_sub_ps(zero, x)))),
                 Epilogue::Swish => _mm512_div_ps(x, _mm512_add_ps(one, exp(_mm512_sub_ps(zero, x)))),
+                Epilogue::Gelu => gelu16(x, false),
+                Epilogue::GeluTanh => gelu16(x, true),
             }
         }
     }
@@ -516,6 +574,25 @@ mod avx512 {
             let negative = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_setzero_ps());
             let one_plus_erf = _mm512_mask_blend_ps(negative, _mm512_sub_ps(_mm512_set1_ps(2.0), q), q);
             _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.5)), one_plus_erf)
+        }
+    }
+
+    /// See `super::epilogue_f32`.
+    ///
+    /// # Safety
+    /// AVX-512F must be present.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn epilogue(epilogue: Epilogue, x: &mut [f32]) {
+        let (n, p) = (x.len(), x.as_mut_ptr());
+        let mut i = 0;
+        while i < n {
+            let mask = lanes(n - i);
+            // SAFETY: lanes [i, min(i + 16, n)) exist; masked lanes aren't touched.
+            unsafe {
+                let v = _mm512_maskz_loadu_ps(mask, p.add(i));
+                _mm512_mask_storeu_ps(p.add(i), mask, apply(epilogue, v));
+            }
+            i += 16;
         }
     }
 
@@ -1304,16 +1381,42 @@ mod tests {
     }
 
     #[test]
+    fn layer_norm_matches_a_double_precision_reference() {
+        for n in [1usize, 7, 16, 256, 771] {
+            let rows = 3;
+            // Rows far from zero: the variance is taken around the mean, not from E[x^2].
+            let x: Vec<f32> = (0..rows * n).map(|i| 100.0 + (i as f32 * 0.37).sin() * 3.0).collect();
+            let w: Vec<f32> = (0..n).map(|i| 1.0 + (i as f32 * 0.11).cos()).collect();
+            let b: Vec<f32> = (0..n).map(|i| i as f32 * 0.01 - 0.5).collect();
+            let mut out = vec![f32::NAN; rows * n];
+            layer_norm_f32(&x, &w, &b, 1e-5, &mut out);
+            for (r, row) in x.chunks(n).enumerate() {
+                let mean = row.iter().map(|&v| v as f64).sum::<f64>() / n as f64;
+                let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n as f64;
+                for j in 0..n {
+                    let want = (row[j] as f64 - mean) / (var + 1e-5).sqrt() * w[j] as f64 + b[j] as f64;
+                    let got = out[r * n + j] as f64;
+                    assert!((got - want).abs() < 2e-5, "n={n} row {r} col {j}: {got} vs {want}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn gemm_epilogues_match_torchs_definitions() {
         // 1x1-convolution shapes: many rows (pixels), few columns (channels), each tile width.
         type Definition = (Epilogue, fn(f64) -> f64);
-        let defs: [Definition; 6] = [
+        let defs: [Definition; 8] = [
             (Epilogue::None, |v| v),
             (Epilogue::Relu, |v| v.max(0.0)),
             (Epilogue::Hardswish, |v| v * (v + 3.0).clamp(0.0, 6.0) / 6.0),
             (Epilogue::Hardsigmoid, |v| (v + 3.0).clamp(0.0, 6.0) / 6.0),
             (Epilogue::Sigmoid, |v| 1.0 / (1.0 + (-v).exp())),
             (Epilogue::Swish, |v| v / (1.0 + (-v).exp())),
+            (Epilogue::Gelu, |v| 0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2))),
+            (Epilogue::GeluTanh, |v| {
+                0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v.powi(3))).tanh())
+            }),
         ];
         for (m, k, n) in [(49usize, 24usize, 16usize), (23, 16, 40), (7, 9, 72), (196, 40, 240)] {
             let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
@@ -1326,18 +1429,28 @@ mod tests {
                 if !gemm_f32(&x, m, k, &panels, n, Some(&b), epilogue, &mut out) {
                     return; // no AVX-512 here
                 }
+                // And the epilogue alone, in place over the plain product (torch's result).
+                let mut plain = vec![f32::NAN; m * n];
+                assert!(gemm_f32(&x, m, k, &panels, n, Some(&b), Epilogue::None, &mut plain));
+                assert!(epilogue_f32(epilogue, &mut plain));
                 for r in 0..m {
                     for j in 0..n {
                         let dot: f64 = (0..k).map(|kk| x[r * k + kk] as f64 * wt[kk * n + j] as f64).sum();
                         let want = f(dot + b[j] as f64);
-                        let got = out[r * n + j] as f64;
-                        assert!((got - want).abs() < 2e-6 * (k as f64).sqrt(), "{epilogue:?} {m}x{k}x{n} {r} {j}");
+                        for (how, got) in [("fused", out[r * n + j]), ("after", plain[r * n + j])] {
+                            let close = (got as f64 - want).abs() < 2e-6 * (k as f64).sqrt();
+                            assert!(close, "{epilogue:?} {how} {m}x{k}x{n} {r} {j}");
+                        }
                     }
                 }
             }
         }
         assert_eq!(Epilogue::of_attr("swish"), Some(Epilogue::Swish));
         assert_eq!(Epilogue::of_attr("tanh"), None);
+        assert_eq!(Epilogue::of_linear("gelu", Some("tanh")), Some(Epilogue::GeluTanh));
+        assert_eq!(Epilogue::of_linear("gelu", None), Some(Epilogue::Gelu));
+        assert_eq!(Epilogue::of_linear("gelu", Some("sigmoid")), None);
+        assert_eq!(Epilogue::of_linear("swish", None), Some(Epilogue::Swish));
     }
 
     #[test]

@@ -11,7 +11,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("views", &[]),
     ("abi", &["kernels", "views"]),
     ("ops", &["abi", "errors"]),
-    // The plan packs weights in the layout a kernel reads (`kernels::PANEL`).
+    // The plan packs weights in the layout a kernel reads (`kernels::PANEL`) and names the
+    // activation a kernel applies (`kernels::Epilogue`).
     ("plan", &["abi", "ops", "errors", "constants", "views", "kernels"]),
     ("exec", &["abi", "plan", "errors", "views"]),
 ];

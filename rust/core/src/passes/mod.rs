@@ -16,6 +16,9 @@
 //!   convolution over a weight packed once (`fast`, at load on a CPU with oneDNN)
 //! - [`constant_fold`]      nodes that read only constants, run once at load; the rest of
 //!   the graph reads their values as weights (`fast`; the runtime splits the validated graph)
+//! - [`linear_pointwise`]   linears (and the ReLU, SiLU or GELU after) onto oneDNN's fused
+//!   linear, whose activation the runtime's GEMM applies (`fast`, at load, with the runtime's
+//!   GEMM and oneDNN)
 //! - [`inplace_state`]      state writes (a KV cache's) run in place, with nothing to copy back
 //!   (every level: the values are the same)
 
@@ -26,6 +29,7 @@ pub mod conv_pointwise;
 pub mod dead_code;
 pub mod gelu_tanh;
 pub mod inplace_state;
+pub mod linear_pointwise;
 pub mod readers;
 pub mod rms_norm;
 pub mod views_as_reshapes;
@@ -120,6 +124,9 @@ pub fn apply(doc: &mut Document, level: Level, target: Target) -> Rewrites {
     if level == Level::Fast {
         if target.onednn {
             conv_pointwise::apply(doc, target.gemm);
+        }
+        if target.onednn && target.gemm {
+            linear_pointwise::apply(doc);
         }
         rewrites.channels_last = channels_last::conv_weights(doc);
     }

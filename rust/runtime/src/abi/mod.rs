@@ -539,6 +539,43 @@ impl Abi {
         Some(Ok(out))
     }
 
+    /// kwexport's layer norm of `x` (`[..., n]`) with weight `w` and bias `b` (`[n]`), all
+    /// contiguous float32 CPU tensors: a new tensor, or `None` where they don't qualify (the
+    /// caller runs torch's op, which also raises for a size that isn't `n`).
+    ///
+    /// # Safety
+    /// All must be live handles.
+    pub unsafe fn layer_norm(
+        &self,
+        x: Raw,
+        w: Raw,
+        b: Raw,
+        eps: f64,
+        normalized: i64,
+    ) -> Option<Result<Tensor, CError>> {
+        let shims = self.shims.as_ref()?;
+        // SAFETY: live handles.
+        let (sizes, ws, bs) = unsafe {
+            let sizes = self.contiguous_sizes(x)?;
+            let n = usize::try_from(*sizes.last()?).ok()?;
+            if !shims.is_cpu_f32(x) || n == 0 || i64::try_from(n).ok()? != normalized {
+                return None;
+            }
+            (sizes, self.contiguous_f32(w, &[normalized])?, self.contiguous_f32(b, &[normalized])?)
+        };
+        let len = usize::try_from(sizes.iter().product::<i64>()).ok()?;
+        // SAFETY: a contiguous float32 CPU tensor of `len` elements (checked above).
+        let xs = unsafe { self.floats(x, len) }?;
+        let mut out = match self.owned(shims.empty_f32(&sizes)) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        // SAFETY: the new output of `len` elements.
+        let os = unsafe { self.floats_mut(&mut out, len) }?;
+        crate::kernels::layer_norm_f32(xs, ws, bs, eps as f32, os);
+        Some(Ok(out))
+    }
+
     /// kwexport's GELU of `x`, a contiguous float32 CPU tensor: a new tensor, or `None` where
     /// it doesn't qualify or the CPU lacks the kernel's instructions.
     ///
@@ -607,7 +644,14 @@ impl Abi {
     ///
     /// # Safety
     /// `x`, `panels` and `bias` must be live handles.
-    pub unsafe fn linear(&self, x: Raw, panels: Raw, n: i64, bias: Option<Raw>) -> Option<Result<Tensor, CError>> {
+    pub unsafe fn linear(
+        &self,
+        x: Raw,
+        panels: Raw,
+        n: i64,
+        bias: Option<Raw>,
+        epilogue: crate::kernels::Epilogue,
+    ) -> Option<Result<Tensor, CError>> {
         let shims = self.shims.as_ref()?;
         // SAFETY: live handles.
         let (xs, [m, k]) = unsafe {
@@ -617,9 +661,27 @@ impl Abi {
         let n = usize::try_from(n).ok()?;
         // SAFETY: the caller's live handles.
         unsafe {
-            self.gemm(xs, [m, k, n], panels, bias, crate::kernels::Epilogue::None, || {
-                self.owned(shims.empty_f32(&[m as i64, n as i64]))
-            })
+            self.gemm(xs, [m, k, n], panels, bias, epilogue, || self.owned(shims.empty_f32(&[m as i64, n as i64])))
+        }
+    }
+
+    /// `epilogue` applied in place to `t`, a float32 CPU matrix torch's GEMM just made (a
+    /// fused linear's activation, `kernels::epilogue_f32`).
+    pub fn apply_epilogue(&self, t: &mut Tensor, epilogue: crate::kernels::Epilogue) -> Result<(), CError> {
+        if epilogue == crate::kernels::Epilogue::None {
+            return Ok(());
+        }
+        let fail = || CError::Internal("a fused linear's activation on torch's result".into());
+        // SAFETY: a live handle, then its contiguous float32 elements: a new tensor nothing
+        // else holds.
+        unsafe {
+            let sizes = self.contiguous_sizes(t.raw()).ok_or_else(fail)?;
+            if !self.shims.as_ref().ok_or_else(fail)?.is_cpu_f32(t.raw()) {
+                return Err(fail());
+            }
+            let len = sizes.iter().map(|&d| usize::try_from(d).unwrap_or(0)).product();
+            let xs = self.floats_mut(t, len).ok_or_else(fail)?;
+            crate::kernels::epilogue_f32(epilogue, xs).then_some(()).ok_or_else(fail)
         }
     }
 

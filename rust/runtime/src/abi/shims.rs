@@ -40,6 +40,9 @@ pub enum ShimFn {
     /// `(Tensor input)`, with the approximation as a scalar (1 for tanh): kwexport's GELU
     /// (`kernels::gelu_f32`) on contiguous float32 CPU tensors.
     Gelu,
+    /// `(Tensor input, Tensor weight, Tensor bias, double eps)`: kwexport's own layer norm
+    /// (`kernels::layer_norm_f32`) on contiguous float32 CPU tensors.
+    LayerNorm,
 }
 
 /// `aoti_torch_cpu_mkldnn__convolution_pointwise(X, W, B*, padding, len, stride, len,
@@ -77,6 +80,7 @@ impl std::fmt::Debug for ShimFn {
             ShimFn::RmsNorm => "RmsNorm",
             ShimFn::ConvPointwise(_) => "ConvPointwise",
             ShimFn::Gelu => "Gelu",
+            ShimFn::LayerNorm => "LayerNorm",
         })
     }
 }
@@ -102,6 +106,7 @@ pub struct Shims {
     /// kwexport's own kernels, where torch gives their data pointers.
     pub rms_norm: Option<ShimFn>,
     pub gelu: Option<ShimFn>,
+    pub layer_norm: Option<ShimFn>,
     pub conv_pointwise: Option<ShimFn>,
     get_data_ptr: Option<unsafe extern "C" fn(Raw, *mut *mut std::ffi::c_void) -> Status>,
     float32: Option<i32>,
@@ -157,6 +162,12 @@ impl Shims {
                 "aoti_torch_get_data_ptr",
             )
             .map(|_| ShimFn::Gelu),
+            layer_norm: sym::<unsafe extern "C" fn(Raw, *mut *mut std::ffi::c_void) -> Status>(
+                lib,
+                hidden,
+                "aoti_torch_get_data_ptr",
+            )
+            .map(|_| ShimFn::LayerNorm),
             conv_pointwise: sym(lib, hidden, CONV_POINTWISE).map(ShimFn::ConvPointwise),
             get_data_ptr: sym(lib, hidden, "aoti_torch_get_data_ptr"),
             float32: sym::<unsafe extern "C" fn() -> i32>(lib, hidden, "aoti_torch_dtype_float32").map(|f| f()),

@@ -170,6 +170,9 @@ pub struct ShimStep {
     /// At `fast`, a linear's weight transposed and contiguous for kwexport's small-batch
     /// kernel, and which kernel won for each number of rows seen.
     pub(crate) packed: Option<Box<Packed>>,
+    /// The activation a fused linear applies to its result (`passes::linear_pointwise`):
+    /// kwexport's GEMM as it stores, or kwexport's pointwise kernel after torch's.
+    pub(crate) epilogue: crate::kernels::Epilogue,
     /// For oneDNN's fused convolution, its geometry and packed weight.
     pub(crate) conv: Option<Box<Conv>>,
     /// The node through its Python op, for calls the shim can't take (integer tensors).
