@@ -1,6 +1,6 @@
 //! Any header bytes in a well-formed container: the schema parser, upgraders, the graph
 //! passes (which loading runs before validation, so on unchecked documents), every validation
-//! rule and the description never panic.
+//! rule, the description and constant folding's split of each validated graph never panic.
 #![no_main]
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let mut file = kwexport_core::tables::MAGIC.to_vec();
@@ -13,6 +13,10 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         parsed.document = optimized;
         if let Ok(artifact) = parsed.validate(&file) {
             let _ = artifact.describe();
+            for (name, m) in &artifact.methods {
+                let ops = &artifact.document.methods[name].ops;
+                let _ = kwexport_core::passes::constant_fold::split(&m.graph, ops, &m.subgraphs, |_| false, |s| format!("<constant {s}>"));
+            }
         }
     }
 });
