@@ -493,7 +493,7 @@ impl CStep {
                 let ours = || unsafe {
                     match &own.kernel {
                         OwnKernel::Gemm { panels, n } => {
-                            abi.conv1x1(t[0], consts[*panels].raw(), *n, bias, own.epilogue)
+                            abi.conv1x1(t[0], panels.get(abi, consts)?, *n, bias, own.epilogue)
                         }
                         OwnKernel::Depthwise { taps, geometry } => {
                             abi.depthwise(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
@@ -565,7 +565,7 @@ impl CStep {
         if !admitted || (skips_dispatcher && !direct.no_autograd) || (shim.autocast && !direct.no_autocast) {
             return self.on_python(abi, shim, slots);
         }
-        let packed = shim.packed.as_deref().map(|p| (p, consts[p.panels].raw()));
+        let packed = shim.packed.as_deref();
         // torch's kernel, then a fused linear's activation on its result.
         let torch = || {
             let mut r = torch_kernel(abi, shim, &t)?;
@@ -574,7 +574,7 @@ impl CStep {
         };
         let mut result = match packed {
             // SAFETY: live handles; the packed weight is a const of the plan.
-            Some((p, panels)) => match unsafe { choose_linear(abi, shim, p, &t, panels, torch) } {
+            Some(p) => match unsafe { choose_linear(abi, shim, p, &t, consts, torch) } {
                 Some(r) => r?,
                 None => torch()?,
             },
@@ -739,14 +739,14 @@ const SMALL_ROWS: i64 = 64;
 /// picks. `None` where the kernel can't take the tensors or lost (the caller runs torch's).
 ///
 /// # Safety
-/// `t` and `panels` must be live handles: `t[packed.input]` the linear's input matrix, `t[0]`
-/// its bias where there are three tensors, `panels` the packed weight.
+/// `t` must be live handles: `t[packed.input]` the linear's input matrix, `t[0]` its bias
+/// where there are three tensors; `consts` the plan's constants.
 unsafe fn choose_linear(
     abi: &Abi,
     shim: &ShimStep,
     packed: &crate::plan::Packed,
     t: &[abi::Raw; 3],
-    panels: abi::Raw,
+    consts: &[abi::Tensor],
     torch: impl Fn() -> Result<abi::Tensor, CError>,
 ) -> Option<Result<abi::Tensor, CError>> {
     let epilogue = shim.epilogue;
@@ -757,6 +757,9 @@ unsafe fn choose_linear(
     if rows > SMALL_ROWS {
         return None;
     }
+    // Packed here, the first time the node has few enough rows: a node that never does never
+    // copies its weight.
+    let panels = packed.panels.get(abi, consts)?;
     choose(&packed.choices, rows, || unsafe { abi.linear(t[input], panels, packed.n, bias, epilogue) }, torch)
 }
 

@@ -62,7 +62,7 @@ pub const PANEL: usize = 64;
 
 /// `out[m, n] = bias[n] + x[m, k] @ w[k, n]` for small `m` (a few rows of activations: a
 /// decode step, a small batch), where torch's GEMM spends more on setup than on arithmetic.
-/// `panels` is the weight packed once at load ([`pack_panels`]): `ceil(n / 64)` contiguous
+/// `panels` is the weight packed once ([`pack_conv_panels`], its first use): `ceil(n / 64)` contiguous
 /// `[k, 64]` panels, so the kernel streams each panel from memory in order (a row of a plain
 /// `[k, n]` weight is a new page every few rows, which the prefetchers don't follow). Returns
 /// `false` (writing nothing) where this CPU lacks AVX-512; the plan measures it against
@@ -394,21 +394,6 @@ pub fn direct_f32(
     }
     let _ = (fits, x, strides, taps, bias, epilogue, out);
     false
-}
-
-/// A `[k, n]` weight (row-major, `w[r * n + c]`) as the linear kernel's panels: panel `p`
-/// holds columns `[64 p, 64 p + 64)` as a contiguous `[k, 64]` block, zero past `n`.
-pub fn pack_panels(w: &[f32], k: usize, n: usize, panels: &mut [f32]) {
-    if k == 0 {
-        return;
-    }
-    for (p, panel) in panels.chunks_exact_mut(k * PANEL).take(n.div_ceil(PANEL)).enumerate() {
-        let (c0, width) = (p * PANEL, (n - p * PANEL).min(PANEL));
-        for (r, row) in panel.chunks_exact_mut(PANEL).enumerate() {
-            row[..width].copy_from_slice(&w[r * n + c0..r * n + c0 + width]);
-            row[width..].fill(0.0);
-        }
-    }
 }
 
 /// GELU of each element: `0.5 x (1 + erf(x / sqrt 2))`, or with `tanh`, the tanh
@@ -1363,7 +1348,7 @@ mod tests {
             let wt: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.013).cos()).collect();
             let b: Vec<f32> = (0..n).map(|i| i as f32 * 0.001).collect();
             let mut panels = vec![f32::NAN; k * n.div_ceil(PANEL) * PANEL];
-            pack_panels(&wt, k, n, &mut panels);
+            pack_conv_panels(&wt, [n, k, 1, 1], [1, n, 0, 0], &mut panels);
             for bias in [Some(&b[..]), None] {
                 let mut out = vec![f32::NAN; m * n];
                 if !linear_f32(&x, m, k, &panels, n, bias, &mut out) {
@@ -1423,7 +1408,7 @@ mod tests {
             let wt: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
             let b: Vec<f32> = (0..n).map(|i| i as f32 * 0.01 - 0.2).collect();
             let mut panels = vec![0.0; k * n.div_ceil(PANEL) * PANEL];
-            pack_panels(&wt, k, n, &mut panels);
+            pack_conv_panels(&wt, [n, k, 1, 1], [1, n, 0, 0], &mut panels);
             for (epilogue, f) in defs {
                 let mut out = vec![f32::NAN; m * n];
                 if !gemm_f32(&x, m, k, &panels, n, Some(&b), epilogue, &mut out) {

@@ -607,38 +607,25 @@ impl Abi {
         done.then_some(Ok(out))
     }
 
-    /// A contiguous float32 CPU matrix `[k, n]` packed into the linear kernel's panels
-    /// (`kernels::pack_panels`): a new `[ceil(n / 64), k, 64]` tensor, or `None` where `kn`
-    /// isn't such a matrix.
-    ///
-    /// # Safety
-    /// `kn` must be a live handle.
-    pub unsafe fn pack_panels(&self, kn: Raw) -> Option<Tensor> {
-        let shims = self.shims.as_ref()?;
+    /// A matrix weight as the GEMM's panels (`[ceil(n / 64), k, 64]`, `kernels::PANEL`): a
+    /// linear's `[n, k]` (`transpose`, also a 1×1 convolution's `[n, k, 1, 1]`) or an `addmm`'s
+    /// `[k, n]` second matrix, float32 on the CPU at any strides. `None` for anything else.
+    pub fn pack_matrix_panels(&self, weight: &Tensor, transpose: bool) -> Option<Tensor> {
         // SAFETY: a live handle.
-        let sizes = unsafe {
-            if shims.is_cpu_f32(kn) {
-                self.contiguous_sizes(kn)?
-            } else {
-                return None;
-            }
+        let (sizes, strides) = unsafe { self.sizes_strides(weight.raw()) }?;
+        // As the `[n, k, 1, 1]` weight of a 1×1 convolution, whose panels are the matrix's.
+        let (shape, strides) = match (sizes.as_slice(), strides.as_slice(), transpose) {
+            ([n, k], [s0, s1], true) => ([*n, *k, 1, 1], [*s0, *s1, 0, 0]),
+            ([k, n], [s0, s1], false) => ([*n, *k, 1, 1], [*s1, *s0, 0, 0]),
+            ([n, k, 1, 1], [s0, s1, ..], true) => ([*n, *k, 1, 1], [*s0, *s1, 0, 0]),
+            _ => return None,
         };
-        let [k, n] = sizes.as_slice() else { return None };
-        let (k, n) = (usize::try_from(*k).ok()?, usize::try_from(*n).ok()?);
-        let panel = crate::kernels::PANEL;
-        let out = self.owned(shims.empty_f32(&[n.div_ceil(panel) as i64, k as i64, panel as i64])).ok()?;
-        // SAFETY: a contiguous float32 CPU matrix of `k * n` elements (checked above), and the
-        // fresh output of its panels, which aliases nothing.
-        unsafe {
-            let src = std::slice::from_raw_parts(shims.data_ptr(kn)? as *const f32, k * n);
-            let dst = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut f32, n.div_ceil(panel) * k * panel);
-            crate::kernels::pack_panels(src, k, n, dst);
-        }
-        Some(out)
+        let four = |v: [i64; 4]| v.map(|d| d as usize);
+        self.pack_panels_of(weight.raw(), four(shape), four(strides))
     }
 
     /// kwexport's linear kernel on `x` (`[m, k]`), the weight's `panels` (`[ceil(n / 64), k,
-    /// 64]`, `kernels::pack_panels`) and `bias` (`[n]`), all contiguous float32 CPU tensors: a
+    /// 64]`, `Abi::pack_matrix_panels`) and `bias` (`[n]`), all contiguous float32 CPU tensors: a
     /// new `[m, n]` tensor, or `None` where they don't qualify or the CPU lacks the kernel's
     /// instructions.
     ///
@@ -991,20 +978,20 @@ impl Abi {
     /// [`Abi::indirect_conv`] (`kernels::pack_conv_panels`): a new `[ceil(out / 64), in * kh *
     /// kw, 64]` tensor, or `None` for another tensor.
     pub fn pack_conv_panels(&self, weight: &Tensor) -> Option<Tensor> {
-        let shims = self.shims.as_ref()?;
-        let weight = weight.raw();
         // SAFETY: a live handle.
-        let (sizes, strides) = unsafe {
-            if !shims.is_cpu_f32(weight) {
-                return None;
-            }
-            self.sizes_strides(weight)?
-        };
+        let (sizes, strides) = unsafe { self.sizes_strides(weight.raw()) }?;
         let shape: [usize; 4] =
             sizes.iter().map(|&v| usize::try_from(v).ok()).collect::<Option<Vec<_>>>()?.try_into().ok()?;
         let strides: [usize; 4] =
             strides.iter().map(|&v| usize::try_from(v).ok()).collect::<Option<Vec<_>>>()?.try_into().ok()?;
-        if shape.contains(&0) {
+        self.pack_panels_of(weight.raw(), shape, strides)
+    }
+
+    /// `kernels::pack_conv_panels` of a float32 CPU `[n, cin, kh, kw]` weight at `strides`.
+    fn pack_panels_of(&self, weight: Raw, shape: [usize; 4], strides: [usize; 4]) -> Option<Tensor> {
+        let shims = self.shims.as_ref()?;
+        // SAFETY: a live handle.
+        if !unsafe { shims.is_cpu_f32(weight) } || shape.contains(&0) {
             return None;
         }
         let span = 1 + shape.iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>();
@@ -1325,5 +1312,28 @@ mod tests {
         assert_eq!(storage_fits(&[], &[], 4, 8, 32), Storage::TooSmall { needs: 40, has: 32 });
         assert_eq!(storage_fits(&[3], &[0], 0, 4, 4), Storage::Fits); // expanded
         assert_eq!(storage_fits(&[i64::MAX], &[i64::MAX], 0, 4, 4), Storage::TooSmall { needs: i64::MAX, has: 4 });
+    }
+}
+
+/// A matrix weight packed into the GEMM's panels on its first use (`Abi::pack_matrix_panels`),
+/// not at load: a load copies no weight, and a weight no call reaches is never packed. One
+/// per weight, shared by the nodes that read it.
+pub struct Panels {
+    /// The weight, as a constant of the plan.
+    weight: usize,
+    transpose: bool,
+    packed: std::sync::OnceLock<Option<Tensor>>,
+}
+
+impl Panels {
+    /// Panels for constant `weight`: `[n, k]` (`transpose`) or `[k, n]`.
+    pub fn new(weight: usize, transpose: bool) -> Panels {
+        Panels { weight, transpose, packed: std::sync::OnceLock::new() }
+    }
+
+    /// The packed panels, packed now if no call did yet; `None` where the weight can't be.
+    pub fn get(&self, abi: &Abi, consts: &[Tensor]) -> Option<Raw> {
+        let packed = self.packed.get_or_init(|| abi.pack_matrix_panels(consts.get(self.weight)?, self.transpose));
+        packed.as_ref().map(Tensor::raw)
     }
 }

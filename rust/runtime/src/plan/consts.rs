@@ -24,8 +24,8 @@ pub(super) struct ConstTable<'a, 'py> {
     /// Tensors C steps read, by index.
     tensors: Vec<Const>,
     weight_index: HashMap<String, usize>,
-    /// Weights packed for kwexport's linear kernel, and their `n`.
-    panels: HashMap<String, (usize, i64)>,
+    /// Weights to pack for kwexport's GEMM, and their `n`.
+    panels: HashMap<String, (std::sync::Arc<abi::Panels>, i64)>,
     /// Wrapped numbers, one per distinct number literal.
     numbers: Vec<WrappedNumber>,
 }
@@ -243,35 +243,28 @@ impl Consts for ConstTable<'_, '_> {
         Some(i)
     }
 
-    fn weight_panels(&mut self, name: &str, transpose: bool) -> Option<(usize, i64)> {
+    fn weight_panels(&mut self, name: &str, transpose: bool) -> Option<(std::sync::Arc<abi::Panels>, i64)> {
         let key = format!("{name}\u{0}panels {transpose}");
-        if let Some(&(i, n)) = self.panels.get(&key) {
-            return Some((i, n));
+        if let Some((panels, n)) = self.panels.get(&key) {
+            return Some((panels.clone(), *n));
         }
         let w = self.weights.get(name)?.bind(self.py);
         let shape: Vec<i64> = w.getattr("shape").ok()?.extract().ok()?;
         // A 1×1 convolution's `[n, k, 1, 1]` weight is its `[n, k]` matrix.
-        let w = match shape.as_slice() {
-            [_, _, 1, 1] if transpose => w.call_method1("flatten", (1,)).ok()?,
-            _ => w.clone(),
+        let n = match (shape.as_slice(), transpose) {
+            ([n, _], true) | ([n, _, 1, 1], true) | ([_, n], false) => *n,
+            _ => return None,
         };
-        let is_f32_matrix = w.getattr("dim").ok()?.call0().ok()?.extract::<i64>().ok()? == 2
-            && w.getattr("dtype").ok()?.eq(self.torch.getattr("float32").ok()?).ok()?;
-        let elements: i64 = w.getattr("numel").ok()?.call0().ok()?.extract().ok()?;
+        let is_f32 = w.getattr("dtype").ok()?.eq(self.torch.getattr("float32").ok()?).ok()?;
+        let elements: i64 = shape.iter().product();
         // The copy costs the weight's memory again: only for the small matrices the kernel is
         // for, where it stays a small share of a model's weights.
-        if !is_f32_matrix || elements > MAX_PACKED_ELEMENTS || elements == 0 {
+        if !is_f32 || elements > MAX_PACKED_ELEMENTS || elements == 0 || self.abi.is_none() {
             return None;
         }
-        let w = w.call_method0("detach").ok()?;
-        let kn = if transpose { w.call_method0("t").ok()? } else { w }.call_method0("contiguous").ok()?;
-        let n: i64 = kn.getattr("shape").ok()?.get_item(1).ok()?.extract().ok()?;
-        let abi = self.abi?;
-        // SAFETY: a live handle to the matrix just made.
-        let panels = unsafe { abi.pack_panels(abi.handle_of(&kn).ok()?.raw()) }?;
-        let i = self.push(Const::Native(panels));
-        self.panels.insert(key, (i, n));
-        Some((i, n))
+        let panels = std::sync::Arc::new(abi::Panels::new(self.weight(name), transpose));
+        self.panels.insert(key, (panels.clone(), n));
+        Some((panels, n))
     }
 
     fn conv_taps(&mut self, name: &str) -> Option<(usize, [i64; 4])> {

@@ -212,7 +212,7 @@ pub struct OwnConv {
 pub enum OwnKernel {
     /// A 1×1 convolution with stride 1, no padding and one group: a matrix product over
     /// pixels, on the `[n, k, 1, 1]` weight's `[k, n]` transpose packed into panels.
-    Gemm { panels: usize, n: i64 },
+    Gemm { panels: std::sync::Arc<crate::abi::Panels>, n: i64 },
     /// A depthwise convolution (one group per channel, one output per group, no dilation):
     /// its `[c, 1, kh, kw]` weight as `[kh * kw, c]` taps.
     Depthwise { taps: usize, geometry: crate::kernels::Depthwise },
@@ -233,10 +233,10 @@ pub enum OwnKernel {
 /// A linear's weight for kwexport's kernel (`kernels::linear_f32`), and the kernel measured
 /// fastest for each number of input rows seen, per process.
 pub struct Packed {
-    /// The const index of the weight as `[k, n]` packed into the kernel's panels (a copy made
-    /// at load: of `weight.t()` for a linear, of the weight itself for an `addmm`'s second
-    /// matrix), and `n`.
-    pub(crate) panels: usize,
+    /// The weight as `[k, n]` packed into the kernel's panels (a copy made on the first call
+    /// that runs the kernel: of `weight.t()` for a linear, of the weight itself for an
+    /// `addmm`'s second matrix), and `n`.
+    pub(crate) panels: std::sync::Arc<crate::abi::Panels>,
     pub(crate) n: i64,
     /// Which of the step's tensors is the input matrix (a bias, if any, is tensor 0 before it).
     pub(crate) input: usize,
