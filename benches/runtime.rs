@@ -157,7 +157,7 @@ fn kernels(c: &mut Criterion) {
             b.iter(|| depthwise_f32(&x, [1, size, size], &taps, &g, Some(&bias), Epilogue::Relu, &mut out))
         });
     }
-    for (ch, size) in [(64usize, 56usize), (256, 14), (512, 7), (512, 2)] {
+    for (ch, size) in [(64usize, 56usize), (256, 14), (512, 7), (512, 2), (128, 8), (256, 4)] {
         let g = Conv2d::new([ch as i64, ch as i64, 3, 3], [1, 1], [1, 1]).unwrap();
         let k = ch * 9;
         let (x, panels, bias) = (data(size * size * ch), data(k * ch), data(ch));

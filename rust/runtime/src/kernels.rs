@@ -528,8 +528,22 @@ mod avx512 {
                 Epilogue::Hardsigmoid => _mm512_div_ps(relu6_of_x_plus_3(), _mm512_set1_ps(6.0)),
                 Epilogue::Sigmoid => _mm512_div_ps(one, _mm512_add_ps(one, exp(_mm512_sub_ps(zero, x)))),
                 Epilogue::Swish => _mm512_div_ps(x, _mm512_add_ps(one, exp(_mm512_sub_ps(zero, x)))),
+                // Too long to inline into the GEMM's tile, whose registers it would take:
+                // `columns` applies them in a pass of their own (`apply_any`).
+                Epilogue::Gelu | Epilogue::GeluTanh => x,
+            }
+        }
+    }
+
+    /// `epilogue` on 16 lanes, GELU included (see `apply`).
+    #[inline(always)]
+    unsafe fn apply_any(epilogue: Epilogue, x: __m512) -> __m512 {
+        // SAFETY: register arithmetic; the caller enabled AVX-512F.
+        unsafe {
+            match epilogue {
                 Epilogue::Gelu => gelu16(x, false),
                 Epilogue::GeluTanh => gelu16(x, true),
+                _ => apply(epilogue, x),
             }
         }
     }
@@ -575,7 +589,7 @@ mod avx512 {
             // SAFETY: lanes [i, min(i + 16, n)) exist; masked lanes aren't touched.
             unsafe {
                 let v = _mm512_maskz_loadu_ps(mask, p.add(i));
-                _mm512_mask_storeu_ps(p.add(i), mask, apply(epilogue, v));
+                _mm512_mask_storeu_ps(p.add(i), mask, apply_any(epilogue, v));
             }
             i += 16;
         }
@@ -1195,20 +1209,49 @@ mod avx512 {
         let (k, op) = (s.taps * s.cin, out.as_mut_ptr());
         let mut j = 0;
         while j < s.n {
-            // A block narrower than 64 columns (the last, or a small `n`: a 1x1 convolution's
-            // 16-48 channels) holds fewer vectors per row, so more rows fit the registers.
-            let vectors = (s.n - j).min(64).div_ceil(16);
-            // SAFETY: columns from j and their panel exist (see the callers).
-            unsafe {
-                let wp = panels.as_ptr().add(j / 64 * k * 64);
-                match vectors {
-                    4 => rows::<S, 6, 4>(rows_of, m, wp, op, s, j),
-                    3 => rows::<S, 8, 3>(rows_of, m, wp, op, s, j),
-                    2 => rows::<S, 12, 2>(rows_of, m, wp, op, s, j),
-                    _ => rows::<S, 12, 1>(rows_of, m, wp, op, s, j),
+            // GELU after the block's tiles, over its results while they are in cache.
+            if matches!(s.epilogue, Epilogue::Gelu | Epilogue::GeluTanh) {
+                let width = (s.n - j).min(64);
+                // SAFETY: rows [0, m) of the block's columns exist (see the callers).
+                unsafe { columns_block(rows_of, m, &Shape { epilogue: Epilogue::None, ..*s }, panels, op, j, k) };
+                for r in 0..m {
+                    // SAFETY: as above; the slice is this row's part of the block.
+                    let row = unsafe { std::slice::from_raw_parts_mut(op.add(r * s.n + j), width) };
+                    // SAFETY: AVX-512F is enabled (the callers').
+                    unsafe { epilogue(s.epilogue, row) };
                 }
+                j += 64;
+                continue;
             }
+            // SAFETY: as above.
+            unsafe { columns_block(rows_of, m, s, panels, op, j, k) };
             j += 64;
+        }
+    }
+
+    /// Every row times the column block from `j` (of `k`-deep panels).
+    #[inline(always)]
+    unsafe fn columns_block<S: Rows>(
+        rows_of: S,
+        m: usize,
+        s: &Shape,
+        panels: &[f32],
+        op: *mut f32,
+        j: usize,
+        k: usize,
+    ) {
+        // A block narrower than 64 columns (the last, or a small `n`: a 1x1 convolution's
+        // 16-48 channels) holds fewer vectors per row, so more rows fit the registers.
+        let vectors = (s.n - j).min(64).div_ceil(16);
+        // SAFETY: columns from j and their panel exist (see the callers).
+        unsafe {
+            let wp = panels.as_ptr().add(j / 64 * k * 64);
+            match vectors {
+                4 => rows::<S, 6, 4>(rows_of, m, wp, op, s, j),
+                3 => rows::<S, 8, 3>(rows_of, m, wp, op, s, j),
+                2 => rows::<S, 12, 2>(rows_of, m, wp, op, s, j),
+                _ => rows::<S, 12, 1>(rows_of, m, wp, op, s, j),
+            }
         }
     }
 
