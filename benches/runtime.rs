@@ -110,11 +110,11 @@ fn per_node_dispatch(c: &mut Criterion) {
 /// kwexport's own kernels on plain slices, at the shapes `optimize="fast"` gives them: GELU
 /// over an MLP's activations, the small-batch linear at a decode step and at 32 tokens, and
 /// the convolutions of mobilenet_v3_small at 224×224 (1×1 as a GEMM over pixels, depthwise,
-/// and the RGB stem), and a small transformer's attention.
+/// and the RGB stem), resnet18's max pooling and a small transformer's attention.
 fn kernels(c: &mut Criterion) {
     use kwexport_runtime::kernels::{
-        attention_f32, depthwise_f32, direct_f32, gelu_f32, gemm_f32, indirect_f32, linear_f32, Attention,
-        AttentionMask, Conv2d, Depthwise, Epilogue,
+        attention_f32, depthwise_f32, direct_f32, gelu_f32, gemm_f32, indirect_f32, linear_f32, max_pool_f32,
+        Attention, AttentionMask, Conv2d, Depthwise, Epilogue, MaxPool,
     };
     let data = |n: usize| (0..n).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<f32>>();
     let mut group = c.benchmark_group("kernels");
@@ -175,6 +175,11 @@ fn kernels(c: &mut Criterion) {
         let nchw = [3 * 224 * 224, 224 * 224, 224, 1];
         b.iter(|| direct_f32(&x, [1, 224, 224], nchw, &taps, &g, Some(&bias), Epilogue::Hardswish, &mut out))
     });
+    // resnet18's max pooling after its stem, at a 64×64 input.
+    let pool = MaxPool { kernel: [3, 3], stride: [2, 2], padding: [1, 1] };
+    let (x, mut out) = (data(32 * 32 * 64), vec![0.0; 16 * 16 * 64]);
+    group.throughput(Throughput::Elements((16 * 16 * 64 * 9) as u64));
+    group.bench_function("max_pool/64x32x32/k3s2", |b| b.iter(|| max_pool_f32(&x, [1, 32, 32, 64], &pool, &mut out)));
     // A small transformer's attention: 4 heads of 64 over 32 tokens, read as the transposed
     // views of a projection.
     let (heads, l, e) = (4usize, 32usize, 64usize);

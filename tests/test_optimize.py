@@ -748,3 +748,39 @@ def test_fast_runs_layer_norm_on_kwexports_kernel(tmp_path):
         # Only the first runs kwexport's kernel: the others lack an affine part, a contiguous
         # input or float32.
         assert [e.name for e in prof.events()].count("aten::layer_norm") == 3
+
+
+class Pools(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)  # channels-last at `fast`
+        return (
+            nn.functional.max_pool2d(y, 3, 2, 1),
+            nn.functional.max_pool2d(y, (2, 3), (1, 2), (0, 1)),
+            nn.functional.max_pool2d(y, 2),
+            nn.functional.max_pool2d(y, 3, 2, 1, ceil_mode=True),
+            nn.functional.max_pool2d(x, 3, 2, 1),
+        )
+
+
+def test_fast_max_pooling_matches_eager(tmp_path):
+    torch.manual_seed(0)
+    model, x = Pools().eval(), torch.randn(2, 3, 11, 10)
+    x[0, 1, 4, 4] = float("nan")
+    path = tmp_path / "pools.kwx"
+    kwexport.save(kwexport.export(model, (x,)), path)
+    fast = kwexport.load(path, optimize="fast")
+    with torch.no_grad():
+        want = model(x)
+    with torch.profiler.profile() as prof:
+        got = fast(x)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert torch.equal(g.isnan(), w.isnan()) and rel_err(g.nan_to_num(), w.nan_to_num()) < 1e-6
+    if has_avx512() and torch.backends.mkldnn.is_available():
+        # kwexport's loop on the channels-last convolution outputs; torch's op for ceil mode
+        # and for the NCHW input.
+        assert [e.name for e in prof.events()].count("aten::max_pool2d") == 2

@@ -624,6 +624,8 @@ impl CStep {
         match own {
             // SAFETY: live handles from slots and constants.
             OwnOp::GlobalAvgPool => unsafe { abi.global_avg_pool(tensor(0)??) },
+            // SAFETY: as above.
+            OwnOp::MaxPool(pool) => unsafe { abi.max_pool(tensor(0)??, &pool) },
             OwnOp::Attention { causal, scale } => {
                 let qkv = [tensor(0)??, tensor(1)??, tensor(2)??];
                 // SAFETY: as above.

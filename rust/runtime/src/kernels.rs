@@ -488,7 +488,7 @@ pub fn attention_f32(
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::Epilogue;
+    use super::{inside, Epilogue};
 
     /// `e^x` in each lane, for `x` clamped to [-87, 88] (float32's normal range): `2^n e^r`
     /// with `r = x - n ln 2` in [-ln2/2, ln2/2], `e^r` by its Taylor series to `r^7`
@@ -613,16 +613,6 @@ mod avx512 {
             }
             i += 16;
         }
-    }
-
-    /// Along one dimension, for output `o` at stride `s` and padding `p` of a `k`-tap kernel
-    /// over `size` inputs: the first tap's input position (negative in the padding), and the
-    /// range of taps inside the input.
-    fn inside(o: usize, s: usize, p: usize, k: usize, size: usize) -> (isize, usize, usize) {
-        let start = (o * s) as isize - p as isize;
-        let first = (-start).max(0) as usize;
-        let last = ((size as isize - start).min(k as isize)).max(0) as usize;
-        (start, first, last.max(first))
     }
 
     /// Whether the four output pixels from `ox` (of `wo`) all have every tap of their kernel
@@ -797,6 +787,54 @@ mod avx512 {
             }
         }
         true
+    }
+
+    /// See `super::max_pool_f32`.
+    ///
+    /// # Safety
+    /// AVX-512F must be present; the slices must hold what the sizes say.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn max_pool(
+        x: &[f32],
+        [batch, h, w, c]: [usize; 4],
+        pool: &super::MaxPool,
+        [ho, wo]: [usize; 2],
+        out: &mut [f32],
+    ) {
+        let (xp, op) = (x.as_ptr(), out.as_mut_ptr());
+        let [sy, sx] = pool.stride;
+        // SAFETY (all below): every pixel read is inside the image (`inside`), every lane past
+        // `c` masked.
+        unsafe {
+            let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+            for b in 0..batch {
+                let image = xp.add(b * h * w * c);
+                for oy in 0..ho {
+                    let (y0, ky0, ky1) = inside(oy, sy, pool.padding[0], pool.kernel[0], h);
+                    for ox in 0..wo {
+                        let (x0, kx0, kx1) = inside(ox, sx, pool.padding[1], pool.kernel[1], w);
+                        let o = op.add(((b * ho + oy) * wo + ox) * c);
+                        let mut ch = 0;
+                        while ch < c {
+                            let mask = lanes(c - ch);
+                            let mut m = neg_inf;
+                            for ky in ky0..ky1 {
+                                let row = image.add((y0 + ky as isize) as usize * w * c);
+                                for kx in kx0..kx1 {
+                                    let v = _mm512_maskz_loadu_ps(mask, row.add((x0 + kx as isize) as usize * c + ch));
+                                    // NaN wins, as in torch's comparison (`v > m || isnan(v)`).
+                                    let take = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(v, m)
+                                        | _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+                                    m = _mm512_mask_mov_ps(m, take, v);
+                                }
+                            }
+                            _mm512_mask_storeu_ps(o.add(ch), mask, m);
+                            ch += 16;
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// See `super::depthwise_f32`.
@@ -1334,6 +1372,55 @@ mod avx512 {
     }
 }
 
+/// A max pooling's window: `[kh, kw]` taps at `stride`, the input padded by `padding` (which
+/// takes no part: torch pads with -inf), no dilation, output sizes rounded down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MaxPool {
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+}
+
+impl MaxPool {
+    /// The output's height and width for an input's; `None` where torch would refuse the
+    /// window (padding over half the kernel, an empty output).
+    pub fn output(&self, h: usize, w: usize) -> Option<[usize; 2]> {
+        let half = |k: usize, p: usize| 2 * p <= k;
+        if !half(self.kernel[0], self.padding[0]) || !half(self.kernel[1], self.padding[1]) {
+            return None;
+        }
+        output_size([h, w], self.kernel, self.stride, self.padding).filter(|o| o[0] > 0 && o[1] > 0)
+    }
+}
+
+/// Max pooling of `x` (channels-last `[batch, h, w, c]`) into `out` (channels-last `[batch,
+/// ho, wo, c]`): each output the largest of its window's inputs inside the image, NaN where
+/// any is (as torch's kernel). Returns `false` where the slices don't fit the sizes or this
+/// CPU lacks AVX-512.
+pub fn max_pool_f32(x: &[f32], dims: [usize; 4], pool: &MaxPool, out: &mut [f32]) -> bool {
+    let [batch, h, w, c] = dims;
+    let Some([ho, wo]) = pool.output(h, w) else { return false };
+    let fits = x.len() >= batch * h * w * c && out.len() >= batch * ho * wo * c;
+    #[cfg(target_arch = "x86_64")]
+    if fits && has_gemm() {
+        // SAFETY: AVX-512F is present, and both slices hold what the sizes say (checked).
+        unsafe { avx512::max_pool(x, dims, pool, [ho, wo], out) };
+        return true;
+    }
+    let _ = (fits, x, out);
+    false
+}
+
+/// Along one dimension, for output `o` at stride `s` and padding `p` of a `k`-tap window over
+/// `size` inputs: the first tap's input position (negative in the padding), and the range of
+/// taps inside the input.
+fn inside(o: usize, s: usize, p: usize, k: usize, size: usize) -> (isize, usize, usize) {
+    let start = (o * s) as isize - p as isize;
+    let first = (-start).max(0) as usize;
+    let last = ((size as isize - start).min(k as isize)).max(0) as usize;
+    (start, first, last.max(first))
+}
+
 /// The mean of each of `out.len()` channels over `pixels` channels-last pixels (`x`: `[pixels,
 /// c]`): summed pixel by pixel from zero, then divided by the count. torch's `mean` sums in a
 /// cascade of partial sums past 16 pixels, so the two differ by float32 rounding there.
@@ -1406,6 +1493,47 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn max_pool_takes_each_windows_largest_inside_the_image() {
+        if !has_gemm() {
+            return;
+        }
+        for (pool, [h, w]) in [
+            (MaxPool { kernel: [3, 3], stride: [2, 2], padding: [1, 1] }, [8, 7]),
+            (MaxPool { kernel: [2, 3], stride: [1, 2], padding: [0, 1] }, [5, 6]),
+            (MaxPool { kernel: [3, 3], stride: [3, 3], padding: [0, 0] }, [3, 3]),
+        ] {
+            let (batch, c) = (2, 19);
+            let mut x: Vec<f32> = (0..batch * h * w * c).map(|i| ((i * 7919) % 1013) as f32 - 500.0).collect();
+            x[c + 3] = f32::NAN;
+            let [ho, wo] = pool.output(h, w).unwrap();
+            let mut out = vec![0.0; batch * ho * wo * c];
+            assert!(max_pool_f32(&x, [batch, h, w, c], &pool, &mut out));
+            for b in 0..batch {
+                for (oy, ox, ch) in (0..ho).flat_map(|y| (0..wo).flat_map(move |x| (0..c).map(move |ch| (y, x, ch)))) {
+                    let mut want = f32::NEG_INFINITY;
+                    let mut nan = false;
+                    for ky in 0..pool.kernel[0] {
+                        for kx in 0..pool.kernel[1] {
+                            let iy = (oy * pool.stride[0] + ky) as isize - pool.padding[0] as isize;
+                            let ix = (ox * pool.stride[1] + kx) as isize - pool.padding[1] as isize;
+                            if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
+                                continue;
+                            }
+                            let v = x[((b * h + iy as usize) * w + ix as usize) * c + ch];
+                            nan |= v.is_nan();
+                            want = want.max(v);
+                        }
+                    }
+                    let got = out[((b * ho + oy) * wo + ox) * c + ch];
+                    assert!(if nan { got.is_nan() } else { got == want }, "{pool:?} {b} {oy} {ox} {ch}");
+                }
+            }
+        }
+        let bad = MaxPool { kernel: [2, 2], stride: [1, 1], padding: [2, 2] };
+        assert_eq!(bad.output(4, 4), None, "padding over half the kernel");
     }
 
     #[test]

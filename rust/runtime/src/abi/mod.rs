@@ -893,6 +893,32 @@ impl Abi {
             .then_some(Ok(out))
     }
 
+    /// kwexport's max pooling (`kernels::max_pool_f32`) of `x`, a float32 CPU `[N, C, H, W]`
+    /// tensor laid out channels-last: a new channels-last tensor, or `None` where `x` doesn't
+    /// qualify (the caller runs torch's op, which also says why a window doesn't fit).
+    ///
+    /// # Safety
+    /// `x` must be a live handle.
+    pub unsafe fn max_pool(&self, x: Raw, pool: &crate::kernels::MaxPool) -> Option<Result<Tensor, CError>> {
+        // SAFETY: a live handle.
+        let (xs, [batch, h, w], c) = unsafe {
+            if self.shims.as_ref()?.dim(x)? != 4 {
+                return None;
+            }
+            let c = usize::try_from(self.size(x, 1)?).ok()?;
+            let (xs, dims) = self.channels_last_f32(x, c)?;
+            (xs, dims, c)
+        };
+        let [ho, wo] = pool.output(h, w)?;
+        let mut out = match self.empty_channels_last([batch, c, ho, wo]) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        // SAFETY: the new output of that many elements.
+        let os = unsafe { self.floats_mut(&mut out, batch * ho * wo * c) }?;
+        crate::kernels::max_pool_f32(xs, [batch, h, w, c], pool, os).then_some(Ok(out))
+    }
+
     /// A direct convolution (`kernels::direct_f32`) on `x`, a float32 CPU `[N, C, H, W]`
     /// tensor of any layout, with the weight as `taps` (`[C * kh * kw, out]`), `bias`
     /// (`[out]`) and `epilogue`: a new channels-last `[N, out, Ho, Wo]` tensor. `None` where

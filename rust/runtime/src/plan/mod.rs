@@ -148,6 +148,10 @@ pub enum OwnOp {
     /// (`kernels::attention_f32`): the mask (argument 3) as the call gives it, or the causal
     /// triangle, and the scale where the node sets one.
     Attention { causal: bool, scale: Option<f64> },
+    /// `max_pool2d` without dilation or ceil mode on a channels-last float32 CPU tensor
+    /// (`kernels::max_pool_f32`; torch's channels-last kernel sets up per call and runs at a
+    /// fifth of the speed on resnet18's stem pooling).
+    MaxPool(crate::kernels::MaxPool),
 }
 
 /// A node run through one of torch's per-op C shims (see `shims`).

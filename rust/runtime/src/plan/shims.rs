@@ -236,6 +236,35 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg]) -> Option<super::OwnOp> 
             Some(super::OwnOp::GlobalAvgPool)
         }
         (
+            ("aten::max_pool2d", ""),
+            [SlotArg::Value(_), kernel, stride, padding, dilation, SlotArg::Literal(Arg::Bool(false))],
+        ) => {
+            let pair = |a: &SlotArg| -> Option<[usize; 2]> {
+                let SlotArg::List(items) = a else { return None };
+                let v = items
+                    .iter()
+                    .map(|i| match i {
+                        SlotArg::Literal(Arg::Int(v)) => usize::try_from(*v).ok(),
+                        _ => None,
+                    })
+                    .collect::<Option<Vec<usize>>>()?;
+                match v.as_slice() {
+                    [a] => Some([*a, *a]),
+                    [a, b] => Some([*a, *b]),
+                    _ => None,
+                }
+            };
+            let kernel = pair(kernel)?;
+            // torch's default stride is the kernel's (an empty list).
+            let stride = match stride {
+                SlotArg::List(items) if items.is_empty() => kernel,
+                _ => pair(stride)?,
+            };
+            let (padding, dilation) = (pair(padding)?, pair(dilation)?);
+            let valid = dilation == [1, 1] && !kernel.contains(&0) && !stride.contains(&0);
+            valid.then_some(super::OwnOp::MaxPool(crate::kernels::MaxPool { kernel, stride, padding }))
+        }
+        (
             ("aten::scaled_dot_product_attention", ""),
             [SlotArg::Value(_), SlotArg::Value(_), SlotArg::Value(_), mask, dropout, SlotArg::Literal(Arg::Bool(causal)), scale, gqa],
         ) => {
