@@ -1831,7 +1831,8 @@ mod attention_tests {
             // And masks that vary along the queries only (BERT's: keys at stride 0).
             let rows: Vec<u8> = (0..l).map(|i| u8::from(i % 4 != 3)).collect();
             let row_add: Vec<f32> = (0..l).map(|i| (i as f32).cos()).collect();
-            let cases: [(AttentionMask, &dyn Fn(usize, usize, usize, usize) -> Option<f64>); 6] = [
+            type Case<'a> = (AttentionMask<'a>, &'a dyn Fn(usize, usize, usize, usize) -> Option<f64>);
+            let cases: [Case; 6] = [
                 (AttentionMask::None, &|_, _, _, _| Some(0.0)),
                 (AttentionMask::Causal, &|_, _, i, j| (j <= i).then_some(0.0)),
                 (AttentionMask::Bool(&keep, [s, 0, 0, 1]), &|b, _, _, j| (keep[b * s + j] != 0).then_some(0.0)),

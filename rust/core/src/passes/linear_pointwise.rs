@@ -169,7 +169,8 @@ mod tests {
 
     #[test]
     fn leaves_near_misses_alone() {
-        let cases: [(&str, serde_json::Value, fn(&mut serde_json::Value)); 6] = [
+        type Case = (&'static str, serde_json::Value, fn(&mut serde_json::Value));
+        let cases: [Case; 6] = [
             // The linear's output read elsewhere too.
             ("aten::silu.default", json!([]), |h| {
                 h["methods"]["forward"]["graph"]["outputs"] = json!([{"ref": "y"}, {"ref": "h"}])

@@ -1323,24 +1323,6 @@ impl Drop for Tensor {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn storage_bounds() {
-        assert_eq!(storage_fits(&[2, 4], &[4, 1], 0, 4, 32), Storage::Fits);
-        assert_eq!(storage_fits(&[2, 4], &[4, 1], 0, 4, 0), Storage::TooSmall { needs: 32, has: 0 });
-        assert_eq!(storage_fits(&[2, 4], &[1, 2], 0, 4, 32), Storage::Fits);
-        assert_eq!(storage_fits(&[2, 4], &[1, 2], 1, 4, 32), Storage::TooSmall { needs: 36, has: 32 });
-        assert_eq!(storage_fits(&[0, 4], &[4, 1], 0, 4, 0), Storage::Fits);
-        assert_eq!(storage_fits(&[], &[], 3, 8, 32), Storage::Fits);
-        assert_eq!(storage_fits(&[], &[], 4, 8, 32), Storage::TooSmall { needs: 40, has: 32 });
-        assert_eq!(storage_fits(&[3], &[0], 0, 4, 4), Storage::Fits); // expanded
-        assert_eq!(storage_fits(&[i64::MAX], &[i64::MAX], 0, 4, 4), Storage::TooSmall { needs: i64::MAX, has: 4 });
-    }
-}
-
 /// A matrix weight packed into the GEMM's panels on its first use (`Abi::pack_matrix_panels`),
 /// not at load: a load copies no weight, and a weight no call reaches is never packed. One
 /// per weight, shared by the nodes that read it.
@@ -1361,5 +1343,23 @@ impl Panels {
     pub fn get(&self, abi: &Abi, consts: &[Tensor]) -> Option<Raw> {
         let packed = self.packed.get_or_init(|| abi.pack_matrix_panels(consts.get(self.weight)?, self.transpose));
         packed.as_ref().map(Tensor::raw)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn storage_bounds() {
+        assert_eq!(storage_fits(&[2, 4], &[4, 1], 0, 4, 32), Storage::Fits);
+        assert_eq!(storage_fits(&[2, 4], &[4, 1], 0, 4, 0), Storage::TooSmall { needs: 32, has: 0 });
+        assert_eq!(storage_fits(&[2, 4], &[1, 2], 0, 4, 32), Storage::Fits);
+        assert_eq!(storage_fits(&[2, 4], &[1, 2], 1, 4, 32), Storage::TooSmall { needs: 36, has: 32 });
+        assert_eq!(storage_fits(&[0, 4], &[4, 1], 0, 4, 0), Storage::Fits);
+        assert_eq!(storage_fits(&[], &[], 3, 8, 32), Storage::Fits);
+        assert_eq!(storage_fits(&[], &[], 4, 8, 32), Storage::TooSmall { needs: 40, has: 32 });
+        assert_eq!(storage_fits(&[3], &[0], 0, 4, 4), Storage::Fits); // expanded
+        assert_eq!(storage_fits(&[i64::MAX], &[i64::MAX], 0, 4, 4), Storage::TooSmall { needs: i64::MAX, has: 4 });
     }
 }

@@ -12,16 +12,20 @@ use pyo3::prelude::*;
 use super::{build, Context};
 use crate::errors::RtResult;
 
-/// The graph a call runs and the weights it reads: `graph` and `cx.weights` where nothing
-/// folds, or where the folded nodes fail or return something other than tensors (a call
-/// then meets the same nodes as it would have). Run with grad mode off: the values are
-/// constants, never part of what a call differentiates.
+/// A graph with its constants folded, and the weights it reads: the file's, and the folded
+/// values.
+pub type Folded = (SlotGraph, BTreeMap<String, Py<PyAny>>);
+
+/// The graph a call runs and the weights it reads; `None` where nothing folds, or where the
+/// folded nodes fail or return something other than tensors (a call then meets the same
+/// nodes as it would have). Run with grad mode off: the values are constants, never part of
+/// what a call differentiates.
 pub fn constants(
     cx: &Context<'_, '_>,
     graph: &SlotGraph,
     ops: &[OpEntry],
     is_state: impl Fn(&str) -> bool,
-) -> RtResult<Option<(SlotGraph, BTreeMap<String, Py<PyAny>>)>> {
+) -> RtResult<Option<Folded>> {
     let py = cx.torch.py();
     let name = |slot: usize| format!("<constant {slot}>");
     if cx.weights.keys().any(|w| w.starts_with("<constant ")) {
