@@ -27,8 +27,8 @@ def fold_batch_norms(weights: dict[str, Any], folds: list[dict[str, Any]]) -> di
     return new
 
 
-# The post-ops of oneDNN's fused convolution, as torch computes them
-# (rust/core/src/passes/conv_pointwise.rs's ACTIVATIONS).
+# The post-ops of oneDNN's fused convolution and linear, as torch computes them
+# (rust/core/src/passes/mod.rs's POST_OPS; GELU, with its approximation, in _linear_pointwise).
 def _post_op(attr: str) -> Any:
     import torch
 

@@ -20,20 +20,8 @@ use crate::schema::{Arg, Document, Method, Node};
 /// The op a lowered convolution runs.
 pub const FUSED: &str = crate::tables::PASS_OPS[0];
 
-/// Activations oneDNN applies as a post-op, by op, with its name for them (`attr`). Each
-/// takes only its input.
-const ACTIVATIONS: &[(&str, &str)] = &[
-    ("aten::relu.default", "relu"),
-    ("aten::relu_.default", "relu"),
-    ("aten::hardswish.default", "hardswish"),
-    ("aten::hardswish_.default", "hardswish"),
-    ("aten::hardsigmoid.default", "hardsigmoid"),
-    ("aten::hardsigmoid_.default", "hardsigmoid"),
-    ("aten::silu.default", "swish"),
-    ("aten::silu_.default", "swish"),
-    ("aten::sigmoid.default", "sigmoid"),
-    ("aten::tanh.default", "tanh"),
-];
+/// The post-ops (`super::POST_OPS`) a lowered convolution takes, each of its input only.
+const ACTIVATIONS: &[&str] = &["relu", "hardswish", "hardsigmoid", "swish", "sigmoid", "tanh"];
 
 /// Lowers every qualifying 2-D convolution of each method's top-level graph (1×1 ones with
 /// stride 1, no padding and one group only with `gemm`); returns how many.
@@ -84,7 +72,7 @@ fn find(m: &Method, gemm: bool, weight_shape: impl Fn(&str) -> Option<Vec<i64>>)
         }
         let activation = sole_reader(&readers, conv).and_then(|ai| {
             let a = &g.nodes[ai];
-            let attr = ACTIVATIONS.iter().find(|(op, _)| op_of(a) == Some(op))?.1;
+            let attr = super::post_op(op_of(a), ACTIVATIONS)?;
             (a.args.len() == 1 && a.kwargs.is_empty()).then_some((ai, attr))
         });
         let (x, bias) = (conv.args[0].clone(), conv.args.get(2).cloned().unwrap_or(Arg::None(())));

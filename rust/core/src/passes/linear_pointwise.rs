@@ -15,15 +15,9 @@ use crate::schema::{Arg, Document, Method, Node};
 /// The op a fused linear runs.
 pub const FUSED: &str = crate::tables::PASS_OPS[1];
 
-/// Activations the fused op applies, by op, with oneDNN's name for them (`attr`).
-const ACTIVATIONS: &[(&str, &str)] = &[
-    ("aten::relu.default", "relu"),
-    ("aten::relu_.default", "relu"),
-    ("aten::silu.default", "swish"),
-    ("aten::silu_.default", "swish"),
-    ("aten::gelu.default", "gelu"),
-    ("aten::gelu_.default", "gelu"),
-];
+/// The post-ops (`super::POST_OPS`) a fused linear takes: those kwexport's GEMM applies
+/// where transformers and MLPs use them.
+const ACTIVATIONS: &[&str] = &["relu", "swish", "gelu"];
 
 /// Fuses every linear of each method's top-level graph whose float32 weight isn't state and
 /// whose output only an activation reads; returns how many.
@@ -75,7 +69,7 @@ fn find(m: &Method, is_weight: impl Fn(&str) -> bool) -> Vec<(usize, usize, Node
         }
         let Some(ai) = sole_reader(&readers, linear) else { continue };
         let a = &g.nodes[ai];
-        let Some(&(_, attr)) = ACTIVATIONS.iter().find(|(op, _)| op_of(a) == Some(op)) else { continue };
+        let Some(attr) = super::post_op(op_of(a), ACTIVATIONS) else { continue };
         let Some(algorithm) = algorithm(attr, a) else { continue };
         let node = Node {
             op: 0,

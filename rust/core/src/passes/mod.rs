@@ -133,6 +133,29 @@ pub fn apply(doc: &mut Document, level: Level, target: Target) -> Rewrites {
     rewrites
 }
 
+/// The activations oneDNN's fused ops apply as a post-op, by op, with oneDNN's name for them
+/// (`attr`): the one table `conv_pointwise` and `linear_pointwise` read, each taking the
+/// names it lowers. GELU's approximation rides in the node's arguments.
+const POST_OPS: &[(&str, &str)] = &[
+    ("aten::relu.default", "relu"),
+    ("aten::relu_.default", "relu"),
+    ("aten::hardswish.default", "hardswish"),
+    ("aten::hardswish_.default", "hardswish"),
+    ("aten::hardsigmoid.default", "hardsigmoid"),
+    ("aten::hardsigmoid_.default", "hardsigmoid"),
+    ("aten::silu.default", "swish"),
+    ("aten::silu_.default", "swish"),
+    ("aten::sigmoid.default", "sigmoid"),
+    ("aten::tanh.default", "tanh"),
+    ("aten::gelu.default", "gelu"),
+    ("aten::gelu_.default", "gelu"),
+];
+
+/// oneDNN's name for the activation op `op`, where it is one of `attrs`.
+fn post_op(op: Option<&str>, attrs: &[&str]) -> Option<&'static str> {
+    POST_OPS.iter().find(|(name, attr)| op == Some(*name) && attrs.contains(attr)).map(|(_, attr)| *attr)
+}
+
 /// The index of op `name` in a method's op table, added if missing (a pass's new node).
 fn op_index(ops: &mut Vec<crate::schema::OpEntry>, name: &str) -> usize {
     match ops.iter().position(|o| o.name == name) {
