@@ -620,8 +620,7 @@ impl Abi {
             ([n, k, 1, 1], [s0, s1, ..], true) => ([*n, *k, 1, 1], [*s0, *s1, 0, 0]),
             _ => return None,
         };
-        let four = |v: [i64; 4]| v.map(|d| d as usize);
-        self.pack_panels_of(weight.raw(), four(shape), four(strides))
+        self.pack_panels_of(weight.raw(), four(&shape)?, four(&strides)?)
     }
 
     /// kwexport's linear kernel on `x` (`[m, k]`), the weight's `panels` (`[ceil(n / 64), k,
@@ -821,10 +820,7 @@ impl Abi {
         let dims = |t: Raw| -> Option<([usize; 4], [usize; 4])> {
             // SAFETY: the caller's live handles.
             let (sizes, strides) = unsafe { self.sizes_strides(t) }?;
-            let sizes: [usize; 4] =
-                sizes.iter().map(|&d| usize::try_from(d).ok()).collect::<Option<Vec<_>>>()?.try_into().ok()?;
-            let strides: [usize; 4] =
-                strides.iter().map(|&d| usize::try_from(d).ok()).collect::<Option<Vec<_>>>()?.try_into().ok()?;
+            let (sizes, strides) = (four(&sizes)?, four(&strides)?);
             (strides[3] == 1 || sizes[3] == 1).then_some((sizes, strides))
         };
         // SAFETY: the caller's live handles.
@@ -946,10 +942,7 @@ impl Abi {
             let (sizes, strides) = self.sizes_strides(x)?;
             (ts, bs, sizes, strides)
         };
-        let to_usize = |v: &Vec<i64>| -> Option<[usize; 4]> {
-            v.iter().map(|&v| usize::try_from(v).ok()).collect::<Option<Vec<_>>>()?.try_into().ok()
-        };
-        let ([batch, c, h, w], strides) = (to_usize(&sizes)?, to_usize(&strides)?);
+        let ([batch, c, h, w], strides) = (four(&sizes)?, four(&strides)?);
         if c != cin || batch == 0 || h == 0 || w == 0 {
             return None;
         }
@@ -1006,11 +999,7 @@ impl Abi {
     pub fn pack_conv_panels(&self, weight: &Tensor) -> Option<Tensor> {
         // SAFETY: a live handle.
         let (sizes, strides) = unsafe { self.sizes_strides(weight.raw()) }?;
-        let shape: [usize; 4] =
-            sizes.iter().map(|&v| usize::try_from(v).ok()).collect::<Option<Vec<_>>>()?.try_into().ok()?;
-        let strides: [usize; 4] =
-            strides.iter().map(|&v| usize::try_from(v).ok()).collect::<Option<Vec<_>>>()?.try_into().ok()?;
-        self.pack_panels_of(weight.raw(), shape, strides)
+        self.pack_panels_of(weight.raw(), four(&sizes)?, four(&strides)?)
     }
 
     /// `kernels::pack_conv_panels` of a float32 CPU `[n, cin, kh, kw]` weight at `strides`.
@@ -1321,6 +1310,12 @@ impl Drop for Tensor {
         // SAFETY: an owned handle, deleted once.
         unsafe { (self.1)(self.0) };
     }
+}
+
+/// Four sizes or strides as the kernels take them; `None` for another count or a negative.
+fn four(v: &[i64]) -> Option<[usize; 4]> {
+    let v: Vec<usize> = v.iter().map(|&d| usize::try_from(d).ok()).collect::<Option<_>>()?;
+    v.try_into().ok()
 }
 
 /// A matrix weight packed into the GEMM's panels on its first use (`Abi::pack_matrix_panels`),

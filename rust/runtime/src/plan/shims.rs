@@ -107,6 +107,24 @@ pub(super) fn compile(
     };
     let bias_given = matches!(bound.get(2), Some(a) if !matches!(a, SlotArg::Literal(Arg::None(()))));
     let aten = |f, tensors, scalars| ShimUse { family: Family::Aten, ..cpu(f, tensors, scalars, false, false) };
+    // `linear(x, W, bias?)` as `addmm(bias, x, W.t())` or `mm(x, W.t())` on the input folded
+    // into a matrix, as at::linear runs it; `packed` where kwexport's GEMM is a candidate.
+    let linear = |packed: bool| match bias_given {
+        true => ShimUse {
+            tensors: vec![Operand::Arg(2), Operand::Arg(0), Operand::WeightT(1)],
+            dims: Some((1, 2)),
+            fold: true,
+            packed: packed.then_some(Pack { arg: 1, input: 1, transpose: true }),
+            ..cpu(shims.addmm_out, &[], &[], false, true)
+        },
+        false => ShimUse {
+            tensors: vec![Operand::Arg(0), Operand::WeightT(1)],
+            dims: Some((0, 2)),
+            fold: true,
+            packed: packed.then_some(Pack { arg: 1, input: 0, transpose: true }),
+            ..cpu(shims.mm_out, &[], &[], false, true)
+        },
+    };
     if !on_cpu {
         let (uses, negate) = match name {
             ("aten::add", "Tensor") => (aten(shims.subtract_tensor, &[0, 1], &[2]), true),
@@ -138,15 +156,10 @@ pub(super) fn compile(
         // Only `optimize="fast"` makes this node (`passes::rms_norm`): kwexport's kernel, over
         // the last dimension, whose size rides along as a second scalar.
         ("aten::rms_norm", "") if bias_given => {
-            let [SlotArg::Literal(Arg::Int(n))] = (match bound.get(1)? {
-                SlotArg::List(items) => items.as_slice(),
-                _ => return None,
-            }) else {
-                return None;
-            };
+            let [n] = ints(bound.get(1)?)?[..] else { return None };
             let mut step =
                 shim_step(abi, op, node, bound, is_tensor, consts, cpu(shims.rms_norm, &[0, 2], &[3], false, false))?;
-            step.shim.as_mut()?.scalars.push(*n as f64);
+            step.shim.as_mut()?.scalars.push(n as f64);
             return Some(step);
         }
         // At `fast`, kwexport's kernel: torch's GELU spends ~6 µs setting up a oneDNN
@@ -167,19 +180,14 @@ pub(super) fn compile(
         // second scalar) where the weight and bias are given: torch's CPU layer norm takes
         // ~7 µs on a small model's `[32, 256]`, mostly in setting up.
         ("aten::layer_norm", "") if fast => {
-            let [SlotArg::Literal(Arg::Int(n))] = (match bound.get(1)? {
-                SlotArg::List(items) => items.as_slice(),
-                _ => return None,
-            }) else {
-                return None;
-            };
+            let [n] = ints(bound.get(1)?)?[..] else { return None };
             let given = |i: usize| matches!(bound.get(i), Some(SlotArg::Value(_)));
             if !(given(2) && given(3)) {
                 return None;
             }
             let uses = cpu(shims.layer_norm, &[0, 2, 3], &[4], false, false);
             let mut step = shim_step(abi, op, node, bound, is_tensor, consts, uses)?;
-            step.shim.as_mut()?.scalars.push(*n as f64);
+            step.shim.as_mut()?.scalars.push(n as f64);
             return Some(step);
         }
         // Only a `fast` load on a CPU with oneDNN and kwexport's GEMM makes this node
@@ -194,33 +202,9 @@ pub(super) fn compile(
                 return None;
             };
             let epilogue = Epilogue::of_linear(attr, algorithm).filter(|_| scalars.is_empty())?;
-            let (tensors, dims, f, input) = match bias_given {
-                true => (vec![Operand::Arg(2), Operand::Arg(0), Operand::WeightT(1)], (1, 2), shims.addmm_out, 1),
-                false => (vec![Operand::Arg(0), Operand::WeightT(1)], (0, 2), shims.mm_out, 0),
-            };
-            ShimUse {
-                tensors,
-                dims: Some(dims),
-                fold: true,
-                packed: Some(Pack { arg: 1, input, transpose: true }),
-                epilogue,
-                ..cpu(f, &[], &[], false, true)
-            }
+            ShimUse { epilogue, ..linear(true) }
         }
-        ("aten::linear", "") if bias_given => ShimUse {
-            tensors: vec![Operand::Arg(2), Operand::Arg(0), Operand::WeightT(1)],
-            dims: Some((1, 2)),
-            fold: true,
-            packed: fast.then_some(Pack { arg: 1, input: 1, transpose: true }),
-            ..cpu(shims.addmm_out, &[], &[], false, true)
-        },
-        ("aten::linear", "") => ShimUse {
-            tensors: vec![Operand::Arg(0), Operand::WeightT(1)],
-            dims: Some((0, 2)),
-            fold: true,
-            packed: fast.then_some(Pack { arg: 1, input: 0, transpose: true }),
-            ..cpu(shims.mm_out, &[], &[], false, true)
-        },
+        ("aten::linear", "") => linear(fast),
         _ => return None,
     };
     shim_step(abi, op, node, bound, is_tensor, consts, uses)
@@ -239,20 +223,14 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg]) -> Option<super::OwnOp> 
             ("aten::max_pool2d", ""),
             [SlotArg::Value(_), kernel, stride, padding, dilation, SlotArg::Literal(Arg::Bool(false))],
         ) => {
+            // One size for both dimensions, or one each, as torch takes them.
             let pair = |a: &SlotArg| -> Option<[usize; 2]> {
-                let SlotArg::List(items) = a else { return None };
-                let v = items
-                    .iter()
-                    .map(|i| match i {
-                        SlotArg::Literal(Arg::Int(v)) => usize::try_from(*v).ok(),
-                        _ => None,
-                    })
-                    .collect::<Option<Vec<usize>>>()?;
-                match v.as_slice() {
-                    [a] => Some([*a, *a]),
-                    [a, b] => Some([*a, *b]),
-                    _ => None,
-                }
+                let v = match ints(a)?[..] {
+                    [a] => [a, a],
+                    [a, b] => [a, b],
+                    _ => return None,
+                };
+                Some([usize::try_from(v[0]).ok()?, usize::try_from(v[1]).ok()?])
             };
             let kernel = pair(kernel)?;
             // torch's default stride is the kernel's (an empty list).
@@ -301,15 +279,7 @@ fn conv_step(
     else {
         return None;
     };
-    let pair = |a: &SlotArg| -> Option<[i64; 2]> {
-        match a {
-            SlotArg::List(items) => match items.as_slice() {
-                [SlotArg::Literal(Arg::Int(a)), SlotArg::Literal(Arg::Int(b))] => Some([*a, *b]),
-                _ => None,
-            },
-            _ => None,
-        }
-    };
+    let pair = |a: &SlotArg| -> Option<[i64; 2]> { ints(a)?.try_into().ok() };
     let (SlotArg::Literal(Arg::Int(groups)), SlotArg::Literal(Arg::Str(attr))) = (groups, attr) else { return None };
     let no_scalars = matches!(scalars, SlotArg::List(items) if items.is_empty());
     if !no_scalars
@@ -476,6 +446,18 @@ fn wrapped_overload(
         own: None,
         node: 0,
     })
+}
+
+/// A list of int literals (a size, a stride), `None` for anything else.
+fn ints(a: &SlotArg) -> Option<Vec<i64>> {
+    let SlotArg::List(items) = a else { return None };
+    items
+        .iter()
+        .map(|i| match i {
+            SlotArg::Literal(Arg::Int(v)) => Some(*v),
+            _ => None,
+        })
+        .collect()
 }
 
 /// A `Scalar` literal as the double a shim takes, if that double is exactly it: an int
