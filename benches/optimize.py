@@ -8,6 +8,7 @@ at d=256 on 32 tokens (no cache), and 8 x (Linear 256->256 + GELU) at batch 4. A
 saying so. Writes nothing; prints a Markdown table (BENCHMARKS.md, "Optimization levels").
 
     python benches/optimize.py [--peers ort,openvino,executorch,aoti]
+    python benches/optimize.py --bf16   # precision="bf16" beside OpenVINO's bf16
 """
 
 import tempfile
@@ -103,9 +104,10 @@ def ort_session(model, kwargs, tmp: Path):
     return lambda **_kw: sess.run(None, feed)
 
 
-def openvino_model(model, kwargs, tmp: Path):
+def openvino_model(model, kwargs, tmp: Path, precision: str = "f32"):
     """OpenVINO from ``ov.convert_model(exported_program)``, compiled for the CPU with one
-    inference thread and the f32 precision hint (it would pick bf16 on this CPU)."""
+    inference thread and the f32 precision hint (it would pick bf16 on this CPU; ``--bf16``
+    asks for that)."""
     try:
         import openvino as ov
     except ImportError:
@@ -119,7 +121,7 @@ def openvino_model(model, kwargs, tmp: Path):
         compiled = ov.Core().compile_model(
             ov.convert_model(ep),
             "CPU",
-            {"INFERENCE_NUM_THREADS": 1, "INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"},
+            {"INFERENCE_NUM_THREADS": 1, "INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY"},
         )
         request = compiled.create_infer_request()
         feed = [tensors[i.get_any_name()].numpy() for i in compiled.inputs]
@@ -228,11 +230,62 @@ def main(peers: list[str], models: list[str] | None = None, rounds: int = 3) -> 
             )
 
 
+def main_bf16(models: list[str] | None = None, rounds: int = 3) -> None:
+    """``precision="bf16"`` beside ``fast`` and OpenVINO at each precision hint, with each
+    bfloat16 result's largest difference from eager relative to its scale."""
+    torch.set_num_threads(1)
+    print(
+        "| model | `fast` | `bf16` | OpenVINO f32 | OpenVINO bf16 | `bf16` / `fast` "
+        "| `bf16` / OpenVINO bf16 | `bf16` rel. error | OpenVINO bf16 rel. error |"
+    )
+    print("| --- |" + " ---: |" * 8)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, build, make_inputs in MODELS:
+            if models and not any(m in name for m in models):
+                continue
+            torch.manual_seed(0)
+            model, kwargs = build().eval(), make_inputs()
+            path = Path(tmp) / "m.kwx"
+            kwexport.save(kwexport.export(model, (), kwargs), path)
+            runners = {
+                "fast": kwexport.load(path, optimize="fast"),
+                "bf16": kwexport.load(path, precision="bf16"),
+                "ov": openvino_model(model, kwargs, Path(tmp)),
+                "ov_bf16": openvino_model(model, kwargs, Path(tmp), "bf16"),
+            }
+            with torch.no_grad():
+                want = first(model(**kwargs))
+                errs = {}
+                for k in ("bf16", "ov_bf16"):
+                    if callable(runners[k]):
+                        got = torch.as_tensor(first(runners[k](**kwargs)))
+                        errs[k] = ((got - want).abs().max() / want.abs().max()).item()
+                best = {}
+                for _ in range(rounds):
+                    for k, f in runners.items():
+                        if callable(f):
+                            t = min(timeit.repeat(lambda f=f, kw=kwargs: f(**kw), number=5, repeat=5)) / 5
+                            best[k] = min(best.get(k, float("inf")), t)
+            ms = {k: v * 1e3 for k, v in best.items()}
+            cells = [f"{ms[k]:.2f} ms" if k in ms else (runners[k] or "not installed") for k in runners]
+            cells += [
+                f"{ms[a] / ms[b]:.2f}" if a in ms and b in ms else "–"
+                for a, b in [("bf16", "fast"), ("bf16", "ov_bf16")]
+            ]
+            cells += [f"{errs[k]:.1e}" if k in errs else "–" for k in ("bf16", "ov_bf16")]
+            print(f"| {name} | {' | '.join(cells)} |")
+
+
 if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", default="ort,openvino,executorch", help="comma-separated: " + ", ".join(PEERS))
     parser.add_argument("--models", help="comma-separated: only the models whose names contain one of these")
+    parser.add_argument("--bf16", action="store_true", help="precision='bf16' beside OpenVINO's bf16 instead")
     args = parser.parse_args()
-    main(args.peers.split(","), args.models.split(",") if args.models else None)
+    models = args.models.split(",") if args.models else None
+    if args.bf16:
+        main_bf16(models)
+    else:
+        main(args.peers.split(","), models)

@@ -61,7 +61,7 @@ fn load_as(py: Python<'_>, path: &Path, dispatch: Dispatch) -> PyResult<Program>
     Ok(load(
         py,
         path.to_str().unwrap(),
-        &LoadOptions::new(Vec::new(), dispatch, None, true, kwexport_core::passes::Level::Exact).unwrap(),
+        &LoadOptions::new(Vec::new(), dispatch, None, true, kwexport_core::passes::Level::Exact, false).unwrap(),
     )?)
 }
 
@@ -108,7 +108,8 @@ fn per_node_dispatch(c: &mut Criterion) {
 }
 
 /// kwexport's own kernels on plain slices, at the shapes `optimize="fast"` gives them: GELU
-/// over an MLP's activations, the small-batch linear at a decode step and at 32 tokens, and
+/// over an MLP's activations, the small-batch linear at a decode step and at 32 tokens (in
+/// float32 and bfloat16), and
 /// the convolutions of mobilenet_v3_small at 224×224 (1×1 as a GEMM over pixels, depthwise,
 /// and the RGB stem), resnet18's max pooling and a small transformer's attention.
 fn kernels(c: &mut Criterion) {
@@ -130,6 +131,17 @@ fn kernels(c: &mut Criterion) {
         group.throughput(Throughput::Elements((2 * m * k * n) as u64));
         group.bench_function(format!("linear/{m}x{k}x{n}"), |b| {
             b.iter(|| linear_f32(&x, m, k, &wt, n, Some(&bias), &mut out))
+        });
+    }
+    // The same linears on the bfloat16 GEMM (`precision="bf16"`), rounding the rows included.
+    for (m, k, n) in [(1, 256, 256), (4, 256, 256), (32, 256, 1024), (32, 1024, 256)] {
+        use kwexport_runtime::kernels::bf16;
+        let (x, bias, mut out) = (data(m * k), data(n), vec![0.0; m * n]);
+        let mut panels = vec![0u32; n.div_ceil(64) * k.div_ceil(2) * 64];
+        bf16::pack_panels(&data(n * k), [n, k, 1, 1], [k, 1, 0, 0], &mut panels);
+        group.throughput(Throughput::Elements((2 * m * k * n) as u64));
+        group.bench_function(format!("linear_bf16/{m}x{k}x{n}"), |b| {
+            b.iter(|| bf16::gemm(&x, m, k, &panels, n, Some(&bias), Epilogue::None, &mut out))
         });
     }
     // A fused linear's activation, as the GEMM stores (BERT's and Llama's MLPs).
@@ -165,6 +177,22 @@ fn kernels(c: &mut Criterion) {
         group.throughput(Throughput::Elements((2 * size * size * ch * k) as u64));
         group.bench_function(format!("indirect/{ch}x{size}x{size}/k3"), |b| {
             b.iter(|| indirect_f32(&x, [1, size, size], &panels, &g, Some(&bias), Epilogue::Relu, &mut out))
+        });
+        // The same in bfloat16 (`precision="bf16"`), rounding the input included.
+        let mut pairs = vec![0u32; ch.div_ceil(64) * 9 * ch.div_ceil(2) * 64];
+        kwexport_runtime::kernels::bf16::pack_panels(&data(k * ch), [ch, ch, 3, 3], [k, 9, 3, 1], &mut pairs);
+        group.bench_function(format!("indirect_bf16/{ch}x{size}x{size}/k3"), |b| {
+            b.iter(|| {
+                kwexport_runtime::kernels::bf16::indirect(
+                    &x,
+                    [1, size, size],
+                    &pairs,
+                    &g,
+                    Some(&bias),
+                    Epilogue::Relu,
+                    &mut out,
+                )
+            })
         });
     }
     let g = Conv2d::new([16, 3, 3, 3], [2, 2], [1, 1]).unwrap();

@@ -21,6 +21,12 @@ def rel_err(got, want):
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
+def kwexport_bf16_gemm() -> bool:
+    """Whether kwexport's bfloat16 GEMM runs here (AVX512-BF16)."""
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    return cpuinfo.exists() and "avx512_bf16" in cpuinfo.read_text()
+
+
 def has_avx512() -> bool:
     """Whether kwexport's own kernels run here (else torch's do, and results are eager's or
     oneDNN's)."""
@@ -784,3 +790,88 @@ def test_fast_max_pooling_matches_eager(tmp_path):
         # kwexport's loop on the channels-last convolution outputs; torch's op for ceil mode
         # and for the NCHW input.
         assert [e.name for e in prof.events()].count("aten::max_pool2d") == 2
+
+
+class WideNet(nn.Module):
+    """What `precision="bf16"` computes on kwexport's bfloat16 GEMM (the linears, the 3×3
+    and 1×1 convolutions), beside what stays float32 (the stem's few input channels, the
+    depthwise convolution)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 32, 3, padding=1)
+        self.conv = nn.Conv2d(32, 32, 3, padding=1)
+        self.depthwise = nn.Conv2d(32, 32, 3, padding=1, groups=32)
+        self.pointwise = nn.Conv2d(32, 32, 1)
+        self.wide = nn.Linear(32, 1024)
+        self.fc = nn.Linear(1024, 1024)
+        self.out = nn.Linear(1024, 10)
+
+    def forward(self, x):
+        h = self.conv(self.stem(x).relu()).relu()
+        h = self.pointwise(self.depthwise(h)) + h
+        return self.out(self.fc(self.wide(h.mean((2, 3))).relu()))
+
+
+def test_bf16_computes_products_in_bfloat16_within_tolerance(tmp_path):
+    torch.manual_seed(0)
+    model, x = WideNet().eval(), torch.randn(2, 3, 16, 16)
+    path = tmp_path / "wide.kwx"
+    kwexport.save(kwexport.export(model, (x,)), path)
+    with torch.no_grad():
+        want = model(x)
+    prog = kwexport.load(path, precision="bf16")
+    assert (prog.optimize, prog.precision) == ("fast", "bf16")
+    got = prog(x)
+    assert got.dtype == torch.float32
+    # bfloat16's rounding, and no more (a CPU without AVX512-BF16 runs float32 kernels).
+    assert rel_err(got, want) < 2e-2 and (rel_err(got, want) > 1e-5 or not kwexport_bf16_gemm())
+    # The kernels take float32 in and out: no cast runs around them.
+    assert "aten::_to_copy.default" not in {n["op"] for n in prog.profile(x)}
+    # The file keeps float32 weights: a plain load computes what eager does.
+    assert_same(kwexport.load(path)(x), want, bitwise=True)
+    fast = kwexport.load(path, optimize="fast")
+    assert (fast.precision, rel_err(fast(x), want) < 1e-5) == ("float32", True)
+
+
+@pytest.mark.parametrize("rows", [3, 100])
+def test_bf16_linears_run_on_kwexports_bfloat16_gemm(rows, tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 130), nn.GELU(), nn.Linear(130, 33), nn.ReLU(), nn.Linear(33, 7)).eval()
+    x = torch.randn(rows, 48)
+    path = tmp_path / "mlp.kwx"
+    kwexport.save(kwexport.export(model, (x,)), path)
+    with torch.no_grad():
+        want = model(x)
+    bf16 = kwexport.load(path, precision="bf16")
+    got = bf16(x)
+    assert rel_err(got, want) < 2e-2 and got.dtype == torch.float32
+    assert "aten::_to_copy.default" not in {n["op"] for n in bf16.profile(x)}
+    # Whichever kernel a node measured faster: torch's float32 one gives eager's values,
+    # kwexport's bfloat16 GEMM differs by bfloat16's rounding.
+    torch.save(x, tmp_path / "x.pt")
+    script = (
+        "import sys, torch, kwexport\n"
+        f"x = torch.load({str(tmp_path / 'x.pt')!r})\n"
+        f"torch.save(kwexport.load({str(path)!r}, precision='bf16')(x), sys.argv[1])\n"
+    )
+    outs = with_each_kernel(tmp_path, script)
+    assert rel_err(outs["torch"], want) < 1e-6
+    if kwexport_bf16_gemm():
+        assert 1e-5 < rel_err(outs["kwexport"], want) < 2e-2
+    # Under autograd, torch's ops run.
+    x.requires_grad_(True)
+    bf16(x).sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+
+
+def test_the_precision_is_checked_and_travels_with_pickles(tmp_path):
+    path = tmp_path / "m.kwx"
+    kwexport.save(kwexport.export(nn.Linear(2, 2), (torch.randn(1, 2),)), path)
+    with pytest.raises(ValueError, match=r"^precision must be 'float32' or 'bf16', not 'fp16'$"):
+        kwexport.load(path, precision="fp16")
+    prog = pickle.loads(pickle.dumps(kwexport.load(path, precision="bf16")))
+    assert (prog.optimize, prog.precision) == ("fast", "bf16")
+    method = pickle.loads(pickle.dumps(kwexport.load(path, precision="bf16").methods["forward"]))
+    assert method(torch.ones(1, 2)).shape == (1, 2)
+    assert kwexport.load(path).precision == "float32"

@@ -65,6 +65,7 @@ def load(
     device: str | torch.device | None = None,
     mmap: bool = True,
     optimize: str = "exact",
+    precision: str = "float32",
 ) -> Program:
     """Load a kwexport file. Parses and validates everything before returning; never
     unpickles, evaluates or imports anything named in the file.
@@ -92,9 +93,20 @@ def load(
     ``optimize="exact"`` runs the graph as exported, bitwise as eager does. ``"fast"`` lets
     kwexport change kernels and layouts for speed, within the tolerance ``docs/optimize.md``
     states per pass (convolution weights are held channels-last).
+
+    ``precision="bf16"`` runs the matrix products and convolutions that read float32 weights
+    in bfloat16, on torch's kernels (oneDNN's; fast where the CPU has AVX512-BF16 or AMX),
+    with weights cast once at load and everything else in float32, as torch's CPU autocast
+    does; it implies ``optimize="fast"``. The file's weights stay float32.
     """
     return _load(
-        os.fspath(path), allow_ops=list(allow_ops), dispatch=dispatch, device=device, mmap=mmap, optimize=optimize
+        os.fspath(path),
+        allow_ops=list(allow_ops),
+        dispatch=dispatch,
+        device=device,
+        mmap=mmap,
+        optimize=optimize,
+        precision=precision,
     )
 
 

@@ -146,7 +146,8 @@ def bench(
 ) -> dict[str, Any]:
     """Per optimization level: load, first-call and steady-call times, throughput on 1 and
     ``threads`` threads, and the ops that took the most of a profiled call, for one method
-    (by default the one ``prog(...)`` calls)."""
+    (by default the one ``prog(...)`` calls). A level is ``exact``, ``fast``, or ``bf16``
+    (``precision="bf16"``)."""
     args, kwargs = example_call(path, dims, shapes, method)
     method = method_name(json.loads(_rt.describe(os.fspath(path))["description"])["methods"], method)
     report: dict[str, Any] = {
@@ -157,7 +158,7 @@ def bench(
         "levels": {},
     }
     for level in levels:  # a level the runtime doesn't know fails here, before any timing
-        kwexport.load(path, optimize=level)
+        kwexport.load(path, **_load_options(level))
     for level in levels:
         prog, entry = _bench_level(
             path, level, method, args=args, kwargs=kwargs, threads=threads, seconds=seconds, top=top
@@ -167,14 +168,20 @@ def bench(
     return report
 
 
+def _load_options(level: str) -> dict[str, str]:
+    """``kwexport.load``'s options for a level of ``bench``."""
+    return {"precision": "bf16"} if level == "bf16" else {"optimize": level}
+
+
 def _bench_level(path, level, method, *, args, kwargs, threads, seconds, top) -> tuple[Any, dict[str, Any]]:
+    options = _load_options(level)
     loads = []
     for _ in range(20):
         t = time.perf_counter()
-        kwexport.load(path, optimize=level)
+        kwexport.load(path, **options)
         loads.append(time.perf_counter() - t)
     t = time.perf_counter()
-    file = kwexport.load(path, optimize=level)
+    file = kwexport.load(path, **options)
     prog = file[method]
     try:
         prog(*args, **kwargs)
@@ -219,7 +226,7 @@ def print_report(r: dict[str, Any]) -> None:
     shown = ", ".join(f"{k}={v}" for k, v in r["inputs"].items())
     print(f"inputs:       {shown}")
     for level, e in r["levels"].items():
-        print(f"optimize={level}:")
+        print("precision=bf16:" if level == "bf16" else f"optimize={level}:")
         d = e["dispatch"]
         print(f"  nodes:        {d['stable_abi']} on the C path, {d['python']} through Python")
         print(f"  load:         {e['load_ms']:.2f} ms (warm page cache, median of 20)")

@@ -6,7 +6,7 @@ and validates a file without torch; only ``convert`` imports torch (to read the 
     kwexport convert MODEL.pt2 NEW.kwx a torch.export file as a kwexport file (imports torch)
     kwexport optimize OLD NEW [--level fast] [--force]
                                        the graphs rewritten at a level, written once (imports torch)
-    kwexport bench PATH [--dim N=V] [--shape PATH=2x3] [--optimize exact,fast] [--json]
+    kwexport bench PATH [--dim N=V] [--shape PATH=2x3] [--optimize exact,fast,bf16] [--json]
                                        load, first and steady call, threads, per-op profile
 """
 
@@ -155,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--dim", action="append", default=[], metavar="NAME=N", help="a symbolic dimension's size")
     p_bench.add_argument("--shape", action="append", default=[], metavar="PATH=2x3", help="an input's whole shape")
     p_bench.add_argument(
-        "--optimize", default="exact", metavar="LEVELS", help="levels, comma-separated (default exact)"
+        "--optimize",
+        default="exact",
+        metavar="LEVELS",
+        help="levels, comma-separated: exact, fast, bf16 (default exact)",
     )
     p_bench.add_argument("--threads", type=int, default=2, help="threads to compare with one (default 2)")
     p_bench.add_argument("--seconds", type=float, default=1.0, help="time per measurement (default 1)")

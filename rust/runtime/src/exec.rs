@@ -493,7 +493,7 @@ impl CStep {
                 let ours = || unsafe {
                     match &own.kernel {
                         OwnKernel::Gemm { panels, n } => {
-                            abi.conv1x1(t[0], panels.get(abi, consts)?, *n, bias, own.epilogue)
+                            abi.conv1x1(t[0], panels.get(abi, consts)?, *n, bias, own.epilogue, panels.bf16)
                         }
                         OwnKernel::Depthwise { taps, geometry } => {
                             abi.depthwise(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
@@ -501,9 +501,9 @@ impl CStep {
                         OwnKernel::Direct { taps, geometry } => {
                             abi.direct_conv(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
                         }
-                        OwnKernel::Indirect { weight, geometry, panels } => {
-                            let panels = panels.get_or_init(|| abi.pack_conv_panels(&consts[*weight]));
-                            abi.indirect_conv(t[0], panels.as_ref()?.raw(), geometry, bias, own.epilogue)
+                        OwnKernel::Indirect { weight, geometry, panels, bf16 } => {
+                            let panels = panels.get_or_init(|| abi.pack_conv_panels(&consts[*weight], *bf16));
+                            abi.indirect_conv(t[0], panels.as_ref()?.raw(), geometry, bias, own.epilogue, *bf16)
                         }
                     }
                 };
@@ -756,13 +756,17 @@ unsafe fn choose_linear(
     let bias = (input == 1).then_some(t[0]);
     // SAFETY: live handles (the caller's).
     let rows = *unsafe { abi.contiguous_sizes(t[input]) }?.first()?;
-    if rows > SMALL_ROWS {
+    // bfloat16 panels (`precision="bf16"`) for any number of rows: their kernel does twice
+    // the float32 GEMM's arithmetic per instruction.
+    let bf16 = packed.panels.bf16;
+    if rows > SMALL_ROWS && !bf16 {
         return None;
     }
     // Packed here, the first time the node has few enough rows: a node that never does never
     // copies its weight.
     let panels = packed.panels.get(abi, consts)?;
-    choose(&packed.choices, rows, || unsafe { abi.linear(t[input], panels, packed.n, bias, epilogue) }, torch)
+    let ours = || unsafe { abi.linear(t[input], panels, packed.n, bias, epilogue, bf16) };
+    choose(&packed.choices, rows, ours, torch)
 }
 
 /// kwexport's GEMM (`ours`) or the other kernel (`theirs`) for a node, whichever measured

@@ -65,6 +65,7 @@ impl Fallback {
                 dispatch: Dispatch::Python,
                 on_cpu: p.on_cpu,
                 fast: false,
+                bf16: false,
             };
             let mut plan = plan::with_grad_mode(&torch, false, || plan::build(&cx, &p.graph, &p.leaf_is_tensor))??;
             if p.grad_weights {

@@ -58,7 +58,8 @@ use crate::errors::{IntoPyErr, RtError, RtResult};
 /// program (a torch device string or `torch.device`); by default it runs where it was
 /// exported.
 #[pyfunction]
-#[pyo3(signature = (path, *, allow_ops = Vec::new(), dispatch = "auto", device = None, mmap = true, optimize = "exact"))]
+#[pyo3(signature = (path, *, allow_ops = Vec::new(), dispatch = "auto", device = None, mmap = true, optimize = "exact", precision = "float32"))]
+#[allow(clippy::too_many_arguments)]
 fn load(
     py: Python<'_>,
     path: std::path::PathBuf,
@@ -67,6 +68,7 @@ fn load(
     device: Option<&Bound<'_, PyAny>>,
     mmap: bool,
     optimize: &str,
+    precision: &str,
 ) -> PyResult<program::Program> {
     let path = path.to_str().ok_or_else(|| PyValueError::new_err("path is not valid UTF-8"))?;
     let dispatch = plan::Dispatch::parse(dispatch).ok_or_else(|| {
@@ -75,8 +77,13 @@ fn load(
     let device = device.map(|d| normalize_device(py, d)).transpose()?;
     let optimize = kwexport_core::passes::Level::parse(optimize)
         .ok_or_else(|| PyValueError::new_err(format!("optimize must be 'exact' or 'fast', not '{optimize}'")))?;
+    let bf16 = match precision {
+        "float32" => false,
+        "bf16" => true,
+        _ => return Err(PyValueError::new_err(format!("precision must be 'float32' or 'bf16', not '{precision}'"))),
+    };
     let options =
-        program::LoadOptions::new(allow_ops, dispatch, device, mmap, optimize).map_err(PyValueError::new_err)?;
+        program::LoadOptions::new(allow_ops, dispatch, device, mmap, optimize, bf16).map_err(PyValueError::new_err)?;
     Ok(program::load(py, path, &options)?)
 }
 
@@ -115,7 +122,7 @@ fn stable_abi_available(py: Python<'_>) -> bool {
 
 /// Unpickles a `Program`: loads `path` and checks that its content hash is `digest`.
 #[pyfunction]
-#[pyo3(signature = (path, digest, allow_ops, dispatch, device = None, mmap = true, optimize = "exact"))]
+#[pyo3(signature = (path, digest, allow_ops, dispatch, device = None, mmap = true, optimize = "exact", precision = "float32"))]
 #[allow(clippy::too_many_arguments)]
 fn _load_verified(
     py: Python<'_>,
@@ -126,8 +133,9 @@ fn _load_verified(
     device: Option<&Bound<'_, PyAny>>,
     mmap: bool,
     optimize: &str,
+    precision: &str,
 ) -> PyResult<program::Program> {
-    let prog = load(py, path.clone(), allow_ops, dispatch, device, mmap, optimize)?;
+    let prog = load(py, path.clone(), allow_ops, dispatch, device, mmap, optimize, precision)?;
     if prog.digest(py) != digest {
         let found = prog.digest(py).to_owned();
         let path = path.display().to_string();
@@ -136,15 +144,15 @@ fn _load_verified(
     Ok(prog)
 }
 
+/// `_load_verified`'s arguments as a pickled method carries them (`program::PickledArgs`).
+type PickledFile<'py> =
+    (std::path::PathBuf, String, Vec<String>, String, Option<Bound<'py, PyAny>>, bool, String, String);
+
 /// Unpickles a `Method`: loads its file as `_load_verified` does and returns the method.
 #[pyfunction]
-fn _load_method<'py>(
-    py: Python<'py>,
-    name: &str,
-    file: (std::path::PathBuf, String, Vec<String>, String, Option<Bound<'py, PyAny>>, bool, String),
-) -> PyResult<Bound<'py, method::Method>> {
-    let (path, digest, allow_ops, dispatch, device, mmap, optimize) = file;
-    let prog = _load_verified(py, path, &digest, allow_ops, &dispatch, device.as_ref(), mmap, &optimize)?;
+fn _load_method<'py>(py: Python<'py>, name: &str, file: PickledFile<'py>) -> PyResult<Bound<'py, method::Method>> {
+    let (path, digest, allow_ops, dispatch, device, mmap, optimize, precision) = file;
+    let prog = _load_verified(py, path, &digest, allow_ops, &dispatch, device.as_ref(), mmap, &optimize, &precision)?;
     prog.method(py, name)
 }
 

@@ -115,7 +115,8 @@ impl Method {
         let on_cpu = file.placement.target == "cpu";
         let dispatch = file.options.dispatch;
         let fast = file.options.optimize == kwexport_core::passes::Level::Fast;
-        let mut cx = plan::Context { torch, ops: &ops, weights, subgraphs: &a.subgraphs, dispatch, on_cpu, fast };
+        let bf16 = file.options.bf16;
+        let mut cx = plan::Context { torch, ops: &ops, weights, subgraphs: &a.subgraphs, dispatch, on_cpu, fast, bf16 };
         // Constants made while planning (weights' transposes, cast numbers, folded nodes) are
         // plain tensors: made with grad mode on, a transpose of a weight that requires grad
         // records a view node, which costs more than the view.

@@ -28,8 +28,8 @@ use crate::plan::Dispatch;
 use crate::weights::{self, MappedData, State};
 
 /// What `_load_verified` takes to unpickle a program: path, digest, allow_ops, dispatch,
-/// device, mmap, optimize.
-pub type PickledArgs = (String, String, Vec<String>, &'static str, Option<String>, bool, &'static str);
+/// device, mmap, optimize, precision.
+pub type PickledArgs = (String, String, Vec<String>, &'static str, Option<String>, bool, &'static str, &'static str);
 
 /// What a file's methods share: the mapped file, how it was loaded, and its state.
 pub struct FileParts {
@@ -62,6 +62,7 @@ impl FileParts {
             o.device.clone(),
             o.mmap,
             o.optimize.name(),
+            o.precision(),
         )
     }
 }
@@ -98,6 +99,9 @@ pub struct LoadOptions {
     pub mmap: bool,
     /// How far the graph is optimized.
     pub optimize: Level,
+    /// kwexport's GEMM and convolutions on weights packed in bfloat16 (`precision="bf16"`,
+    /// which runs at `fast`).
+    pub bf16: bool,
 }
 
 impl LoadOptions {
@@ -108,8 +112,19 @@ impl LoadOptions {
         device: Option<String>,
         mmap: bool,
         optimize: Level,
+        bf16: bool,
     ) -> Result<Self, String> {
-        Ok(LoadOptions { allow: AllowOps::parse(&allow_ops)?, allow_ops, dispatch, device, mmap, optimize })
+        let optimize = if bf16 { optimize.max(Level::Fast) } else { optimize };
+        Ok(LoadOptions { allow: AllowOps::parse(&allow_ops)?, allow_ops, dispatch, device, mmap, optimize, bf16 })
+    }
+
+    /// The precision `kwexport.load` was given: `"float32"` or `"bf16"`.
+    pub fn precision(&self) -> &'static str {
+        if self.bf16 {
+            "bf16"
+        } else {
+            "float32"
+        }
     }
 }
 
@@ -635,6 +650,13 @@ impl Program {
     #[getter]
     fn optimize(&self) -> &'static str {
         self.file.options.optimize.name()
+    }
+
+    /// The precision of the program's products and convolutions: `"float32"`, or `"bf16"`
+    /// where loaded so.
+    #[getter]
+    fn precision(&self) -> &'static str {
+        self.file.options.precision()
     }
 
     /// The device the program runs on: given at load, or where it was exported.

@@ -53,6 +53,8 @@ pub trait Consts {
     /// `[n, k]` or a 1×1 convolution's `[n, k, 1, 1]`) or as it is (an `addmm`'s second
     /// matrix); and `n`. `None` for other weights, and those too large to copy.
     fn weight_panels(&mut self, name: &str, transpose: bool) -> Option<(std::sync::Arc<super::Panels>, i64)>;
+    /// Whether the GEMM's weights are packed in bfloat16 (`precision="bf16"`).
+    fn bf16(&self) -> bool;
     /// A convolution's float32 `[out, in, kh, kw]` weight as a new contiguous `[in * kh * kw,
     /// out]` tensor of taps (each tap's output channels contiguous: `kernels::depthwise_f32`,
     /// `kernels::direct_f32`), and the weight's shape; `None` for any other weight.

@@ -609,8 +609,10 @@ impl Abi {
 
     /// A matrix weight as the GEMM's panels (`[ceil(n / 64), k, 64]`, `kernels::PANEL`): a
     /// linear's `[n, k]` (`transpose`, also a 1×1 convolution's `[n, k, 1, 1]`) or an `addmm`'s
-    /// `[k, n]` second matrix, float32 on the CPU at any strides. `None` for anything else.
-    pub fn pack_matrix_panels(&self, weight: &Tensor, transpose: bool) -> Option<Tensor> {
+    /// `[k, n]` second matrix, float32 on the CPU at any strides. With `bf16`, the bfloat16
+    /// GEMM's (`kernels::bf16::pack_panels`): `[ceil(n / 64), ceil(k / 2), 64]` pairs of
+    /// bfloat16, each pair held in one float32 element's bytes. `None` for anything else.
+    pub fn pack_matrix_panels(&self, weight: &Tensor, transpose: bool, bf16: bool) -> Option<Tensor> {
         // SAFETY: a live handle.
         let (sizes, strides) = unsafe { self.sizes_strides(weight.raw()) }?;
         // As the `[n, k, 1, 1]` weight of a 1×1 convolution, whose panels are the matrix's.
@@ -620,13 +622,16 @@ impl Abi {
             ([n, k, 1, 1], [s0, s1, ..], true) => ([*n, *k, 1, 1], [*s0, *s1, 0, 0]),
             _ => return None,
         };
+        if bf16 {
+            return self.pack_bf16_panels_of(weight.raw(), four(&shape)?, four(&strides)?);
+        }
         self.pack_panels_of(weight.raw(), four(&shape)?, four(&strides)?)
     }
 
     /// kwexport's linear kernel on `x` (`[m, k]`), the weight's `panels` (`[ceil(n / 64), k,
-    /// 64]`, `Abi::pack_matrix_panels`) and `bias` (`[n]`), all contiguous float32 CPU tensors: a
-    /// new `[m, n]` tensor, or `None` where they don't qualify or the CPU lacks the kernel's
-    /// instructions.
+    /// 64]`, `Abi::pack_matrix_panels`, or its bfloat16 panels with `bf16`) and `bias` (`[n]`),
+    /// all contiguous float32 CPU tensors: a new `[m, n]` tensor, or `None` where they don't
+    /// qualify or the CPU lacks the kernel's instructions.
     ///
     /// # Safety
     /// `x`, `panels` and `bias` must be live handles.
@@ -637,6 +642,7 @@ impl Abi {
         n: i64,
         bias: Option<Raw>,
         epilogue: crate::kernels::Epilogue,
+        bf16: bool,
     ) -> Option<Result<Tensor, CError>> {
         let shims = self.shims.as_ref()?;
         // SAFETY: live handles.
@@ -645,10 +651,9 @@ impl Abi {
             (self.contiguous_f32(x, &[m, k])?, [usize::try_from(m).ok()?, usize::try_from(k).ok()?])
         };
         let n = usize::try_from(n).ok()?;
+        let out = || self.owned(shims.empty_f32(&[m as i64, n as i64]));
         // SAFETY: the caller's live handles.
-        unsafe {
-            self.gemm(xs, [m, k, n], panels, bias, epilogue, || self.owned(shims.empty_f32(&[m as i64, n as i64])))
-        }
+        unsafe { self.gemm(xs, [m, k, n], (panels, bf16), bias, epilogue, out) }
     }
 
     /// `epilogue` applied in place to `t`, a float32 CPU matrix torch's GEMM just made (a
@@ -687,6 +692,7 @@ impl Abi {
         n: i64,
         bias: Option<Raw>,
         epilogue: crate::kernels::Epilogue,
+        bf16: bool,
     ) -> Option<Result<Tensor, CError>> {
         let n = usize::try_from(n).ok()?;
         // SAFETY: live handles.
@@ -697,14 +703,15 @@ impl Abi {
             let c = usize::try_from(self.size(x, 1)?).ok()?;
             let (xs, [batch, h, w]) = self.channels_last_f32(x, c)?;
             let out = || self.empty_channels_last([batch, n, h, w]);
-            self.gemm(xs, [batch * h * w, c, n], panels, bias, epilogue, out)
+            self.gemm(xs, [batch * h * w, c, n], (panels, bf16), bias, epilogue, out)
         }
     }
 
     /// kwexport's GEMM (`kernels::gemm_f32`) of `xs` (`m` rows of `k`) with the weight's
-    /// `panels` (`[ceil(n / 64), k, 64]`), `bias` (`[n]`) and `epilogue` into the tensor `out`
-    /// makes (`m * n` elements in row order), once the weight and bias qualify; `None` where
-    /// they don't or the CPU lacks the kernel.
+    /// `panels` (`[ceil(n / 64), k, 64]`; or, with `bf16`, `kernels::bf16::gemm` on its
+    /// `[ceil(n / 64), ceil(k / 2), 64]` pairs), `bias` (`[n]`) and `epilogue` into the tensor
+    /// `out` makes (`m * n` elements in row order), once the weight and bias qualify; `None`
+    /// where they don't or the CPU lacks the kernel.
     ///
     /// # Safety
     /// `panels` and `bias` must be live handles; `out` must make a new float32 CPU tensor.
@@ -712,18 +719,19 @@ impl Abi {
         &self,
         xs: &[f32],
         [m, k, n]: [usize; 3],
-        panels: Raw,
+        (panels, bf16): (Raw, bool),
         bias: Option<Raw>,
         epilogue: crate::kernels::Epilogue,
         out: impl FnOnce() -> Result<Tensor, CError>,
     ) -> Option<Result<Tensor, CError>> {
         let panel = crate::kernels::PANEL;
-        if m == 0 || n == 0 {
+        if m == 0 || n == 0 || (bf16 && !crate::kernels::bf16::available()) {
             return None;
         }
+        let rows = if bf16 { k.div_ceil(2) } else { k };
         // SAFETY: the caller's live handles.
         let (ps, bs) = unsafe {
-            let ps = self.contiguous_f32(panels, &[n.div_ceil(panel) as i64, k as i64, panel as i64])?;
+            let ps = self.contiguous_f32(panels, &[n.div_ceil(panel) as i64, rows as i64, panel as i64])?;
             (ps, self.bias_f32(bias, n)?)
         };
         let mut out = match out() {
@@ -732,7 +740,15 @@ impl Abi {
         };
         // SAFETY: the new output of `m * n` elements.
         let os = unsafe { self.floats_mut(&mut out, m * n) }?;
-        crate::kernels::gemm_f32(xs, m, k, ps, n, bs, epilogue, os).then_some(Ok(out))
+        let done = if bf16 {
+            // The panels' float32 elements hold pairs of bfloat16 (`pack_bf16_panels_of`).
+            // SAFETY: the same memory, read as the 4-byte words it is.
+            let pairs = unsafe { std::slice::from_raw_parts(ps.as_ptr() as *const u32, ps.len()) };
+            crate::kernels::bf16::gemm(xs, m, k, pairs, n, bs, epilogue, os)
+        } else {
+            crate::kernels::gemm_f32(xs, m, k, ps, n, bs, epilogue, os)
+        };
+        done.then_some(Ok(out))
     }
 
     /// A depthwise convolution (`kernels::depthwise_f32`) on `x`, a float32 CPU `[N, C, H, W]`
@@ -974,11 +990,16 @@ impl Abi {
         g: &crate::kernels::Conv2d,
         bias: Option<Raw>,
         epilogue: crate::kernels::Epilogue,
+        bf16: bool,
     ) -> Option<Result<Tensor, CError>> {
         let (cout, panel) = (g.out_channels, crate::kernels::PANEL);
+        if bf16 && !crate::kernels::bf16::available() {
+            return None;
+        }
+        let rows = if bf16 { g.kernel[0] * g.kernel[1] * g.in_channels.div_ceil(2) } else { g.taps() };
         // SAFETY: live handles.
         let (xs, [batch, h, w], ps, bs) = unsafe {
-            let ps = self.contiguous_f32(panels, &[cout.div_ceil(panel) as i64, g.taps() as i64, panel as i64])?;
+            let ps = self.contiguous_f32(panels, &[cout.div_ceil(panel) as i64, rows as i64, panel as i64])?;
             let bs = self.bias_f32(bias, cout)?;
             let (xs, dims) = self.channels_last_f32(x, g.in_channels)?;
             (xs, dims, ps, bs)
@@ -990,16 +1011,51 @@ impl Abi {
         };
         // SAFETY: the new output of that many elements.
         let os = unsafe { self.floats_mut(&mut out, batch * ho * wo * cout) }?;
-        crate::kernels::indirect_f32(xs, [batch, h, w], ps, g, bs, epilogue, os).then_some(Ok(out))
+        let done = if bf16 {
+            // SAFETY: the panels' float32 elements, read as the pairs of bfloat16 they hold.
+            let pairs = unsafe { std::slice::from_raw_parts(ps.as_ptr() as *const u32, ps.len()) };
+            crate::kernels::bf16::indirect(xs, [batch, h, w], pairs, g, bs, epilogue, os)
+        } else {
+            crate::kernels::indirect_f32(xs, [batch, h, w], ps, g, bs, epilogue, os)
+        };
+        done.then_some(Ok(out))
     }
 
     /// A float32 CPU convolution weight (`[out, in, kh, kw]`, any strides) packed for
     /// [`Abi::indirect_conv`] (`kernels::pack_conv_panels`): a new `[ceil(out / 64), in * kh *
-    /// kw, 64]` tensor, or `None` for another tensor.
-    pub fn pack_conv_panels(&self, weight: &Tensor) -> Option<Tensor> {
+    /// kw, 64]` tensor (with `bf16`, `pack_bf16_panels_of`'s), or `None` for another tensor.
+    pub fn pack_conv_panels(&self, weight: &Tensor, bf16: bool) -> Option<Tensor> {
         // SAFETY: a live handle.
         let (sizes, strides) = unsafe { self.sizes_strides(weight.raw()) }?;
+        if bf16 {
+            return self.pack_bf16_panels_of(weight.raw(), four(&sizes)?, four(&strides)?);
+        }
         self.pack_panels_of(weight.raw(), four(&sizes)?, four(&strides)?)
+    }
+
+    /// `kernels::bf16::pack_panels` of a float32 CPU `[n, cin, kh, kw]` weight at `strides`:
+    /// a `[ceil(n / 64), kh * kw * ceil(cin / 2), 64]` tensor whose 4-byte elements hold the
+    /// pairs of bfloat16.
+    fn pack_bf16_panels_of(&self, weight: Raw, shape: [usize; 4], strides: [usize; 4]) -> Option<Tensor> {
+        let shims = self.shims.as_ref()?;
+        // SAFETY: a live handle.
+        if !unsafe { shims.is_cpu_f32(weight) } || shape.contains(&0) {
+            return None;
+        }
+        let span = 1 + shape.iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>();
+        let [n, cin, kh, kw] = shape;
+        let (rows, panel) = (kh * kw * cin.div_ceil(2), crate::kernels::PANEL);
+        let out = self.owned(shims.empty_f32(&[n.div_ceil(panel) as i64, rows as i64, panel as i64])).ok()?;
+        // SAFETY: a float32 CPU tensor spanning `span` elements from its first (checked
+        // above), and the fresh output of its panels (4-byte elements, as the pairs are), which
+        // aliases nothing.
+        unsafe {
+            let src = std::slice::from_raw_parts(shims.data_ptr(weight)? as *const f32, span);
+            let dst =
+                std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut u32, n.div_ceil(panel) * rows * panel);
+            crate::kernels::bf16::pack_panels(src, shape, strides, dst);
+        }
+        Some(out)
     }
 
     /// `kernels::pack_conv_panels` of a float32 CPU `[n, cin, kh, kw]` weight at `strides`.
@@ -1325,18 +1381,22 @@ pub struct Panels {
     /// The weight, as a constant of the plan.
     weight: usize,
     transpose: bool,
+    /// For the bfloat16 GEMM (`precision="bf16"`).
+    pub bf16: bool,
     packed: std::sync::OnceLock<Option<Tensor>>,
 }
 
 impl Panels {
-    /// Panels for constant `weight`: `[n, k]` (`transpose`) or `[k, n]`.
-    pub fn new(weight: usize, transpose: bool) -> Panels {
-        Panels { weight, transpose, packed: std::sync::OnceLock::new() }
+    /// Panels for constant `weight`: `[n, k]` (`transpose`) or `[k, n]`, in bfloat16 with
+    /// `bf16`.
+    pub fn new(weight: usize, transpose: bool, bf16: bool) -> Panels {
+        Panels { weight, transpose, bf16, packed: std::sync::OnceLock::new() }
     }
 
     /// The packed panels, packed now if no call did yet; `None` where the weight can't be.
     pub fn get(&self, abi: &Abi, consts: &[Tensor]) -> Option<Raw> {
-        let packed = self.packed.get_or_init(|| abi.pack_matrix_panels(consts.get(self.weight)?, self.transpose));
+        let packed =
+            self.packed.get_or_init(|| abi.pack_matrix_panels(consts.get(self.weight)?, self.transpose, self.bf16));
         packed.as_ref().map(Tensor::raw)
     }
 }

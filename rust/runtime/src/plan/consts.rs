@@ -26,6 +26,8 @@ pub(super) struct ConstTable<'a, 'py> {
     weight_index: HashMap<String, usize>,
     /// Weights to pack for kwexport's GEMM, and their `n`.
     panels: HashMap<String, (std::sync::Arc<abi::Panels>, i64)>,
+    /// Pack them for the bfloat16 GEMM (`precision="bf16"`).
+    bf16: bool,
     /// Wrapped numbers, one per distinct number literal.
     numbers: Vec<WrappedNumber>,
 }
@@ -52,8 +54,10 @@ impl<'a, 'py> ConstTable<'a, 'py> {
         torch: &'a Bound<'py, PyModule>,
         weights: &'a BTreeMap<String, Py<PyAny>>,
         abi: Option<&'static Abi>,
+        bf16: bool,
     ) -> Self {
         ConstTable {
+            bf16,
             py,
             torch,
             weights,
@@ -221,6 +225,11 @@ fn number_key(lit: &Arg) -> Option<(u8, u64)> {
 /// kwexport's linear kernel.
 const MAX_PACKED_ELEMENTS: i64 = 1 << 20;
 
+/// The same for `precision="bf16"`, whose copy takes half the weight's memory and is what
+/// makes its products fast (torch's bfloat16 products would need casts around each): any
+/// weight up to 128 MiB of float32.
+const MAX_BF16_PACKED_ELEMENTS: i64 = 1 << 25;
+
 impl Consts for ConstTable<'_, '_> {
     fn weight(&mut self, name: &str) -> usize {
         if let Some(&i) = self.weight_index.get(name) {
@@ -259,12 +268,17 @@ impl Consts for ConstTable<'_, '_> {
         let elements: i64 = shape.iter().product();
         // The copy costs the weight's memory again: only for the small matrices the kernel is
         // for, where it stays a small share of a model's weights.
-        if !is_f32 || elements > MAX_PACKED_ELEMENTS || elements == 0 || self.abi.is_none() {
+        let most = if self.bf16 { MAX_BF16_PACKED_ELEMENTS } else { MAX_PACKED_ELEMENTS };
+        if !is_f32 || elements > most || elements == 0 || self.abi.is_none() {
             return None;
         }
-        let panels = std::sync::Arc::new(abi::Panels::new(self.weight(name), transpose));
+        let panels = std::sync::Arc::new(abi::Panels::new(self.weight(name), transpose, self.bf16));
         self.panels.insert(key, (panels.clone(), n));
         Some((panels, n))
+    }
+
+    fn bf16(&self) -> bool {
+        self.bf16
     }
 
     fn conv_taps(&mut self, name: &str) -> Option<(usize, [i64; 4])> {

@@ -231,6 +231,8 @@ pub enum OwnKernel {
         weight: usize,
         geometry: crate::kernels::Conv2d,
         panels: std::sync::OnceLock<Option<crate::abi::Tensor>>,
+        /// Packed for the bfloat16 GEMM (`precision="bf16"`, `kernels::bf16::indirect`).
+        bf16: bool,
     },
 }
 
@@ -409,6 +411,8 @@ pub struct Context<'a, 'py> {
     /// `optimize="fast"`: kernels may differ from eager's within the level's tolerance
     /// (kwexport's own small-batch linear, chosen by measuring).
     pub fast: bool,
+    /// `precision="bf16"`: kwexport's GEMM runs on weights packed in bfloat16.
+    pub bf16: bool,
 }
 
 /// Runs `f` with torch's grad mode set to `enabled`, then restores it (also when `f` fails).
@@ -429,7 +433,7 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
         Dispatch::Auto | Dispatch::Abi => Abi::get(py),
         Dispatch::Python => None,
     };
-    let mut consts = consts::ConstTable::new(py, cx.torch, cx.weights, abi);
+    let mut consts = consts::ConstTable::new(py, cx.torch, cx.weights, abi, cx.bf16);
     // Plans of the higher-order nodes' subgraphs first: what they return says which of the
     // nodes' outputs are tensors.
     let mut tensor_slot = vec![false; graph.n_slots];

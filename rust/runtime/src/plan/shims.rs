@@ -303,7 +303,10 @@ fn conv_step(
             (1, None) if geometry.in_channels <= Conv2d::MAX_DIRECT_IN_CHANNELS && !pointwise => {
                 super::OwnKernel::Direct { taps: consts.conv_taps(w)?.0, geometry }
             }
-            (1, None) => super::OwnKernel::Indirect { weight, geometry, panels: std::sync::OnceLock::new() },
+            (1, None) => {
+                let (panels, bf16) = (std::sync::OnceLock::new(), consts.bf16());
+                super::OwnKernel::Indirect { weight, geometry, panels, bf16 }
+            }
             (g, _) if g == out && inputs == 1 => {
                 let geometry = crate::kernels::Depthwise::new([out, kh, kw], stride, padding)?;
                 super::OwnKernel::Depthwise { taps: consts.conv_taps(w)?.0, geometry }

@@ -3,6 +3,8 @@
 //! one only at `optimize="fast"`, where a pass fused the chain, and runs torch's op for the
 //! node wherever the tensors don't qualify.
 
+pub mod bf16;
+
 /// RMS normalization over rows of `n = w.len()` values: `w * (x * rsqrt(mean(x^2) + eps))`,
 /// as the decomposed pattern computes it (the mean of squares, plus `eps`, its reciprocal
 /// square root, times `x`, then the weight), in float32 with the sum of squares taken in
@@ -287,6 +289,33 @@ impl Conv2d {
     }
 }
 
+/// An indirect convolution's table: for each of the `m` output pixels (of `[ho, wo]`
+/// images) and each tap of the kernel, `row(Some(p))` for the input pixel `p` it reads (of
+/// `[h, w]` images, counted across the batch), or `row(None)` for a tap in the padding.
+fn tap_table<T>(
+    m: usize,
+    [h, w]: [usize; 2],
+    [ho, wo]: [usize; 2],
+    g: &Conv2d,
+    row: impl Fn(Option<usize>) -> *const T,
+) -> Vec<*const T> {
+    let ([kh, kw], [sh, sw], [ph, pw]) = (g.kernel, g.stride, g.padding);
+    let mut table = Vec::with_capacity(m * kh * kw);
+    for pixel in 0..m {
+        let (b, oy, ox) = (pixel / (ho * wo), pixel / wo % ho, pixel % wo);
+        for i in 0..kh {
+            let iy = (oy * sh + i).checked_sub(ph).filter(|&y| y < h);
+            for j in 0..kw {
+                table.push(row(match (iy, (ox * sw + j).checked_sub(pw).filter(|&xx| xx < w)) {
+                    (Some(iy), Some(ix)) => Some((b * h + iy) * w + ix),
+                    _ => None,
+                }));
+            }
+        }
+    }
+    table
+}
+
 /// A convolution over channels-last images (`x`: `[batch, h, w, cin]`) as an indirect GEMM:
 /// im2col's product of each output pixel's patch (`kh * kw * cin` values, zeros in the
 /// padding) with the weight's `panels` (the `[kh * kw * cin, cout]` matrix of
@@ -316,21 +345,12 @@ pub fn indirect_f32(
     if !fits || !has_gemm() {
         return false;
     }
-    let ([kh, kw], [sh, sw], [ph, pw]) = (g.kernel, g.stride, g.padding);
+    let [kh, kw] = g.kernel;
     let zeros = vec![0f32; cin];
-    let mut table: Vec<*const f32> = Vec::with_capacity(m * kh * kw);
-    for pixel in 0..m {
-        let (b, oy, ox) = (pixel / (ho * wo), pixel / wo % ho, pixel % wo);
-        for i in 0..kh {
-            let iy = (oy * sh + i).checked_sub(ph).filter(|&y| y < h);
-            for j in 0..kw {
-                table.push(match (iy, (ox * sw + j).checked_sub(pw).filter(|&xx| xx < w)) {
-                    (Some(iy), Some(ix)) => x[((b * h + iy) * w + ix) * cin..].as_ptr(),
-                    _ => zeros.as_ptr(),
-                });
-            }
-        }
-    }
+    let table = tap_table(m, [h, w], [ho, wo], g, |pixel| match pixel {
+        Some(p) => x[p * cin..].as_ptr(),
+        None => zeros.as_ptr(),
+    });
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: AVX-512F is present; every pointer of the table starts `cin` readable
@@ -515,7 +535,7 @@ mod avx512 {
 
     /// `epilogue` on 16 lanes, as torch's vectorized CPU kernels compute it.
     #[inline(always)]
-    unsafe fn apply(epilogue: Epilogue, x: __m512) -> __m512 {
+    pub(super) unsafe fn apply(epilogue: Epilogue, x: __m512) -> __m512 {
         // SAFETY (all below): register arithmetic; the caller enabled AVX-512F.
         unsafe {
             let (zero, one) = (_mm512_setzero_ps(), _mm512_set1_ps(1.0));
@@ -624,7 +644,7 @@ mod avx512 {
 
     /// A mask of the first `left` of 16 lanes (all of them from 16 on).
     #[inline(always)]
-    fn lanes(left: usize) -> u16 {
+    pub(super) fn lanes(left: usize) -> u16 {
         ((1u32 << left.min(16)) - 1) as u16
     }
 
