@@ -870,6 +870,9 @@ def test_the_precision_is_checked_and_travels_with_pickles(tmp_path):
     kwexport.save(kwexport.export(nn.Linear(2, 2), (torch.randn(1, 2),)), path)
     with pytest.raises(ValueError, match=r"^precision must be 'float32' or 'bf16', not 'fp16'$"):
         kwexport.load(path, precision="fp16")
+    # Off the CPU, no kernel would compute in bfloat16: refused, not silently float32.
+    with pytest.raises(ValueError, match=r"^precision='bf16' runs kwexport's CPU kernels; this program runs on meta$"):
+        kwexport.load(path, precision="bf16", device="meta")
     prog = pickle.loads(pickle.dumps(kwexport.load(path, precision="bf16")))
     assert (prog.optimize, prog.precision) == ("fast", "bf16")
     method = pickle.loads(pickle.dumps(kwexport.load(path, precision="bf16").methods["forward"]))

@@ -163,6 +163,11 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
     let mut parsed = py.detach(|| kwexport_core::parse(&map))?;
     let torch = py.import("torch")?;
     let placement = Placement::new(parsed.document.home_device(), options.device.as_deref());
+    if options.bf16 && placement.target != "cpu" {
+        // Rather than a program that says bf16 and computes float32.
+        let why = format!("precision='bf16' runs kwexport's CPU kernels; this program runs on {}", placement.target);
+        return Err(pyo3::exceptions::PyValueError::new_err(why).into());
+    }
     // The level's passes (dead code at every level, the state written in place, and a
     // level's own), decided by the core; op upgraders may rewrite nodes after, so ops are
     // resolved before the graphs are checked.

@@ -7,7 +7,7 @@
 //! ```
 //!
 //! which becomes `y = rms_norm(x, [n], w, eps)` with `n` the weight's size. The runtime runs
-//! that node with kwexport's kernel on contiguous float32 CPU tensors (`kernels.rs`), and with
+//! that node with kwexport's kernel on contiguous float32 CPU tensors (`kernels/mod.rs`), and with
 //! torch's `rms_norm` otherwise. Each intermediate must be read only by the next op, so nothing
 //! else needs the values that disappear.
 
