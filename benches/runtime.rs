@@ -141,7 +141,7 @@ fn kernels(c: &mut Criterion) {
         bf16::pack_panels(&data(n * k), [n, k, 1, 1], [k, 1, 0, 0], &mut panels);
         group.throughput(Throughput::Elements((2 * m * k * n) as u64));
         group.bench_function(format!("linear_bf16/{m}x{k}x{n}"), |b| {
-            b.iter(|| bf16::gemm(&x, m, k, &panels, n, Some(&bias), Epilogue::None, &mut out))
+            b.iter(|| bf16::gemm(&x, m, k, &panels, n, Some(&bias), None, Epilogue::None, &mut out))
         });
     }
     // A fused linear's activation, as the GEMM stores (BERT's and Llama's MLPs).
@@ -150,14 +150,14 @@ fn kernels(c: &mut Criterion) {
     group.throughput(Throughput::Elements((2 * m * k * n) as u64));
     for (name, epilogue) in [("gelu", Epilogue::Gelu), ("swish", Epilogue::Swish)] {
         group.bench_function(format!("linear_{name}/{m}x{k}x{n}"), |b| {
-            b.iter(|| gemm_f32(&x, m, k, &wt, n, None, epilogue, &mut out))
+            b.iter(|| gemm_f32(&x, m, k, &wt, n, None, None, epilogue, &mut out))
         });
     }
     for (m, k, n) in [(3136usize, 16usize, 72usize), (784, 72, 24), (196, 40, 240), (49, 576, 96)] {
         let (x, wt, bias, mut out) = (data(m * k), data(k * n.div_ceil(64) * 64), data(n), vec![0.0; m * n]);
         group.throughput(Throughput::Elements((2 * m * k * n) as u64));
         group.bench_function(format!("conv1x1/{m}x{k}x{n}"), |b| {
-            b.iter(|| gemm_f32(&x, m, k, &wt, n, Some(&bias), Epilogue::Hardswish, &mut out))
+            b.iter(|| gemm_f32(&x, m, k, &wt, n, Some(&bias), None, Epilogue::Hardswish, &mut out))
         });
     }
     for (ch, k, s, size) in [(72, 3, 2, 56), (240, 5, 1, 14), (576, 5, 1, 7)] {
@@ -176,7 +176,7 @@ fn kernels(c: &mut Criterion) {
         let mut out = vec![0.0; size * size * ch];
         group.throughput(Throughput::Elements((2 * size * size * ch * k) as u64));
         group.bench_function(format!("indirect/{ch}x{size}x{size}/k3"), |b| {
-            b.iter(|| indirect_f32(&x, [1, size, size], &panels, &g, Some(&bias), Epilogue::Relu, &mut out))
+            b.iter(|| indirect_f32(&x, [1, size, size], &panels, &g, Some(&bias), None, Epilogue::Relu, &mut out))
         });
         // The same in bfloat16 (`precision="bf16"`), rounding the input included.
         let mut pairs = vec![0u32; ch.div_ceil(64) * 9 * ch.div_ceil(2) * 64];
@@ -189,6 +189,7 @@ fn kernels(c: &mut Criterion) {
                     &pairs,
                     &g,
                     Some(&bias),
+                    None,
                     Epilogue::Relu,
                     &mut out,
                 )

@@ -433,8 +433,10 @@ def test_fast_runs_convolutions_on_kwexports_kernels(tmp_path):
         assert got.is_contiguous(memory_format=torch.channels_last), kernel
     ran = outs["kwexport"][1]
     if torch.backends.mkldnn.is_available() and has_avx512():
-        # Every convolution is lowered, with its activation absorbed.
-        assert ran.count("mkldnn::_convolution_pointwise.default") == 16, ran
+        # Every convolution is lowered, with its activation absorbed, and the two without one
+        # that an add reads (the stem's, the Identity block's) with the add.
+        assert ran.count("mkldnn::_convolution_pointwise.default") == 14, ran
+        assert ran.count("mkldnn::_convolution_pointwise.binary") == 2, ran
         assert ran.count("aten::conv2d.default") == 0, ran
         assert not {"aten::relu.default", "aten::hardsigmoid.default", "aten::silu.default"} & set(ran), ran
         assert not torch.equal(outs["kwexport"][0], outs["torch"][0])  # kwexport's kernels ran
@@ -878,3 +880,48 @@ def test_the_precision_is_checked_and_travels_with_pickles(tmp_path):
     method = pickle.loads(pickle.dumps(kwexport.load(path, precision="bf16").methods["forward"]))
     assert method(torch.ones(1, 2)).shape == (1, 2)
     assert kwexport.load(path).precision == "float32"
+
+
+class ResBlocks(nn.Module):
+    """Two ResNet basic blocks (the second downsamples, so its residual is a convolution's
+    output), and a convolution plus a per-channel tensor the add broadcasts."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+        self.b = nn.Sequential(nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1))
+        self.down = nn.Conv2d(8, 16, 1, stride=2)
+        self.c = nn.Conv2d(16, 16, 3, padding=1)
+
+    def forward(self, x, shift):
+        h = self.a(x)
+        h += x
+        h = h.relu()
+        y = (self.b(h) + self.down(h)).relu()
+        return self.c(y) + shift
+
+
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+def test_fast_adds_residuals_in_the_convolutions(precision, tmp_path):
+    torch.manual_seed(0)
+    model = ResBlocks().eval()
+    x, shift = torch.randn(2, 8, 12, 12), torch.randn(1, 16, 1, 1)
+    path = tmp_path / "res.kwx"
+    kwexport.save(kwexport.export(model, (x, shift)), path)
+    with torch.no_grad():
+        want = model(x, shift)
+    prog = kwexport.load(path, optimize="fast", precision=precision)
+    for _ in range(2):  # the first call measures each kernel, the second runs the choice
+        assert rel_err(prog(x, shift), want) < (2e-2 if precision == "bf16" else 1e-5)
+    ran = [n["op"] for n in prog.profile(x, shift)]
+    if torch.backends.mkldnn.is_available():
+        # The two blocks' adds and ReLUs, and the broadcast add (which runs torch's ops: oneDNN
+        # and kwexport's kernels add a residual of the output's shape only).
+        assert ran.count("mkldnn::_convolution_pointwise.binary") == 3
+        assert not {"aten::add_.Tensor", "aten::add.Tensor", "aten::relu.default"} & set(ran)
+    # Under autograd, torch's ops: the same values, and gradients.
+    xg = x.clone().requires_grad_(True)
+    got = prog(xg, shift)
+    assert rel_err(got.detach(), want) < (2e-2 if precision == "bf16" else 1e-5)
+    got.sum().backward()
+    assert xg.grad is not None and xg.grad.abs().sum() > 0

@@ -1,7 +1,7 @@
 """What the core's graph passes (rust/core/src/passes/) leave to torch: the weights the
 ``batch_norm`` pass folds, computed at load for a file loaded at ``fast`` and when ``kwexport
-optimize`` writes one (in float64, rounded once to the weight's dtype); and the Python form of
-the op ``conv_pointwise`` inserts, for calls its C kernel can't take."""
+optimize`` writes one (in float64, rounded once to the weight's dtype); and the Python forms of
+the ops the load-time passes insert, for calls their C kernels can't take."""
 
 from typing import Any
 
@@ -62,6 +62,30 @@ def _convolution_pointwise(  # noqa: PLR0917 (the op's schema, positionally)
     import torch
 
     return _post_op(attr)(torch.conv2d(x, w, b, stride, padding, dilation, groups))
+
+
+def _convolution_pointwise_binary(  # noqa: PLR0917 (the op's schema, positionally)
+    x: Any,
+    other: Any,
+    w: Any,
+    b: Any,
+    padding: list[int],
+    stride: list[int],
+    dilation: list[int],
+    groups: int,
+    binary_attr: str,
+    alpha: Any,
+    unary_attr: str | None,
+    unary_scalars: list[Any],
+    unary_algorithm: str | None,
+) -> Any:
+    """``mkldnn::_convolution_pointwise.binary`` (``conv_residual``'s node) off the runtime's
+    kernels: the convolution, the add (broadcasting, promoting) and its ReLU as torch's own
+    ops, which is what the pass replaced (rust/core/src/passes/conv_residual.rs)."""
+    import torch
+
+    y = torch.conv2d(x, w, b, stride, padding, dilation, groups) + other
+    return _post_op(unary_attr or "none")(y)
 
 
 def _linear_pointwise(  # noqa: PLR0917 (the op's schema, positionally)

@@ -69,8 +69,13 @@ pub const DEFAULT_NAMESPACES: &[&str] = &["aten", "prims"];
 
 /// torch's ops outside those namespaces that a load-time pass may insert (a file may name
 /// them too: they are torch's own kernels): oneDNN's fused convolution
-/// (`passes::conv_pointwise`) and linear (`passes::linear_pointwise`).
-pub const PASS_OPS: &[&str] = &["mkldnn::_convolution_pointwise.default", "mkldnn::_linear_pointwise.default"];
+/// (`passes::conv_pointwise`), linear (`passes::linear_pointwise`), and convolution with a
+/// residual add (`passes::conv_residual`).
+pub const PASS_OPS: &[&str] = &[
+    "mkldnn::_convolution_pointwise.default",
+    "mkldnn::_linear_pointwise.default",
+    "mkldnn::_convolution_pointwise.binary",
+];
 
 /// The longest extra-file name, in bytes.
 pub const MAX_EXTRA_NAME_BYTES: usize = 255;

@@ -419,6 +419,127 @@ impl CStep {
         }
     }
 
+    /// A convolution oneDNN's fused op runs (`passes::conv_pointwise`, with its residual add
+    /// for `passes::conv_residual`), or kwexport's kernel where that measured faster; its
+    /// Python op where neither can take the tensors. `t` holds the input, the weight, the bias
+    /// if the node has one, and the residual if it adds one.
+    #[allow(clippy::too_many_arguments)]
+    fn call_conv(
+        &self,
+        abi: &Abi,
+        shim: &ShimStep,
+        conv: &crate::plan::Conv,
+        t: &[abi::Raw; 4],
+        slots: &mut [Option<Native>],
+        consts: &[abi::Tensor],
+        direct: Direct,
+    ) -> Result<(), CError> {
+        let shims = abi.shims.as_ref().ok_or_else(|| CError::Internal("a shim step without shims".into()))?;
+        let n = self.args.len();
+        let bias = conv.bias.then_some(t[2]);
+        let residual = conv.residual.as_ref().map(|_| t[n - 1]);
+        // SAFETY: the handles just read from live slots and constants.
+        let admitted = direct.no_autograd
+            && direct.no_autocast
+            && unsafe { shims.admits(Family::Cpu, &t[..n], false, false) && shims.dim(t[0]) == Some(4) }
+            && shims.is_f32(t[0])
+            // oneDNN adds a residual of the output's shape only (the add broadcast).
+            && residual.is_none_or(|r| shims.is_f32(r) && unsafe { conv.output_sizes(abi, t[0]) }.is_some_and(|o| unsafe { abi.sizes_strides(r) }.is_some_and(|(s, _)| s == o)));
+        if !admitted {
+            return self.on_python(abi, shim, slots);
+        }
+        let Some(weight) = conv.packed.get_or_init(|| pack_conv_weight(abi, conv, &consts[conv.weight])) else {
+            return self.on_python(abi, shim, slots);
+        };
+        let onednn = || -> Result<abi::Tensor, CError> {
+            let mut b = t[2];
+            let b = if conv.bias { &mut b as *mut abi::Raw } else { std::ptr::null_mut() };
+            let mut out: abi::Raw = std::ptr::null_mut();
+            let geometry = (conv.padding.as_ptr(), conv.stride.as_ptr(), conv.dilation.as_ptr());
+            // SAFETY: live handles (the bias a pointer to one, or null); pairs of two ints; no
+            // scalars and no algorithm, as compiled; the attributes C strings of the plan.
+            let status = unsafe {
+                match (shim.f, residual, &conv.residual) {
+                    (ShimFn::ConvPointwiseBinary(f), Some(r), Some(unary)) => {
+                        let unary_ptr = unary.as_ref().map(|u| u.as_ptr());
+                        f(
+                            t[0],
+                            r,
+                            weight.raw(),
+                            b,
+                            geometry.0,
+                            2,
+                            geometry.1,
+                            2,
+                            geometry.2,
+                            2,
+                            conv.groups,
+                            c"add".as_ptr(),
+                            std::ptr::null_mut(),
+                            unary_ptr.as_ref().map_or(std::ptr::null(), |p| p as *const _),
+                            std::ptr::null(),
+                            0,
+                            std::ptr::null(),
+                            &mut out,
+                        )
+                    }
+                    (ShimFn::ConvPointwise(f), None, None) => f(
+                        t[0],
+                        weight.raw(),
+                        b,
+                        geometry.0,
+                        2,
+                        geometry.1,
+                        2,
+                        geometry.2,
+                        2,
+                        conv.groups,
+                        conv.attr.as_ptr(),
+                        std::ptr::null(),
+                        0,
+                        std::ptr::null(),
+                        &mut out,
+                    ),
+                    _ => return Err(CError::Internal("a convolution's shim and residual disagree".into())),
+                }
+            };
+            let result = (!out.is_null()).then(|| abi.adopt(out as StableIValue));
+            abi.status(status)?;
+            result.ok_or_else(|| CError::Internal("a shim returned no tensor".into()))
+        };
+        if let Some(own) = conv.own.as_deref() {
+            // SAFETY: a live handle.
+            let pixels = unsafe { abi.sizes_strides(t[0]) }.map(|(s, _)| s[0] * s[2] * s[3]);
+            let adds = (bias, residual);
+            // SAFETY: live handles: the input, the bias, the residual and the packed weight (a
+            // const of the plan).
+            let ours = || unsafe {
+                match &own.kernel {
+                    OwnKernel::Gemm { panels, n } => {
+                        abi.conv1x1(t[0], panels.get(abi, consts)?, *n, adds, own.epilogue, panels.bf16)
+                    }
+                    OwnKernel::Depthwise { taps, geometry } if residual.is_none() => {
+                        abi.depthwise(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
+                    }
+                    OwnKernel::Direct { taps, geometry } if residual.is_none() => {
+                        abi.direct_conv(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
+                    }
+                    OwnKernel::Indirect { weight, geometry, panels, bf16 } => {
+                        let panels = panels.get_or_init(|| abi.pack_conv_panels(&consts[*weight], *bf16));
+                        abi.indirect_conv(t[0], panels.as_ref()?.raw(), geometry, adds, own.epilogue, *bf16)
+                    }
+                    _ => None,
+                }
+            };
+            if let Some(result) = pixels.and_then(|p| choose(&own.choices, p, ours, onednn)) {
+                self.finish(slots, result?);
+                return Ok(());
+            }
+        }
+        self.finish(slots, onednn()?);
+        Ok(())
+    }
+
     /// Runs a node through its shim, or its Python op where the shim can't take the tensors.
     fn call_shim(
         &self,
@@ -429,7 +550,7 @@ impl CStep {
         direct: Direct,
     ) -> Result<(), CError> {
         let shims = abi.shims.as_ref().ok_or_else(|| CError::Internal("a shim step without shims".into()))?;
-        let mut t = [std::ptr::null_mut(); 3];
+        let mut t = [std::ptr::null_mut(); 4];
         for ((_, enc), raw) in self.args.iter().zip(t.iter_mut()) {
             *raw = match enc {
                 Enc::Slot(s) => match &slots[*s] {
@@ -443,77 +564,8 @@ impl CStep {
             };
         }
         let skips_dispatcher = shim.family == Family::Cpu;
-        if let (ShimFn::ConvPointwise(f), Some(conv)) = (shim.f, shim.conv.as_deref()) {
-            let n = self.args.len();
-            // SAFETY: the handles just read from live slots and constants.
-            let admitted = direct.no_autograd
-                && direct.no_autocast
-                && unsafe { shims.admits(Family::Cpu, &t[..n], false, false) && shims.dim(t[0]) == Some(4) }
-                && shims.is_f32(t[0]);
-            if !admitted {
-                return self.on_python(abi, shim, slots);
-            }
-            let Some(weight) = conv.packed.get_or_init(|| pack_conv_weight(abi, conv, &consts[conv.weight])) else {
-                return self.on_python(abi, shim, slots);
-            };
-            let onednn = || -> Result<abi::Tensor, CError> {
-                let mut bias = t[2];
-                let mut out: abi::Raw = std::ptr::null_mut();
-                // SAFETY: live handles (the bias, if any, is the third tensor); pairs of two
-                // ints; no scalars and no algorithm, as compiled.
-                let status = unsafe {
-                    f(
-                        t[0],
-                        weight.raw(),
-                        if n == 3 { &mut bias } else { std::ptr::null_mut() },
-                        conv.padding.as_ptr(),
-                        2,
-                        conv.stride.as_ptr(),
-                        2,
-                        conv.dilation.as_ptr(),
-                        2,
-                        conv.groups,
-                        conv.attr.as_ptr(),
-                        std::ptr::null(),
-                        0,
-                        std::ptr::null(),
-                        &mut out,
-                    )
-                };
-                let result = (!out.is_null()).then(|| abi.adopt(out as StableIValue));
-                abi.status(status)?;
-                result.ok_or_else(|| CError::Internal("a shim returned no tensor".into()))
-            };
-            if let Some(own) = conv.own.as_deref() {
-                let bias = (n == 3).then_some(t[2]);
-                // SAFETY: a live handle.
-                let pixels = unsafe { abi.sizes_strides(t[0]) }.map(|(s, _)| s[0] * s[2] * s[3]);
-                // SAFETY: live handles: the input, the bias and the packed weight (a const of
-                // the plan).
-                let ours = || unsafe {
-                    match &own.kernel {
-                        OwnKernel::Gemm { panels, n } => {
-                            abi.conv1x1(t[0], panels.get(abi, consts)?, *n, bias, own.epilogue, panels.bf16)
-                        }
-                        OwnKernel::Depthwise { taps, geometry } => {
-                            abi.depthwise(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
-                        }
-                        OwnKernel::Direct { taps, geometry } => {
-                            abi.direct_conv(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
-                        }
-                        OwnKernel::Indirect { weight, geometry, panels, bf16 } => {
-                            let panels = panels.get_or_init(|| abi.pack_conv_panels(&consts[*weight], *bf16));
-                            abi.indirect_conv(t[0], panels.as_ref()?.raw(), geometry, bias, own.epilogue, *bf16)
-                        }
-                    }
-                };
-                if let Some(result) = pixels.and_then(|p| choose(&own.choices, p, ours, onednn)) {
-                    self.finish(slots, result?);
-                    return Ok(());
-                }
-            }
-            self.finish(slots, onednn()?);
-            return Ok(());
+        if let Some(conv) = shim.conv.as_deref() {
+            return self.call_conv(abi, shim, conv, &t, slots, consts, direct);
         }
         if matches!(shim.f, ShimFn::Gelu | ShimFn::RmsNorm | ShimFn::LayerNorm) {
             // kwexport's own kernels, on the tensors they take; torch's op on the others.
@@ -683,7 +735,7 @@ fn pack_conv_weight(abi: &Abi, conv: &crate::plan::Conv, weight: &abi::Tensor) -
 }
 
 /// A shim step's torch kernel on its tensors `t`: the new tensor it returns.
-fn torch_kernel(abi: &Abi, shim: &ShimStep, t: &[abi::Raw; 3]) -> Result<abi::Tensor, CError> {
+fn torch_kernel(abi: &Abi, shim: &ShimStep, t: &[abi::Raw; 4]) -> Result<abi::Tensor, CError> {
     let shims = abi.shims.as_ref().ok_or_else(|| CError::Internal("a shim step without shims".into()))?;
     let mut out: abi::Raw = std::ptr::null_mut();
     let d = &shim.scalars;
@@ -709,7 +761,11 @@ fn torch_kernel(abi: &Abi, shim: &ShimStep, t: &[abi::Raw; 3]) -> Result<abi::Te
                 }
                 Err(status) => status,
             },
-            ShimFn::RmsNorm | ShimFn::Gelu | ShimFn::LayerNorm | ShimFn::ConvPointwise(_) => {
+            ShimFn::RmsNorm
+            | ShimFn::Gelu
+            | ShimFn::LayerNorm
+            | ShimFn::ConvPointwise(_)
+            | ShimFn::ConvPointwiseBinary(_) => {
                 return Err(CError::Internal(format!("{:?} runs in call_shim", shim.f)))
             }
         }
@@ -747,7 +803,7 @@ unsafe fn choose_linear(
     abi: &Abi,
     shim: &ShimStep,
     packed: &crate::plan::Packed,
-    t: &[abi::Raw; 3],
+    t: &[abi::Raw; 4],
     consts: &[abi::Tensor],
     torch: impl Fn() -> Result<abi::Tensor, CError>,
 ) -> Option<Result<abi::Tensor, CError>> {

@@ -135,7 +135,12 @@ pub fn resolve_ops(
         // replaced (`kwexport._passes`): torch's fused kernel takes fewer inputs than the
         // ops it stands for (no autograd, no unbatched or float64 input).
         let callable = if name.is_pass_op() {
-            py.import("kwexport._passes")?.getattr(name.name.as_str())?.unbind()
+            // One function per overload: `_convolution_pointwise_binary` for `.binary`.
+            let function = match name.overload.as_deref() {
+                None | Some("default") => name.name.clone(),
+                Some(overload) => format!("{}_{overload}", name.name),
+            };
+            py.import("kwexport._passes")?.getattr(function.as_str())?.unbind()
         } else {
             op.bind(py).getattr("_op").map(Bound::unbind).unwrap_or(op)
         };

@@ -14,6 +14,8 @@
 //!   (`fast`; the new weights are computed where the tensors are)
 //! - [`conv_pointwise`]     convolutions (and the activation after) onto oneDNN's fused
 //!   convolution over a weight packed once (`fast`, at load on a CPU with oneDNN)
+//! - [`conv_residual`]      a lowered convolution's residual add (and the ReLU after it) as its
+//!   post-ops (`fast`, at load, where `conv_pointwise` ran)
 //! - [`constant_fold`]      nodes that read only constants, run once at load; the rest of
 //!   the graph reads their values as weights (`fast`; the runtime splits the validated graph)
 //! - [`linear_pointwise`]   linears (and the ReLU, SiLU or GELU after) onto oneDNN's fused
@@ -26,6 +28,7 @@ pub mod batch_norm;
 pub mod channels_last;
 pub mod constant_fold;
 pub mod conv_pointwise;
+pub mod conv_residual;
 pub mod dead_code;
 pub mod gelu_tanh;
 pub mod inplace_state;
@@ -124,6 +127,7 @@ pub fn apply(doc: &mut Document, level: Level, target: Target) -> Rewrites {
     if level == Level::Fast {
         if target.onednn {
             conv_pointwise::apply(doc, target.gemm);
+            conv_residual::apply(doc);
         }
         if target.onednn && target.gemm {
             linear_pointwise::apply(doc);

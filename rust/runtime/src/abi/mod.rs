@@ -653,7 +653,7 @@ impl Abi {
         let n = usize::try_from(n).ok()?;
         let out = || self.owned(shims.empty_f32(&[m as i64, n as i64]));
         // SAFETY: the caller's live handles.
-        unsafe { self.gemm(xs, [m, k, n], (panels, bf16), bias, epilogue, out) }
+        unsafe { self.gemm(xs, [m, k, n], (panels, bf16), bias, None, epilogue, out) }
     }
 
     /// `epilogue` applied in place to `t`, a float32 CPU matrix torch's GEMM just made (a
@@ -679,18 +679,19 @@ impl Abi {
     /// A 1×1 convolution (stride 1, no padding, one group) on `x`, a float32 CPU `[N, C, H,
     /// W]` tensor laid out channels-last (`[N·H·W, C]` in memory), as kwexport's GEMM over
     /// its pixels with the weight's `panels` (`[ceil(n / 64), C, 64]`, the `[C, n]` transpose
-    /// of the `[n, C, 1, 1]` weight packed), `bias` (`[n]`) and `epilogue`: a new channels-last
-    /// `[N, n, H, W]` tensor, the layout torch's convolution gives a channels-last weight.
-    /// `None` where the tensors don't qualify or the CPU lacks the kernel.
+    /// of the `[n, C, 1, 1]` weight packed), `bias` (`[n]`), the `residual` to add (the
+    /// output's shape, channels-last) and `epilogue`: a new channels-last `[N, n, H, W]`
+    /// tensor, the layout torch's convolution gives a channels-last weight. `None` where the
+    /// tensors don't qualify or the CPU lacks the kernel.
     ///
     /// # Safety
-    /// `x`, `panels` and `bias` must be live handles.
+    /// `x`, `panels`, `bias` and `residual` must be live handles.
     pub unsafe fn conv1x1(
         &self,
         x: Raw,
         panels: Raw,
         n: i64,
-        bias: Option<Raw>,
+        (bias, residual): (Option<Raw>, Option<Raw>),
         epilogue: crate::kernels::Epilogue,
         bf16: bool,
     ) -> Option<Result<Tensor, CError>> {
@@ -702,25 +703,45 @@ impl Abi {
             }
             let c = usize::try_from(self.size(x, 1)?).ok()?;
             let (xs, [batch, h, w]) = self.channels_last_f32(x, c)?;
+            let rs = self.residual_f32(residual, [batch, n, h, w])?;
             let out = || self.empty_channels_last([batch, n, h, w]);
-            self.gemm(xs, [batch * h * w, c, n], (panels, bf16), bias, epilogue, out)
+            self.gemm(xs, [batch * h * w, c, n], (panels, bf16), bias, rs, epilogue, out)
         }
+    }
+
+    /// A convolution's residual (`passes::conv_residual`) for an output of `[batch, c, h, w]`:
+    /// `Some(None)` without one; `None` where it isn't a float32 CPU tensor of that shape laid
+    /// out channels-last with no gaps, as the kernels' outputs are.
+    ///
+    /// # Safety
+    /// `residual` must be a live handle, which nothing writes while the slice is used.
+    unsafe fn residual_f32<'a>(
+        &self,
+        residual: Option<Raw>,
+        [batch, c, h, w]: [usize; 4],
+    ) -> Option<Option<&'a [f32]>> {
+        let Some(r) = residual else { return Some(None) };
+        // SAFETY: the caller's live handle.
+        let (rs, dims) = unsafe { self.channels_last_f32(r, c)? };
+        (dims == [batch, h, w]).then_some(Some(rs))
     }
 
     /// kwexport's GEMM (`kernels::gemm_f32`) of `xs` (`m` rows of `k`) with the weight's
     /// `panels` (`[ceil(n / 64), k, 64]`; or, with `bf16`, `kernels::bf16::gemm` on its
-    /// `[ceil(n / 64), ceil(k / 2), 64]` pairs), `bias` (`[n]`) and `epilogue` into the tensor
-    /// `out` makes (`m * n` elements in row order), once the weight and bias qualify; `None`
-    /// where they don't or the CPU lacks the kernel.
+    /// `[ceil(n / 64), ceil(k / 2), 64]` pairs), `bias` (`[n]`), `residual` (`m * n`) and
+    /// `epilogue` into the tensor `out` makes (`m * n` elements in row order), once the weight
+    /// and bias qualify; `None` where they don't or the CPU lacks the kernel.
     ///
     /// # Safety
     /// `panels` and `bias` must be live handles; `out` must make a new float32 CPU tensor.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn gemm(
         &self,
         xs: &[f32],
         [m, k, n]: [usize; 3],
         (panels, bf16): (Raw, bool),
         bias: Option<Raw>,
+        residual: Option<&[f32]>,
         epilogue: crate::kernels::Epilogue,
         out: impl FnOnce() -> Result<Tensor, CError>,
     ) -> Option<Result<Tensor, CError>> {
@@ -744,9 +765,9 @@ impl Abi {
             // The panels' float32 elements hold pairs of bfloat16 (`pack_bf16_panels_of`).
             // SAFETY: the same memory, read as the 4-byte words it is.
             let pairs = unsafe { std::slice::from_raw_parts(ps.as_ptr() as *const u32, ps.len()) };
-            crate::kernels::bf16::gemm(xs, m, k, pairs, n, bs, epilogue, os)
+            crate::kernels::bf16::gemm(xs, m, k, pairs, n, bs, residual, epilogue, os)
         } else {
-            crate::kernels::gemm_f32(xs, m, k, ps, n, bs, epilogue, os)
+            crate::kernels::gemm_f32(xs, m, k, ps, n, bs, residual, epilogue, os)
         };
         done.then_some(Ok(out))
     }
@@ -978,17 +999,18 @@ impl Abi {
 
     /// A convolution (`kernels::indirect_f32`) on `x`, a float32 CPU `[N, C, H, W]` tensor laid
     /// out channels-last, with the weight's `panels` (`kernels::pack_conv_panels`), `bias`
-    /// (`[out]`) and `epilogue`: a new channels-last `[N, out, Ho, Wo]` tensor. `None` where
-    /// the tensors don't qualify or the CPU lacks the kernel.
+    /// (`[out]`), the `residual` to add (the output's shape, channels-last) and `epilogue`: a
+    /// new channels-last `[N, out, Ho, Wo]` tensor. `None` where the tensors don't qualify or
+    /// the CPU lacks the kernel.
     ///
     /// # Safety
-    /// `x`, `panels` and `bias` must be live handles.
+    /// `x`, `panels`, `bias` and `residual` must be live handles.
     pub unsafe fn indirect_conv(
         &self,
         x: Raw,
         panels: Raw,
         g: &crate::kernels::Conv2d,
-        bias: Option<Raw>,
+        (bias, residual): (Option<Raw>, Option<Raw>),
         epilogue: crate::kernels::Epilogue,
         bf16: bool,
     ) -> Option<Result<Tensor, CError>> {
@@ -1005,6 +1027,8 @@ impl Abi {
             (xs, dims, ps, bs)
         };
         let [ho, wo] = g.output(h, w)?;
+        // SAFETY: a live handle.
+        let rs = unsafe { self.residual_f32(residual, [batch, cout, ho, wo]) }?;
         let mut out = match self.empty_channels_last([batch, cout, ho, wo]) {
             Ok(out) => out,
             Err(e) => return Some(Err(e)),
@@ -1014,9 +1038,9 @@ impl Abi {
         let done = if bf16 {
             // SAFETY: the panels' float32 elements, read as the pairs of bfloat16 they hold.
             let pairs = unsafe { std::slice::from_raw_parts(ps.as_ptr() as *const u32, ps.len()) };
-            crate::kernels::bf16::indirect(xs, [batch, h, w], pairs, g, bs, epilogue, os)
+            crate::kernels::bf16::indirect(xs, [batch, h, w], pairs, g, bs, rs, epilogue, os)
         } else {
-            crate::kernels::indirect_f32(xs, [batch, h, w], ps, g, bs, epilogue, os)
+            crate::kernels::indirect_f32(xs, [batch, h, w], ps, g, bs, rs, epilogue, os)
         };
         done.then_some(Ok(out))
     }

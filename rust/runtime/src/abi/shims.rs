@@ -37,6 +37,8 @@ pub enum ShimFn {
     RmsNorm,
     /// `mkldnn::_convolution_pointwise`: oneDNN's convolution with a post-op.
     ConvPointwise(ConvPointwiseFn),
+    /// `mkldnn::_convolution_pointwise.binary`: the same with a tensor added first.
+    ConvPointwiseBinary(ConvPointwiseBinaryFn),
     /// `(Tensor input)`, with the approximation as a scalar (1 for tanh): kwexport's GELU
     /// (`kernels::gelu_f32`) on contiguous float32 CPU tensors.
     Gelu,
@@ -69,6 +71,30 @@ pub type ConvPointwiseFn = unsafe extern "C" fn(
 /// onto where torch exports it (`passes::conv_pointwise`).
 pub const CONV_POINTWISE: &str = "aoti_torch_cpu_mkldnn__convolution_pointwise";
 
+/// `aoti_torch_cpu_mkldnn__convolution_pointwise_binary(X, other, W, B*, padding, len, stride,
+/// len, dilation, len, groups, binary_attr, alpha*, unary_attr*, unary_scalars, len,
+/// unary_algorithm*, out)`.
+pub type ConvPointwiseBinaryFn = unsafe extern "C" fn(
+    Raw,
+    Raw,
+    Raw,
+    *mut Raw,
+    *const i64,
+    i64,
+    *const i64,
+    i64,
+    *const i64,
+    i64,
+    i64,
+    *const std::ffi::c_char,
+    *mut f64,
+    *const *const std::ffi::c_char,
+    *const *const f64,
+    i64,
+    *const *const std::ffi::c_char,
+    *mut Raw,
+) -> Status;
+
 impl std::fmt::Debug for ShimFn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
@@ -79,6 +105,7 @@ impl std::fmt::Debug for ShimFn {
             ShimFn::MmOut(_) => "MmOut",
             ShimFn::RmsNorm => "RmsNorm",
             ShimFn::ConvPointwise(_) => "ConvPointwise",
+            ShimFn::ConvPointwiseBinary(_) => "ConvPointwiseBinary",
             ShimFn::Gelu => "Gelu",
             ShimFn::LayerNorm => "LayerNorm",
         })
@@ -108,6 +135,8 @@ pub struct Shims {
     pub gelu: Option<ShimFn>,
     pub layer_norm: Option<ShimFn>,
     pub conv_pointwise: Option<ShimFn>,
+    /// Its `binary` overload (`passes::conv_residual`).
+    pub conv_pointwise_binary: Option<ShimFn>,
     get_data_ptr: Option<unsafe extern "C" fn(Raw, *mut *mut std::ffi::c_void) -> Status>,
     float32: Option<i32>,
     int64: Option<i32>,
@@ -169,6 +198,8 @@ impl Shims {
             )
             .map(|_| ShimFn::LayerNorm),
             conv_pointwise: sym(lib, hidden, CONV_POINTWISE).map(ShimFn::ConvPointwise),
+            conv_pointwise_binary: sym(lib, hidden, "aoti_torch_cpu_mkldnn__convolution_pointwise_binary")
+                .map(ShimFn::ConvPointwiseBinary),
             get_data_ptr: sym(lib, hidden, "aoti_torch_get_data_ptr"),
             float32: sym::<unsafe extern "C" fn() -> i32>(lib, hidden, "aoti_torch_dtype_float32").map(|f| f()),
             int64: sym::<unsafe extern "C" fn() -> i32>(lib, hidden, "aoti_torch_dtype_int64").map(|f| f()),

@@ -50,10 +50,10 @@ pub fn pack_panels(w: &[f32], shape: [usize; 4], strides: [usize; 4], panels: &m
     }
 }
 
-/// `out[m, n] = epilogue(bias[n] + x[m, k] @ w[k, n])` with `x` and `w` rounded to bfloat16
-/// and the sums in float32; `panels` from [`pack_panels`] of the `[n, k, 1, 1]` weight.
-/// Returns `false` (writing nothing) where the slices don't fit the shapes or this CPU lacks
-/// AVX512-BF16.
+/// `out[m, n] = epilogue(bias[n] + x[m, k] @ w[k, n] + residual[m, n])` with `x` and `w`
+/// rounded to bfloat16 and the sums in float32; `panels` from [`pack_panels`] of the `[n, k,
+/// 1, 1]` weight. Returns `false` (writing nothing) where the slices don't fit the shapes or
+/// this CPU lacks AVX512-BF16.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm(
     x: &[f32],
@@ -62,33 +62,36 @@ pub fn gemm(
     panels: &[u32],
     n: usize,
     bias: Option<&[f32]>,
+    residual: Option<&[f32]>,
     epilogue: Epilogue,
     out: &mut [f32],
 ) -> bool {
     let fits = x.len() >= m * k
         && panels.len() >= k.div_ceil(2) * n.div_ceil(PANEL) * PANEL
         && out.len() >= m * n
-        && bias.is_none_or(|b| b.len() >= n);
+        && bias.is_none_or(|b| b.len() >= n)
+        && residual.is_none_or(|r| r.len() >= m * n);
     #[cfg(target_arch = "x86_64")]
     if fits && available() {
         // SAFETY: AVX-512F and AVX512-BF16 are present, and every slice holds what the shapes
         // say (checked).
         unsafe {
             let xb = avx512bf16::pairs_of_rows(x, m, k);
-            let s = avx512bf16::Shape { taps: 1, pairs: k.div_ceil(2), n, bias, epilogue };
+            let s = avx512bf16::Shape { taps: 1, pairs: k.div_ceil(2), n, bias, residual, epilogue };
             avx512bf16::columns(avx512bf16::Dense { x: xb.as_ptr(), pairs: s.pairs }, m, &s, panels, out);
         }
         return true;
     }
-    let _ = (fits, x, m, k, panels, n, bias, epilogue, out);
+    let _ = (fits, x, m, k, panels, n, bias, residual, epilogue, out);
     false
 }
 
 /// [`super::indirect_f32`] in bfloat16: the convolution of channels-last images (`x`:
 /// `[batch, h, w, cin]`) as an indirect GEMM over each pixel's taps, with the input rounded to
 /// bfloat16 once (each pixel's channels as pairs) and `panels` from [`pack_panels`] of the
-/// `[cout, cin, kh, kw]` weight. Returns `false` (writing nothing) where the slices don't fit
-/// the shapes or this CPU lacks AVX512-BF16.
+/// `[cout, cin, kh, kw]` weight; `residual`, if any, added before the epilogue. Returns
+/// `false` (writing nothing) where the slices don't fit the shapes or this CPU lacks
+/// AVX512-BF16.
 #[allow(clippy::too_many_arguments)]
 pub fn indirect(
     x: &[f32],
@@ -96,6 +99,7 @@ pub fn indirect(
     panels: &[u32],
     g: &super::Conv2d,
     bias: Option<&[f32]>,
+    residual: Option<&[f32]>,
     epilogue: Epilogue,
     out: &mut [f32],
 ) -> bool {
@@ -105,7 +109,8 @@ pub fn indirect(
     let fits = x.len() >= batch * h * w * cin
         && panels.len() >= taps * pairs * n.div_ceil(PANEL) * PANEL
         && out.len() >= m * n
-        && bias.is_none_or(|b| b.len() >= n);
+        && bias.is_none_or(|b| b.len() >= n)
+        && residual.is_none_or(|r| r.len() >= m * n);
     #[cfg(target_arch = "x86_64")]
     if fits && available() {
         // SAFETY: AVX-512F and AVX512-BF16 are present; the slices hold what the shapes say
@@ -118,12 +123,12 @@ pub fn indirect(
                 Some(p) => xb.as_ptr().add(p * pairs),
                 None => zeros.as_ptr(),
             });
-            let s = avx512bf16::Shape { taps, pairs, n, bias, epilogue };
+            let s = avx512bf16::Shape { taps, pairs, n, bias, residual, epilogue };
             avx512bf16::columns(avx512bf16::Table { table: table.as_ptr(), taps }, m, &s, panels, out);
         }
         return true;
     }
-    let _ = (fits, x, batch, h, w, panels, g, bias, epilogue, out, m, pairs);
+    let _ = (fits, x, batch, h, w, panels, g, bias, residual, epilogue, out, m, pairs);
     false
 }
 
@@ -199,12 +204,13 @@ mod avx512bf16 {
     }
 
     /// A GEMM's shape besides its rows: taps per row and pairs per tap, the output's width,
-    /// the bias and the epilogue.
+    /// the bias, the residual (`m * n`, laid out as the output) and the epilogue.
     pub struct Shape<'a> {
         pub taps: usize,
         pub pairs: usize,
         pub n: usize,
         pub bias: Option<&'a [f32]>,
+        pub residual: Option<&'a [f32]>,
         pub epilogue: Epilogue,
     }
 
@@ -218,6 +224,7 @@ mod avx512bf16 {
     pub unsafe fn columns<R: Rows>(rows_of: R, m: usize, s: &Shape<'_>, panels: &[u32], out: &mut [f32]) {
         let (depth, op) = (s.taps * s.pairs, out.as_mut_ptr());
         let bias = s.bias.map_or(std::ptr::null(), |b| b.as_ptr());
+        let residual = s.residual.map_or(std::ptr::null(), |r| r.as_ptr());
         // GELU after the block's tiles, as the float32 GEMM applies it.
         let gelu = matches!(s.epilogue, Epilogue::Gelu | Epilogue::GeluTanh);
         let epilogue = if gelu { Epilogue::None } else { s.epilogue };
@@ -226,7 +233,7 @@ mod avx512bf16 {
         unsafe {
             while j < s.n {
                 let wp = panels.as_ptr().add(j / PANEL * depth * PANEL);
-                let b = Block { taps: s.taps, pairs: s.pairs, n: s.n, j, bias, epilogue };
+                let b = Block { taps: s.taps, pairs: s.pairs, n: s.n, j, bias, residual, epilogue };
                 match (s.n - j).min(PANEL).div_ceil(16) {
                     4 => rows::<R, 6, 4>(rows_of, m, wp, op, &b),
                     3 => rows::<R, 8, 3>(rows_of, m, wp, op, &b),
@@ -247,13 +254,14 @@ mod avx512bf16 {
     }
 
     /// A column block: taps and pairs per tap, the output's width, the block's first column,
-    /// the bias (or null) and the epilogue.
+    /// the bias and the residual (or null) and the epilogue.
     struct Block {
         taps: usize,
         pairs: usize,
         n: usize,
         j: usize,
         bias: *const f32,
+        residual: *const f32,
         epilogue: Epilogue,
     }
 
@@ -326,7 +334,12 @@ mod avx512bf16 {
             }
             for (r, row) in acc.iter().enumerate() {
                 for v in 0..V {
-                    _mm512_mask_storeu_ps(op.add((i + r) * b.n + b.j + v * 16), masks[v], apply(b.epilogue, row[v]));
+                    let at = (i + r) * b.n + b.j + v * 16;
+                    let mut y = row[v];
+                    if !b.residual.is_null() {
+                        y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(masks[v], b.residual.add(at)));
+                    }
+                    _mm512_mask_storeu_ps(op.add(at), masks[v], apply(b.epilogue, y));
                 }
             }
         }
@@ -373,8 +386,11 @@ mod tests {
             super::super::pack_conv_panels(&wr, [n, k, 1, 1], [k, 1, 0, 0], &mut f32_panels);
             for epilogue in [Epilogue::None, Epilogue::Relu, Epilogue::Gelu] {
                 let (mut out, mut want) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
-                assert!(gemm(&x, m, k, &panels, n, Some(&bias), epilogue, &mut out));
-                assert!(super::super::gemm_f32(&xr, m, k, &f32_panels, n, Some(&bias), epilogue, &mut want));
+                // A residual with the ReLU: the order a ResNet block's add and ReLU take.
+                let residual: Vec<f32> = (0..m * n).map(|i| ((i * 29 % 31) as f32 - 15.0) / 9.0).collect();
+                let residual = (epilogue == Epilogue::Relu).then_some(residual.as_slice());
+                assert!(gemm(&x, m, k, &panels, n, Some(&bias), residual, epilogue, &mut out));
+                assert!(super::super::gemm_f32(&xr, m, k, &f32_panels, n, Some(&bias), residual, epilogue, &mut want));
                 for (i, (got, want)) in out.iter().zip(&want).enumerate() {
                     assert!(
                         (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
@@ -416,13 +432,16 @@ mod tests {
             let mut f32_panels = vec![0.0; cout.div_ceil(PANEL) * g.taps() * PANEL];
             super::super::pack_conv_panels(&wr, [cout, cin, kh, kw], strides, &mut f32_panels);
             let (mut out, mut want) = (vec![f32::NAN; 2 * ho * wo * cout], vec![f32::NAN; 2 * ho * wo * cout]);
-            assert!(indirect(&x, [2, h, w], &panels, &g, Some(&bias), Epilogue::Relu, &mut out));
+            let residual: Vec<f32> = (0..2 * ho * wo * cout).map(|i| ((i * 29 % 31) as f32 - 15.0) / 9.0).collect();
+            let residual = Some(residual.as_slice());
+            assert!(indirect(&x, [2, h, w], &panels, &g, Some(&bias), residual, Epilogue::Relu, &mut out));
             assert!(super::super::indirect_f32(
                 &xr,
                 [2, h, w],
                 &f32_panels,
                 &g,
                 Some(&bias),
+                residual,
                 Epilogue::Relu,
                 &mut want
             ));

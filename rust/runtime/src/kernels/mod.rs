@@ -78,7 +78,7 @@ pub fn linear_f32(
     bias: Option<&[f32]>,
     out: &mut [f32],
 ) -> bool {
-    gemm_f32(x, m, k, panels, n, bias, Epilogue::None, out)
+    gemm_f32(x, m, k, panels, n, bias, None, Epilogue::None, out)
 }
 
 /// What the GEMM applies to each result before storing it: the activation a 1×1
@@ -150,10 +150,11 @@ pub fn has_gemm() -> bool {
     false
 }
 
-/// [`linear_f32`] for any number of rows, then `epilogue` on each result: also a 1×1
-/// convolution over channels-last pixels (rows are pixels, `k` and `n` channels). Tiles of up
-/// to 6 rows × 64 columns, or more rows where fewer columns are left (12 × 16 for a 16-channel
-/// convolution), keep every accumulator in a register across the whole `k` loop.
+/// [`linear_f32`] for any number of rows, plus `residual` (`m * n`, laid out as `out`: a
+/// convolution's residual add, `passes::conv_residual`), then `epilogue` on each result: also
+/// a 1×1 convolution over channels-last pixels (rows are pixels, `k` and `n` channels). Tiles
+/// of up to 6 rows × 64 columns, or more rows where fewer columns are left (12 × 16 for a
+/// 16-channel convolution), keep every accumulator in a register across the whole `k` loop.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_f32(
     x: &[f32],
@@ -162,20 +163,22 @@ pub fn gemm_f32(
     panels: &[f32],
     n: usize,
     bias: Option<&[f32]>,
+    residual: Option<&[f32]>,
     epilogue: Epilogue,
     out: &mut [f32],
 ) -> bool {
     let fits = x.len() >= m * k
         && panels.len() >= k * n.div_ceil(PANEL) * PANEL
         && out.len() >= m * n
-        && bias.is_none_or(|b| b.len() >= n);
+        && bias.is_none_or(|b| b.len() >= n)
+        && residual.is_none_or(|r| r.len() >= m * n);
     #[cfg(target_arch = "x86_64")]
     if fits && has_gemm() {
         // SAFETY: AVX-512F is present, and every slice holds what the shapes say (checked).
-        unsafe { avx512::gemm(x, m, k, panels, n, bias, epilogue, out) };
+        unsafe { avx512::gemm(x, m, k, panels, n, (bias, residual), epilogue, out) };
         return true;
     }
-    let _ = (fits, x, m, k, panels, n, bias, epilogue, out);
+    let _ = (fits, x, m, k, panels, n, bias, residual, epilogue, out);
     false
 }
 
@@ -323,8 +326,9 @@ fn tap_table<T>(
 /// cout]`); but the GEMM's tiles read each pixel's taps through a table of pointers (one per
 /// pixel and tap: the input pixel's `cin` channels, or a row of zeros for a tap in the
 /// padding), so no patch is ever copied (3–7% faster than gathering patches into a buffer
-/// that stays in L2). Returns `false` (writing nothing) where the slices don't fit the shapes
-/// or this CPU lacks AVX-512.
+/// that stays in L2). `residual`, if any, is added before the epilogue, as [`gemm_f32`] adds
+/// it. Returns `false` (writing nothing) where the slices don't fit the shapes or this CPU
+/// lacks AVX-512.
 #[allow(clippy::too_many_arguments)]
 pub fn indirect_f32(
     x: &[f32],
@@ -332,6 +336,7 @@ pub fn indirect_f32(
     panels: &[f32],
     g: &Conv2d,
     bias: Option<&[f32]>,
+    residual: Option<&[f32]>,
     epilogue: Epilogue,
     out: &mut [f32],
 ) -> bool {
@@ -341,7 +346,8 @@ pub fn indirect_f32(
     let fits = x.len() >= batch * h * w * cin
         && panels.len() >= k * n.div_ceil(PANEL) * PANEL
         && out.len() >= m * n
-        && bias.is_none_or(|b| b.len() >= n);
+        && bias.is_none_or(|b| b.len() >= n)
+        && residual.is_none_or(|r| r.len() >= m * n);
     if !fits || !has_gemm() {
         return false;
     }
@@ -356,7 +362,7 @@ pub fn indirect_f32(
         // SAFETY: AVX-512F is present; every pointer of the table starts `cin` readable
         // floats (of `x`, or of `zeros`, alive until the end of this function), and the
         // other slices hold what the shapes say (checked).
-        unsafe { avx512::indirect(&table, m, kh * kw, cin, panels, n, bias, epilogue, out) };
+        unsafe { avx512::indirect(&table, m, kh * kw, cin, panels, n, (bias, residual), epilogue, out) };
         true
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -1211,7 +1217,15 @@ mod avx512 {
         cin: usize,
         n: usize,
         bias: *const f32,
+        /// `m * n` values added to the results before the epilogue, or null.
+        residual: *const f32,
         epilogue: Epilogue,
+    }
+
+    /// A bias and a residual as the tiles read them (null where absent).
+    fn addends((bias, residual): (Option<&[f32]>, Option<&[f32]>)) -> (*const f32, *const f32) {
+        let at = |s: Option<&[f32]>| s.map_or(std::ptr::null(), |s| s.as_ptr());
+        (at(bias), at(residual))
     }
 
     /// See `super::gemm_f32`.
@@ -1227,11 +1241,12 @@ mod avx512 {
         k: usize,
         panels: &[f32],
         n: usize,
-        bias: Option<&[f32]>,
+        add: (Option<&[f32]>, Option<&[f32]>),
         epilogue: Epilogue,
         out: &mut [f32],
     ) {
-        let shape = Shape { taps: 1, cin: k, n, bias: bias.map_or(std::ptr::null(), |b| b.as_ptr()), epilogue };
+        let (bias, residual) = addends(add);
+        let shape = Shape { taps: 1, cin: k, n, bias, residual, epilogue };
         // SAFETY: as the caller guarantees.
         unsafe { columns(Dense { x: x.as_ptr(), k }, m, &shape, panels, out) }
     }
@@ -1250,11 +1265,12 @@ mod avx512 {
         cin: usize,
         panels: &[f32],
         n: usize,
-        bias: Option<&[f32]>,
+        add: (Option<&[f32]>, Option<&[f32]>),
         epilogue: Epilogue,
         out: &mut [f32],
     ) {
-        let shape = Shape { taps, cin, n, bias: bias.map_or(std::ptr::null(), |b| b.as_ptr()), epilogue };
+        let (bias, residual) = addends(add);
+        let shape = Shape { taps, cin, n, bias, residual, epilogue };
         // SAFETY: as the caller guarantees.
         unsafe { columns(Table { table: table.as_ptr(), taps }, m, &shape, panels, out) }
     }
@@ -1384,7 +1400,12 @@ mod avx512 {
             }
             for (r, row) in acc.iter().enumerate() {
                 for v in 0..V {
-                    let y = apply(s.epilogue, row[v]);
+                    let mut y = row[v];
+                    if !s.residual.is_null() {
+                        let at = s.residual.add((i + r) * s.n + j + v * 16);
+                        y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(masks[v], at));
+                    }
+                    let y = apply(s.epilogue, y);
                     _mm512_mask_storeu_ps(out.add(r * s.n + j + v * 16), masks[v], y);
                 }
             }
@@ -1602,13 +1623,17 @@ mod tests {
             pack_conv_panels(&wt, [n, k, 1, 1], [1, n, 0, 0], &mut panels);
             for (epilogue, f) in defs {
                 let mut out = vec![f32::NAN; m * n];
-                if !gemm_f32(&x, m, k, &panels, n, Some(&b), epilogue, &mut out) {
+                if !gemm_f32(&x, m, k, &panels, n, Some(&b), None, epilogue, &mut out) {
                     return; // no AVX-512 here
                 }
                 // And the epilogue alone, in place over the plain product (torch's result).
                 let mut plain = vec![f32::NAN; m * n];
-                assert!(gemm_f32(&x, m, k, &panels, n, Some(&b), Epilogue::None, &mut plain));
+                assert!(gemm_f32(&x, m, k, &panels, n, Some(&b), None, Epilogue::None, &mut plain));
                 assert!(epilogue_f32(epilogue, &mut plain));
+                // And with a residual added before the epilogue (`passes::conv_residual`).
+                let res: Vec<f32> = (0..m * n).map(|i| (i as f32 * 0.23).cos()).collect();
+                let mut added = vec![f32::NAN; m * n];
+                assert!(gemm_f32(&x, m, k, &panels, n, Some(&b), Some(&res), epilogue, &mut added));
                 for r in 0..m {
                     for j in 0..n {
                         let dot: f64 = (0..k).map(|kk| x[r * k + kk] as f64 * wt[kk * n + j] as f64).sum();
@@ -1617,6 +1642,9 @@ mod tests {
                             let close = (got as f64 - want).abs() < 2e-6 * (k as f64).sqrt();
                             assert!(close, "{epilogue:?} {how} {m}x{k}x{n} {r} {j}");
                         }
+                        let want = f(dot + b[j] as f64 + res[r * n + j] as f64);
+                        let close = (added[r * n + j] as f64 - want).abs() < 2e-6 * (k as f64).sqrt();
+                        assert!(close, "{epilogue:?} residual {m}x{k}x{n} {r} {j}");
                     }
                 }
             }
@@ -1699,7 +1727,9 @@ mod tests {
                     let cl = [h * w * ci, 1, w * ci, ci];
                     direct_f32(&nhwc, [2, h, w], cl, &taps, &g, Some(&bias), Epilogue::None, out)
                 }),
-                ("indirect", &|out| indirect_f32(&nhwc, [2, h, w], &panels, &g, Some(&bias), Epilogue::None, out)),
+                ("indirect", &|out| {
+                    indirect_f32(&nhwc, [2, h, w], &panels, &g, Some(&bias), None, Epilogue::None, out)
+                }),
             ];
             for (name, run) in runs {
                 let mut out = vec![f32::NAN; 2 * ho * wo * co];

@@ -194,6 +194,13 @@ pub struct Conv {
     pub(crate) groups: i64,
     /// The post-op: `relu`, `hardswish`, ... or `none`.
     pub(crate) attr: std::ffi::CString,
+    /// Whether the step's third tensor is a bias.
+    pub(crate) bias: bool,
+    /// For `_convolution_pointwise.binary` (`passes::conv_residual`): the residual add, whose
+    /// tensor is the step's last, and the post-op after it (`relu`, or none).
+    pub(crate) residual: Option<Option<std::ffi::CString>>,
+    /// The weight's `[out, in, kh, kw]`.
+    pub(crate) shape: [i64; 4],
     /// The const index of the plain weight.
     pub(crate) weight: usize,
     /// The packed weight, or the plain one where torch couldn't pack it (oneDNN then
@@ -201,6 +208,24 @@ pub struct Conv {
     pub(crate) packed: std::sync::OnceLock<Option<crate::abi::Tensor>>,
     /// kwexport's kernel for this convolution, where it has one (below).
     pub(crate) own: Option<Box<OwnConv>>,
+}
+
+impl Conv {
+    /// The output's sizes for input `x`, `None` where its sizes can't be read or the kernel
+    /// doesn't fit.
+    ///
+    /// # Safety
+    /// `x` must be a live handle.
+    pub(crate) unsafe fn output_sizes(&self, abi: &crate::abi::Abi, x: crate::abi::Raw) -> Option<Vec<i64>> {
+        // SAFETY: the caller's live handle.
+        let (s, _) = unsafe { abi.sizes_strides(x) }?;
+        let out = |d: usize| {
+            let reach = self.dilation[d] * (self.shape[2 + d] - 1) + 1;
+            let span = s.get(2 + d)? + 2 * self.padding[d] - reach;
+            (span >= 0 && self.stride[d] > 0).then(|| span / self.stride[d] + 1)
+        };
+        Some(vec![*s.first()?, self.shape[0], out(0)?, out(1)?])
+    }
 }
 
 /// A convolution kwexport runs on a kernel of its own over channels-last pixels, where that

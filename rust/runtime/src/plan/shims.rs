@@ -175,7 +175,9 @@ pub(super) fn compile(
             step.shim.as_mut()?.scalars.push(tanh);
             return Some(step);
         }
-        ("mkldnn::_convolution_pointwise", "") => return conv_step(abi, node, bound, is_tensor, consts, shims),
+        ("mkldnn::_convolution_pointwise", "" | "binary") => {
+            return conv_step(abi, node, bound, is_tensor, consts, shims)
+        }
         // At `fast`, kwexport's kernel over the last dimension (its size rides along as a
         // second scalar) where the weight and bias are given: torch's CPU layer norm takes
         // ~7 µs on a small model's `[32, 256]`, mostly in setting up.
@@ -261,10 +263,10 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg]) -> Option<super::OwnOp> 
     }
 }
 
-/// oneDNN's fused convolution (`passes::conv_pointwise` made the node): input, weight (a
-/// weight of the file, packed on the first call) and bias as tensors, the geometry and the
-/// post-op as literals. The shim skips the dispatcher, so autograd and autocast calls run
-/// the Python op.
+/// oneDNN's fused convolution (`passes::conv_pointwise` made the node, or
+/// `passes::conv_residual` its `binary` overload): input, weight (a weight of the file, packed
+/// on the first call), bias and residual as tensors, the geometry and the post-ops as
+/// literals. The shim skips the dispatcher, so autograd and autocast calls run the Python op.
 fn conv_step(
     abi: &Abi,
     node: &SlotNode,
@@ -273,26 +275,38 @@ fn conv_step(
     consts: &mut dyn Consts,
     shims: &crate::abi::shims::Shims,
 ) -> Option<CStep> {
-    let f = shims.conv_pointwise?;
-    let [x, SlotArg::Value(ValueRef::Weight(w)), bias, padding, stride, dilation, groups, attr, scalars, algorithm] =
-        bound
-    else {
-        return None;
+    let none = |a: &SlotArg| matches!(a, SlotArg::Literal(Arg::None(())));
+    let empty = |a: &SlotArg| matches!(a, SlotArg::List(items) if items.is_empty());
+    let str_of = |a: &SlotArg| match a {
+        SlotArg::Literal(Arg::Str(s)) => Some(s.clone()),
+        _ => None,
+    };
+    // The post-op, and for the binary overload the residual tensor and the add's own post-op.
+    let (f, x, w, bias, [padding, stride, dilation, groups], attr, residual) = match bound {
+        [x, SlotArg::Value(ValueRef::Weight(w)), bias, p, s, d, g, attr, scalars, algorithm]
+            if empty(scalars) && none(algorithm) =>
+        {
+            (shims.conv_pointwise?, *x, w, *bias, [*p, *s, *d, *g], str_of(attr)?, None)
+        }
+        [x, other, SlotArg::Value(ValueRef::Weight(w)), bias, p, s, d, g, binary, alpha, unary, scalars, algorithm]
+            if str_of(binary).as_deref() == Some("add") && none(alpha) && empty(scalars) && none(algorithm) =>
+        {
+            let unary = if none(unary) { None } else { Some(str_of(unary).filter(|u| u == "relu")?) };
+            let attr = unary.clone().unwrap_or_else(|| "none".to_owned());
+            (shims.conv_pointwise_binary?, *x, w, *bias, [*p, *s, *d, *g], attr, Some((*other, unary)))
+        }
+        _ => return None,
     };
     let pair = |a: &SlotArg| -> Option<[i64; 2]> { ints(a)?.try_into().ok() };
-    let (SlotArg::Literal(Arg::Int(groups)), SlotArg::Literal(Arg::Str(attr))) = (groups, attr) else { return None };
-    let no_scalars = matches!(scalars, SlotArg::List(items) if items.is_empty());
-    if !no_scalars
-        || !matches!(algorithm, SlotArg::Literal(Arg::None(())))
-        || !matches!(node.outputs, SlotOutputs::One(_))
-    {
+    let SlotArg::Literal(Arg::Int(groups)) = groups else { return None };
+    if !matches!(node.outputs, SlotOutputs::One(_)) {
         return None;
     }
     let (padding, stride, dilation) = (pair(padding)?, pair(stride)?, pair(dilation)?);
     let weight = consts.weight(w);
-    let own = crate::kernels::Epilogue::of_attr(attr).filter(|_| dilation == [1, 1]).and_then(|epilogue| {
+    let shape: [i64; 4] = consts.f32_shape(w)?.try_into().ok()?;
+    let own = crate::kernels::Epilogue::of_attr(&attr).filter(|_| dilation == [1, 1]).and_then(|epilogue| {
         use crate::kernels::Conv2d;
-        let shape: [i64; 4] = consts.f32_shape(w)?.try_into().ok()?;
         let [out, inputs, kh, kw] = shape;
         let geometry = Conv2d::new(shape, stride, padding)?;
         let pointwise = [kh, kw] == [1, 1] && stride == [1, 1] && padding == [0, 0];
@@ -319,21 +333,33 @@ fn conv_step(
         (Ty::Tensor, encode::encode(abi, &Ty::Tensor, false, x, is_tensor, consts)?),
         (Ty::Tensor, Enc::Const(weight)),
     ];
-    if !matches!(bias, SlotArg::Literal(Arg::None(()))) {
+    let has_bias = !none(bias);
+    if has_bias {
         args.push((Ty::Tensor, encode::encode(abi, &Ty::Tensor, false, bias, is_tensor, consts)?));
     }
+    if let Some((other, _)) = residual {
+        args.push((Ty::Tensor, encode::encode(abi, &Ty::Tensor, false, other, is_tensor, consts)?));
+    }
+    let overload = if residual.is_some() { c"binary" } else { c"" };
     let conv = super::Conv {
         padding,
         stride,
         dilation,
         groups: *groups,
         attr: CString::new(attr.as_str()).ok()?,
+        bias: has_bias,
+        residual: match residual {
+            Some((_, Some(unary))) => Some(Some(CString::new(unary).ok()?)),
+            Some((_, None)) => Some(None),
+            None => None,
+        },
+        shape,
         weight,
         packed: std::sync::OnceLock::new(),
         own,
     };
     Some(CStep {
-        name: (c"mkldnn::_convolution_pointwise".to_owned(), c"".to_owned()),
+        name: (c"mkldnn::_convolution_pointwise".to_owned(), overload.to_owned()),
         args,
         returns: vec![Ty::Tensor],
         outputs: node.outputs.clone(),

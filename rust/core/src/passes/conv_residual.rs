@@ -1,0 +1,215 @@
+//! A lowered convolution's residual add, and the ReLU after it, as the convolution's own
+//! post-ops (`optimize="fast"`, at load, after [`conv_pointwise`](super::conv_pointwise)):
+//! `mkldnn::_convolution_pointwise.binary`, which adds the other tensor to each result and
+//! applies the activation as the result is stored. A ResNet block's `out += identity;
+//! relu(out)` then costs no pass of its own over memory: at 224×224, resnet18's eight adds
+//! and ReLUs took ~2.5% of its call.
+//!
+//! The fused node takes the add's place, where the other tensor exists; the convolution's
+//! inputs must then be unchanged since the convolution read them, so every node between the
+//! two must write nothing (a pure aten op, or another lowered convolution). Only an add of
+//! two tensors with `alpha` 1, whose other operand isn't the convolution's output, qualifies;
+//! whether the other tensor has the output's shape and layout is the runtime's check on each
+//! call (it runs torch's ops where it hasn't, broadcasting as the add did).
+
+use super::readers::{one, readers, sole_reader};
+use crate::schema::{Arg, Document, Method, Node, Outputs};
+
+/// The op a convolution with its residual add runs.
+pub const FUSED: &str = crate::tables::PASS_OPS[2];
+
+/// The adds a convolution absorbs: out-of-place, or in place into the convolution's output.
+const ADDS: &[&str] = &["aten::add.Tensor", "aten::add_.Tensor"];
+
+/// Fuses every qualifying convolution of each method's top-level graph with its residual add
+/// (and the ReLU after it); returns how many.
+pub fn apply(doc: &mut Document) -> usize {
+    let mut fused = 0;
+    for m in doc.methods.values_mut() {
+        let found = find(m);
+        if found.is_empty() {
+            continue;
+        }
+        let op = super::op_index(&mut m.ops, FUSED);
+        let mut removed = vec![false; m.graph.nodes.len()];
+        for (conv, adds, node) in found {
+            let at = *adds.last().expect("an add");
+            m.graph.nodes[at] = Node { op, ..node };
+            removed[conv] = true;
+            adds[..adds.len() - 1].iter().for_each(|&i| removed[i] = true);
+            fused += 1;
+        }
+        super::remove_nodes(&mut m.graph.nodes, &removed);
+    }
+    fused
+}
+
+/// Each convolution to fuse: its index, the add's (and the ReLU's), and the fused node (`op`
+/// left for the caller).
+fn find(m: &Method) -> Vec<(usize, Vec<usize>, Node)> {
+    let g = &m.graph;
+    let op_of = |n: &Node| m.ops.get(n.op).map(|o| o.name.as_str());
+    // Whether a node may sit between the convolution and its add: it writes nothing.
+    let writes_nothing =
+        |n: &Node| m.ops.get(n.op).is_some_and(|o| super::dead_code::pure(o) || o.name == super::conv_pointwise::FUSED);
+    let readers = readers(g);
+    let mut found = Vec::new();
+    // Adds already absorbed: of two convolutions added together, the first absorbs the add
+    // and the second stays, its output the residual.
+    let mut taken = std::collections::HashSet::new();
+    for (ci, conv) in g.nodes.iter().enumerate() {
+        if op_of(conv) != Some(super::conv_pointwise::FUSED) || conv.args.get(7) != Some(&Arg::Str("none".into())) {
+            continue;
+        }
+        // (A reader before the node is possible: the passes run before validation.)
+        let Some((y, ai)) = one(conv).zip(sole_reader(&readers, conv)).filter(|&(_, ai)| ai > ci) else { continue };
+        let add = &g.nodes[ai];
+        let other = match (op_of(add), add.args.as_slice()) {
+            (Some(op), [Arg::Ref(a), other @ Arg::Ref(b)]) if ADDS.contains(&op) && a == y && b != y => other,
+            // `other + conv`, out of place only: `add_` would write the other tensor.
+            (Some("aten::add.Tensor"), [other @ Arg::Ref(a), Arg::Ref(b)]) if b == y && a != y => other,
+            _ => continue,
+        };
+        if !add.kwargs.is_empty() || !g.nodes[ci + 1..ai].iter().all(writes_nothing) || !taken.insert(ai) {
+            continue;
+        }
+        let relu = sole_reader(&readers, add).filter(|&ri| {
+            let r = &g.nodes[ri];
+            ri > ai && super::post_op(op_of(r), &["relu"]).is_some() && r.args.len() == 1 && r.kwargs.is_empty()
+        });
+        // A ReLU later than right after the add would move the add's result past its readers.
+        let relu = relu.filter(|&ri| g.nodes[ai + 1..ri].iter().all(writes_nothing));
+        let last = relu.unwrap_or(ai);
+        let Outputs::One(_) = &g.nodes[last].outputs else { continue };
+        let a = &conv.args;
+        let node = Node {
+            op: 0,
+            args: vec![
+                a[0].clone(),
+                other.clone(),
+                a[1].clone(),
+                a[2].clone(),
+                a[3].clone(),
+                a[4].clone(),
+                a[5].clone(),
+                a[6].clone(),
+                Arg::Str("add".to_owned()),
+                Arg::None(()),
+                relu.map_or(Arg::None(()), |_| Arg::Str("relu".to_owned())),
+                Arg::List(Vec::new()),
+                Arg::None(()),
+            ],
+            kwargs: Default::default(),
+            outputs: g.nodes[last].outputs.clone(),
+        };
+        found.push((ci, [Some(ai), relu].into_iter().flatten().collect(), node));
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// `y = conv(x)` (lowered, no activation), then `nodes`; outputs `outputs`.
+    fn doc(nodes: serde_json::Value, outputs: serde_json::Value) -> Document {
+        let header = move |h: &mut serde_json::Value| {
+            let m = &mut h["methods"]["forward"];
+            m["ops"] = json!([
+                {"name": super::super::conv_pointwise::FUSED, "schema": null},
+                {"name": "aten::add.Tensor", "schema": "aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor"},
+                {"name": "aten::add_.Tensor", "schema": "aten::add_.Tensor(Tensor(a!) self, Tensor other, *, Scalar alpha=1) -> Tensor(a!)"},
+                {"name": "aten::relu_.default", "schema": "aten::relu_(Tensor(a!) self) -> Tensor(a!)"},
+                {"name": "aten::neg.default", "schema": "aten::neg(Tensor self) -> Tensor"},
+            ]);
+            m["graph"]["inputs"] = json!([
+                {"name": "pw", "source": {"weight": "w"}},
+                {"name": "x", "source": {"user": 0}}, {"name": "o", "source": {"user": 1}}]);
+            let mut all = vec![json!({"op": 0, "args": [{"ref": "x"}, {"ref": "pw"}, {"none": null},
+                {"list": [{"int": 1}, {"int": 1}]}, {"list": [{"int": 1}, {"int": 1}]},
+                {"list": [{"int": 1}, {"int": 1}]}, {"int": 1}, {"str": "none"}, {"list": []}, {"none": null}],
+                "outputs": {"one": "y"}})];
+            all.extend(nodes.as_array().unwrap().iter().cloned());
+            m["graph"]["nodes"] = json!(all);
+            m["graph"]["outputs"] = outputs;
+        };
+        crate::passes::tests::document(header, |_| {})
+    }
+
+    fn node(op: usize, args: &[&str], out: &str) -> serde_json::Value {
+        let args: Vec<_> = args.iter().map(|a| json!({"ref": a})).collect();
+        json!({"op": op, "args": args, "outputs": {"one": out}})
+    }
+
+    #[test]
+    fn fuses_the_add_and_the_relu_after_it() {
+        for (add, args) in [(2, ["y", "o"]), (1, ["y", "o"]), (1, ["o", "y"])] {
+            let mut d = doc(json!([node(add, &args, "z"), node(3, &["z"], "r")]), json!([{"ref": "r"}]));
+            assert_eq!(apply(&mut d), 1, "{add} {args:?}");
+            let m = &d.methods["forward"];
+            assert_eq!(m.graph.nodes.len(), 1);
+            let n = &m.graph.nodes[0];
+            assert_eq!(m.ops[n.op].name, FUSED);
+            assert_eq!(
+                (&n.args[0], &n.args[1], &n.args[2]),
+                (&Arg::Ref("x".into()), &Arg::Ref("o".into()), &Arg::Ref("pw".into()))
+            );
+            assert_eq!((&n.args[8], &n.args[10]), (&Arg::Str("add".into()), &Arg::Str("relu".into())));
+            assert_eq!(n.outputs, Outputs::One("r".into()));
+            assert_eq!(apply(&mut d), 0, "idempotent");
+        }
+        // Without a ReLU after it.
+        let mut d = doc(json!([node(1, &["y", "o"], "z")]), json!([{"ref": "z"}]));
+        assert_eq!(apply(&mut d), 1);
+        let n = &d.methods["forward"].graph.nodes[0];
+        assert_eq!((&n.args[10], &n.outputs), (&Arg::None(()), &Outputs::One("z".into())));
+    }
+
+    #[test]
+    fn of_two_convolutions_added_the_first_absorbs_the_add() {
+        let second = json!({"op": 0, "args": [{"ref": "o"}, {"ref": "pw"}, {"none": null},
+            {"list": [{"int": 1}, {"int": 1}]}, {"list": [{"int": 1}, {"int": 1}]},
+            {"list": [{"int": 1}, {"int": 1}]}, {"int": 1}, {"str": "none"}, {"list": []}, {"none": null}],
+            "outputs": {"one": "y2"}});
+        let mut d = doc(json!([second, node(1, &["y", "y2"], "z")]), json!([{"ref": "z"}]));
+        assert_eq!(apply(&mut d), 1);
+        let m = &d.methods["forward"];
+        let ops: Vec<_> = m.graph.nodes.iter().map(|n| m.ops[n.op].name.as_str()).collect();
+        assert_eq!(ops, [super::super::conv_pointwise::FUSED, FUSED]);
+        assert_eq!(m.graph.nodes[1].args[1], Arg::Ref("y2".into()));
+    }
+
+    #[test]
+    fn a_pure_node_between_stays_before_the_fused_one() {
+        let mut d = doc(json!([node(4, &["o"], "p"), node(1, &["y", "p"], "z")]), json!([{"ref": "z"}]));
+        assert_eq!(apply(&mut d), 1);
+        let m = &d.methods["forward"];
+        assert_eq!(
+            m.graph.nodes.iter().map(|n| m.ops[n.op].name.as_str()).collect::<Vec<_>>(),
+            ["aten::neg.default", FUSED]
+        );
+    }
+
+    #[test]
+    fn leaves_near_misses_alone() {
+        let cases = [
+            // A write between the convolution and its add.
+            (json!([node(3, &["x"], "x2"), node(1, &["y", "o"], "z")]), json!([{"ref": "z"}, {"ref": "x2"}])),
+            // The convolution's output read elsewhere too.
+            (json!([node(1, &["y", "o"], "z")]), json!([{"ref": "z"}, {"ref": "y"}])),
+            // `add_` into the other tensor.
+            (json!([node(2, &["o", "y"], "z")]), json!([{"ref": "z"}])),
+            // Its own output twice.
+            (json!([node(1, &["y", "y"], "z")]), json!([{"ref": "z"}])),
+        ];
+        for (i, (nodes, outputs)) in cases.into_iter().enumerate() {
+            let mut d = doc(nodes, outputs);
+            assert_eq!(apply(&mut d), 0, "case {i}");
+        }
+        // An alpha.
+        let mut d = doc(json!([node(1, &["y", "o"], "z")]), json!([{"ref": "z"}]));
+        d.methods.get_mut("forward").unwrap().graph.nodes[1].kwargs.insert("alpha".into(), Arg::Int(2));
+        assert_eq!(apply(&mut d), 0);
+    }
+}
