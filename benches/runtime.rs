@@ -178,6 +178,24 @@ fn kernels(c: &mut Criterion) {
         group.bench_function(format!("indirect/{ch}x{size}x{size}/k3"), |b| {
             b.iter(|| indirect_f32(&x, [1, size, size], &panels, &g, Some(&bias), None, Epilogue::Relu, &mut out))
         });
+        // By Winograd's F(2×2, 3×3), transforms included.
+        let mut wino = vec![0.0; kwexport_runtime::kernels::winograd::panels_len(ch, ch)];
+        kwexport_runtime::kernels::winograd::pack_weights(&data(k * ch), [ch, ch], [k, 9, 3, 1], &mut wino);
+        group.bench_function(format!("winograd/{ch}x{size}x{size}/k3"), |b| {
+            b.iter(|| {
+                let g = &g;
+                kwexport_runtime::kernels::winograd::conv(
+                    &x,
+                    [1, size, size],
+                    &wino,
+                    g,
+                    Some(&bias),
+                    None,
+                    Epilogue::Relu,
+                    &mut out,
+                )
+            })
+        });
         // The same in bfloat16 (`precision="bf16"`), rounding the input included.
         let mut pairs = vec![0u32; ch.div_ceil(64) * 9 * ch.div_ceil(2) * 64];
         kwexport_runtime::kernels::bf16::pack_panels(&data(k * ch), [ch, ch, 3, 3], [k, 9, 3, 1], &mut pairs);

@@ -1045,6 +1045,64 @@ impl Abi {
         done.then_some(Ok(out))
     }
 
+    /// A float32 CPU `[out, in, 3, 3]` weight (any strides) transformed and packed for
+    /// [`Abi::winograd_conv`] (`kernels::winograd::pack_weights`), or `None` for another tensor.
+    pub fn pack_winograd(&self, weight: &Tensor) -> Option<Tensor> {
+        let shims = self.shims.as_ref()?;
+        // SAFETY: a live handle.
+        let (sizes, strides) = unsafe { self.sizes_strides(weight.raw()) }?;
+        let ([cout, cin, 3, 3], strides) = (four(&sizes)?, four(&strides)?) else { return None };
+        // SAFETY: a live handle.
+        if !unsafe { shims.is_cpu_f32(weight.raw()) } || cout == 0 || cin == 0 {
+            return None;
+        }
+        let span = 1 + (cout - 1) * strides[0] + (cin - 1) * strides[1] + 2 * strides[2] + 2 * strides[3];
+        let len = crate::kernels::winograd::panels_len(cin, cout);
+        let out = self.owned(shims.empty_f32(&[len as i64])).ok()?;
+        // SAFETY: a float32 CPU tensor spanning `span` elements from its first (checked
+        // above), and the fresh output, which aliases nothing.
+        unsafe {
+            let src = std::slice::from_raw_parts(shims.data_ptr(weight.raw())? as *const f32, span);
+            let dst = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut f32, len);
+            crate::kernels::winograd::pack_weights(src, [cout, cin], strides, dst);
+        }
+        Some(out)
+    }
+
+    /// A 3×3 convolution at stride 1 by Winograd's F(2×2, 3×3) (`kernels::winograd::conv`) on
+    /// `x`, as [`Abi::indirect_conv`] takes it, with the weight from [`Abi::pack_winograd`].
+    ///
+    /// # Safety
+    /// `x`, `panels`, `bias` and `residual` must be live handles.
+    pub unsafe fn winograd_conv(
+        &self,
+        x: Raw,
+        panels: Raw,
+        g: &crate::kernels::Conv2d,
+        (bias, residual): (Option<Raw>, Option<Raw>),
+        epilogue: crate::kernels::Epilogue,
+    ) -> Option<Result<Tensor, CError>> {
+        let cout = g.out_channels;
+        let len = crate::kernels::winograd::panels_len(g.in_channels, cout);
+        // SAFETY: live handles.
+        let (xs, [batch, h, w], ps, bs) = unsafe {
+            let ps = self.contiguous_f32(panels, &[len as i64])?;
+            let bs = self.bias_f32(bias, cout)?;
+            let (xs, dims) = self.channels_last_f32(x, g.in_channels)?;
+            (xs, dims, ps, bs)
+        };
+        let [ho, wo] = g.output(h, w)?;
+        // SAFETY: a live handle.
+        let rs = unsafe { self.residual_f32(residual, [batch, cout, ho, wo]) }?;
+        let mut out = match self.empty_channels_last([batch, cout, ho, wo]) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        // SAFETY: the new output of that many elements.
+        let os = unsafe { self.floats_mut(&mut out, batch * ho * wo * cout) }?;
+        crate::kernels::winograd::conv(xs, [batch, h, w], ps, g, bs, rs, epilogue, os).then_some(Ok(out))
+    }
+
     /// A float32 CPU convolution weight (`[out, in, kh, kw]`, any strides) packed for
     /// [`Abi::indirect_conv`] (`kernels::pack_conv_panels`): a new `[ceil(out / 64), in * kh *
     /// kw, 64]` tensor (with `bf16`, `pack_bf16_panels_of`'s), or `None` for another tensor.

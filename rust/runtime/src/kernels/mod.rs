@@ -4,6 +4,7 @@
 //! node wherever the tensors don't qualify.
 
 pub mod bf16;
+pub mod winograd;
 
 /// RMS normalization over rows of `n = w.len()` values: `w * (x * rsqrt(mean(x^2) + eps))`,
 /// as the decomposed pattern computes it (the mean of squares, plus `eps`, its reciprocal

@@ -258,6 +258,10 @@ pub enum OwnKernel {
         panels: std::sync::OnceLock<Option<crate::abi::Tensor>>,
         /// Packed for the bfloat16 GEMM (`precision="bf16"`, `kernels::bf16::indirect`).
         bf16: bool,
+        /// For a float32 3×3 at stride 1, the weight transformed for Winograd's
+        /// `kernels::winograd` (packed on first use), which runs it wherever the output has
+        /// `kernels::winograd::MIN_PIXELS` or more.
+        winograd: Option<std::sync::OnceLock<Option<crate::abi::Tensor>>>,
     },
 }
 

@@ -319,7 +319,8 @@ fn conv_step(
             }
             (1, None) => {
                 let (panels, bf16) = (std::sync::OnceLock::new(), consts.bf16());
-                super::OwnKernel::Indirect { weight, geometry, panels, bf16 }
+                let winograd = (!bf16 && crate::kernels::winograd::takes(&geometry)).then(std::sync::OnceLock::new);
+                super::OwnKernel::Indirect { weight, geometry, panels, bf16, winograd }
             }
             (g, _) if g == out && inputs == 1 => {
                 let geometry = crate::kernels::Depthwise::new([out, kh, kw], stride, padding)?;

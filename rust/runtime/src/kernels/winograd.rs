@@ -1,0 +1,269 @@
+//! 3×3 convolutions at stride 1 by Winograd's F(2×2, 3×3) (Lavin and Gray, 2016): each 2×2
+//! block of outputs from a 4×4 block of inputs in 16 products per channel pair where the
+//! direct convolution takes 36, as 16 matrix products over the blocks (kwexport's GEMM), with
+//! the input and output transforms around them. 2.25× fewer multiplications; the transforms
+//! add a pass over a band of blocks that stays in cache. Its rounding differs from the direct
+//! sum's by the transforms' (under 1e-6 relative here; the float32 tolerance is 1e-4).
+//!
+//! The weight grows by 16/9 in the transform, so a convolution over few pixels, which streams
+//! its weight rather than computing, is faster direct: the caller picks by pixel count.
+
+use super::{Conv2d, Epilogue, PANEL};
+
+/// The transformed weight's panels: 16 matrices `U[e]` (`[cin, cout]`, `e` the position in
+/// the 4×4 block), each packed as the GEMM reads it.
+pub fn panels_len(cin: usize, cout: usize) -> usize {
+    16 * cout.div_ceil(PANEL) * cin * PANEL
+}
+
+/// A `[cout, cin, 3, 3]` weight (at element `strides`) as `U = G g Gᵀ` for each channel pair,
+/// packed into [`panels_len`] floats.
+pub fn pack_weights(w: &[f32], [cout, cin]: [usize; 2], strides: [usize; 4], panels: &mut [f32]) {
+    const G: [[f32; 3]; 4] = [[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]];
+    let per = cout.div_ceil(PANEL) * cin * PANEL;
+    for o in 0..cout {
+        for c in 0..cin {
+            let g = |i: usize, j: usize| w[o * strides[0] + c * strides[1] + i * strides[2] + j * strides[3]];
+            // G g, then (G g) Gᵀ.
+            let mut gg = [[0f32; 3]; 4];
+            for (a, row) in gg.iter_mut().enumerate() {
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v = (0..3).map(|i| G[a][i] * g(i, j)).sum();
+                }
+            }
+            for a in 0..4 {
+                for b in 0..4 {
+                    let u: f32 = (0..3).map(|j| gg[a][j] * G[b][j]).sum();
+                    panels[(a * 4 + b) * per + (o / PANEL * cin + c) * PANEL + o % PANEL] = u;
+                }
+            }
+        }
+    }
+}
+
+/// The fewest output pixels for which the transform pays (`cargo bench --bench runtime --
+/// kernels/winograd`: 0.51–0.62× the direct kernel's time from 4×4 pixels to 56×56; at 2×2,
+/// where resnet18's last 3×3s stream their weight, 1.4×).
+pub const MIN_PIXELS: usize = 16;
+
+/// Whether a convolution is one this kernel computes: 3×3, stride 1, one group (no dilation
+/// is the caller's).
+pub fn takes(g: &Conv2d) -> bool {
+    g.kernel == [3, 3] && g.stride == [1, 1] && g.padding[0] <= 2 && g.padding[1] <= 2
+}
+
+/// The convolution of channels-last images `x` (`[batch, h, w, cin]`) with the weight's
+/// `panels` ([`pack_weights`]), plus the bias and `residual` (the output's shape), then
+/// `epilogue`, into `out` (`[batch, ho, wo, cout]`). Returns `false` (writing nothing) where
+/// the slices don't fit the shapes, the geometry isn't one [`takes`] accepts, or this CPU
+/// lacks AVX-512.
+#[allow(clippy::too_many_arguments)]
+pub fn conv(
+    x: &[f32],
+    [batch, h, w]: [usize; 3],
+    panels: &[f32],
+    g: &Conv2d,
+    bias: Option<&[f32]>,
+    residual: Option<&[f32]>,
+    epilogue: Epilogue,
+    out: &mut [f32],
+) -> bool {
+    let (cin, cout) = (g.in_channels, g.out_channels);
+    let Some([ho, wo]) = g.output(h, w) else { return false };
+    let fits = takes(g)
+        && x.len() >= batch * h * w * cin
+        && panels.len() >= panels_len(cin, cout)
+        && out.len() >= batch * ho * wo * cout
+        && bias.is_none_or(|b| b.len() >= cout)
+        && residual.is_none_or(|r| r.len() >= batch * ho * wo * cout);
+    if !fits || !super::has_gemm() {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX-512F is present (`has_gemm`), and the slices hold what the shapes say.
+    unsafe {
+        run(x, [batch, h, w], panels, g, (bias, residual), &mut out[..batch * ho * wo * cout])
+    };
+    super::epilogue_f32(epilogue, &mut out[..batch * ho * wo * cout]) || epilogue == Epilogue::None
+}
+
+/// [`conv`] before its epilogue, compiled for AVX-512 (the transforms' loops over channels
+/// vectorize).
+///
+/// # Safety
+/// AVX-512F must be present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn run(
+    x: &[f32],
+    [batch, h, w]: [usize; 3],
+    panels: &[f32],
+    g: &Conv2d,
+    (bias, residual): (Option<&[f32]>, Option<&[f32]>),
+    out: &mut [f32],
+) {
+    let (cin, cout) = (g.in_channels, g.out_channels);
+    let [ho, wo] = [h + 2 * g.padding[0] - 2, w + 2 * g.padding[1] - 2];
+    let per = cout.div_ceil(PANEL) * cin * PANEL;
+    let [pt, pl] = g.padding;
+    let (th, tw) = (ho.div_ceil(2), wo.div_ceil(2));
+    // Blocks in bands whose transformed inputs and products stay in L2 (16 matrices each).
+    let band = (64 * 1024 / (16 * cin.max(cout))).clamp(6, 96);
+    let mut v = vec![0f32; 16 * band * cin];
+    let mut m = vec![0f32; 16 * band * cout];
+    let (mut d, mut rows) = (vec![0f32; 16 * cin], vec![0f32; 16 * cin.max(cout)]);
+    for b in 0..batch {
+        let image = &x[b * h * w * cin..(b + 1) * h * w * cin];
+        let mut t0 = 0;
+        while t0 < th * tw {
+            let tiles = band.min(th * tw - t0);
+            // Vᵉ = (Bᵀ d B)ᵉ for each block's 4×4 inputs d, zeros outside the image.
+            for t in 0..tiles {
+                let (ty, tx) = ((t0 + t) / tw, (t0 + t) % tw);
+                for i in 0..4 {
+                    for j in 0..4 {
+                        let (iy, ix) = ((2 * ty + i).wrapping_sub(pt), (2 * tx + j).wrapping_sub(pl));
+                        let dst = &mut d[(i * 4 + j) * cin..(i * 4 + j + 1) * cin];
+                        if iy < h && ix < w {
+                            dst.copy_from_slice(&image[(iy * w + ix) * cin..(iy * w + ix + 1) * cin]);
+                        } else {
+                            dst.fill(0.0);
+                        }
+                    }
+                }
+                input_transform(&d, cin, &mut rows, &mut v, t, band);
+            }
+            // The 16 products, each over the band's blocks.
+            for e in 0..16 {
+                let (ve, me) = (&v[e * band * cin..][..tiles * cin], &mut m[e * band * cout..][..tiles * cout]);
+                super::gemm_f32(ve, tiles, cin, &panels[e * per..][..per], cout, None, None, Epilogue::None, me);
+            }
+            // Y = Aᵀ M A, plus the bias and the residual, for the outputs inside the image.
+            for t in 0..tiles {
+                let (ty, tx) = ((t0 + t) / tw, (t0 + t) % tw);
+                output_transform(&m, cout, t, band, &mut rows);
+                for (k, (oy, ox)) in [(0, 0), (0, 1), (1, 0), (1, 1)].into_iter().enumerate() {
+                    let (oy, ox) = (2 * ty + oy, 2 * tx + ox);
+                    if oy >= ho || ox >= wo {
+                        continue;
+                    }
+                    let at = ((b * ho + oy) * wo + ox) * cout;
+                    let (o, y) = (&mut out[at..at + cout], &rows[k * cout..(k + 1) * cout]);
+                    match (bias, residual) {
+                        (Some(bias), Some(r)) => {
+                            for (((o, y), b), r) in o.iter_mut().zip(y).zip(bias).zip(&r[at..at + cout]) {
+                                *o = y + b + r;
+                            }
+                        }
+                        (Some(bias), None) => o.iter_mut().zip(y).zip(bias).for_each(|((o, y), b)| *o = y + b),
+                        (None, Some(r)) => {
+                            o.iter_mut().zip(y).zip(&r[at..at + cout]).for_each(|((o, y), r)| *o = y + r)
+                        }
+                        (None, None) => o.copy_from_slice(y),
+                    }
+                }
+            }
+            t0 += tiles;
+        }
+    }
+}
+
+/// `Bᵀ d B` for one block's 4×4 inputs (`d[(i * 4 + j) * cin + c]`), into row `t` of each of
+/// the 16 matrices of `v` (`band` rows of `cin` each); `rows` is scratch of `16 * cin`.
+#[inline(always)]
+fn input_transform(d: &[f32], cin: usize, rows: &mut [f32], v: &mut [f32], t: usize, band: usize) {
+    // Bᵀ = [[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], applied to the rows
+    // (i), then to the columns (j), each channel on its own.
+    let at = |i: usize, j: usize| &d[(i * 4 + j) * cin..][..cin];
+    for j in 0..4 {
+        let (d0, d1, d2, d3) = (at(0, j), at(1, j), at(2, j), at(3, j));
+        let (r0, rest) = rows[j * cin..].split_at_mut(4 * cin);
+        let (r1, rest) = rest.split_at_mut(4 * cin);
+        let (r2, r3) = rest.split_at_mut(4 * cin);
+        for c in 0..cin {
+            r0[c] = d0[c] - d2[c];
+            r1[c] = d1[c] + d2[c];
+            r2[c] = d2[c] - d1[c];
+            r3[c] = d1[c] - d3[c];
+        }
+    }
+    for a in 0..4 {
+        let r = |j: usize| &rows[(a * 4 + j) * cin..][..cin];
+        let (r0, r1, r2, r3) = (r(0), r(1), r(2), r(3));
+        let row = |b: usize| ((a * 4 + b) * band + t) * cin;
+        let (o0, o1, o2, o3) = (row(0), row(1), row(2), row(3));
+        for c in 0..cin {
+            v[o0 + c] = r0[c] - r2[c];
+            v[o1 + c] = r1[c] + r2[c];
+            v[o2 + c] = r2[c] - r1[c];
+            v[o3 + c] = r1[c] - r3[c];
+        }
+    }
+}
+
+/// `Aᵀ m A` for block `t` of the 16 product matrices `m` (`band` rows of `cout` each): its
+/// four outputs (row-major over the 2×2 block) into `y[k * cout..]`, which holds `16 * cout`.
+#[inline(always)]
+fn output_transform(m: &[f32], cout: usize, t: usize, band: usize, y: &mut [f32]) {
+    // Aᵀ = [[1, 1, 1, 0], [0, 1, -1, -1]], applied to the rows, then to the columns.
+    let at = |e: usize| &m[(e * band + t) * cout..][..cout];
+    let (s, out) = y.split_at_mut(8 * cout);
+    for j in 0..4 {
+        let (m0, m1, m2, m3) = (at(j), at(4 + j), at(8 + j), at(12 + j));
+        let (s0, s1) = s.split_at_mut(4 * cout);
+        let (s0, s1) = (&mut s0[j * cout..][..cout], &mut s1[j * cout..][..cout]);
+        for c in 0..cout {
+            s0[c] = m0[c] + m1[c] + m2[c];
+            s1[c] = m1[c] - m2[c] - m3[c];
+        }
+    }
+    for r in 0..2 {
+        let row = |j: usize| &s[(r * 4 + j) * cout..][..cout];
+        let (a0, a1, a2, a3) = (row(0), row(1), row(2), row(3));
+        let (y0, y1) = out[2 * r * cout..].split_at_mut(cout);
+        for c in 0..cout {
+            y0[c] = a0[c] + a1[c] + a2[c];
+            y1[c] = a1[c] - a2[c] - a3[c];
+        }
+    }
+    // The results now sit after the 8 rows of scratch: move them to the front.
+    y.copy_within(8 * cout..12 * cout, 0);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Against the indirect convolution (the direct sum), with padding 0, 1 and 2, odd sizes
+    /// (a block half outside the image), a bias, a residual and an activation.
+    #[test]
+    fn matches_the_direct_convolution() {
+        if !super::super::has_gemm() {
+            return;
+        }
+        for (cin, cout, padding, [h, w]) in
+            [(5usize, 7usize, 1usize, [6usize, 7usize]), (16, 70, 0, [9, 5]), (33, 16, 2, [4, 4])]
+        {
+            let g = Conv2d::new([cout as i64, cin as i64, 3, 3], [1, 1], [padding as i64; 2]).unwrap();
+            let [ho, wo] = g.output(h, w).unwrap();
+            let x: Vec<f32> = (0..2 * h * w * cin).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+            let wt: Vec<f32> = (0..cout * cin * 9).map(|i| ((i * 53 % 89) as f32 - 44.0) / 23.0).collect();
+            let bias: Vec<f32> = (0..cout).map(|i| i as f32 / 7.0 - 1.0).collect();
+            let res: Vec<f32> = (0..2 * ho * wo * cout).map(|i| ((i * 29 % 31) as f32 - 15.0) / 9.0).collect();
+            let strides = [cin * 9, 9, 3, 1];
+            let mut panels = vec![0.0; panels_len(cin, cout)];
+            pack_weights(&wt, [cout, cin], strides, &mut panels);
+            let mut direct = vec![0.0; cout.div_ceil(PANEL) * g.taps() * PANEL];
+            super::super::pack_conv_panels(&wt, [cout, cin, 3, 3], strides, &mut direct);
+            let n = 2 * ho * wo * cout;
+            let (mut got, mut want) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+            assert!(conv(&x, [2, h, w], &panels, &g, Some(&bias), Some(&res), Epilogue::Relu, &mut got));
+            let indirect = super::super::indirect_f32;
+            assert!(indirect(&x, [2, h, w], &direct, &g, Some(&bias), Some(&res), Epilogue::Relu, &mut want));
+            let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+            for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+                assert!((got - want).abs() <= 1e-5 * scale, "{cin}->{cout} p{padding} [{i}]: {got} vs {want}");
+            }
+        }
+    }
+}
