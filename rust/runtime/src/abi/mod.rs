@@ -1048,25 +1048,13 @@ impl Abi {
     /// A float32 CPU `[out, in, 3, 3]` weight (any strides) transformed and packed for
     /// [`Abi::winograd_conv`] (`kernels::winograd::pack_weights`), or `None` for another tensor.
     pub fn pack_winograd(&self, weight: &Tensor) -> Option<Tensor> {
-        let shims = self.shims.as_ref()?;
         // SAFETY: a live handle.
         let (sizes, strides) = unsafe { self.sizes_strides(weight.raw()) }?;
-        let ([cout, cin, 3, 3], strides) = (four(&sizes)?, four(&strides)?) else { return None };
-        // SAFETY: a live handle.
-        if !unsafe { shims.is_cpu_f32(weight.raw()) } || cout == 0 || cin == 0 {
-            return None;
-        }
-        let span = 1 + (cout - 1) * strides[0] + (cin - 1) * strides[1] + 2 * strides[2] + 2 * strides[3];
-        let len = crate::kernels::winograd::panels_len(cin, cout);
-        let out = self.owned(shims.empty_f32(&[len as i64])).ok()?;
-        // SAFETY: a float32 CPU tensor spanning `span` elements from its first (checked
-        // above), and the fresh output, which aliases nothing.
-        unsafe {
-            let src = std::slice::from_raw_parts(shims.data_ptr(weight.raw())? as *const f32, span);
-            let dst = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut f32, len);
-            crate::kernels::winograd::pack_weights(src, [cout, cin], strides, dst);
-        }
-        Some(out)
+        let (shape @ [cout, cin, 3, 3], strides) = (four(&sizes)?, four(&strides)?) else { return None };
+        let sizes = [1, 1, crate::kernels::winograd::panels_len(cin, cout)];
+        self.packed(weight.raw(), shape, strides, sizes, |src, dst| {
+            crate::kernels::winograd::pack_weights(src, [cout, cin], strides, dst)
+        })
     }
 
     /// A 3×3 convolution at stride 1 by Winograd's F(2×2, 3×3) (`kernels::winograd::conv`) on
@@ -1086,7 +1074,7 @@ impl Abi {
         let len = crate::kernels::winograd::panels_len(g.in_channels, cout);
         // SAFETY: live handles.
         let (xs, [batch, h, w], ps, bs) = unsafe {
-            let ps = self.contiguous_f32(panels, &[len as i64])?;
+            let ps = self.contiguous_f32(panels, &[1, 1, len as i64])?;
             let bs = self.bias_f32(bias, cout)?;
             let (xs, dims) = self.channels_last_f32(x, g.in_channels)?;
             (xs, dims, ps, bs)
@@ -1119,43 +1107,48 @@ impl Abi {
     /// a `[ceil(n / 64), kh * kw * ceil(cin / 2), 64]` tensor whose 4-byte elements hold the
     /// pairs of bfloat16.
     fn pack_bf16_panels_of(&self, weight: Raw, shape: [usize; 4], strides: [usize; 4]) -> Option<Tensor> {
-        let shims = self.shims.as_ref()?;
-        // SAFETY: a live handle.
-        if !unsafe { shims.is_cpu_f32(weight) } || shape.contains(&0) {
-            return None;
-        }
-        let span = 1 + shape.iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>();
         let [n, cin, kh, kw] = shape;
-        let (rows, panel) = (kh * kw * cin.div_ceil(2), crate::kernels::PANEL);
-        let out = self.owned(shims.empty_f32(&[n.div_ceil(panel) as i64, rows as i64, panel as i64])).ok()?;
-        // SAFETY: a float32 CPU tensor spanning `span` elements from its first (checked
-        // above), and the fresh output of its panels (4-byte elements, as the pairs are), which
-        // aliases nothing.
-        unsafe {
-            let src = std::slice::from_raw_parts(shims.data_ptr(weight)? as *const f32, span);
-            let dst =
-                std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut u32, n.div_ceil(panel) * rows * panel);
-            crate::kernels::bf16::pack_panels(src, shape, strides, dst);
-        }
-        Some(out)
+        let sizes = [n.div_ceil(crate::kernels::PANEL), kh * kw * cin.div_ceil(2), crate::kernels::PANEL];
+        self.packed(weight, shape, strides, sizes, |src, dst| {
+            // SAFETY: the same fresh memory, as the 4-byte words the pairs are.
+            let pairs = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr() as *mut u32, dst.len()) };
+            crate::kernels::bf16::pack_panels(src, shape, strides, pairs)
+        })
     }
 
     /// `kernels::pack_conv_panels` of a float32 CPU `[n, cin, kh, kw]` weight at `strides`.
     fn pack_panels_of(&self, weight: Raw, shape: [usize; 4], strides: [usize; 4]) -> Option<Tensor> {
+        let [n, cin, kh, kw] = shape;
+        let sizes = [n.div_ceil(crate::kernels::PANEL), cin * kh * kw, crate::kernels::PANEL];
+        self.packed(weight, shape, strides, sizes, |src, dst| {
+            crate::kernels::pack_conv_panels(src, shape, strides, dst)
+        })
+    }
+
+    /// A new float32 tensor of `sizes` that `pack` fills from the elements of `weight`, a
+    /// float32 CPU tensor of `shape` at `strides` with no empty dimension (the elements its
+    /// strides span); `None` for another tensor.
+    fn packed(
+        &self,
+        weight: Raw,
+        shape: [usize; 4],
+        strides: [usize; 4],
+        sizes: [usize; 3],
+        pack: impl FnOnce(&[f32], &mut [f32]),
+    ) -> Option<Tensor> {
         let shims = self.shims.as_ref()?;
         // SAFETY: a live handle.
         if !unsafe { shims.is_cpu_f32(weight) } || shape.contains(&0) {
             return None;
         }
         let span = 1 + shape.iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>();
-        let (n, k, panel) = (shape[0], shape[1] * shape[2] * shape[3], crate::kernels::PANEL);
-        let out = self.owned(shims.empty_f32(&[n.div_ceil(panel) as i64, k as i64, panel as i64])).ok()?;
+        let out = self.owned(shims.empty_f32(&sizes.map(|s| s as i64))).ok()?;
         // SAFETY: a float32 CPU tensor spanning `span` elements from its first (checked
-        // above), and the fresh output of its panels, which aliases nothing.
+        // above), and the fresh output, which aliases nothing.
         unsafe {
             let src = std::slice::from_raw_parts(shims.data_ptr(weight)? as *const f32, span);
-            let dst = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut f32, n.div_ceil(panel) * k * panel);
-            crate::kernels::pack_conv_panels(src, shape, strides, dst);
+            let dst = std::slice::from_raw_parts_mut(shims.data_ptr(out.0)? as *mut f32, sizes.iter().product());
+            pack(src, dst);
         }
         Some(out)
     }
