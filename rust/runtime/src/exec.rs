@@ -524,10 +524,8 @@ impl CStep {
                     OwnKernel::Direct { taps, geometry } if residual.is_none() => {
                         abi.direct_conv(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
                     }
-                    OwnKernel::Indirect { weight, geometry, winograd: Some(w), .. }
-                        if pixels? >= crate::kernels::winograd::MIN_PIXELS as i64 =>
-                    {
-                        let panels = w.get_or_init(|| abi.pack_winograd(&consts[*weight]));
+                    OwnKernel::Indirect { weight, geometry, winograd: Some(w), .. } if pixels? >= w.min_pixels => {
+                        let panels = w.panels.get_or_init(|| abi.pack_winograd(&consts[*weight]));
                         abi.winograd_conv(t[0], panels.as_ref()?.raw(), geometry, adds, own.epilogue)
                     }
                     OwnKernel::Indirect { weight, geometry, panels, bf16, .. } => {

@@ -258,11 +258,18 @@ pub enum OwnKernel {
         panels: std::sync::OnceLock<Option<crate::abi::Tensor>>,
         /// Packed for the bfloat16 GEMM (`precision="bf16"`, `kernels::bf16::indirect`).
         bf16: bool,
-        /// For a float32 3×3 at stride 1, the weight transformed for Winograd's
-        /// `kernels::winograd` (packed on first use), which runs it wherever the output has
-        /// `kernels::winograd::MIN_PIXELS` or more.
-        winograd: Option<std::sync::OnceLock<Option<crate::abi::Tensor>>>,
+        /// For a float32 3×3 at stride 1, Winograd's kernel, which runs it where the output
+        /// has enough pixels.
+        winograd: Option<Winograd>,
     },
+}
+
+/// A 3×3 convolution's weight transformed for Winograd's F(2×2, 3×3) (`kernels::winograd`),
+/// packed on first use, and the fewest output pixels the kernel runs for
+/// (`kernels::winograd::MIN_PIXELS`; fewer run the direct kernel).
+pub struct Winograd {
+    pub(crate) panels: std::sync::OnceLock<Option<crate::abi::Tensor>>,
+    pub(crate) min_pixels: i64,
 }
 
 /// A linear's weight for kwexport's kernel (`kernels::linear_f32`), and the kernel measured

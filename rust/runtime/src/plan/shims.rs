@@ -319,7 +319,10 @@ fn conv_step(
             }
             (1, None) => {
                 let (panels, bf16) = (std::sync::OnceLock::new(), consts.bf16());
-                let winograd = (!bf16 && crate::kernels::winograd::takes(&geometry)).then(std::sync::OnceLock::new);
+                let winograd = (!bf16 && crate::kernels::winograd::takes(&geometry)).then(|| super::Winograd {
+                    panels: std::sync::OnceLock::new(),
+                    min_pixels: crate::kernels::winograd::MIN_PIXELS as i64,
+                });
                 super::OwnKernel::Indirect { weight, geometry, panels, bf16, winograd }
             }
             (g, _) if g == out && inputs == 1 => {
