@@ -164,6 +164,31 @@ def test_zoo_model(name, dispatch, optimize, tmp_path):
     assert same_signature(prog, model.forward)
 
 
+@pytest.mark.parametrize("name", list(ZOO))
+def test_zoo_model_in_bf16(name, tmp_path):
+    """docs/optimize.md: `precision="bf16"` within 2e-2 of eager, relative to each output's
+    scale, with the same outputs, classes and signature."""
+    build, kwargs, out_type = ZOO[name]
+    torch.manual_seed(0)
+    model = build().eval()
+    path = tmp_path / f"{name}.kwx"
+    kwexport.save(kwexport.export(model, (), kwargs), path)
+    prog = kwexport.load(path, precision="bf16")
+    with torch.no_grad():
+        want = model(**kwargs)
+    got = prog(**reversed_kwargs(kwargs))
+    assert type(got) is type(want)
+    got_leaves, want_leaves = leaves(got), leaves(want)
+    assert len(got_leaves) == len(want_leaves) > 0
+    for g, w in zip(got_leaves, want_leaves):
+        assert (g.shape, g.dtype) == (w.shape, w.dtype)
+        if g.is_floating_point() and g.numel():
+            assert ((g - w).abs().max() / w.abs().max().clamp_min(1e-12)).item() < 2e-2
+        else:
+            assert torch.equal(g, w)
+    assert same_signature(prog, model.forward)
+
+
 def test_model_output_stand_in_in_a_fresh_process(tmp_path):
     """A serving process that never imports transformers gets a stand-in with the API people
     use on ModelOutputs."""
