@@ -180,6 +180,19 @@ PEERS = {
 }
 
 
+def saved(models: list[str] | None, tmp: Path):
+    """Each workload whose name contains one of `models` (all without), built with seed 0
+    and saved under `tmp`: `(name, model, kwargs, path)`."""
+    for name, build, make_inputs in MODELS:
+        if models and not any(m in name for m in models):
+            continue
+        torch.manual_seed(0)
+        model, kwargs = build().eval(), make_inputs()
+        path = tmp / "m.kwx"
+        kwexport.save(kwexport.export(model, (), kwargs), path)
+        yield name, model, kwargs, path
+
+
 def main(peers: list[str], models: list[str] | None = None, rounds: int = 3) -> None:
     torch.set_num_threads(1)
     names = [PEERS[p][0] for p in peers]
@@ -188,13 +201,7 @@ def main(peers: list[str], models: list[str] | None = None, rounds: int = 3) -> 
     )
     print("| --- |" + " ---: |" * (len(names) + 6))
     with tempfile.TemporaryDirectory() as tmp:
-        for name, build, make_inputs in MODELS:
-            if models and not any(m in name for m in models):
-                continue
-            torch.manual_seed(0)
-            model, kwargs = build().eval(), make_inputs()
-            path = Path(tmp) / "m.kwx"
-            kwexport.save(kwexport.export(model, (), kwargs), path)
+        for name, model, kwargs, path in saved(models, Path(tmp)):
             exact, fast = kwexport.load(path), kwexport.load(path, optimize="fast")
             runners = [("eager", model), ("exact", exact), ("fast", fast)]
             cells = {}
@@ -240,13 +247,7 @@ def main_bf16(models: list[str] | None = None, rounds: int = 3) -> None:
     )
     print("| --- |" + " ---: |" * 8)
     with tempfile.TemporaryDirectory() as tmp:
-        for name, build, make_inputs in MODELS:
-            if models and not any(m in name for m in models):
-                continue
-            torch.manual_seed(0)
-            model, kwargs = build().eval(), make_inputs()
-            path = Path(tmp) / "m.kwx"
-            kwexport.save(kwexport.export(model, (), kwargs), path)
+        for name, model, kwargs, path in saved(models, Path(tmp)):
             runners = {
                 "fast": kwexport.load(path, optimize="fast"),
                 "bf16": kwexport.load(path, precision="bf16"),

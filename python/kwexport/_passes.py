@@ -82,9 +82,7 @@ def _convolution_pointwise_binary(  # noqa: PLR0917 (the op's schema, positional
     """``mkldnn::_convolution_pointwise.binary`` (``conv_residual``'s node) off the runtime's
     kernels: the convolution, the add (broadcasting, promoting) and its ReLU as torch's own
     ops, which is what the pass replaced (rust/core/src/passes/conv_residual.rs)."""
-    import torch
-
-    y = torch.conv2d(x, w, b, stride, padding, dilation, groups) + other
+    y = _convolution_pointwise(x, w, b, padding, stride, dilation, groups, "none", [], None) + other
     return _post_op(unary_attr or "none")(y)
 
 

@@ -1010,18 +1010,50 @@ impl Abi {
         x: Raw,
         panels: Raw,
         g: &crate::kernels::Conv2d,
-        (bias, residual): (Option<Raw>, Option<Raw>),
+        adds: (Option<Raw>, Option<Raw>),
         epilogue: crate::kernels::Epilogue,
         bf16: bool,
     ) -> Option<Result<Tensor, CError>> {
-        let (cout, panel) = (g.out_channels, crate::kernels::PANEL);
         if bf16 && !crate::kernels::bf16::available() {
             return None;
         }
         let rows = if bf16 { g.kernel[0] * g.kernel[1] * g.in_channels.div_ceil(2) } else { g.taps() };
-        // SAFETY: live handles.
+        let sizes = [g.out_channels.div_ceil(crate::kernels::PANEL), rows, crate::kernels::PANEL];
+        // SAFETY: the caller's live handles.
+        unsafe {
+            self.conv_channels_last(x, (panels, sizes), g, adds, |xs, dims, ps, bs, rs, os| {
+                if bf16 {
+                    // SAFETY: the panels' float32 elements, read as the pairs of bfloat16 they hold.
+                    let pairs = std::slice::from_raw_parts(ps.as_ptr() as *const u32, ps.len());
+                    crate::kernels::bf16::indirect(xs, dims, pairs, g, bs, rs, epilogue, os)
+                } else {
+                    crate::kernels::indirect_f32(xs, dims, ps, g, bs, rs, epilogue, os)
+                }
+            })
+        }
+    }
+
+    /// What the channels-last convolution kernels share: `x` (a float32 CPU `[N, C, H, W]`
+    /// tensor laid out channels-last), the weight's `panels` (contiguous float32 of `sizes`),
+    /// the bias and the residual as slices, and a new channels-last `[N, out, Ho, Wo]` output
+    /// for `run` to fill (`run(x, [N, H, W], panels, bias, residual, out)`, `false` where it
+    /// can't). `None` where a tensor doesn't qualify or `run` declines.
+    ///
+    /// # Safety
+    /// `x`, `panels` and the bias and residual must be live handles.
+    #[allow(clippy::type_complexity)]
+    unsafe fn conv_channels_last(
+        &self,
+        x: Raw,
+        (panels, sizes): (Raw, [usize; 3]),
+        g: &crate::kernels::Conv2d,
+        (bias, residual): (Option<Raw>, Option<Raw>),
+        run: impl FnOnce(&[f32], [usize; 3], &[f32], Option<&[f32]>, Option<&[f32]>, &mut [f32]) -> bool,
+    ) -> Option<Result<Tensor, CError>> {
+        let cout = g.out_channels;
+        // SAFETY: the caller's live handles.
         let (xs, [batch, h, w], ps, bs) = unsafe {
-            let ps = self.contiguous_f32(panels, &[cout.div_ceil(panel) as i64, rows as i64, panel as i64])?;
+            let ps = self.contiguous_f32(panels, &sizes.map(|s| s as i64))?;
             let bs = self.bias_f32(bias, cout)?;
             let (xs, dims) = self.channels_last_f32(x, g.in_channels)?;
             (xs, dims, ps, bs)
@@ -1035,14 +1067,7 @@ impl Abi {
         };
         // SAFETY: the new output of that many elements.
         let os = unsafe { self.floats_mut(&mut out, batch * ho * wo * cout) }?;
-        let done = if bf16 {
-            // SAFETY: the panels' float32 elements, read as the pairs of bfloat16 they hold.
-            let pairs = unsafe { std::slice::from_raw_parts(ps.as_ptr() as *const u32, ps.len()) };
-            crate::kernels::bf16::indirect(xs, [batch, h, w], pairs, g, bs, rs, epilogue, os)
-        } else {
-            crate::kernels::indirect_f32(xs, [batch, h, w], ps, g, bs, rs, epilogue, os)
-        };
-        done.then_some(Ok(out))
+        run(xs, [batch, h, w], ps, bs, rs, os).then_some(Ok(out))
     }
 
     /// A float32 CPU `[out, in, 3, 3]` weight (any strides) transformed and packed for
@@ -1051,7 +1076,7 @@ impl Abi {
         // SAFETY: a live handle.
         let (sizes, strides) = unsafe { self.sizes_strides(weight.raw()) }?;
         let (shape @ [cout, cin, 3, 3], strides) = (four(&sizes)?, four(&strides)?) else { return None };
-        let sizes = [1, 1, crate::kernels::winograd::panels_len(cin, cout)];
+        let sizes = crate::kernels::winograd::panels_sizes(cin, cout);
         self.packed(weight.raw(), shape, strides, sizes, |src, dst| {
             crate::kernels::winograd::pack_weights(src, [cout, cin], strides, dst)
         })
@@ -1067,28 +1092,16 @@ impl Abi {
         x: Raw,
         panels: Raw,
         g: &crate::kernels::Conv2d,
-        (bias, residual): (Option<Raw>, Option<Raw>),
+        adds: (Option<Raw>, Option<Raw>),
         epilogue: crate::kernels::Epilogue,
     ) -> Option<Result<Tensor, CError>> {
-        let cout = g.out_channels;
-        let len = crate::kernels::winograd::panels_len(g.in_channels, cout);
-        // SAFETY: live handles.
-        let (xs, [batch, h, w], ps, bs) = unsafe {
-            let ps = self.contiguous_f32(panels, &[1, 1, len as i64])?;
-            let bs = self.bias_f32(bias, cout)?;
-            let (xs, dims) = self.channels_last_f32(x, g.in_channels)?;
-            (xs, dims, ps, bs)
-        };
-        let [ho, wo] = g.output(h, w)?;
-        // SAFETY: a live handle.
-        let rs = unsafe { self.residual_f32(residual, [batch, cout, ho, wo]) }?;
-        let mut out = match self.empty_channels_last([batch, cout, ho, wo]) {
-            Ok(out) => out,
-            Err(e) => return Some(Err(e)),
-        };
-        // SAFETY: the new output of that many elements.
-        let os = unsafe { self.floats_mut(&mut out, batch * ho * wo * cout) }?;
-        crate::kernels::winograd::conv(xs, [batch, h, w], ps, g, bs, rs, epilogue, os).then_some(Ok(out))
+        let sizes = crate::kernels::winograd::panels_sizes(g.in_channels, g.out_channels);
+        // SAFETY: the caller's live handles.
+        unsafe {
+            self.conv_channels_last(x, (panels, sizes), g, adds, |xs, dims, ps, bs, rs, os| {
+                crate::kernels::winograd::conv(xs, dims, ps, g, bs, rs, epilogue, os)
+            })
+        }
     }
 
     /// A float32 CPU convolution weight (`[out, in, kh, kw]`, any strides) packed for

@@ -11,9 +11,14 @@
 use super::{Conv2d, Epilogue, PANEL};
 
 /// The transformed weight's panels: 16 matrices `U[e]` (`[cin, cout]`, `e` the position in
-/// the 4×4 block), each packed as the GEMM reads it.
+/// the 4×4 block), each packed as the GEMM reads it (`ceil(cout / 64)` panels of `[cin, 64]`).
+pub fn panels_sizes(cin: usize, cout: usize) -> [usize; 3] {
+    [16, cout.div_ceil(PANEL) * cin, PANEL]
+}
+
+/// The elements of [`panels_sizes`].
 pub fn panels_len(cin: usize, cout: usize) -> usize {
-    16 * cout.div_ceil(PANEL) * cin * PANEL
+    panels_sizes(cin, cout).iter().product()
 }
 
 /// A `[cout, cin, 3, 3]` weight (at element `strides`) as `U = G g Gᵀ` for each channel pair,
@@ -80,11 +85,15 @@ pub fn conv(
         return false;
     }
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: AVX-512F is present (`has_gemm`), and the slices hold what the shapes say.
-    unsafe {
-        run(x, [batch, h, w], panels, g, (bias, residual), &mut out[..batch * ho * wo * cout])
-    };
-    super::epilogue_f32(epilogue, &mut out[..batch * ho * wo * cout]) || epilogue == Epilogue::None
+    {
+        // SAFETY: AVX-512F is present (`has_gemm`), and the slices hold what the shapes say.
+        unsafe { run(x, [batch, h, w], panels, g, (bias, residual), out) };
+        // One pass over the output (in cache at these sizes): applied per pixel inside the
+        // transform's loop it measured slower.
+        epilogue == Epilogue::None || super::epilogue_f32(epilogue, &mut out[..batch * ho * wo * cout])
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// [`conv`] before its epilogue, compiled for AVX-512 (the transforms' loops over channels
