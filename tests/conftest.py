@@ -1,3 +1,6 @@
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Mapping
 
@@ -90,3 +93,16 @@ def reversed_kwargs(kwargs):
 requires_abi = pytest.mark.skipif(
     not kwexport._rt.stable_abi_available(), reason="the running torch has no usable stable C ABI"
 )
+
+
+def with_each_kernel(tmp_path, script: str) -> dict:
+    """Runs `script` in a child process per forced kernel choice (`KWEXPORT_LINEAR_KERNEL`,
+    read once per process): what each saved to `sys.argv[1]`, by choice."""
+    outs = {}
+    for kernel in ("torch", "kwexport"):
+        env = dict(os.environ, KWEXPORT_LINEAR_KERNEL=kernel)
+        dst = tmp_path / f"{kernel}.pt"
+        r = subprocess.run([sys.executable, "-c", script, str(dst)], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        outs[kernel] = torch.load(dst)
+    return outs

@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import assert_same
+from conftest import assert_same, with_each_kernel
 from torch import nn
 
 import kwexport
@@ -208,22 +208,6 @@ def test_fast_linear_on_few_rows_stays_within_tolerance(tmp_path):
         for _ in range(2):  # the first call for a shape measures, the second runs the choice
             got = fast(x)
             assert got.shape == want.shape and rel_err(got, want) < 1e-5, shape
-
-
-def with_each_kernel(tmp_path, script: str) -> dict:
-    """Runs `script` in a child process per forced kernel choice (`KWEXPORT_LINEAR_KERNEL`,
-    read once per process): what each saved to `sys.argv[1]`, by choice."""
-    import subprocess
-    import sys
-
-    outs = {}
-    for kernel in ("torch", "kwexport"):
-        env = dict(os.environ, KWEXPORT_LINEAR_KERNEL=kernel)
-        dst = tmp_path / f"{kernel}.pt"
-        r = subprocess.run([sys.executable, "-c", script, str(dst)], env=env, capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
-        outs[kernel] = torch.load(dst)
-    return outs
 
 
 def test_both_linear_kernels_run_in_place_of_each_other(tmp_path):

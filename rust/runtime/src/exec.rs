@@ -451,7 +451,8 @@ impl CStep {
         let Some(weight) = conv.packed.get_or_init(|| pack_conv_weight(abi, conv, &consts[conv.weight])) else {
             return self.on_python(abi, shim, slots);
         };
-        let onednn = || -> Result<abi::Tensor, CError> {
+        // oneDNN's fused op, with its post-op or (`post` false) without it.
+        let fused = |post: bool| -> Result<abi::Tensor, CError> {
             let mut b = t[2];
             let b = if conv.bias { &mut b as *mut abi::Raw } else { std::ptr::null_mut() };
             let mut out: abi::Raw = std::ptr::null_mut();
@@ -461,7 +462,7 @@ impl CStep {
             let status = unsafe {
                 match (shim.f, residual, &conv.residual) {
                     (ShimFn::ConvPointwiseBinary(f), Some(r), Some(unary)) => {
-                        let unary_ptr = unary.as_ref().map(|u| u.as_ptr());
+                        let unary_ptr = unary.as_ref().filter(|_| post).map(|u| u.as_ptr());
                         f(
                             t[0],
                             r,
@@ -494,7 +495,7 @@ impl CStep {
                         geometry.2,
                         2,
                         conv.groups,
-                        conv.attr.as_ptr(),
+                        if post { conv.attr.as_ptr() } else { c"none".as_ptr() },
                         std::ptr::null(),
                         0,
                         std::ptr::null(),
@@ -506,6 +507,18 @@ impl CStep {
             let result = (!out.is_null()).then(|| abi.adopt(out as StableIValue));
             abi.status(status)?;
             result.ok_or_else(|| CError::Internal("a shim returned no tensor".into()))
+        };
+        let onednn = || -> Result<abi::Tensor, CError> {
+            // SAFETY: live handles (the input, and the residual if any).
+            let finite = || unsafe { abi.all_finite(t[0]) && residual.is_none_or(|r| abi.all_finite(r)) };
+            match conv.nan_post_op {
+                Some(post_op) if !finite() => {
+                    let mut out = fused(false)?;
+                    abi.apply_epilogue(&mut out, post_op)?;
+                    Ok(out)
+                }
+                _ => fused(true),
+            }
         };
         if let Some(own) = conv.own.as_deref() {
             // SAFETY: a live handle.
@@ -535,7 +548,7 @@ impl CStep {
                     _ => None,
                 }
             };
-            if let Some(result) = pixels.and_then(|p| choose(&own.choices, p, ours, onednn)) {
+            if let Some(result) = pixels.and_then(|p| choose(abi, &own.choices, p, ours, onednn)) {
                 self.finish(slots, result?);
                 return Ok(());
             }
@@ -826,7 +839,7 @@ unsafe fn choose_linear(
     // copies its weight.
     let panels = packed.panels.get(abi, consts)?;
     let ours = || unsafe { abi.linear(t[input], panels, packed.n, bias, epilogue, bf16) };
-    choose(&packed.choices, rows, ours, torch)
+    choose(abi, &packed.choices, rows, ours, torch)
 }
 
 /// kwexport's GEMM (`ours`) or the other kernel (`theirs`) for a node, whichever measured
@@ -835,11 +848,15 @@ unsafe fn choose_linear(
 /// chosen, `None` where the other is (or `ours` can't take the tensors), for the caller to
 /// run.
 fn choose(
+    abi: &Abi,
     choices: &crate::plan::Choices,
     rows: i64,
     ours: impl Fn() -> Option<Result<abi::Tensor, CError>>,
     theirs: impl Fn() -> Result<abi::Tensor, CError>,
 ) -> Option<Result<abi::Tensor, CError>> {
+    // A choice holds for one number of rows at one thread count: both kernels scale
+    // differently with threads.
+    let rows = rows.saturating_mul(64).saturating_add(abi.threads().min(63) as i64);
     match forced_linear_kernel().or_else(|| choices.choice(rows)) {
         Some(true) => ours(),
         Some(false) => None,

@@ -80,6 +80,26 @@ pub fn is_contiguous(sizes: &[i64], strides: &[i64]) -> bool {
     true
 }
 
+/// The number of elements of a view whose memory is dense: contiguous, channels-last, or any
+/// other order of its dimensions (each stride, taken from the smallest, the product of the
+/// sizes before it; size-1 dimensions don't matter), so that its elements are the first that
+/// many from its data pointer. `None` for a view with gaps, overlaps or negative strides.
+pub fn dense_len(sizes: &[i64], strides: &[i64]) -> Option<usize> {
+    if sizes.contains(&0) {
+        return Some(0);
+    }
+    let mut dims: Vec<(i64, i64)> = sizes.iter().zip(strides).filter(|(&n, _)| n != 1).map(|(&n, &s)| (s, n)).collect();
+    dims.sort_unstable();
+    let mut expected = 1i64;
+    for (stride, size) in dims {
+        if stride != expected || size < 0 {
+            return None;
+        }
+        expected = expected.checked_mul(size)?;
+    }
+    usize::try_from(expected).ok()
+}
+
 /// The strides of a contiguous tensor of these sizes, as torch computes them.
 pub fn contiguous_strides(sizes: &[i64]) -> Vec<i64> {
     let mut strides = vec![1; sizes.len()];
@@ -202,6 +222,19 @@ pub fn geometry(kind: ViewKind, sizes: &[i64], strides: &[i64], args: &[ViewArg]
 mod tests {
     use super::*;
     use ViewArg::{Bool, Int, Ints, None as No};
+
+    #[test]
+    fn dense_len_takes_every_dimension_order_and_nothing_with_gaps() {
+        assert_eq!(dense_len(&[2, 3, 4, 5], &[60, 20, 5, 1]), Some(120)); // contiguous
+        assert_eq!(dense_len(&[2, 3, 4, 5], &[60, 1, 15, 3]), Some(120)); // channels-last
+        assert_eq!(dense_len(&[2, 1, 4], &[4, 99, 1]), Some(8)); // a size-1 dimension's stride
+        assert_eq!(dense_len(&[], &[]), Some(1));
+        assert_eq!(dense_len(&[2, 0, 3], &[0, 3, 1]), Some(0));
+        assert_eq!(dense_len(&[2, 3], &[6, 1]), None); // a gap after each row
+        assert_eq!(dense_len(&[2, 3], &[1, 1]), None); // overlapping
+        assert_eq!(dense_len(&[4], &[0]), None); // broadcast
+        assert_eq!(dense_len(&[3], &[-1]), None);
+    }
 
     fn g(kind: ViewKind, sizes: &[i64], strides: &[i64], args: &[ViewArg]) -> Option<(Vec<i64>, Vec<i64>, i64)> {
         geometry(kind, sizes, strides, args).map(|g| (g.sizes, g.strides, g.offset))

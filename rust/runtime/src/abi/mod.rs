@@ -11,8 +11,10 @@
 //! - `types`   the schema types the dispatcher converts
 //! - `encode`  values on the C path: how arguments are encoded and returns decoded
 //! - `shims`   per-op C entry points that take a `Scalar` as a `double`
+//! - `parallel` torch's intra-op thread pool, as the kernels' pool
 
 pub mod encode;
+mod parallel;
 pub mod shims;
 pub mod types;
 
@@ -196,6 +198,8 @@ impl Abi {
             return Ok(None);
         }
         // SAFETY: as for `sym` above.
+        unsafe { parallel::install(&lib, hidden) };
+        // SAFETY: as for `sym` above.
         Ok(unsafe {
             (|| {
                 Some(Abi {
@@ -241,6 +245,11 @@ impl Abi {
                 })
             })()
         })
+    }
+
+    /// The threads kwexport's kernels may use on this thread (torch's intra-op count).
+    pub fn threads(&self) -> usize {
+        crate::kernels::parallel::threads()
     }
 
     /// torch's code for a dtype of the core's table.
@@ -656,23 +665,48 @@ impl Abi {
         unsafe { self.gemm(xs, [m, k, n], (panels, bf16), bias, None, epilogue, out) }
     }
 
-    /// `epilogue` applied in place to `t`, a float32 CPU matrix torch's GEMM just made (a
-    /// fused linear's activation, `kernels::epilogue_f32`).
+    /// `epilogue` applied in place to `t`, a dense float32 CPU tensor torch's kernel just made
+    /// (a fused linear's or convolution's activation, `kernels::epilogue_f32`).
     pub fn apply_epilogue(&self, t: &mut Tensor, epilogue: crate::kernels::Epilogue) -> Result<(), CError> {
         if epilogue == crate::kernels::Epilogue::None {
             return Ok(());
         }
-        let fail = || CError::Internal("a fused linear's activation on torch's result".into());
-        // SAFETY: a live handle, then its contiguous float32 elements: a new tensor nothing
-        // else holds.
+        let fail = || CError::Internal("a fused activation on torch's result".into());
+        // SAFETY: a live handle, then its dense float32 elements: a new tensor nothing else
+        // holds.
         unsafe {
-            let sizes = self.contiguous_sizes(t.raw()).ok_or_else(fail)?;
-            if !self.shims.as_ref().ok_or_else(fail)?.is_cpu_f32(t.raw()) {
-                return Err(fail());
-            }
-            let len = sizes.iter().map(|&d| usize::try_from(d).unwrap_or(0)).product();
+            let len = self.dense_f32_len(t.raw()).ok_or_else(fail)?;
             let xs = self.floats_mut(t, len).ok_or_else(fail)?;
             crate::kernels::epilogue_f32(epilogue, xs).then_some(()).ok_or_else(fail)
+        }
+    }
+
+    /// Whether every element of `t` is finite; `false` also where `t` isn't a dense float32
+    /// CPU tensor (the caller then takes the path that is right for any values).
+    ///
+    /// # Safety
+    /// `t` must be a live handle.
+    pub unsafe fn all_finite(&self, t: Raw) -> bool {
+        // SAFETY: the caller's live handle, then its dense elements.
+        unsafe {
+            let Some(len) = self.dense_f32_len(t) else { return false };
+            self.floats(t, len).is_some_and(crate::kernels::all_finite)
+        }
+    }
+
+    /// The number of elements of a float32 CPU tensor whose memory is dense (any order of
+    /// its dimensions: `views::dense_len`), `None` for another tensor.
+    ///
+    /// # Safety
+    /// `t` must be a live handle.
+    unsafe fn dense_f32_len(&self, t: Raw) -> Option<usize> {
+        // SAFETY: the caller's live handle.
+        unsafe {
+            if !self.shims.as_ref()?.is_cpu_f32(t) {
+                return None;
+            }
+            let (sizes, strides) = self.sizes_strides(t)?;
+            crate::views::dense_len(&sizes, &strides)
         }
     }
 
@@ -1231,7 +1265,7 @@ impl Abi {
     /// A tensor this call made, as its `len` floats to write.
     ///
     /// # Safety
-    /// `t` must be a new contiguous float32 CPU tensor of `len` elements that nothing else
+    /// `t` must be a new dense float32 CPU tensor of `len` elements that nothing else
     /// reads or writes while the slice is used.
     unsafe fn floats_mut<'a>(&self, t: &'a mut Tensor, len: usize) -> Option<&'a mut [f32]> {
         // SAFETY: the caller's new tensor of `len` floats.

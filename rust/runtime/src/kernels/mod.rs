@@ -4,7 +4,11 @@
 //! node wherever the tensors don't qualify.
 
 pub mod bf16;
+pub mod parallel;
 pub mod winograd;
+
+#[cfg(test)]
+mod nonfinite_tests;
 
 /// RMS normalization over rows of `n = w.len()` values: `w * (x * rsqrt(mean(x^2) + eps))`,
 /// as the decomposed pattern computes it (the mean of squares, plus `eps`, its reciprocal
@@ -140,6 +144,20 @@ pub fn epilogue_f32(epilogue: Epilogue, x: &mut [f32]) -> bool {
     }
     let _ = (epilogue, x);
     false
+}
+
+/// Whether every element of `x` is finite (neither NaN nor infinite): `v * 0` is 0 for a
+/// finite `v` and NaN otherwise, summed in sixteen independent lanes so that the loop
+/// vectorizes without reassociating.
+pub fn all_finite(x: &[f32]) -> bool {
+    let mut lanes = [0f32; 16];
+    let mut chunks = x.chunks_exact(16);
+    for c in &mut chunks {
+        for (l, v) in lanes.iter_mut().zip(c) {
+            *l += v * 0.0;
+        }
+    }
+    lanes.iter().chain(chunks.remainder()).all(|v| v.is_finite())
 }
 
 /// Whether this CPU runs kwexport's GEMM ([`gemm_f32`]), so that a plan may lower onto it.
@@ -423,7 +441,8 @@ pub fn direct_f32(
     false
 }
 
-/// GELU of each element: `0.5 x (1 + erf(x / sqrt 2))`, or with `tanh`, the tanh
+/// GELU of each element: `0.5 x (1 + erf(x / sqrt 2))` (NaN at +inf, as torch's vectorized
+/// kernel gives), or with `tanh`, the tanh
 /// approximation `0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`, computed as
 /// `x / (1 + exp(-2 u))`. erf is Abramowitz and Stegun's 7.1.26 (absolute error under 1.5e-7,
 /// the rational form torch's vectorized erf uses too), exp a degree-7 polynomial after range
@@ -480,8 +499,8 @@ impl Attention {
 /// tokens of a small model's call, where torch's flash kernel spends most of its time on
 /// setup: keys are transposed once per head, then each block of four query rows takes its
 /// scores, softmax and weighted values in registers. Returns `false` where a query row has no
-/// key to attend (torch decides what that gives), the slices don't fit the sizes, or this
-/// CPU lacks AVX-512; `out` may then be partly written.
+/// key to attend or a score is NaN (torch decides what those give), the slices don't fit the
+/// sizes, or this CPU lacks AVX-512; `out` may then be partly written.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_f32(
     q: (&[f32], [usize; 3]),
@@ -517,14 +536,15 @@ mod avx512 {
 
     use super::{inside, Epilogue};
 
-    /// `e^x` in each lane, for `x` clamped to [-87, 88] (float32's normal range): `2^n e^r`
-    /// with `r = x - n ln 2` in [-ln2/2, ln2/2], `e^r` by its Taylor series to `r^7`
-    /// (relative error ~1e-8, below float32's rounding).
+    /// `e^x` in each lane: `2^n e^r` with `r = x - n ln 2` in [-ln2/2, ln2/2], `e^r` by its
+    /// Taylor series to `r^7` (relative error ~1e-8, below float32's rounding). `x` is first
+    /// clamped to [-104, 89], past which `scalef` gives 0 and +inf as `e^x` rounds, so ±inf
+    /// give 0 and +inf; NaN stays NaN.
     #[inline(always)]
     unsafe fn exp(x: __m512) -> __m512 {
         // SAFETY (all below): register arithmetic; the caller enabled AVX-512F.
         unsafe {
-            let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0)), _mm512_set1_ps(88.0));
+            let x = _mm512_min_ps(_mm512_set1_ps(89.0), _mm512_max_ps(_mm512_set1_ps(-104.0), x));
             let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
                 x,
                 _mm512_set1_ps(std::f32::consts::LOG2_E),
@@ -540,17 +560,19 @@ mod avx512 {
         }
     }
 
-    /// `epilogue` on 16 lanes, as torch's vectorized CPU kernels compute it.
+    /// `epilogue` on 16 lanes, as torch's vectorized CPU kernels compute it, NaN included.
+    /// `vmaxps` and `vminps` return their second operand where either is NaN, so the value
+    /// clamped goes second: a NaN passes through a clamp as through torch's `clamp`.
     #[inline(always)]
     pub(super) unsafe fn apply(epilogue: Epilogue, x: __m512) -> __m512 {
         // SAFETY (all below): register arithmetic; the caller enabled AVX-512F.
         unsafe {
             let (zero, one) = (_mm512_setzero_ps(), _mm512_set1_ps(1.0));
             let relu6_of_x_plus_3 =
-                || _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(x, _mm512_set1_ps(3.0)), zero), _mm512_set1_ps(6.0));
+                || _mm512_min_ps(_mm512_set1_ps(6.0), _mm512_max_ps(zero, _mm512_add_ps(x, _mm512_set1_ps(3.0))));
             match epilogue {
                 Epilogue::None => x,
-                Epilogue::Relu => _mm512_max_ps(x, zero),
+                Epilogue::Relu => _mm512_max_ps(zero, x),
                 Epilogue::Hardswish => _mm512_div_ps(_mm512_mul_ps(x, relu6_of_x_plus_3()), _mm512_set1_ps(6.0)),
                 Epilogue::Hardsigmoid => _mm512_div_ps(relu6_of_x_plus_3(), _mm512_set1_ps(6.0)),
                 Epilogue::Sigmoid => _mm512_div_ps(one, _mm512_add_ps(one, exp(_mm512_sub_ps(zero, x)))),
@@ -599,7 +621,10 @@ mod avx512 {
             let q = _mm512_mul_ps(poly, exp(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(z, z))));
             let negative = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_setzero_ps());
             let one_plus_erf = _mm512_mask_blend_ps(negative, _mm512_sub_ps(_mm512_set1_ps(2.0), q), q);
-            _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.5)), one_plus_erf)
+            let y = _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.5)), one_plus_erf);
+            // torch's vectorized GELU gives NaN for +inf (any tensor of two or more elements).
+            let inf = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(x, _mm512_set1_ps(f32::INFINITY));
+            _mm512_mask_blend_ps(inf, y, _mm512_set1_ps(f32::NAN))
         }
     }
 
@@ -755,6 +780,12 @@ mod avx512 {
                                         x = _mm512_add_ps(x, add);
                                     }
                                 }
+                                // A NaN score (a NaN or an infinity in the queries or keys)
+                                // makes torch's softmax NaN in ways that depend on how its
+                                // kernel masks and blocks: torch decides.
+                                if _mm512_mask_cmp_ps_mask::<_CMP_UNORD_Q>(lanes(s - j0.min(s)), x, x) != 0 {
+                                    return false;
+                                }
                                 // A score of -inf (masked, or a float mask's) takes no part.
                                 valid &= _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(x, neg_inf);
                                 x = _mm512_mask_blend_ps(valid, neg_inf, x);
@@ -762,7 +793,7 @@ mod avx512 {
                                 mx = _mm512_max_ps(mx, x);
                             }
                             let m = _mm512_reduce_max_ps(mx);
-                            if m == f32::NEG_INFINITY || m.is_nan() {
+                            if m == f32::NEG_INFINITY {
                                 return false;
                             }
                             let mut sum = _mm512_setzero_ps();
@@ -1276,39 +1307,84 @@ mod avx512 {
         unsafe { columns(Table { table: table.as_ptr(), taps }, m, &shape, panels, out) }
     }
 
+    /// The output's first element, shared by the threads of one GEMM: each writes the rows
+    /// and columns of its own blocks only.
+    #[derive(Clone, Copy)]
+    struct Out(*mut f32);
+
+    // SAFETY: the threads of one call write disjoint elements through it (`columns`), and the
+    // call returns only once every thread has finished.
+    unsafe impl Sync for Out {}
+    // SAFETY: the tables and shapes point at memory the caller keeps alive and unwritten for
+    // the whole call; the threads only read through them.
+    unsafe impl Sync for Dense {}
+    // SAFETY: as for `Dense`.
+    unsafe impl Sync for Table {}
+    // SAFETY: as for `Dense`.
+    unsafe impl Sync for Shape {}
+
+    /// The rows per chunk, a multiple of every tile's height, where a GEMM splits its rows.
+    const ROW_CHUNK: usize = 24;
+
     /// The GEMM's column blocks, outermost: a block's `k x 64` panel of the weight stays in
     /// cache while every group of rows reads it, so the weight streams from memory once per
-    /// call.
+    /// call. On several threads (`super::parallel`), each takes whole column blocks (its own
+    /// share of the weight), and where there are fewer blocks than threads, chunks of rows too.
     #[inline(always)]
-    unsafe fn columns<S: Rows>(rows_of: S, m: usize, s: &Shape, panels: &[f32], out: &mut [f32]) {
-        let (k, op) = (s.taps * s.cin, out.as_mut_ptr());
-        let mut j = 0;
-        while j < s.n {
-            // GELU after the block's tiles, over its results while they are in cache.
-            if matches!(s.epilogue, Epilogue::Gelu | Epilogue::GeluTanh) {
-                let width = (s.n - j).min(64);
-                // SAFETY: rows [0, m) of the block's columns exist (see the callers).
-                unsafe { columns_block(rows_of, m, &Shape { epilogue: Epilogue::None, ..*s }, panels, op, j, k) };
-                for r in 0..m {
-                    // SAFETY: as above; the slice is this row's part of the block.
-                    let row = unsafe { std::slice::from_raw_parts_mut(op.add(r * s.n + j), width) };
-                    // SAFETY: AVX-512F is enabled (the callers').
-                    unsafe { epilogue(s.epilogue, row) };
-                }
-                j += 64;
-                continue;
+    unsafe fn columns<S: Rows + Sync>(rows_of: S, m: usize, s: &Shape, panels: &[f32], out: &mut [f32]) {
+        let (k, op) = (s.taps * s.cin, Out(out.as_mut_ptr()));
+        let blocks = s.n.div_ceil(super::PANEL);
+        let threads =
+            super::parallel::share(2 * m * k * s.n, blocks * m.div_ceil(ROW_CHUNK), super::parallel::threads());
+        let chunks = threads.div_ceil(blocks);
+        let per = m.div_ceil(chunks).next_multiple_of(ROW_CHUNK);
+        let chunks = m.div_ceil(per.max(1));
+        super::parallel::for_each(blocks * chunks, threads, &|begin, end| {
+            for item in begin..end {
+                let (j, r0) = (item % blocks * super::PANEL, item / blocks * per);
+                // SAFETY: AVX-512F is present (the callers'); the block's rows and columns
+                // exist and no other item writes them.
+                unsafe { column_block_rows(rows_of, r0..(r0 + per).min(m), s, panels, op, j, k) };
             }
-            // SAFETY: as above.
-            unsafe { columns_block(rows_of, m, s, panels, op, j, k) };
-            j += 64;
+        });
+    }
+
+    /// Rows `range` times the column block from `j`, then GELU over their results while they
+    /// are in cache (the other epilogues are applied as the tiles store).
+    ///
+    /// # Safety
+    /// AVX-512F must be present; the rows, the block's columns and its panel exist.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn column_block_rows<S: Rows>(
+        rows_of: S,
+        range: std::ops::Range<usize>,
+        s: &Shape,
+        panels: &[f32],
+        op: Out,
+        j: usize,
+        k: usize,
+    ) {
+        if !matches!(s.epilogue, Epilogue::Gelu | Epilogue::GeluTanh) {
+            // SAFETY: as the caller guarantees.
+            unsafe { columns_block(rows_of, range, s, panels, op.0, j, k) };
+            return;
+        }
+        let width = (s.n - j).min(64);
+        // SAFETY: as the caller guarantees.
+        unsafe { columns_block(rows_of, range.clone(), &Shape { epilogue: Epilogue::None, ..*s }, panels, op.0, j, k) };
+        for r in range {
+            // SAFETY: this row's part of the block, written above and by no other thread.
+            let row = unsafe { std::slice::from_raw_parts_mut(op.0.add(r * s.n + j), width) };
+            // SAFETY: AVX-512F is present.
+            unsafe { epilogue(s.epilogue, row) };
         }
     }
 
-    /// Every row times the column block from `j` (of `k`-deep panels).
+    /// Rows `range` times the column block from `j` (of `k`-deep panels).
     #[inline(always)]
     unsafe fn columns_block<S: Rows>(
         rows_of: S,
-        m: usize,
+        range: std::ops::Range<usize>,
         s: &Shape,
         panels: &[f32],
         op: *mut f32,
@@ -1322,26 +1398,26 @@ mod avx512 {
         unsafe {
             let wp = panels.as_ptr().add(j / 64 * k * 64);
             match vectors {
-                4 => rows::<S, 6, 4>(rows_of, m, wp, op, s, j),
-                3 => rows::<S, 8, 3>(rows_of, m, wp, op, s, j),
-                2 => rows::<S, 12, 2>(rows_of, m, wp, op, s, j),
-                _ => rows::<S, 12, 1>(rows_of, m, wp, op, s, j),
+                4 => rows::<S, 6, 4>(rows_of, range, wp, op, s, j),
+                3 => rows::<S, 8, 3>(rows_of, range, wp, op, s, j),
+                2 => rows::<S, 12, 2>(rows_of, range, wp, op, s, j),
+                _ => rows::<S, 12, 1>(rows_of, range, wp, op, s, j),
             }
         }
     }
 
-    /// Every row times `V` vectors of the panel at `wp` (columns from `j`): tiles of `R` rows,
-    /// then the remainder in tiles of 4, 2 and 1.
+    /// Rows `range` times `V` vectors of the panel at `wp` (columns from `j`): tiles of `R`
+    /// rows, then the remainder in tiles of 4, 2 and 1.
     #[inline(always)]
     unsafe fn rows<S: Rows, const R: usize, const V: usize>(
         rows_of: S,
-        m: usize,
+        range: std::ops::Range<usize>,
         wp: *const f32,
         op: *mut f32,
         s: &Shape,
         j: usize,
     ) {
-        let mut i = 0;
+        let (mut i, m) = (range.start, range.end);
         // SAFETY (all below): rows [i, i + tile) and their outputs exist (see the callers).
         unsafe {
             while i + R <= m {

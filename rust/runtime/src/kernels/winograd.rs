@@ -59,9 +59,12 @@ pub fn takes(g: &Conv2d) -> bool {
 
 /// The convolution of channels-last images `x` (`[batch, h, w, cin]`) with the weight's
 /// `panels` ([`pack_weights`]), plus the bias and `residual` (the output's shape), then
-/// `epilogue`, into `out` (`[batch, ho, wo, cout]`). Returns `false` (writing nothing) where
-/// the slices don't fit the shapes, the geometry isn't one [`takes`] accepts, or this CPU
-/// lacks AVX-512.
+/// `epilogue`, into `out` (`[batch, ho, wo, cout]`). Returns `false` where the slices don't fit
+/// the shapes, the geometry isn't one [`takes`] accepts, this CPU lacks AVX-512, or an input
+/// is NaN or infinite: the transforms mix each block's 16 inputs into all four of its outputs
+/// (`inf - inf` is NaN), so a NaN or an infinity would reach outputs the direct sum keeps
+/// finite, and an infinity would become NaN; the caller runs another kernel then. `out` may be
+/// partly written where it returns `false`.
 #[allow(clippy::too_many_arguments)]
 pub fn conv(
     x: &[f32],
@@ -81,23 +84,23 @@ pub fn conv(
         && out.len() >= batch * ho * wo * cout
         && bias.is_none_or(|b| b.len() >= cout)
         && residual.is_none_or(|r| r.len() >= batch * ho * wo * cout);
-    if !fits || !super::has_gemm() {
+    if !fits || !super::has_gemm() || !super::all_finite(&x[..batch * h * w * cin]) {
         return false;
     }
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: AVX-512F is present (`has_gemm`), and the slices hold what the shapes say.
-        unsafe { run(x, [batch, h, w], panels, g, (bias, residual), out) };
+        let done = unsafe { run(x, [batch, h, w], panels, g, (bias, residual), out) };
         // One pass over the output (in cache at these sizes): applied per pixel inside the
         // transform's loop it measured slower.
-        epilogue == Epilogue::None || super::epilogue_f32(epilogue, &mut out[..batch * ho * wo * cout])
+        done && (epilogue == Epilogue::None || super::epilogue_f32(epilogue, &mut out[..batch * ho * wo * cout]))
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
 }
 
 /// [`conv`] before its epilogue, compiled for AVX-512 (the transforms' loops over channels
-/// vectorize).
+/// vectorize); `false` where the GEMM declined a product (the output is then incomplete).
 ///
 /// # Safety
 /// AVX-512F must be present.
@@ -110,7 +113,7 @@ unsafe fn run(
     g: &Conv2d,
     (bias, residual): (Option<&[f32]>, Option<&[f32]>),
     out: &mut [f32],
-) {
+) -> bool {
     let (cin, cout) = (g.in_channels, g.out_channels);
     let [ho, wo] = [h + 2 * g.padding[0] - 2, w + 2 * g.padding[1] - 2];
     let per = cout.div_ceil(PANEL) * cin * PANEL;
@@ -145,7 +148,9 @@ unsafe fn run(
             // The 16 products, each over the band's blocks.
             for e in 0..16 {
                 let (ve, me) = (&v[e * band * cin..][..tiles * cin], &mut m[e * band * cout..][..tiles * cout]);
-                super::gemm_f32(ve, tiles, cin, &panels[e * per..][..per], cout, None, None, Epilogue::None, me);
+                if !super::gemm_f32(ve, tiles, cin, &panels[e * per..][..per], cout, None, None, Epilogue::None, me) {
+                    return false;
+                }
             }
             // Y = Aᵀ M A, plus the bias and the residual, for the outputs inside the image.
             for t in 0..tiles {
@@ -175,6 +180,7 @@ unsafe fn run(
             t0 += tiles;
         }
     }
+    true
 }
 
 /// `Bᵀ d B` for one block's 4×4 inputs (`d[(i * 4 + j) * cin + c]`), into row `t` of each of

@@ -208,6 +208,11 @@ pub struct Conv {
     pub(crate) packed: std::sync::OnceLock<Option<crate::abi::Tensor>>,
     /// kwexport's kernel for this convolution, where it has one (below).
     pub(crate) own: Option<Box<OwnConv>>,
+    /// The post-op (or, with a residual, the one after the add) where oneDNN's kernel turns
+    /// NaN into a number (`relu` and `hardsigmoid`: its `max`/`min` return the non-NaN
+    /// operand, where torch's ops keep NaN), as kwexport's epilogue: where an input isn't
+    /// finite, `exec` runs oneDNN without the post-op, then this.
+    pub(crate) nan_post_op: Option<crate::kernels::Epilogue>,
 }
 
 impl Conv {

@@ -361,6 +361,8 @@ fn conv_step(
         weight,
         packed: std::sync::OnceLock::new(),
         own,
+        nan_post_op: crate::kernels::Epilogue::of_attr(&attr)
+            .filter(|e| matches!(e, crate::kernels::Epilogue::Relu | crate::kernels::Epilogue::Hardsigmoid)),
     };
     Some(CStep {
         name: (c"mkldnn::_convolution_pointwise".to_owned(), overload.to_owned()),

@@ -1,0 +1,123 @@
+//! How kernels split their work across threads: one pool, installed once per process by the
+//! abi (torch's intra-op pool through the stable ABI's `torch_parallel_for` and
+//! `torch_get_num_threads`), so that a kernel uses exactly the threads torch's own kernels
+//! would on the calling thread (`torch.set_num_threads`, `OMP_NUM_THREADS`) and kwexport never
+//! starts a pool of its own to oversubscribe the cores. Without one (a torch without those
+//! symbols, the kernels' own tests) kernels run on the calling thread.
+
+use std::sync::OnceLock;
+
+/// A body run over a range of work items, `begin..end`.
+pub type Body<'a> = &'a (dyn Fn(usize, usize) + Sync);
+
+/// The threads a kernel may use.
+pub struct Pool {
+    /// How many threads the calling thread's parallel regions use.
+    pub threads: Box<dyn Fn() -> usize + Send + Sync>,
+    /// Runs the body over chunks of `0..n` on the pool's threads (the calling one among
+    /// them), returning once every chunk has run.
+    pub run: Box<dyn Fn(usize, Body<'_>) + Send + Sync>,
+}
+
+static POOL: OnceLock<Pool> = OnceLock::new();
+
+/// Installs the process's pool; the first one installed stays.
+pub fn install(pool: Pool) {
+    let _ = POOL.set(pool);
+}
+
+/// How many threads a kernel called on this thread may use (1 without a pool).
+pub fn threads() -> usize {
+    POOL.get().map_or(1, |p| (p.threads)().max(1))
+}
+
+/// The fewest floating-point operations a thread's share of a GEMM must hold for a second
+/// thread to pay: below it, waking the pool costs more than the share saves. Measured with
+/// `cargo bench --bench runtime -- kernels/threads` (docs/optimize.md): at 2 threads a 4×256×256
+/// linear (0.5 MFLOP) runs 0.7× its one-thread time, a 1×256×256 one 1.1×.
+pub const MIN_FLOPS_PER_THREAD: usize = 200_000;
+
+/// How many of `threads` a job of `flops` (split into at most `items` pieces) should use.
+pub fn share(flops: usize, items: usize, threads: usize) -> usize {
+    (flops / MIN_FLOPS_PER_THREAD).min(items).min(threads).max(1)
+}
+
+/// Runs `body` over `0..n` in chunks on the pool where `threads > 1`, else on this thread.
+pub fn for_each(n: usize, threads: usize, body: Body<'_>) {
+    match POOL.get() {
+        Some(pool) if threads > 1 && n > 1 => (pool.run)(n, body),
+        _ => body(0, n),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A pool of scoped std threads, `THREADS` of them, for the kernels' tests: each chunk on
+    /// a thread of its own, so a kernel that shares memory between chunks wrongly shows it.
+    pub(crate) const THREADS: usize = 3;
+
+    pub(crate) fn install_test_pool() {
+        install(Pool {
+            threads: Box::new(|| THREADS),
+            run: Box::new(|n, body| {
+                let chunk = n.div_ceil(THREADS);
+                std::thread::scope(|s| {
+                    for begin in (0..n).step_by(chunk) {
+                        s.spawn(move || body(begin, (begin + chunk).min(n)));
+                    }
+                });
+            }),
+        });
+    }
+
+    /// The GEMM (dense, with every epilogue kind of pass, and indirect) on three threads, at
+    /// shapes that split by column blocks, by rows, and both, against a double-precision
+    /// reference: each thread writes only its own blocks and rows, and writes all of them.
+    #[test]
+    fn threaded_gemm_matches_the_reference() {
+        use super::super::{gemm_f32, pack_conv_panels, Epilogue, PANEL};
+        install_test_pool();
+        assert_eq!(threads(), THREADS);
+        for (m, k, n) in [(4usize, 256usize, 640usize), (300, 64, 40), (97, 130, 200), (1, 512, 512)] {
+            let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.017).sin()).collect();
+            let wt: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.013).cos()).collect();
+            let mut panels = vec![0.0; k * n.div_ceil(PANEL) * PANEL];
+            pack_conv_panels(&wt, [n, k, 1, 1], [1, n, 0, 0], &mut panels);
+            assert!(share(2 * m * k * n, 8, THREADS) > 1 || m == 1, "{m}x{k}x{n} must split");
+            for epilogue in [Epilogue::Relu, Epilogue::Gelu] {
+                let mut out = vec![f32::NAN; m * n];
+                if !gemm_f32(&x, m, k, &panels, n, None, None, epilogue, &mut out) {
+                    return; // no AVX-512 here
+                }
+                for r in 0..m {
+                    for j in 0..n {
+                        let dot: f64 = (0..k).map(|t| x[r * k + t] as f64 * wt[t * n + j] as f64).sum();
+                        let want = match epilogue {
+                            Epilogue::Relu => dot.max(0.0),
+                            _ => 0.5 * dot * (1.0 + libm_erf(dot / std::f64::consts::SQRT_2)),
+                        };
+                        let got = out[r * n + j] as f64;
+                        assert!((got - want).abs() < 1e-5 * (k as f64).sqrt(), "{epilogue:?} {m}x{k}x{n} [{r}, {j}]");
+                    }
+                }
+            }
+        }
+    }
+
+    /// erf to ~1e-7 (Abramowitz and Stegun 7.1.26), enough for a float32 GELU's check.
+    fn libm_erf(z: f64) -> f64 {
+        let t = 1.0 / (1.0 + 0.3275911 * z.abs());
+        let poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))));
+        z.signum() * (1.0 - poly * (-z * z).exp())
+    }
+
+    #[test]
+    fn small_work_stays_on_one_thread() {
+        assert_eq!(share(MIN_FLOPS_PER_THREAD - 1, 8, 4), 1);
+        assert_eq!(share(3 * MIN_FLOPS_PER_THREAD, 8, 4), 3);
+        assert_eq!(share(100 * MIN_FLOPS_PER_THREAD, 2, 4), 2);
+        assert_eq!(share(100 * MIN_FLOPS_PER_THREAD, 8, 1), 1);
+    }
+}
