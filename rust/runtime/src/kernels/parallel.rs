@@ -32,9 +32,10 @@ pub fn threads() -> usize {
 }
 
 /// The fewest floating-point operations a thread's share of a GEMM must hold for a second
-/// thread to pay: below it, waking the pool costs more than the share saves. Measured with
-/// `cargo bench --bench runtime -- kernels/threads` (docs/optimize.md): at 2 threads a 4×256×256
-/// linear (0.5 MFLOP) runs 0.7× its one-thread time, a 1×256×256 one 1.1×.
+/// thread to be woken. Set, not yet swept: whole `fast` calls of one linear at 2 threads
+/// (BENCHMARKS.md, "Performance IV") took 0.87× their one-thread time at 4×256×256 (524k
+/// flops), 0.83× at 8×256×256 and 0.81× at 16×1024×1024, but 1.01× at 1×512×512 and
+/// 1×1024×1024, where one row's GEMM streams its weight and a second thread gained nothing.
 pub const MIN_FLOPS_PER_THREAD: usize = 200_000;
 
 /// How many of `threads` a job of `flops` (split into at most `items` pieces) should use.

@@ -290,7 +290,8 @@ pub struct Packed {
     pub(crate) choices: Choices,
 }
 
-/// Which kernel won for each number of rows (or pixels) a node has seen, per process.
+/// Which kernel won for each number of rows (or pixels) and thread count a node has seen (the
+/// key `exec::choose` makes of both), per process.
 pub struct Choices {
     /// Each `rows * 2 + (1 if kwexport's kernel won)`, or -1 for a free slot: atomics read
     /// with plain loads, so threads calling one program share them without contending (a
