@@ -87,11 +87,8 @@ def spoil(inputs, seed):
     g = torch.Generator().manual_seed(seed)
     inputs = [t.clone() for t in inputs]
     target = inputs[-1]
-    flat = target.view(-1) if target.is_contiguous() else target.permute(0, 2, 3, 1).reshape(-1)
-    for special, at in zip(SPECIALS, torch.randperm(flat.numel(), generator=g)[: len(SPECIALS)]):
-        flat[at] = special
-    if not target.is_contiguous():
-        target.copy_(flat.view(target.shape[0], target.shape[2], target.shape[3], -1).permute(0, 3, 1, 2))
+    for special, at in zip(SPECIALS, torch.randperm(target.numel(), generator=g)[: len(SPECIALS)]):
+        target[torch.unravel_index(at, target.shape)] = special
     return inputs
 
 

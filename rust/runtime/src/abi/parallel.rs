@@ -56,11 +56,13 @@ pub(super) unsafe fn install(lib: &Library, hidden: &[String]) {
                 1
             }
         }),
-        run: Box::new(move |n, body| {
+        run: Box::new(move |n, threads, body| {
             let job = Job { body, panic: Mutex::new(None) };
-            // SAFETY: `chunk` reads `job` only while this call runs; a grain of 1 lets torch
-            // split the range over all its threads (the kernels decide how many items pay).
-            let status = unsafe { parallel_for(0, n as i64, 1, chunk, &job as *const Job<'_> as *mut c_void) };
+            // torch makes at most `ceil(n / grain)` chunks (and no more than its threads): a
+            // grain of `ceil(n / threads)` keeps a job to the threads the kernel found worth it.
+            let grain = n.div_ceil(threads.max(1)) as i64;
+            // SAFETY: `chunk` reads `job` only while this call runs.
+            let status = unsafe { parallel_for(0, n as i64, grain, chunk, &job as *const Job<'_> as *mut c_void) };
             if let Some(payload) = job.panic.into_inner().unwrap_or_else(|e| e.into_inner()) {
                 resume_unwind(payload);
             }

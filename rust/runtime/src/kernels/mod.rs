@@ -1336,8 +1336,8 @@ mod avx512 {
         let blocks = s.n.div_ceil(super::PANEL);
         let threads =
             super::parallel::share(2 * m * k * s.n, blocks * m.div_ceil(ROW_CHUNK), super::parallel::threads());
-        let chunks = threads.div_ceil(blocks);
-        let per = m.div_ceil(chunks).next_multiple_of(ROW_CHUNK);
+        // Rows are split only where there are fewer column blocks than threads.
+        let per = m.div_ceil(threads.div_ceil(blocks)).next_multiple_of(ROW_CHUNK);
         let chunks = m.div_ceil(per.max(1));
         super::parallel::for_each(blocks * chunks, threads, &|begin, end| {
             for item in begin..end {

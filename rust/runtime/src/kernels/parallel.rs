@@ -14,9 +14,9 @@ pub type Body<'a> = &'a (dyn Fn(usize, usize) + Sync);
 pub struct Pool {
     /// How many threads the calling thread's parallel regions use.
     pub threads: Box<dyn Fn() -> usize + Send + Sync>,
-    /// Runs the body over chunks of `0..n` on the pool's threads (the calling one among
-    /// them), returning once every chunk has run.
-    pub run: Box<dyn Fn(usize, Body<'_>) + Send + Sync>,
+    /// Runs the body over chunks of `0..n` on at most the given number of the pool's threads
+    /// (the calling one among them), returning once every chunk has run.
+    pub run: Box<dyn Fn(usize, usize, Body<'_>) + Send + Sync>,
 }
 
 static POOL: OnceLock<Pool> = OnceLock::new();
@@ -43,10 +43,11 @@ pub fn share(flops: usize, items: usize, threads: usize) -> usize {
     (flops / MIN_FLOPS_PER_THREAD).min(items).min(threads).max(1)
 }
 
-/// Runs `body` over `0..n` in chunks on the pool where `threads > 1`, else on this thread.
+/// Runs `body` over `0..n` in chunks on at most `threads` of the pool's threads where that is
+/// more than one, else on this thread.
 pub fn for_each(n: usize, threads: usize, body: Body<'_>) {
     match POOL.get() {
-        Some(pool) if threads > 1 && n > 1 => (pool.run)(n, body),
+        Some(pool) if threads > 1 && n > 1 => (pool.run)(n, threads, body),
         _ => body(0, n),
     }
 }
@@ -62,8 +63,8 @@ pub(crate) mod tests {
     pub(crate) fn install_test_pool() {
         install(Pool {
             threads: Box::new(|| THREADS),
-            run: Box::new(|n, body| {
-                let chunk = n.div_ceil(THREADS);
+            run: Box::new(|n, threads, body| {
+                let chunk = n.div_ceil(threads.min(THREADS));
                 std::thread::scope(|s| {
                     for begin in (0..n).step_by(chunk) {
                         s.spawn(move || body(begin, (begin + chunk).min(n)));
