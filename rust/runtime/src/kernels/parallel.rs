@@ -10,13 +10,17 @@ use std::sync::OnceLock;
 /// A body run over a range of work items, `begin..end`.
 pub type Body<'a> = &'a (dyn Fn(usize, usize) + Sync);
 
+/// How a pool runs a body: over `0..n` (the first argument) on at most so many threads (the
+/// second).
+pub type Run = Box<dyn Fn(usize, usize, Body<'_>) + Send + Sync>;
+
 /// The threads a kernel may use.
 pub struct Pool {
     /// How many threads the calling thread's parallel regions use.
     pub threads: Box<dyn Fn() -> usize + Send + Sync>,
     /// Runs the body over chunks of `0..n` on at most the given number of the pool's threads
     /// (the calling one among them), returning once every chunk has run.
-    pub run: Box<dyn Fn(usize, usize, Body<'_>) + Send + Sync>,
+    pub run: Run,
 }
 
 static POOL: OnceLock<Pool> = OnceLock::new();
