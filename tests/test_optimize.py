@@ -22,16 +22,16 @@ def rel_err(got, want):
 
 
 def kwexport_bf16_gemm() -> bool:
-    """Whether kwexport's bfloat16 GEMM runs here (AVX512-BF16)."""
+    """Whether kwexport's bfloat16 GEMM runs here (AVX512-BF16, with the AVX-512 family)."""
     cpuinfo = pathlib.Path("/proc/cpuinfo")
-    return cpuinfo.exists() and "avx512_bf16" in cpuinfo.read_text()
+    avx512 = kwexport.kernel_info()["isa"] == "avx512"
+    return avx512 and cpuinfo.exists() and "avx512_bf16" in cpuinfo.read_text()
 
 
-def has_avx512() -> bool:
-    """Whether kwexport's own kernels run here (else torch's do, and results are eager's or
-    oneDNN's)."""
-    cpuinfo = pathlib.Path("/proc/cpuinfo")
-    return cpuinfo.exists() and "avx512f" in cpuinfo.read_text()
+def own_kernels() -> bool:
+    """Whether kwexport's own kernels run here, on any instruction set (else torch's do, and
+    results are eager's or oneDNN's)."""
+    return kwexport.kernel_info()["isa"] is not None
 
 
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small"])
@@ -231,7 +231,7 @@ def test_both_linear_kernels_run_in_place_of_each_other(tmp_path):
         want = model(x)
     assert torch.equal(outs["torch"], want)
     assert rel_err(outs["kwexport"], want) < 1e-6
-    if has_avx512():
+    if own_kernels():
         assert not torch.equal(outs["kwexport"], want)  # it did run: other rounding
 
 
@@ -286,7 +286,7 @@ def test_fast_folds_batch_norms_and_lowers_convolutions(tmp_path):
     if onednn:
         # Every spatial kernel runs on oneDNN (the first with its ReLU as a post-op), the
         # shared weight's two unfolded; the 1×1 too where kwexport's GEMM can run it.
-        lowered = 6 if has_avx512() else 5
+        lowered = 6 if own_kernels() else 5
         assert ran.count("mkldnn::_convolution_pointwise.default") == lowered
         assert ran.count("aten::conv2d.default") == 6 - lowered
         assert "aten::relu_.default" not in ran
@@ -416,7 +416,7 @@ def test_fast_runs_convolutions_on_kwexports_kernels(tmp_path):
         assert got.shape == want.shape and rel_err(got, want) < 1e-5, kernel
         assert got.is_contiguous(memory_format=torch.channels_last), kernel
     ran = outs["kwexport"][1]
-    if torch.backends.mkldnn.is_available() and has_avx512():
+    if torch.backends.mkldnn.is_available() and own_kernels():
         # Every convolution is lowered, with its activation absorbed, and the two without one
         # that an add reads (the stem's, the Identity block's) with the add.
         assert ran.count("mkldnn::_convolution_pointwise.default") == 14, ran
@@ -640,7 +640,7 @@ def test_fast_runs_attention_on_kwexports_kernel(tmp_path):
         got = fast(x, memory, keep, bias)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.stride() == w.stride() and rel_err(g, w) < 1e-5
-    if has_avx512():
+    if own_kernels():
         # All but the narrower values, where torch's math kernel (and its layout) stays.
         assert [e.name for e in prof.events()].count("aten::scaled_dot_product_attention") == 1
     # A query with no key to attend is torch's to decide (its flash kernel gives zeros), as
@@ -686,7 +686,7 @@ def test_fast_fuses_linears_with_their_activation(rows, tmp_path):
     torch.save(x, tmp_path / "x.pt")
     fast = kwexport.load(path, optimize="fast")
     ran = [n["op"] for n in fast.profile(x)]
-    if has_avx512() and torch.backends.mkldnn.is_available():
+    if own_kernels() and torch.backends.mkldnn.is_available():
         assert ran.count("mkldnn::_linear_pointwise.default") == 4
         assert {"aten::gelu.default", "aten::silu.default"}.isdisjoint(ran) and ran.count("aten::relu.default") == 1
     with torch.no_grad():
@@ -772,7 +772,7 @@ def test_fast_max_pooling_matches_eager(tmp_path):
     for g, w in zip(got, want):
         assert g.shape == w.shape
         assert torch.equal(g.isnan(), w.isnan()) and rel_err(g.nan_to_num(), w.nan_to_num()) < 1e-6
-    if has_avx512() and torch.backends.mkldnn.is_available():
+    if own_kernels() and torch.backends.mkldnn.is_available():
         # kwexport's loop on the channels-last convolution outputs; torch's op for ceil mode
         # and for the NCHW input.
         assert [e.name for e in prof.events()].count("aten::max_pool2d") == 2
@@ -932,5 +932,5 @@ def test_fast_runs_3x3_convolutions_by_winograd(padding, tmp_path):
         want = model(x)
     for kernel, got in outs.items():
         assert rel_err(got, want) < 1e-5, kernel
-    if torch.backends.mkldnn.is_available() and has_avx512():
+    if torch.backends.mkldnn.is_available() and own_kernels():
         assert not torch.equal(outs["kwexport"], outs["torch"])

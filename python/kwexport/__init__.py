@@ -26,6 +26,7 @@ from kwexport._rt import (
     Program,
     SignatureError,
     VersionError,
+    kernel_info,
 )
 from kwexport._rt import load as _load
 from kwexport._standin import StandIn
@@ -52,6 +53,7 @@ __all__ = [
     "StandIn",
     "VersionError",
     "export",
+    "kernel_info",
     "load",
     "save",
 ]

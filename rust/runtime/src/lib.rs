@@ -259,6 +259,20 @@ fn _bind<'py>(
         .collect()
 }
 
+/// Which instruction set's kernels run `optimize="fast"` here: `{"isa": "avx512" | "avx2" |
+/// "portable" | None, "forced": bool, "supported": [...]}` (`isa` is None where kwexport's
+/// kernels are off and torch's run: no vector family detected, or `KWEXPORT_ISA` names one
+/// this CPU lacks).
+#[pyfunction]
+fn kernel_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
+    use kernels::isa;
+    let d = pyo3::types::PyDict::new(py);
+    d.set_item("isa", isa::kernels().map(|t| t.isa.name()))?;
+    d.set_item("forced", !matches!(isa::choice(), isa::Choice::Detected(_)))?;
+    d.set_item("supported", isa::supported().into_iter().map(isa::Isa::name).collect::<Vec<_>>())?;
+    Ok(d)
+}
+
 #[pymodule]
 fn _rt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -287,6 +301,7 @@ fn _rt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SHIM_SYMBOLS", abi::shims::SYMBOLS.to_vec())?;
     m.add("FALLBACK_CALLS_AFTER_ERROR", fallback::CALLS_AFTER_ERROR)?;
     m.add_function(wrap_pyfunction!(stable_abi_available, m)?)?;
+    m.add_function(wrap_pyfunction!(kernel_info, m)?)?;
     m.add_class::<program::Program>()?;
     m.add_class::<method::Method>()?;
     m.add_class::<program::TokenStream>()?;

@@ -25,14 +25,52 @@ fn sources(stage: &str) -> Vec<(String, String)> {
     if file.exists() {
         out.push((file.display().to_string(), std::fs::read_to_string(&file).unwrap()));
     }
-    if dir.is_dir() {
+    let mut dirs = vec![dir];
+    while let Some(dir) = dirs.pop() {
+        if !dir.is_dir() {
+            continue;
+        }
         for e in std::fs::read_dir(&dir).unwrap() {
             let p = e.unwrap().path();
-            out.push((p.display().to_string(), std::fs::read_to_string(&p).unwrap()));
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|e| e == "rs") {
+                out.push((p.display().to_string(), std::fs::read_to_string(&p).unwrap()));
+            }
         }
     }
     assert!(!out.is_empty(), "no sources for stage {stage}");
     out
+}
+
+/// Every runtime source file, with its path.
+fn all_sources() -> Vec<(String, String)> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut out = Vec::new();
+    let mut dirs = vec![src];
+    while let Some(dir) = dirs.pop() {
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|e| e == "rs") {
+                out.push((p.display().to_string(), std::fs::read_to_string(&p).unwrap()));
+            }
+        }
+    }
+    out
+}
+
+/// One place decides which instruction set's kernels run (`kernels/isa.rs`): no other
+/// module asks the CPU what it has.
+#[test]
+fn only_the_kernel_table_reads_cpu_features() {
+    let wrong: Vec<String> = all_sources()
+        .into_iter()
+        .filter(|(path, text)| !path.ends_with("kernels/isa.rs") && text.contains("is_x86_feature_detected"))
+        .map(|(path, _)| path)
+        .collect();
+    assert!(wrong.is_empty(), "CPU features read outside kernels/isa.rs: {wrong:?}");
 }
 
 #[test]

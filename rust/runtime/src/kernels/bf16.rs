@@ -7,13 +7,10 @@
 
 use super::{Epilogue, PANEL};
 
-/// Whether this CPU has AVX512-BF16 (and AVX-512F).
+/// Whether the bfloat16 kernels run here: the AVX-512 family runs (`super::isa`: a forced
+/// AVX2 or portable family runs torch's bfloat16 path instead) and the CPU has AVX512-BF16.
 pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16") {
-        return true;
-    }
-    false
+    super::isa::kernels().is_some_and(|t| t.isa == super::isa::Isa::Avx512) && super::isa::has_avx512_bf16()
 }
 
 /// `x` rounded to bfloat16's bits as torch rounds it (c10's `round_to_nearest_even`: to
@@ -119,7 +116,7 @@ pub fn indirect(
         unsafe {
             let xb = avx512bf16::pairs_of_rows(x, batch * h * w, cin);
             let zeros = vec![0u32; pairs];
-            let table = super::tap_table(m, [h, w], [ho, wo], g, |pixel| match pixel {
+            let table = super::gemm::tap_table(m, [h, w], [ho, wo], g, |pixel| match pixel {
                 Some(p) => xb.as_ptr().add(p * pairs),
                 None => zeros.as_ptr(),
             });
@@ -136,8 +133,29 @@ pub fn indirect(
 mod avx512bf16 {
     use std::arch::x86_64::*;
 
-    use super::super::avx512::{apply, epilogue as apply_slice, lanes};
+    use super::super::activation::{apply as apply_any_isa, epilogue_slice};
+    use super::super::simd::avx512::Avx512;
     use super::{Epilogue, PANEL};
+
+    /// A mask of the first `left` of 16 lanes (all of them from 16 on).
+    #[inline(always)]
+    fn lanes(left: usize) -> u16 {
+        ((1u32 << left.min(16)) - 1) as u16
+    }
+
+    /// The float32 epilogue on 16 lanes (the caller enabled AVX-512F).
+    #[inline(always)]
+    unsafe fn apply(epilogue: Epilogue, x: __m512) -> __m512 {
+        // SAFETY: register arithmetic; the caller enabled AVX-512F.
+        unsafe { apply_any_isa::<Avx512>(epilogue, x) }
+    }
+
+    /// The float32 epilogue over a slice, GELU included (the caller enabled AVX-512F).
+    #[inline(always)]
+    unsafe fn apply_slice(epilogue: Epilogue, x: &mut [f32]) {
+        // SAFETY: as the caller guarantees.
+        unsafe { epilogue_slice::<Avx512>(epilogue, x) }
+    }
 
     /// `rows` rows of `k` floats as rows of `ceil(k / 2)` pairs of bfloat16 (the last pair's
     /// high half zero for an odd `k`), rounded 32 values per instruction.

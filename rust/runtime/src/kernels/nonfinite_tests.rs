@@ -45,8 +45,9 @@ fn reference(epilogue: Epilogue, v: f64) -> f64 {
         Epilogue::Sigmoid => 1.0 / (1.0 + (-v).exp()),
         Epilogue::Swish => v / (1.0 + (-v).exp()),
         // Both GELUs as `x * (something in [0, 1])`: NaN at -inf (`-inf * 0`), +inf at +inf,
-        // but torch's vectorized erf GELU gives NaN at +inf (all but one-element tensors).
-        Epilogue::Gelu if v == f64::INFINITY => f64::NAN,
+        // but torch's AVX-512 vectorized erf GELU gives NaN at +inf (all but one-element
+        // tensors), and kwexport's follows whichever torch runs.
+        Epilogue::Gelu if v == f64::INFINITY && super::isa::torch_uses_avx512() => f64::NAN,
         Epilogue::Gelu => 0.5 * v * (1.0 + erf_sign(v)),
         Epilogue::GeluTanh => 0.5 * v * (1.0 + (v * 0.8).tanh()),
     }
@@ -70,51 +71,51 @@ const EPILOGUES: [Epilogue; 8] = [
 
 #[test]
 fn epilogues_keep_nan_and_map_infinities_as_torch_does() {
-    let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.5, -0.5, -100.0, 100.0];
-    for epilogue in EPILOGUES {
-        // Every lane position of a vector, and a masked tail.
-        let x: Vec<f32> = (0..37).map(|i| specials[i % specials.len()]).collect();
-        let mut got = x.clone();
-        if !epilogue_f32(epilogue, &mut got) {
-            return; // no AVX-512 here: torch's op runs
+    super::tests::each_isa(|| {
+        let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.5, -0.5, -100.0, 100.0];
+        for epilogue in EPILOGUES {
+            // Every lane position of a vector, and a masked tail.
+            let x: Vec<f32> = (0..37).map(|i| specials[i % specials.len()]).collect();
+            let mut got = x.clone();
+            assert!(epilogue_f32(epilogue, &mut got));
+            for (v, g) in x.iter().zip(&got) {
+                let want = reference(epilogue, *v as f64);
+                assert_eq!(class(*g as f64), class(want), "{epilogue:?}({v}) = {g}");
+            }
         }
-        for (v, g) in x.iter().zip(&got) {
-            let want = reference(epilogue, *v as f64);
-            assert_eq!(class(*g as f64), class(want), "{epilogue:?}({v}) = {g}");
-        }
-    }
+    });
 }
 
 #[test]
 fn gemm_and_its_epilogues_give_the_references_nan_and_inf() {
-    for (m, k, n) in [(7usize, 9usize, 40usize), (30, 33, 70)] {
-        let x = with_specials(m * k, 23, (m * k) as u64);
-        let wt: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.13).cos()).collect();
-        let residual = with_specials(m * n, 97, 5);
-        let mut panels = vec![0.0; k * n.div_ceil(PANEL) * PANEL];
-        pack_conv_panels(&wt, [n, k, 1, 1], [1, n, 0, 0], &mut panels);
-        for epilogue in EPILOGUES {
-            for res in [None, Some(&residual[..])] {
-                let mut out = vec![0.0; m * n];
-                if !gemm_f32(&x, m, k, &panels, n, None, res, epilogue, &mut out) {
-                    return; // no AVX-512 here
-                }
-                for r in 0..m {
-                    for j in 0..n {
-                        let dot: f64 = (0..k).map(|t| x[r * k + t] as f64 * wt[t * n + j] as f64).sum();
-                        let want = reference(epilogue, dot + res.map_or(0.0, |s| s[r * n + j] as f64));
-                        let got = out[r * n + j] as f64;
-                        assert_eq!(
-                            class(got),
-                            class(want),
-                            "{epilogue:?} {m}x{k}x{n} residual={} [{r}, {j}]",
-                            res.is_some()
-                        );
+    super::tests::each_isa(|| {
+        for (m, k, n) in [(7usize, 9usize, 40usize), (30, 33, 70)] {
+            let x = with_specials(m * k, 23, (m * k) as u64);
+            let wt: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.13).cos()).collect();
+            let residual = with_specials(m * n, 97, 5);
+            let mut panels = vec![0.0; k * n.div_ceil(PANEL) * PANEL];
+            pack_conv_panels(&wt, [n, k, 1, 1], [1, n, 0, 0], &mut panels);
+            for epilogue in EPILOGUES {
+                for res in [None, Some(&residual[..])] {
+                    let mut out = vec![0.0; m * n];
+                    assert!(gemm_f32(&x, m, k, &panels, n, None, res, epilogue, &mut out));
+                    for r in 0..m {
+                        for j in 0..n {
+                            let dot: f64 = (0..k).map(|t| x[r * k + t] as f64 * wt[t * n + j] as f64).sum();
+                            let want = reference(epilogue, dot + res.map_or(0.0, |s| s[r * n + j] as f64));
+                            let got = out[r * n + j] as f64;
+                            assert_eq!(
+                                class(got),
+                                class(want),
+                                "{epilogue:?} {m}x{k}x{n} residual={} [{r}, {j}]",
+                                res.is_some()
+                            );
+                        }
                     }
                 }
             }
         }
-    }
+    });
 }
 
 /// The reference convolution of channels-last `x` (`[2, h, w, cin]`) with `wts` (`[cout, cin,
@@ -140,107 +141,112 @@ fn conv_at(
 
 #[test]
 fn convolutions_give_the_references_nan_and_inf() {
-    // (cin, cout, k, stride, padding, h, w): a stem (the direct kernel), 3×3s, a strided 1×1.
-    for (ci, co, k, s, p, h, w) in [(3, 16, 3, 2, 1, 11, 9), (8, 20, 3, 1, 1, 7, 6), (6, 10, 1, 2, 0, 5, 5)] {
-        let g = Conv2d::new([co as i64, ci as i64, k as i64, k as i64], [s as i64; 2], [p as i64; 2]).unwrap();
-        let [ho, wo] = g.output(h, w).unwrap();
-        let x = with_specials(2 * h * w * ci, 61, (ci * h) as u64);
-        let wts: Vec<f32> = (0..co * ci * k * k).map(|i| (i as f32 * 0.05).cos()).collect();
-        let taps: Vec<f32> = (0..ci * k * k * co).map(|t| wts[(t % co) * ci * k * k + t / co]).collect();
-        let mut panels = vec![0.0; g.taps() * co.div_ceil(PANEL) * PANEL];
-        pack_conv_panels(&wts, [co, ci, k, k], [ci * k * k, k * k, k, 1], &mut panels);
-        let cl = [h * w * ci, 1, w * ci, ci];
-        for epilogue in [Epilogue::Relu, Epilogue::Hardsigmoid, Epilogue::Swish] {
-            let mut direct = vec![0.0; 2 * ho * wo * co];
-            let mut indirect = vec![0.0; 2 * ho * wo * co];
-            if !direct_f32(&x, [2, h, w], cl, &taps, &g, None, epilogue, &mut direct) {
-                return; // no AVX-512 here
-            }
-            assert!(indirect_f32(&x, [2, h, w], &panels, &g, None, None, epilogue, &mut indirect));
-            for (b, oy, ox, o) in (0..2).flat_map(|b| {
-                (0..ho).flat_map(move |y| (0..wo).flat_map(move |xx| (0..co).map(move |o| (b, y, xx, o))))
-            }) {
-                let want = class(reference(epilogue, conv_at(&x, &wts, &g, [h, w], (b, oy, ox, o))));
-                let at = ((b * ho + oy) * wo + ox) * co + o;
-                assert_eq!(class(direct[at] as f64), want, "direct {epilogue:?} {ci}->{co} k{k} ({b},{oy},{ox},{o})");
-                assert_eq!(
-                    class(indirect[at] as f64),
-                    want,
-                    "indirect {epilogue:?} {ci}->{co} k{k} ({b},{oy},{ox},{o})"
-                );
+    super::tests::each_isa(|| {
+        // (cin, cout, k, stride, padding, h, w): a stem (the direct kernel), 3×3s, a strided 1×1.
+        for (ci, co, k, s, p, h, w) in [(3, 16, 3, 2, 1, 11, 9), (8, 20, 3, 1, 1, 7, 6), (6, 10, 1, 2, 0, 5, 5)] {
+            let g = Conv2d::new([co as i64, ci as i64, k as i64, k as i64], [s as i64; 2], [p as i64; 2]).unwrap();
+            let [ho, wo] = g.output(h, w).unwrap();
+            let x = with_specials(2 * h * w * ci, 61, (ci * h) as u64);
+            let wts: Vec<f32> = (0..co * ci * k * k).map(|i| (i as f32 * 0.05).cos()).collect();
+            let taps: Vec<f32> = (0..ci * k * k * co).map(|t| wts[(t % co) * ci * k * k + t / co]).collect();
+            let mut panels = vec![0.0; g.taps() * co.div_ceil(PANEL) * PANEL];
+            pack_conv_panels(&wts, [co, ci, k, k], [ci * k * k, k * k, k, 1], &mut panels);
+            let cl = [h * w * ci, 1, w * ci, ci];
+            for epilogue in [Epilogue::Relu, Epilogue::Hardsigmoid, Epilogue::Swish] {
+                let mut direct = vec![0.0; 2 * ho * wo * co];
+                let mut indirect = vec![0.0; 2 * ho * wo * co];
+                assert!(direct_f32(&x, [2, h, w], cl, &taps, &g, None, epilogue, &mut direct));
+                assert!(indirect_f32(&x, [2, h, w], &panels, &g, None, None, epilogue, &mut indirect));
+                for (b, oy, ox, o) in (0..2).flat_map(|b| {
+                    (0..ho).flat_map(move |y| (0..wo).flat_map(move |xx| (0..co).map(move |o| (b, y, xx, o))))
+                }) {
+                    let want = class(reference(epilogue, conv_at(&x, &wts, &g, [h, w], (b, oy, ox, o))));
+                    let at = ((b * ho + oy) * wo + ox) * co + o;
+                    assert_eq!(
+                        class(direct[at] as f64),
+                        want,
+                        "direct {epilogue:?} {ci}->{co} k{k} ({b},{oy},{ox},{o})"
+                    );
+                    assert_eq!(
+                        class(indirect[at] as f64),
+                        want,
+                        "indirect {epilogue:?} {ci}->{co} k{k} ({b},{oy},{ox},{o})"
+                    );
+                }
             }
         }
-    }
+    });
 }
 
 #[test]
 fn winograd_declines_a_non_finite_input_and_takes_a_finite_one() {
-    let g = Conv2d::new([16, 8, 3, 3], [1, 1], [1, 1]).unwrap();
-    let wts: Vec<f32> = (0..16 * 8 * 9).map(|i| (i as f32 * 0.05).cos()).collect();
-    let mut panels = vec![0.0; winograd::panels_len(8, 16)];
-    winograd::pack_weights(&wts, [16, 8], [72, 9, 3, 1], &mut panels);
-    let mut out = vec![0.0; 6 * 6 * 16];
-    let finite: Vec<f32> = (0..6 * 6 * 8).map(|i| (i as f32 * 0.3).sin()).collect();
-    if !winograd::conv(&finite, [1, 6, 6], &panels, &g, None, None, Epilogue::Relu, &mut out) {
-        return; // no AVX-512 here
-    }
-    for special in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-        let mut x = finite.clone();
-        x[3 * 8 * 6 + 17] = special;
-        assert!(!winograd::conv(&x, [1, 6, 6], &panels, &g, None, None, Epilogue::Relu, &mut out), "{special}");
-    }
+    super::tests::each_isa(|| {
+        let g = Conv2d::new([16, 8, 3, 3], [1, 1], [1, 1]).unwrap();
+        let wts: Vec<f32> = (0..16 * 8 * 9).map(|i| (i as f32 * 0.05).cos()).collect();
+        let mut panels = vec![0.0; winograd::panels_len(8, 16)];
+        winograd::pack_weights(&wts, [16, 8], [72, 9, 3, 1], &mut panels);
+        let mut out = vec![0.0; 6 * 6 * 16];
+        let finite: Vec<f32> = (0..6 * 6 * 8).map(|i| (i as f32 * 0.3).sin()).collect();
+        assert!(winograd::conv(&finite, [1, 6, 6], &panels, &g, None, None, Epilogue::Relu, &mut out));
+        for special in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut x = finite.clone();
+            x[3 * 8 * 6 + 17] = special;
+            assert!(!winograd::conv(&x, [1, 6, 6], &panels, &g, None, None, Epilogue::Relu, &mut out), "{special}");
+        }
+    });
 }
 
 #[test]
 fn depthwise_gives_the_references_nan_and_inf() {
-    for (c, k, s, p, h, w) in
-        [(16usize, 3usize, 2usize, 1usize, 9usize, 9usize), (24, 5, 1, 2, 7, 6), (20, 7, 1, 3, 9, 8)]
-    {
-        let g = Depthwise::new([c as i64, k as i64, k as i64], [s as i64; 2], [p as i64; 2]).unwrap();
-        let [ho, wo] = g.output(h, w).unwrap();
-        let x = with_specials(2 * h * w * c, 41, (c * k) as u64);
-        let taps: Vec<f32> = (0..k * k * c).map(|i| (i as f32 * 0.07).cos()).collect();
-        let mut out = vec![0.0; 2 * ho * wo * c];
-        if !depthwise_f32(&x, [2, h, w], &taps, &g, None, Epilogue::Relu, &mut out) {
-            return; // no AVX-512 here
-        }
-        for (b, oy, ox, ch) in (0..2)
-            .flat_map(|b| (0..ho).flat_map(move |y| (0..wo).flat_map(move |xx| (0..c).map(move |ch| (b, y, xx, ch)))))
+    super::tests::each_isa(|| {
+        for (c, k, s, p, h, w) in
+            [(16usize, 3usize, 2usize, 1usize, 9usize, 9usize), (24, 5, 1, 2, 7, 6), (20, 7, 1, 3, 9, 8)]
         {
-            let mut sum = 0.0f64;
-            for (i, j) in (0..k).flat_map(|i| (0..k).map(move |j| (i, j))) {
-                let (y, xx) = ((oy * s + i) as isize - p as isize, (ox * s + j) as isize - p as isize);
-                if (0..h as isize).contains(&y) && (0..w as isize).contains(&xx) {
-                    sum +=
-                        x[((b * h + y as usize) * w + xx as usize) * c + ch] as f64 * taps[(i * k + j) * c + ch] as f64;
+            let g = Depthwise::new([c as i64, k as i64, k as i64], [s as i64; 2], [p as i64; 2]).unwrap();
+            let [ho, wo] = g.output(h, w).unwrap();
+            let x = with_specials(2 * h * w * c, 41, (c * k) as u64);
+            let taps: Vec<f32> = (0..k * k * c).map(|i| (i as f32 * 0.07).cos()).collect();
+            let mut out = vec![0.0; 2 * ho * wo * c];
+            assert!(depthwise_f32(&x, [2, h, w], &taps, &g, None, Epilogue::Relu, &mut out));
+            for (b, oy, ox, ch) in (0..2).flat_map(|b| {
+                (0..ho).flat_map(move |y| (0..wo).flat_map(move |xx| (0..c).map(move |ch| (b, y, xx, ch))))
+            }) {
+                let mut sum = 0.0f64;
+                for (i, j) in (0..k).flat_map(|i| (0..k).map(move |j| (i, j))) {
+                    let (y, xx) = ((oy * s + i) as isize - p as isize, (ox * s + j) as isize - p as isize);
+                    if (0..h as isize).contains(&y) && (0..w as isize).contains(&xx) {
+                        sum += x[((b * h + y as usize) * w + xx as usize) * c + ch] as f64
+                            * taps[(i * k + j) * c + ch] as f64;
+                    }
                 }
+                let got = out[((b * ho + oy) * wo + ox) * c + ch] as f64;
+                assert_eq!(class(got), class(reference(Epilogue::Relu, sum)), "c{c} k{k} ({b},{oy},{ox},{ch})");
             }
-            let got = out[((b * ho + oy) * wo + ox) * c + ch] as f64;
-            assert_eq!(class(got), class(reference(Epilogue::Relu, sum)), "c{c} k{k} ({b},{oy},{ox},{ch})");
         }
-    }
+    });
 }
 
 #[test]
 fn max_pool_keeps_nan_and_infinities() {
-    let pool = MaxPool { kernel: [3, 3], stride: [2, 2], padding: [1, 1] };
-    let (h, w, c) = (9, 8, 21);
-    let x = with_specials(h * w * c, 19, 3);
-    let [ho, wo] = pool.output(h, w).unwrap();
-    let mut out = vec![0.0; ho * wo * c];
-    if !max_pool_f32(&x, [1, h, w, c], &pool, &mut out) {
-        return; // no AVX-512 here
-    }
-    for (oy, ox, ch) in (0..ho).flat_map(|y| (0..wo).flat_map(move |x| (0..c).map(move |ch| (y, x, ch)))) {
-        let window = (0..3).flat_map(|i| (0..3).map(move |j| (i, j))).filter_map(|(i, j)| {
-            let (y, xx) = ((oy * 2 + i) as isize - 1, (ox * 2 + j) as isize - 1);
-            ((0..h as isize).contains(&y) && (0..w as isize).contains(&xx))
-                .then(|| x[(y as usize * w + xx as usize) * c + ch] as f64)
-        });
-        // torch's max: NaN wins, else the largest (-inf where every value is).
-        let want = window.fold(f64::NEG_INFINITY, |m, v| if m.is_nan() || v.is_nan() { f64::NAN } else { m.max(v) });
-        assert_eq!(class(out[(oy * wo + ox) * c + ch] as f64), class(want), "({oy},{ox},{ch})");
-    }
+    super::tests::each_isa(|| {
+        let pool = MaxPool { kernel: [3, 3], stride: [2, 2], padding: [1, 1] };
+        let (h, w, c) = (9, 8, 21);
+        let x = with_specials(h * w * c, 19, 3);
+        let [ho, wo] = pool.output(h, w).unwrap();
+        let mut out = vec![0.0; ho * wo * c];
+        assert!(max_pool_f32(&x, [1, h, w, c], &pool, &mut out));
+        for (oy, ox, ch) in (0..ho).flat_map(|y| (0..wo).flat_map(move |x| (0..c).map(move |ch| (y, x, ch)))) {
+            let window = (0..3).flat_map(|i| (0..3).map(move |j| (i, j))).filter_map(|(i, j)| {
+                let (y, xx) = ((oy * 2 + i) as isize - 1, (ox * 2 + j) as isize - 1);
+                ((0..h as isize).contains(&y) && (0..w as isize).contains(&xx))
+                    .then(|| x[(y as usize * w + xx as usize) * c + ch] as f64)
+            });
+            // torch's max: NaN wins, else the largest (-inf where every value is).
+            let want =
+                window.fold(f64::NEG_INFINITY, |m, v| if m.is_nan() || v.is_nan() { f64::NAN } else { m.max(v) });
+            assert_eq!(class(out[(oy * wo + ox) * c + ch] as f64), class(want), "({oy},{ox},{ch})");
+        }
+    });
 }
 
 #[test]
@@ -266,39 +272,39 @@ fn norms_spread_a_non_finite_value_as_their_formulas_do() {
 
 #[test]
 fn attention_declines_nan_scores_and_carries_infinite_values() {
-    let g = Attention { batch: 1, heads: 2, l: 5, s: 19, e: 8, ev: 8, scale: 0.3 };
-    let strides = |rows: usize, cols: usize| [2 * rows * cols, rows * cols, cols];
-    let clean = |len: usize| (0..len).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<f32>>();
-    let (q, k, v) = (clean(2 * 5 * 8), clean(2 * 19 * 8), clean(2 * 19 * 8));
-    let mut out = vec![0.0; 2 * 5 * 8];
-    let run = |q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]| {
-        attention_f32((q, strides(5, 8)), (k, strides(19, 8)), (v, strides(19, 8)), &g, AttentionMask::None, out)
-    };
-    if !run(&q, &k, &v, &mut out) {
-        return; // no AVX-512 here
-    }
-    // A NaN query or key makes NaN scores, whose softmax torch's kernels decide.
-    let mut bad_q = q.clone();
-    bad_q[8 + 3] = f32::NAN;
-    assert!(!run(&bad_q, &k, &v, &mut out), "NaN query");
-    let mut bad_k = k.clone();
-    bad_k[19 * 8 + 4 * 8 + 1] = f32::NAN;
-    assert!(!run(&q, &bad_k, &v, &mut out), "NaN key");
-    for special in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-        // A non-finite value reaches every output of its head and column, as `p * v` does.
-        let mut bad_v = v.clone();
-        bad_v[19 * 8 + 2 * 8 + 5] = special; // head 1, key 2, column 5
-        assert!(run(&q, &k, &bad_v, &mut out));
-        for i in 0..5 {
-            for h in 0..2 {
-                for c in 0..8 {
-                    let got = out[(i * 2 + h) * 8 + c] as f64;
-                    let want = if (h, c) == (1, 5) { class(special as f64) } else { "finite" };
-                    assert_eq!(class(got), want, "{special} value: query {i} head {h} column {c}");
+    super::tests::each_isa(|| {
+        let g = Attention { batch: 1, heads: 2, l: 5, s: 19, e: 8, ev: 8, scale: 0.3 };
+        let strides = |rows: usize, cols: usize| [2 * rows * cols, rows * cols, cols];
+        let clean = |len: usize| (0..len).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<f32>>();
+        let (q, k, v) = (clean(2 * 5 * 8), clean(2 * 19 * 8), clean(2 * 19 * 8));
+        let mut out = vec![0.0; 2 * 5 * 8];
+        let run = |q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]| {
+            attention_f32((q, strides(5, 8)), (k, strides(19, 8)), (v, strides(19, 8)), &g, AttentionMask::None, out)
+        };
+        assert!(run(&q, &k, &v, &mut out));
+        // A NaN query or key makes NaN scores, whose softmax torch's kernels decide.
+        let mut bad_q = q.clone();
+        bad_q[8 + 3] = f32::NAN;
+        assert!(!run(&bad_q, &k, &v, &mut out), "NaN query");
+        let mut bad_k = k.clone();
+        bad_k[19 * 8 + 4 * 8 + 1] = f32::NAN;
+        assert!(!run(&q, &bad_k, &v, &mut out), "NaN key");
+        for special in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            // A non-finite value reaches every output of its head and column, as `p * v` does.
+            let mut bad_v = v.clone();
+            bad_v[19 * 8 + 2 * 8 + 5] = special; // head 1, key 2, column 5
+            assert!(run(&q, &k, &bad_v, &mut out));
+            for i in 0..5 {
+                for h in 0..2 {
+                    for c in 0..8 {
+                        let got = out[(i * 2 + h) * 8 + c] as f64;
+                        let want = if (h, c) == (1, 5) { class(special as f64) } else { "finite" };
+                        assert_eq!(class(got), want, "{special} value: query {i} head {h} column {c}");
+                    }
                 }
             }
         }
-    }
+    });
 }
 
 #[test]

@@ -86,30 +86,33 @@ pub(crate) mod tests {
         use super::super::{gemm_f32, pack_conv_panels, Epilogue, PANEL};
         install_test_pool();
         assert_eq!(threads(), THREADS);
-        for (m, k, n) in [(4usize, 256usize, 640usize), (300, 64, 40), (97, 130, 200), (1, 512, 512)] {
-            let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.017).sin()).collect();
-            let wt: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.013).cos()).collect();
-            let mut panels = vec![0.0; k * n.div_ceil(PANEL) * PANEL];
-            pack_conv_panels(&wt, [n, k, 1, 1], [1, n, 0, 0], &mut panels);
-            assert!(share(2 * m * k * n, 8, THREADS) > 1 || m == 1, "{m}x{k}x{n} must split");
-            for epilogue in [Epilogue::Relu, Epilogue::Gelu] {
-                let mut out = vec![f32::NAN; m * n];
-                if !gemm_f32(&x, m, k, &panels, n, None, None, epilogue, &mut out) {
-                    return; // no AVX-512 here
-                }
-                for r in 0..m {
-                    for j in 0..n {
-                        let dot: f64 = (0..k).map(|t| x[r * k + t] as f64 * wt[t * n + j] as f64).sum();
-                        let want = match epilogue {
-                            Epilogue::Relu => dot.max(0.0),
-                            _ => 0.5 * dot * (1.0 + libm_erf(dot / std::f64::consts::SQRT_2)),
-                        };
-                        let got = out[r * n + j] as f64;
-                        assert!((got - want).abs() < 1e-5 * (k as f64).sqrt(), "{epilogue:?} {m}x{k}x{n} [{r}, {j}]");
+        super::super::tests::each_isa(|| {
+            for (m, k, n) in [(4usize, 256usize, 640usize), (300, 64, 40), (97, 130, 200), (1, 512, 512)] {
+                let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.017).sin()).collect();
+                let wt: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.013).cos()).collect();
+                let mut panels = vec![0.0; k * n.div_ceil(PANEL) * PANEL];
+                pack_conv_panels(&wt, [n, k, 1, 1], [1, n, 0, 0], &mut panels);
+                assert!(share(2 * m * k * n, 8, THREADS) > 1 || m == 1, "{m}x{k}x{n} must split");
+                for epilogue in [Epilogue::Relu, Epilogue::Gelu] {
+                    let mut out = vec![f32::NAN; m * n];
+                    assert!(gemm_f32(&x, m, k, &panels, n, None, None, epilogue, &mut out));
+                    for r in 0..m {
+                        for j in 0..n {
+                            let dot: f64 = (0..k).map(|t| x[r * k + t] as f64 * wt[t * n + j] as f64).sum();
+                            let want = match epilogue {
+                                Epilogue::Relu => dot.max(0.0),
+                                _ => 0.5 * dot * (1.0 + libm_erf(dot / std::f64::consts::SQRT_2)),
+                            };
+                            let got = out[r * n + j] as f64;
+                            assert!(
+                                (got - want).abs() < 1e-5 * (k as f64).sqrt(),
+                                "{epilogue:?} {m}x{k}x{n} [{r}, {j}]"
+                            );
+                        }
                     }
                 }
             }
-        }
+        });
     }
 
     /// erf to ~1e-7 (Abramowitz and Stegun 7.1.26), enough for a float32 GELU's check.

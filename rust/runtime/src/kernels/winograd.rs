@@ -60,11 +60,11 @@ pub fn takes(g: &Conv2d) -> bool {
 /// The convolution of channels-last images `x` (`[batch, h, w, cin]`) with the weight's
 /// `panels` ([`pack_weights`]), plus the bias and `residual` (the output's shape), then
 /// `epilogue`, into `out` (`[batch, ho, wo, cout]`). Returns `false` where the slices don't fit
-/// the shapes, the geometry isn't one [`takes`] accepts, this CPU lacks AVX-512, or an input
-/// is NaN or infinite: the transforms mix each block's 16 inputs into all four of its outputs
-/// (`inf - inf` is NaN), so a NaN or an infinity would reach outputs the direct sum keeps
-/// finite, and an infinity would become NaN; the caller runs another kernel then. `out` may be
-/// partly written where it returns `false`.
+/// the shapes, the geometry isn't one [`takes`] accepts, kwexport's kernels don't run on this
+/// CPU, or an input is NaN or infinite: the transforms mix each block's 16 inputs into all
+/// four of its outputs (`inf - inf` is NaN), so a NaN or an infinity would reach outputs the
+/// direct sum keeps finite, and an infinity would become NaN; the caller runs another kernel
+/// then. `out` may be partly written where it returns `false`.
 #[allow(clippy::too_many_arguments)]
 pub fn conv(
     x: &[f32],
@@ -84,36 +84,39 @@ pub fn conv(
         && out.len() >= batch * ho * wo * cout
         && bias.is_none_or(|b| b.len() >= cout)
         && residual.is_none_or(|r| r.len() >= batch * ho * wo * cout);
-    if !fits || !super::has_gemm() || !super::all_finite(&x[..batch * h * w * cin]) {
+    let Some(t) = super::isa::kernels().filter(|_| fits) else { return false };
+    if !super::all_finite(&x[..batch * h * w * cin]) {
         return false;
     }
-    #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: AVX-512F is present (`has_gemm`), and the slices hold what the shapes say.
-        let done = unsafe { run(x, [batch, h, w], panels, g, (bias, residual), out) };
-        // One pass over the output (in cache at these sizes): applied per pixel inside the
-        // transform's loop it measured slower.
-        done && (epilogue == Epilogue::None || super::epilogue_f32(epilogue, &mut out[..batch * ho * wo * cout]))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    let ops = Operands { x, dims: [batch, h, w], panels, g, add: (bias, residual) };
+    // SAFETY: the table's functions run on this CPU, and the slices hold what the shapes say.
+    let done = unsafe { (t.winograd)(&ops, out) };
+    // One pass over the output (in cache at these sizes): applied per pixel inside the
+    // transform's loop it measured slower.
+    done && (epilogue == Epilogue::None || super::epilogue_f32(epilogue, &mut out[..batch * ho * wo * cout]))
 }
 
-/// [`conv`] before its epilogue, compiled for AVX-512 (the transforms' loops over channels
-/// vectorize); `false` where the GEMM declined a product (the output is then incomplete).
+/// [`conv`]'s operands as the kernel table's entry takes them.
+pub(super) struct Operands<'a> {
+    x: &'a [f32],
+    dims: [usize; 3],
+    panels: &'a [f32],
+    g: &'a Conv2d,
+    add: (Option<&'a [f32]>, Option<&'a [f32]>),
+}
+
+/// [`run`] compiled for one instruction set: the kernel table's entry.
+pub(super) type Run = unsafe fn(&Operands<'_>, &mut [f32]) -> bool;
+
+/// [`conv`] before its epilogue, inlined into each instruction set's entry (the transforms'
+/// loops over channels vectorize for it); `false` where the GEMM declined a product (the
+/// output is then incomplete).
 ///
 /// # Safety
-/// AVX-512F must be present.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn run(
-    x: &[f32],
-    [batch, h, w]: [usize; 3],
-    panels: &[f32],
-    g: &Conv2d,
-    (bias, residual): (Option<&[f32]>, Option<&[f32]>),
-    out: &mut [f32],
-) -> bool {
+/// The instruction set's features must be enabled; the operands hold what the shapes say.
+#[inline(always)]
+pub(super) unsafe fn run(ops: &Operands<'_>, out: &mut [f32]) -> bool {
+    let (x, [batch, h, w], panels, g, (bias, residual)) = (ops.x, ops.dims, ops.panels, ops.g, ops.add);
     let (cin, cout) = (g.in_channels, g.out_channels);
     let [ho, wo] = [h + 2 * g.padding[0] - 2, w + 2 * g.padding[1] - 2];
     let per = cout.div_ceil(PANEL) * cin * PANEL;
@@ -253,32 +256,31 @@ mod tests {
     /// (a block half outside the image), a bias, a residual and an activation.
     #[test]
     fn matches_the_direct_convolution() {
-        if !super::super::has_gemm() {
-            return;
-        }
-        for (cin, cout, padding, [h, w]) in
-            [(5usize, 7usize, 1usize, [6usize, 7usize]), (16, 70, 0, [9, 5]), (33, 16, 2, [4, 4])]
-        {
-            let g = Conv2d::new([cout as i64, cin as i64, 3, 3], [1, 1], [padding as i64; 2]).unwrap();
-            let [ho, wo] = g.output(h, w).unwrap();
-            let x: Vec<f32> = (0..2 * h * w * cin).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
-            let wt: Vec<f32> = (0..cout * cin * 9).map(|i| ((i * 53 % 89) as f32 - 44.0) / 23.0).collect();
-            let bias: Vec<f32> = (0..cout).map(|i| i as f32 / 7.0 - 1.0).collect();
-            let res: Vec<f32> = (0..2 * ho * wo * cout).map(|i| ((i * 29 % 31) as f32 - 15.0) / 9.0).collect();
-            let strides = [cin * 9, 9, 3, 1];
-            let mut panels = vec![0.0; panels_len(cin, cout)];
-            pack_weights(&wt, [cout, cin], strides, &mut panels);
-            let mut direct = vec![0.0; cout.div_ceil(PANEL) * g.taps() * PANEL];
-            super::super::pack_conv_panels(&wt, [cout, cin, 3, 3], strides, &mut direct);
-            let n = 2 * ho * wo * cout;
-            let (mut got, mut want) = (vec![f32::NAN; n], vec![f32::NAN; n]);
-            assert!(conv(&x, [2, h, w], &panels, &g, Some(&bias), Some(&res), Epilogue::Relu, &mut got));
-            let indirect = super::super::indirect_f32;
-            assert!(indirect(&x, [2, h, w], &direct, &g, Some(&bias), Some(&res), Epilogue::Relu, &mut want));
-            let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
-            for (i, (got, want)) in got.iter().zip(&want).enumerate() {
-                assert!((got - want).abs() <= 1e-5 * scale, "{cin}->{cout} p{padding} [{i}]: {got} vs {want}");
+        super::super::tests::each_isa(|| {
+            for (cin, cout, padding, [h, w]) in
+                [(5usize, 7usize, 1usize, [6usize, 7usize]), (16, 70, 0, [9, 5]), (33, 16, 2, [4, 4])]
+            {
+                let g = Conv2d::new([cout as i64, cin as i64, 3, 3], [1, 1], [padding as i64; 2]).unwrap();
+                let [ho, wo] = g.output(h, w).unwrap();
+                let x: Vec<f32> = (0..2 * h * w * cin).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+                let wt: Vec<f32> = (0..cout * cin * 9).map(|i| ((i * 53 % 89) as f32 - 44.0) / 23.0).collect();
+                let bias: Vec<f32> = (0..cout).map(|i| i as f32 / 7.0 - 1.0).collect();
+                let res: Vec<f32> = (0..2 * ho * wo * cout).map(|i| ((i * 29 % 31) as f32 - 15.0) / 9.0).collect();
+                let strides = [cin * 9, 9, 3, 1];
+                let mut panels = vec![0.0; panels_len(cin, cout)];
+                pack_weights(&wt, [cout, cin], strides, &mut panels);
+                let mut direct = vec![0.0; cout.div_ceil(PANEL) * g.taps() * PANEL];
+                super::super::pack_conv_panels(&wt, [cout, cin, 3, 3], strides, &mut direct);
+                let n = 2 * ho * wo * cout;
+                let (mut got, mut want) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+                assert!(conv(&x, [2, h, w], &panels, &g, Some(&bias), Some(&res), Epilogue::Relu, &mut got));
+                let indirect = super::super::indirect_f32;
+                assert!(indirect(&x, [2, h, w], &direct, &g, Some(&bias), Some(&res), Epilogue::Relu, &mut want));
+                let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+                for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+                    assert!((got - want).abs() <= 1e-5 * scale, "{cin}->{cout} p{padding} [{i}]: {got} vs {want}");
+                }
             }
-        }
+        });
     }
 }

@@ -1,0 +1,268 @@
+//! Scaled dot-product attention for the few dozen to few hundred tokens of a small model's
+//! call, split across threads by (batch, head).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::activation::exp;
+use super::simd::Simd;
+
+/// What masks an attention's scores, per query row.
+#[derive(Debug, Clone, Copy)]
+pub enum AttentionMask<'a> {
+    None,
+    /// Query `i` sees keys `0..=i` (torch's `is_causal`: the top-left triangle).
+    Causal,
+    /// Whether each key takes part (nonzero bytes): `[batch, heads, l, s]` at element
+    /// strides (0 where broadcast).
+    Bool(&'a [u8], [usize; 4]),
+    /// What is added to each key's score, laid out as `Bool`'s.
+    Float(&'a [f32], [usize; 4]),
+}
+
+/// Scaled dot-product attention's sizes: queries `[batch, heads, l, e]`, keys `[batch,
+/// heads, s, e]`, values `[batch, heads, s, ev]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Attention {
+    pub batch: usize,
+    pub heads: usize,
+    pub l: usize,
+    pub s: usize,
+    pub e: usize,
+    pub ev: usize,
+    pub scale: f32,
+}
+
+impl Attention {
+    /// Whether a tensor of `[batch, heads, rows, cols]` at `strides` lies in `len` elements.
+    fn fits(&self, len: usize, rows: usize, cols: usize, strides: [usize; 4]) -> bool {
+        let dims = [self.batch, self.heads, rows, cols];
+        len > dims.iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>()
+    }
+}
+
+/// `softmax(q k^T scale + mask) v` for each batch and head, into `out` laid out `[batch, l,
+/// heads, ev]` (as torch's CPU kernel lays out its result). `q`, `k` and `v` are at element
+/// strides for their first three dimensions, their last contiguous. For the tokens of a
+/// small model's call, where torch's flash kernel spends most of its time on setup: keys are
+/// transposed once per head, then each block of four query rows takes its scores, softmax
+/// and weighted values in registers. Returns `false` where a query row has no key to attend
+/// or a score is NaN (torch decides what those give), the slices don't fit the sizes, or
+/// kwexport's kernels don't run on this CPU; `out` may then be partly written.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_f32(
+    q: (&[f32], [usize; 3]),
+    k: (&[f32], [usize; 3]),
+    v: (&[f32], [usize; 3]),
+    g: &Attention,
+    mask: AttentionMask<'_>,
+    out: &mut [f32],
+) -> bool {
+    let nonempty = [g.batch, g.heads, g.l, g.s, g.e, g.ev].iter().all(|&n| n > 0);
+    let fits = nonempty
+        && g.fits(q.0.len(), g.l, g.e, [q.1[0], q.1[1], q.1[2], 1])
+        && g.fits(k.0.len(), g.s, g.e, [k.1[0], k.1[1], k.1[2], 1])
+        && g.fits(v.0.len(), g.s, g.ev, [v.1[0], v.1[1], v.1[2], 1])
+        && out.len() >= g.batch * g.l * g.heads * g.ev
+        && match mask {
+            AttentionMask::Bool(m, ms) => g.fits(m.len(), g.l, g.s, ms),
+            AttentionMask::Float(m, ms) => g.fits(m.len(), g.l, g.s, ms),
+            _ => true,
+        };
+    let Some(t) = super::isa::kernels().filter(|_| fits) else { return false };
+    let ops = Operands {
+        q: (q.0.as_ptr(), q.1),
+        k: (k.0.as_ptr(), k.1),
+        v: (v.0.as_ptr(), v.1),
+        g: *g,
+        mask,
+        out: out.as_mut_ptr(),
+    };
+    let heads = g.batch * g.heads;
+    let flops = 2 * heads * g.l * g.s * (g.e + g.ev);
+    let threads = super::parallel::share(flops, heads, super::parallel::threads());
+    let failed = AtomicBool::new(false);
+    super::parallel::for_each(heads, threads, &|begin, end| {
+        // SAFETY: the table's functions run on this CPU; the slices hold what the sizes say
+        // (checked), and each chunk writes its own heads' outputs.
+        if !unsafe { (t.attention)(&ops, begin..end) } {
+            failed.store(true, Ordering::Relaxed);
+        }
+    });
+    !failed.load(Ordering::Relaxed)
+}
+
+/// [`attention_f32`]'s operands as the kernel table's entry takes them: pointers with their
+/// strides, shared by the threads of one call.
+pub(super) struct Operands<'a> {
+    q: (*const f32, [usize; 3]),
+    k: (*const f32, [usize; 3]),
+    v: (*const f32, [usize; 3]),
+    g: Attention,
+    mask: AttentionMask<'a>,
+    out: *mut f32,
+}
+
+// SAFETY: the inputs are read only and kept alive by the caller for the whole call; the
+// threads of one call write the outputs of disjoint heads.
+unsafe impl Sync for Operands<'_> {}
+
+/// The heads `range` (counted as `b * heads + h`) of [`attention_f32`]: the kernel table's
+/// entry. `false` where a row has no key to attend or a score is NaN.
+///
+/// # Safety
+/// `S`'s features must be enabled; the operands hold what the sizes say.
+#[inline(always)]
+pub(super) unsafe fn heads<S: Simd>(ops: &Operands<'_>, range: std::ops::Range<usize>) -> bool {
+    const R: usize = 4;
+    let ((q, qs), (k, ks), (v, vs), g, mask) = (ops.q, ops.k, ops.v, &ops.g, ops.mask);
+    let (l, s, e, ev) = (g.l, g.s, g.e, g.ev);
+    let lanes = S::LANES;
+    let sp = s.div_ceil(lanes) * lanes;
+    let nv = sp / lanes;
+    // Value vectors per pass of the weighted sum: four where there are 32 registers.
+    let most = if S::REGISTERS >= 32 { 4 } else { 2 };
+    // Keys transposed (`kt[c][j]`), and each block's scores, then probabilities.
+    let mut kt = vec![0.0f32; e * sp];
+    let mut sc = vec![0.0f32; R * sp];
+    let (ktp, scp) = (kt.as_mut_ptr(), sc.as_mut_ptr());
+    // SAFETY (all below): the operands hold what the sizes say (the caller's check), and
+    // every index stays within them; masked lanes aren't touched.
+    unsafe {
+        let neg_inf = S::splat(f32::NEG_INFINITY);
+        for head in range {
+            let (b, h) = (head / g.heads, head % g.heads);
+            let kb = k.add(b * ks[0] + h * ks[1]);
+            for j in 0..s {
+                let row = kb.add(j * ks[2]);
+                for c in 0..e {
+                    *ktp.add(c * sp + j) = *row.add(c);
+                }
+            }
+            let vb = v.add(b * vs[0] + h * vs[1]);
+            let mut i0 = 0;
+            while i0 < l {
+                let rows = (l - i0).min(R);
+                // Rows past the last repeat it; their results aren't stored.
+                let qrow: [*const f32; R] =
+                    std::array::from_fn(|r| q.add(b * qs[0] + h * qs[1] + (i0 + r.min(rows - 1)) * qs[2]));
+                let mut jb = 0;
+                while jb < nv {
+                    let two = jb + 1 < nv;
+                    let mut acc = [[S::zero(); 2]; R];
+                    for c in 0..e {
+                        let k0 = S::load(ktp.add(c * sp + jb * lanes));
+                        let k1 = if two { S::load(ktp.add(c * sp + jb * lanes + lanes)) } else { k0 };
+                        for r in 0..R {
+                            let qv = S::splat(*qrow[r].add(c));
+                            acc[r][0] = S::fma(qv, k0, acc[r][0]);
+                            acc[r][1] = S::fma(qv, k1, acc[r][1]);
+                        }
+                    }
+                    for (r, a) in acc.iter().enumerate() {
+                        S::store(scp.add(r * sp + jb * lanes), a[0]);
+                        if two {
+                            S::store(scp.add(r * sp + jb * lanes + lanes), a[1]);
+                        }
+                    }
+                    jb += 2;
+                }
+                // Softmax of each row, its scale left for the weighted sum.
+                let mut inv = [0.0f32; R];
+                for (r, inv) in inv.iter_mut().enumerate().take(rows) {
+                    let i = i0 + r;
+                    let row = scp.add(r * sp);
+                    let mut mx = neg_inf;
+                    for jb in 0..nv {
+                        let j0 = jb * lanes;
+                        let keys = S::first(s - j0.min(s));
+                        let mut valid = keys;
+                        let mut x = S::mul(S::load(row.add(j0)), S::splat(g.scale));
+                        match mask {
+                            AttentionMask::None => {}
+                            AttentionMask::Causal => valid = S::and(valid, S::first((i + 1).saturating_sub(j0))),
+                            AttentionMask::Bool(m, ms) => {
+                                let at = m.as_ptr().add(b * ms[0] + h * ms[1] + i * ms[2] + j0 * ms[3]);
+                                let mut taken = [0f32; 16];
+                                for (t, one) in taken.iter_mut().enumerate().take((s - j0).min(lanes)) {
+                                    *one = f32::from(*at.add(t * ms[3]) != 0);
+                                }
+                                valid = S::and(valid, S::ne(S::load(taken.as_ptr()), S::zero()));
+                            }
+                            AttentionMask::Float(m, ms) => {
+                                let at = m.as_ptr().add(b * ms[0] + h * ms[1] + i * ms[2] + j0 * ms[3]);
+                                let add = if ms[3] == 1 {
+                                    S::load_masked(valid, at)
+                                } else {
+                                    let mut row = [0f32; 16];
+                                    for (t, a) in row.iter_mut().enumerate().take((s - j0).min(lanes)) {
+                                        *a = *at.add(t * ms[3]);
+                                    }
+                                    S::load(row.as_ptr())
+                                };
+                                x = S::add(x, add);
+                            }
+                        }
+                        // A NaN score (a NaN or an infinity in the queries or keys) makes
+                        // torch's softmax NaN in ways that depend on how its kernel masks and
+                        // blocks: torch decides.
+                        if S::any(S::and(keys, S::nan(x))) {
+                            return false;
+                        }
+                        // A score of -inf (masked, or a float mask's) takes no part.
+                        valid = S::and(valid, S::ne(x, neg_inf));
+                        x = S::select(valid, x, neg_inf);
+                        S::store(row.add(j0), x);
+                        mx = S::max(mx, x);
+                    }
+                    let m = S::reduce_max(mx);
+                    if m == f32::NEG_INFINITY {
+                        return false;
+                    }
+                    let mut sum = S::zero();
+                    for jb in 0..nv {
+                        let x = S::load(row.add(jb * lanes));
+                        let taken = S::ne(x, neg_inf);
+                        let p = S::select(taken, exp::<S>(S::sub(x, S::splat(m))), S::zero());
+                        S::store(row.add(jb * lanes), p);
+                        sum = S::add(sum, p);
+                    }
+                    *inv = 1.0 / S::reduce_add(sum);
+                }
+                // The weighted values, `most` vectors of columns at a time.
+                let mut c0 = 0;
+                while c0 < ev {
+                    let width = (ev - c0).min(most * lanes);
+                    let masks: [S::M; 4] = std::array::from_fn(|t| S::first(width.saturating_sub(lanes * t)));
+                    let used = width.div_ceil(lanes);
+                    let mut acc = [[S::zero(); 4]; R];
+                    for j in 0..s {
+                        let vrow = vb.add(j * vs[2] + c0);
+                        let vv: [S::V; 4] = std::array::from_fn(|t| {
+                            if t < used {
+                                S::load_masked(masks[t], vrow.add(lanes * t))
+                            } else {
+                                S::zero()
+                            }
+                        });
+                        for (r, a) in acc.iter_mut().enumerate() {
+                            let p = S::splat(*scp.add(r * sp + j));
+                            for t in 0..most {
+                                a[t] = S::fma(p, vv[t], a[t]);
+                            }
+                        }
+                    }
+                    for r in 0..rows {
+                        let o = ops.out.add(((b * l + i0 + r) * g.heads + h) * ev + c0);
+                        let scale = S::splat(inv[r]);
+                        for t in 0..used {
+                            S::store_masked(o.add(lanes * t), masks[t], S::mul(acc[r][t], scale));
+                        }
+                    }
+                    c0 += most * lanes;
+                }
+                i0 += R;
+            }
+        }
+    }
+    true
+}

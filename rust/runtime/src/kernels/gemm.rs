@@ -1,0 +1,422 @@
+//! kwexport's float32 GEMM: linears, 1×1 convolutions (rows are pixels) and, reading each
+//! row's taps through a table of pointers, every other convolution (`indirect_f32`). The
+//! driver (threads, column blocks) is plain Rust; the register tiles are generic over
+//! [`Simd`] and instantiated per instruction set by `super::isa`, whose table the driver
+//! calls per block.
+
+use super::activation::{apply, epilogue_slice, Epilogue};
+use super::conv::Conv2d;
+use super::simd::Simd;
+
+/// The width of a weight panel: the columns one pass of the GEMM computes, the same for every
+/// instruction set (a panel holds several register tiles' columns where vectors are narrow).
+pub const PANEL: usize = 64;
+
+/// The elements of the panels of a `[k, n]` weight (`ceil(n / 64)` panels of `[k, 64]`): the
+/// one place the packed size is computed.
+pub fn panels_len(k: usize, n: usize) -> usize {
+    n.div_ceil(PANEL) * k * PANEL
+}
+
+/// `out[m, n] = bias[n] + x[m, k] @ w[k, n]` for small `m` (a few rows of activations: a
+/// decode step, a small batch), where torch's GEMM spends more on setup than on arithmetic.
+/// `panels` is the weight packed once ([`pack_conv_panels`], its first use): `ceil(n / 64)`
+/// contiguous `[k, 64]` panels, so the kernel streams each panel from memory in order (a row
+/// of a plain `[k, n]` weight is a new page every few rows, which the prefetchers don't
+/// follow). Returns `false` (writing nothing) where kwexport's kernels don't run on this CPU;
+/// the plan measures it against torch's kernel per shape and keeps the faster (`exec`).
+pub fn linear_f32(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    panels: &[f32],
+    n: usize,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) -> bool {
+    gemm_f32(x, m, k, panels, n, bias, None, Epilogue::None, out)
+}
+
+/// [`linear_f32`] for any number of rows, plus `residual` (`m * n`, laid out as `out`: a
+/// convolution's residual add, `passes::conv_residual`), then `epilogue` on each result: also
+/// a 1×1 convolution over channels-last pixels (rows are pixels, `k` and `n` channels). Tiles
+/// of up to 6 rows × 64 columns on AVX-512 (6 × 16 on AVX2), or more rows where fewer columns
+/// are left (12 × 16 for a 16-channel convolution), keep every accumulator in a register
+/// across the whole `k` loop.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_f32(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    panels: &[f32],
+    n: usize,
+    bias: Option<&[f32]>,
+    residual: Option<&[f32]>,
+    epilogue: Epilogue,
+    out: &mut [f32],
+) -> bool {
+    let fits = x.len() >= m * k
+        && panels.len() >= panels_len(k, n)
+        && out.len() >= m * n
+        && bias.is_none_or(|b| b.len() >= n)
+        && residual.is_none_or(|r| r.len() >= m * n);
+    let Some(t) = super::isa::kernels().filter(|_| fits) else { return false };
+    let (bias, residual) = addends((bias, residual));
+    let shape = Shape { taps: 1, cin: k, n, bias, residual, epilogue };
+    // SAFETY: the table's functions run on this CPU; every slice holds what the shapes say
+    // (checked).
+    unsafe { columns(t.gemm_block, Source::Dense(Dense { x: x.as_ptr(), k }), m, &shape, panels, out) };
+    true
+}
+
+/// An indirect convolution's table: for each of the `m` output pixels (of `[ho, wo]`
+/// images) and each tap of the kernel, `row(Some(p))` for the input pixel `p` it reads (of
+/// `[h, w]` images, counted across the batch), or `row(None)` for a tap in the padding.
+pub(super) fn tap_table<T>(
+    m: usize,
+    [h, w]: [usize; 2],
+    [ho, wo]: [usize; 2],
+    g: &Conv2d,
+    row: impl Fn(Option<usize>) -> *const T,
+) -> Vec<*const T> {
+    let ([kh, kw], [sh, sw], [ph, pw]) = (g.kernel, g.stride, g.padding);
+    let mut table = Vec::with_capacity(m * kh * kw);
+    for pixel in 0..m {
+        let (b, oy, ox) = (pixel / (ho * wo), pixel / wo % ho, pixel % wo);
+        for i in 0..kh {
+            let iy = (oy * sh + i).checked_sub(ph).filter(|&y| y < h);
+            for j in 0..kw {
+                table.push(row(match (iy, (ox * sw + j).checked_sub(pw).filter(|&xx| xx < w)) {
+                    (Some(iy), Some(ix)) => Some((b * h + iy) * w + ix),
+                    _ => None,
+                }));
+            }
+        }
+    }
+    table
+}
+
+/// A convolution over channels-last images (`x`: `[batch, h, w, cin]`) as an indirect GEMM:
+/// im2col's product of each output pixel's patch (`kh * kw * cin` values, zeros in the
+/// padding) with the weight's `panels` (the `[kh * kw * cin, cout]` matrix of
+/// [`pack_conv_panels`]), plus the bias, then `epilogue`, into `out` (`[batch, ho, wo,
+/// cout]`); but the GEMM's tiles read each pixel's taps through a table of pointers (one per
+/// pixel and tap: the input pixel's `cin` channels, or a row of zeros for a tap in the
+/// padding), so no patch is ever copied (3–7% faster than gathering patches into a buffer
+/// that stays in L2). `residual`, if any, is added before the epilogue, as [`gemm_f32`] adds
+/// it. Returns `false` (writing nothing) where the slices don't fit the shapes or kwexport's
+/// kernels don't run on this CPU.
+#[allow(clippy::too_many_arguments)]
+pub fn indirect_f32(
+    x: &[f32],
+    [batch, h, w]: [usize; 3],
+    panels: &[f32],
+    g: &Conv2d,
+    bias: Option<&[f32]>,
+    residual: Option<&[f32]>,
+    epilogue: Epilogue,
+    out: &mut [f32],
+) -> bool {
+    let (cin, n, k) = (g.in_channels, g.out_channels, g.taps());
+    let Some([ho, wo]) = g.output(h, w) else { return false };
+    let m = batch * ho * wo;
+    let fits = x.len() >= batch * h * w * cin
+        && panels.len() >= panels_len(k, n)
+        && out.len() >= m * n
+        && bias.is_none_or(|b| b.len() >= n)
+        && residual.is_none_or(|r| r.len() >= m * n);
+    let Some(t) = super::isa::kernels().filter(|_| fits) else { return false };
+    let taps = g.kernel[0] * g.kernel[1];
+    let zeros = vec![0f32; cin];
+    let table = tap_table(m, [h, w], [ho, wo], g, |pixel| match pixel {
+        Some(p) => x[p * cin..].as_ptr(),
+        None => zeros.as_ptr(),
+    });
+    let (bias, residual) = addends((bias, residual));
+    let shape = Shape { taps, cin, n, bias, residual, epilogue };
+    // SAFETY: the table's functions run on this CPU; every pointer of the table starts `cin`
+    // readable floats (of `x`, or of `zeros`, alive until the end of this function), and the
+    // other slices hold what the shapes say (checked).
+    unsafe { columns(t.gemm_block, Source::Table(Table { table: table.as_ptr(), taps }), m, &shape, panels, out) };
+    true
+}
+
+/// A convolution's `[out, in, kh, kw]` weight (at element `strides`: contiguous or
+/// channels-last) as the GEMM's panels of its `[kh * kw * in, out]` matrix, whose rows follow
+/// [`indirect_f32`]'s patches: row `(i * kw + j) * in + c` holds the weights of input channel
+/// `c` at tap `(i, j)`. `panels` holds [`panels_len`] elements.
+pub fn pack_conv_panels(w: &[f32], shape: [usize; 4], strides: [usize; 4], panels: &mut [f32]) {
+    let [n, cin, kh, kw] = shape;
+    let k = cin * kh * kw;
+    for (p, panel) in panels.chunks_exact_mut(k * PANEL).take(n.div_ceil(PANEL)).enumerate() {
+        for (r, row) in panel.chunks_exact_mut(PANEL).enumerate() {
+            let (i, j, c) = (r / (kw * cin), r / cin % kw, r % cin);
+            for (col, v) in row.iter_mut().enumerate() {
+                let o = p * PANEL + col;
+                *v = if o < n { w[o * strides[0] + c * strides[1] + i * strides[2] + j * strides[3]] } else { 0.0 };
+            }
+        }
+    }
+}
+
+/// Where a GEMM tile reads each row's values: `taps` runs of `cin` floats per row, which
+/// the weight's panel rows follow in order.
+pub(super) trait Rows: Copy {
+    /// The first of row `r`'s values for tap `t`.
+    ///
+    /// # Safety
+    /// Row `r` and tap `t` must exist.
+    unsafe fn at(self, r: usize, t: usize) -> *const f32;
+}
+
+/// The rows of a dense `[m, k]` matrix: one tap of `k` values each.
+#[derive(Clone, Copy)]
+pub(super) struct Dense {
+    x: *const f32,
+    k: usize,
+}
+
+impl Rows for Dense {
+    #[inline(always)]
+    unsafe fn at(self, r: usize, _: usize) -> *const f32 {
+        // SAFETY: row `r` exists (the caller's).
+        unsafe { self.x.add(r * self.k) }
+    }
+}
+
+/// Rows read through a table of pointers, `taps` per row ([`indirect_f32`]).
+#[derive(Clone, Copy)]
+pub(super) struct Table {
+    table: *const *const f32,
+    taps: usize,
+}
+
+impl Rows for Table {
+    #[inline(always)]
+    unsafe fn at(self, r: usize, t: usize) -> *const f32 {
+        // SAFETY: entry `(r, t)` exists (the caller's).
+        unsafe { *self.table.add(r * self.taps + t) }
+    }
+}
+
+/// A GEMM's rows, dense or through a table (one type for the kernel table's entry; each
+/// block's tiles are instantiated for the one it is).
+#[derive(Clone, Copy)]
+pub(super) enum Source {
+    Dense(Dense),
+    Table(Table),
+}
+
+/// A GEMM's shape besides its rows: taps and values per tap of each row, the output's
+/// width, the bias (or null) and the epilogue.
+#[derive(Clone, Copy)]
+pub(super) struct Shape {
+    taps: usize,
+    cin: usize,
+    n: usize,
+    bias: *const f32,
+    /// `m * n` values added to the results before the epilogue, or null.
+    residual: *const f32,
+    epilogue: Epilogue,
+}
+
+/// A bias and a residual as the tiles read them (null where absent).
+fn addends((bias, residual): (Option<&[f32]>, Option<&[f32]>)) -> (*const f32, *const f32) {
+    let at = |s: Option<&[f32]>| s.map_or(std::ptr::null(), |s| s.as_ptr());
+    (at(bias), at(residual))
+}
+
+/// The output's first element, shared by the threads of one GEMM: each writes the rows
+/// and columns of its own blocks only.
+#[derive(Clone, Copy)]
+pub(super) struct Out(*mut f32);
+
+// SAFETY: the threads of one call write disjoint elements through it (`columns`), and the
+// call returns only once every thread has finished.
+unsafe impl Sync for Out {}
+// SAFETY: the tables and shapes point at memory the caller keeps alive and unwritten for
+// the whole call; the threads only read through them.
+unsafe impl Sync for Source {}
+// SAFETY: as for `Source`.
+unsafe impl Sync for Shape {}
+
+/// One block of a GEMM, as the kernel table holds it: rows `range` of `source` times the
+/// column block from `j` (of `k`-deep panels), into the output.
+pub(super) type Block = unsafe fn(Source, std::ops::Range<usize>, &Shape, &[f32], Out, usize, usize);
+
+/// The rows per chunk, a multiple of every tile's height, where a GEMM splits its rows.
+const ROW_CHUNK: usize = 24;
+
+/// The GEMM's column blocks, outermost: a block's `k x 64` panel of the weight stays in
+/// cache while every group of rows reads it, so the weight streams from memory once per
+/// call. On several threads (`super::parallel`), each takes whole column blocks (its own
+/// share of the weight), and where there are fewer blocks than threads, chunks of rows too.
+///
+/// # Safety
+/// `block` runs on this CPU; the rows, panels and output hold what the shape says.
+unsafe fn columns(block: Block, source: Source, m: usize, s: &Shape, panels: &[f32], out: &mut [f32]) {
+    let (k, op) = (s.taps * s.cin, Out(out.as_mut_ptr()));
+    let blocks = s.n.div_ceil(PANEL);
+    let threads = super::parallel::share(2 * m * k * s.n, blocks * m.div_ceil(ROW_CHUNK), super::parallel::threads());
+    // Rows are split only where there are fewer column blocks than threads.
+    let per = m.div_ceil(threads.div_ceil(blocks)).next_multiple_of(ROW_CHUNK);
+    let chunks = m.div_ceil(per.max(1));
+    super::parallel::for_each(blocks * chunks, threads, &|begin, end| {
+        for item in begin..end {
+            let (j, r0) = (item % blocks * PANEL, item / blocks * per);
+            // SAFETY: the block's rows and columns exist and no other item writes them.
+            unsafe { block(source, r0..(r0 + per).min(m), s, panels, op, j, k) };
+        }
+    });
+}
+
+/// Rows `range` times the column block from `j`, then GELU over their results while they
+/// are in cache (the other epilogues are applied as the tiles store): the kernel table's
+/// [`Block`].
+///
+/// # Safety
+/// `S`'s features must be enabled; the rows, the block's columns and its panel exist.
+#[inline(always)]
+pub(super) unsafe fn block<S: Simd>(
+    source: Source,
+    range: std::ops::Range<usize>,
+    s: &Shape,
+    panels: &[f32],
+    op: Out,
+    j: usize,
+    k: usize,
+) {
+    let gelu = matches!(s.epilogue, Epilogue::Gelu | Epilogue::GeluTanh);
+    let tiles = if gelu { Shape { epilogue: Epilogue::None, ..*s } } else { *s };
+    // SAFETY (all below): as the caller guarantees.
+    unsafe {
+        match source {
+            Source::Dense(d) => columns_block::<S, _>(d, range.clone(), &tiles, panels, op.0, j, k),
+            Source::Table(t) => columns_block::<S, _>(t, range.clone(), &tiles, panels, op.0, j, k),
+        }
+        if gelu {
+            let width = (s.n - j).min(PANEL);
+            for r in range {
+                // This row's part of the block, written above and by no other thread.
+                epilogue_slice::<S>(s.epilogue, std::slice::from_raw_parts_mut(op.0.add(r * s.n + j), width));
+            }
+        }
+    }
+}
+
+/// Rows `range` times the column block from `j` (of `k`-deep panels), in column tiles as
+/// wide as the instruction set's registers hold: the whole 64 on AVX-512, 16 on AVX2.
+#[inline(always)]
+unsafe fn columns_block<S: Simd, R: Rows>(
+    rows_of: R,
+    range: std::ops::Range<usize>,
+    s: &Shape,
+    panels: &[f32],
+    op: *mut f32,
+    j: usize,
+    k: usize,
+) {
+    let (wide, width) = (S::REGISTERS >= 32, (s.n - j).min(PANEL));
+    let step = if wide { PANEL } else { 2 * S::LANES };
+    let mut sub = 0;
+    while sub < width {
+        // A tile narrower than the widest (the last, or a small `n`: a 1x1 convolution's
+        // 16-48 channels) holds fewer vectors per row, so more rows fit the registers.
+        let vectors = (width - sub).min(step).div_ceil(S::LANES);
+        // SAFETY: columns from j + sub and their panel exist (see the callers).
+        unsafe {
+            let wp = panels.as_ptr().add(j / PANEL * k * PANEL + sub);
+            let jj = j + sub;
+            match (wide, vectors) {
+                (true, 4) => rows::<S, R, 6, 4>(rows_of, range.clone(), wp, op, s, jj),
+                (true, 3) => rows::<S, R, 8, 3>(rows_of, range.clone(), wp, op, s, jj),
+                (_, 2) if wide => rows::<S, R, 12, 2>(rows_of, range.clone(), wp, op, s, jj),
+                (_, 2) => rows::<S, R, 6, 2>(rows_of, range.clone(), wp, op, s, jj),
+                _ => rows::<S, R, 12, 1>(rows_of, range.clone(), wp, op, s, jj),
+            }
+        }
+        sub += step;
+    }
+}
+
+/// Rows `range` times `V` vectors of the panel at `wp` (columns from `j`): tiles of `T`
+/// rows, then the remainder in tiles of 4, 2 and 1.
+#[inline(always)]
+unsafe fn rows<S: Simd, R: Rows, const T: usize, const V: usize>(
+    rows_of: R,
+    range: std::ops::Range<usize>,
+    wp: *const f32,
+    op: *mut f32,
+    s: &Shape,
+    j: usize,
+) {
+    let (mut i, m) = (range.start, range.end);
+    // SAFETY (all below): rows [i, i + tile) and their outputs exist (see the callers).
+    unsafe {
+        while i + T <= m {
+            tile::<S, R, T, V>(rows_of, i, wp, op.add(i * s.n), s, j);
+            i += T;
+        }
+        while i + 4 <= m {
+            tile::<S, R, 4, V>(rows_of, i, wp, op.add(i * s.n), s, j);
+            i += 4;
+        }
+        if i + 2 <= m {
+            tile::<S, R, 2, V>(rows_of, i, wp, op.add(i * s.n), s, j);
+            i += 2;
+        }
+        if i < m {
+            tile::<S, R, 1, V>(rows_of, i, wp, op.add(i * s.n), s, j);
+        }
+    }
+}
+
+/// Rows `[i, i + T)` times the panel's columns `[j, j + V LANES)` (zero past `n`), plus the
+/// bias, then the epilogue, into `out` (row stride `n`, masked past `n`): `T * V`
+/// accumulators held in registers across all the rows' taps and values, each weight
+/// vector loaded once per value.
+#[inline(always)]
+unsafe fn tile<S: Simd, R: Rows, const T: usize, const V: usize>(
+    rows_of: R,
+    i: usize,
+    panel: *const f32,
+    out: *mut f32,
+    s: &Shape,
+    j: usize,
+) {
+    // SAFETY (all below): T rows with `taps` runs of `cin` values; the panel holds `taps *
+    // cin` rows of 64; masked lanes past `n` are neither read nor written.
+    unsafe {
+        let masks: [S::M; V] = std::array::from_fn(|v| S::first(s.n.saturating_sub(j + v * S::LANES)));
+        let mut acc = [[S::zero(); V]; T];
+        if !s.bias.is_null() {
+            for v in 0..V {
+                let b = S::load_masked(masks[v], s.bias.add(j + v * S::LANES));
+                acc.iter_mut().for_each(|row| row[v] = b);
+            }
+        }
+        for t in 0..s.taps {
+            let rows: [*const f32; T] = std::array::from_fn(|r| rows_of.at(i + r, t));
+            let wt = panel.add(t * s.cin * PANEL);
+            for c in 0..s.cin {
+                let w: [S::V; V] = std::array::from_fn(|v| S::load(wt.add(c * PANEL + v * S::LANES)));
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let a = S::splat(*rows[r].add(c));
+                    for v in 0..V {
+                        row[v] = S::fma(a, w[v], row[v]);
+                    }
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            for v in 0..V {
+                let mut y = row[v];
+                if !s.residual.is_null() {
+                    let at = s.residual.add((i + r) * s.n + j + v * S::LANES);
+                    y = S::add(y, S::load_masked(masks[v], at));
+                }
+                S::store_masked(out.add(r * s.n + j + v * S::LANES), masks[v], apply::<S>(s.epilogue, y));
+            }
+        }
+    }
+}

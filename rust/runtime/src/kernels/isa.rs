@@ -1,0 +1,220 @@
+//! The one place that decides which instruction set's kernels run: a table of kernel entry
+//! points per instruction set (each kernel instantiated inside a function that enables the
+//! set's features), chosen once per process from the CPU's features, or forced by
+//! `KWEXPORT_ISA=avx512|avx2|portable` for tests and benchmarks. Kernels never check the CPU
+//! themselves: they run what [`kernels`] returns.
+
+use std::sync::OnceLock;
+
+use super::activation::Epilogue;
+use super::{attention, conv, gemm, pool, simd, winograd};
+
+/// An instruction-set family of kwexport's kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// AVX-512F: 16 lanes, 32 registers.
+    Avx512,
+    /// AVX2 and FMA: 8 lanes, 16 registers.
+    Avx2,
+    /// Plain Rust the compiler vectorizes, on any target.
+    Portable,
+}
+
+impl Isa {
+    /// Every family, best first.
+    pub const ALL: [Isa; 3] = [Isa::Avx512, Isa::Avx2, Isa::Portable];
+
+    /// The name `KWEXPORT_ISA` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Avx512 => "avx512",
+            Isa::Avx2 => "avx2",
+            Isa::Portable => "portable",
+        }
+    }
+
+    /// Whether this CPU runs the family's instructions.
+    pub fn supported(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            match self {
+                Isa::Avx512 => has!("avx512f"),
+                Isa::Avx2 => has!("avx2") && has!("fma"),
+                Isa::Portable => true,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Isa::Portable
+        }
+    }
+
+    /// The family's kernel table, `None` where this CPU lacks its instructions.
+    pub fn table(self) -> Option<&'static Table> {
+        if !self.supported() {
+            return None;
+        }
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => Some(&AVX512),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => Some(&AVX2),
+            _ => Some(&PORTABLE),
+        }
+    }
+}
+
+/// Whether this CPU has AVX512-BF16 (`super::bf16`'s `vdpbf16ps`), beside AVX-512F.
+pub fn has_avx512_bf16() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        Isa::Avx512.supported() && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether torch's own vectorized CPU kernels run their AVX-512 variants in this process:
+/// `ATEN_CPU_CAPABILITY` where set, else whether the CPU has AVX-512F (torch's default). Its
+/// GELU differs at +inf between its variants (NaN on AVX-512, +inf on AVX2), and kwexport's
+/// gives what eager gives.
+pub(super) fn torch_uses_avx512() -> bool {
+    static AVX512: OnceLock<bool> = OnceLock::new();
+    *AVX512.get_or_init(|| match std::env::var("ATEN_CPU_CAPABILITY").as_deref() {
+        Ok("avx512") => Isa::Avx512.supported(),
+        Ok("") | Err(_) => Isa::Avx512.supported(),
+        Ok(_) => false,
+    })
+}
+
+/// One instruction set's kernels (see each entry's generic body for its contract).
+pub struct Table {
+    pub isa: Isa,
+    pub(super) epilogue: unsafe fn(Epilogue, &mut [f32]),
+    pub(super) gelu: unsafe fn(&[f32], bool, &mut [f32]),
+    pub(super) gemm_block: gemm::Block,
+    pub(super) depthwise: conv::Rows<conv::Depthwise>,
+    pub(super) direct: conv::Rows<conv::Conv2d>,
+    pub(super) attention: unsafe fn(&attention::Operands<'_>, std::ops::Range<usize>) -> bool,
+    pub(super) max_pool: unsafe fn(&pool::Operands, std::ops::Range<usize>),
+    pub(super) winograd: winograd::Run,
+}
+
+/// A [`Table`] of `$simd`'s kernels, each entry compiled with `$features` enabled (none for
+/// the portable family), so that every generic body inlines to the set's instructions.
+macro_rules! table {
+    ($isa:expr, $simd:ty $(, $features:literal)?) => {{
+        type S = $simd;
+        $(#[target_feature(enable = $features)])?
+        unsafe fn epilogue(e: Epilogue, x: &mut [f32]) {
+            unsafe { super::activation::epilogue_slice::<S>(e, x) }
+        }
+        $(#[target_feature(enable = $features)])?
+        unsafe fn gelu(x: &[f32], tanh: bool, out: &mut [f32]) {
+            unsafe { super::activation::gelu_slice::<S>(x, tanh, out) }
+        }
+        $(#[target_feature(enable = $features)])?
+        unsafe fn gemm_block(
+            source: gemm::Source,
+            range: std::ops::Range<usize>,
+            s: &gemm::Shape,
+            panels: &[f32],
+            out: gemm::Out,
+            j: usize,
+            k: usize,
+        ) {
+            unsafe { gemm::block::<S>(source, range, s, panels, out, j, k) }
+        }
+        $(#[target_feature(enable = $features)])?
+        unsafe fn depthwise(ops: &conv::Operands<conv::Depthwise>, range: std::ops::Range<usize>) {
+            unsafe { conv::depthwise::<S>(ops, range) }
+        }
+        $(#[target_feature(enable = $features)])?
+        unsafe fn direct(ops: &conv::Operands<conv::Conv2d>, range: std::ops::Range<usize>) {
+            unsafe { conv::direct::<S>(ops, range) }
+        }
+        $(#[target_feature(enable = $features)])?
+        unsafe fn attention(ops: &attention::Operands<'_>, range: std::ops::Range<usize>) -> bool {
+            unsafe { attention::heads::<S>(ops, range) }
+        }
+        $(#[target_feature(enable = $features)])?
+        unsafe fn max_pool(ops: &pool::Operands, range: std::ops::Range<usize>) {
+            unsafe { pool::max_pool_rows::<S>(ops, range) }
+        }
+        $(#[target_feature(enable = $features)])?
+        unsafe fn winograd(ops: &winograd::Operands<'_>, out: &mut [f32]) -> bool {
+            unsafe { winograd::run(ops, out) }
+        }
+        Table { isa: $isa, epilogue, gelu, gemm_block, depthwise, direct, attention, max_pool, winograd }
+    }};
+}
+
+// SAFETY (the entries' features): `Isa::table` hands out a table only where
+// `Isa::supported` found its features.
+#[cfg(target_arch = "x86_64")]
+static AVX512: Table = table!(Isa::Avx512, simd::avx512::Avx512, "avx512f");
+#[cfg(target_arch = "x86_64")]
+static AVX2: Table = table!(Isa::Avx2, simd::avx2::Avx2, "avx2,fma");
+static PORTABLE: Table = table!(Isa::Portable, simd::portable::Portable);
+
+/// The family this process runs and why: the best this CPU has, or `KWEXPORT_ISA`'s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Choice {
+    /// Detected; the portable family runs torch's kernels instead (it is for correctness on
+    /// any target, not tuned to beat them).
+    Detected(Isa),
+    /// Forced by `KWEXPORT_ISA`.
+    Forced(Isa),
+    /// `KWEXPORT_ISA` names a family this CPU lacks, or none: kwexport's kernels are off.
+    Refused,
+}
+
+/// [`Choice`] for this process, read once.
+pub fn choice() -> Choice {
+    static CHOICE: OnceLock<Choice> = OnceLock::new();
+    *CHOICE.get_or_init(|| match std::env::var("KWEXPORT_ISA") {
+        Ok(name) if !name.is_empty() => match Isa::ALL.into_iter().find(|i| i.name() == name) {
+            Some(isa) if isa.supported() => Choice::Forced(isa),
+            _ => Choice::Refused,
+        },
+        _ => Choice::Detected(Isa::ALL.into_iter().find(|i| i.supported()).unwrap_or(Isa::Portable)),
+    })
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The family a test forces on its thread ([`with`]).
+    static TEST_ISA: std::cell::Cell<Option<Isa>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with `isa`'s kernels on this thread (tests only; threads a kernel starts use
+/// the table its caller fetched).
+#[cfg(test)]
+pub(crate) fn with<T>(isa: Isa, f: impl FnOnce() -> T) -> T {
+    let before = TEST_ISA.with(|t| t.replace(Some(isa)));
+    let result = f();
+    TEST_ISA.with(|t| t.set(before));
+    result
+}
+
+/// The families this CPU has (for tests: each is checked against the reference).
+pub fn supported() -> Vec<Isa> {
+    Isa::ALL.into_iter().filter(|i| i.supported()).collect()
+}
+
+/// The kernels to run, `None` where kwexport's own don't run here (no vector family
+/// detected, or `KWEXPORT_ISA` refused): callers then run torch's.
+pub fn kernels() -> Option<&'static Table> {
+    #[cfg(test)]
+    if let Some(isa) = TEST_ISA.with(|t| t.get()) {
+        return isa.table();
+    }
+    match choice() {
+        Choice::Forced(isa) => isa.table(),
+        Choice::Detected(Isa::Portable) | Choice::Refused => None,
+        Choice::Detected(isa) => isa.table(),
+    }
+}

@@ -1,0 +1,135 @@
+//! [`Simd`] on AVX-512F: 16 lanes, masks in mask registers.
+
+use std::arch::x86_64::*;
+
+use super::Simd;
+
+/// AVX-512F (Skylake-SP and later, Zen 4 and later).
+#[derive(Clone, Copy)]
+pub struct Avx512;
+
+// SAFETY: every method below is one or two AVX-512F instructions on registers, or a load or
+// store of the lanes the trait's contract says are accessible; callers enable AVX-512F.
+unsafe impl Simd for Avx512 {
+    const LANES: usize = 16;
+    const REGISTERS: usize = 32;
+    type V = __m512;
+    type M = __mmask16;
+
+    #[inline(always)]
+    unsafe fn zero() -> __m512 {
+        unsafe { _mm512_setzero_ps() }
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> __m512 {
+        unsafe { _mm512_set1_ps(x) }
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> __m512 {
+        unsafe { _mm512_loadu_ps(p) }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: __m512) {
+        unsafe { _mm512_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn first(n: usize) -> __mmask16 {
+        ((1u32 << n.min(16)) - 1) as u16
+    }
+    #[inline(always)]
+    unsafe fn load_masked(m: __mmask16, p: *const f32) -> __m512 {
+        unsafe { _mm512_maskz_loadu_ps(m, p) }
+    }
+    #[inline(always)]
+    unsafe fn store_masked(p: *mut f32, m: __mmask16, v: __m512) {
+        unsafe { _mm512_mask_storeu_ps(p, m, v) }
+    }
+    #[inline(always)]
+    unsafe fn add(a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_add_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn sub(a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn div(a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_div_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+        unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    unsafe fn fnma(a: __m512, b: __m512, c: __m512) -> __m512 {
+        unsafe { _mm512_fnmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    unsafe fn max(a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_max_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn min(a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_min_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn abs(a: __m512) -> __m512 {
+        unsafe { _mm512_abs_ps(a) }
+    }
+    #[inline(always)]
+    unsafe fn round(a: __m512) -> __m512 {
+        unsafe { _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(a) }
+    }
+    #[inline(always)]
+    unsafe fn scale2(a: __m512, n: __m512) -> __m512 {
+        unsafe { _mm512_scalef_ps(a, n) }
+    }
+    #[inline(always)]
+    unsafe fn lt(a: __m512, b: __m512) -> __mmask16 {
+        unsafe { _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn gt(a: __m512, b: __m512) -> __mmask16 {
+        unsafe { _mm512_cmp_ps_mask::<_CMP_GT_OQ>(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn eq(a: __m512, b: __m512) -> __mmask16 {
+        unsafe { _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn ne(a: __m512, b: __m512) -> __mmask16 {
+        unsafe { _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn nan(a: __m512) -> __mmask16 {
+        unsafe { _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(a, a) }
+    }
+    #[inline(always)]
+    unsafe fn and(a: __mmask16, b: __mmask16) -> __mmask16 {
+        a & b
+    }
+    #[inline(always)]
+    unsafe fn or(a: __mmask16, b: __mmask16) -> __mmask16 {
+        a | b
+    }
+    #[inline(always)]
+    unsafe fn any(m: __mmask16) -> bool {
+        m != 0
+    }
+    #[inline(always)]
+    unsafe fn select(m: __mmask16, yes: __m512, no: __m512) -> __m512 {
+        unsafe { _mm512_mask_blend_ps(m, no, yes) }
+    }
+    #[inline(always)]
+    unsafe fn reduce_max(a: __m512) -> f32 {
+        unsafe { _mm512_reduce_max_ps(a) }
+    }
+    #[inline(always)]
+    unsafe fn reduce_add(a: __m512) -> f32 {
+        unsafe { _mm512_reduce_add_ps(a) }
+    }
+}

@@ -1,0 +1,151 @@
+//! The vector operations kwexport's kernels are written in, one implementation per
+//! instruction set: [`avx512::Avx512`] (16 lanes), [`avx2::Avx2`] (AVX2 and FMA, 8 lanes) and
+//! [`portable::Portable`] (8 lanes of plain Rust, for any target). A kernel is generic over
+//! [`Simd`] and written once; `super::isa` instantiates it per instruction set inside a
+//! function that enables that set's features, so every operation below inlines to its
+//! instructions.
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub mod avx512;
+pub mod portable;
+
+/// A vector of `LANES` float32 lanes and the lane masks its comparisons give.
+///
+/// # Safety
+/// Every method may use its instruction set's instructions: it may be called only from a
+/// function that enabled them (`super::isa`'s entries do) on a CPU that has them. Methods
+/// that take pointers read or write `LANES` floats from there, or, for the masked ones, the
+/// lanes the mask selects only (the others are neither read nor written).
+pub unsafe trait Simd: Copy + 'static {
+    /// Lanes per vector.
+    const LANES: usize;
+    /// Vector registers the instruction set has, which sizes the GEMM's register tiles.
+    const REGISTERS: usize;
+    /// A vector.
+    type V: Copy;
+    /// A mask of lanes.
+    type M: Copy;
+
+    /// # Safety
+    /// See the trait.
+    unsafe fn zero() -> Self::V;
+    /// # Safety
+    /// See the trait.
+    unsafe fn splat(x: f32) -> Self::V;
+    /// # Safety
+    /// `LANES` floats from `p` are readable; see the trait.
+    unsafe fn load(p: *const f32) -> Self::V;
+    /// # Safety
+    /// `LANES` floats from `p` are writable; see the trait.
+    unsafe fn store(p: *mut f32, v: Self::V);
+    /// The first `n` lanes (all of them from `LANES` on).
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn first(n: usize) -> Self::M;
+    /// The lanes `m` selects from `p`, zero in the others.
+    ///
+    /// # Safety
+    /// The selected lanes from `p` are readable; see the trait.
+    unsafe fn load_masked(m: Self::M, p: *const f32) -> Self::V;
+    /// # Safety
+    /// The selected lanes from `p` are writable; see the trait.
+    unsafe fn store_masked(p: *mut f32, m: Self::M, v: Self::V);
+
+    /// # Safety
+    /// See the trait.
+    unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
+    /// # Safety
+    /// See the trait.
+    unsafe fn sub(a: Self::V, b: Self::V) -> Self::V;
+    /// # Safety
+    /// See the trait.
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
+    /// # Safety
+    /// See the trait.
+    unsafe fn div(a: Self::V, b: Self::V) -> Self::V;
+    /// `a * b + c` (fused where the instruction set has it).
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    /// `c - a * b` (fused where the instruction set has it).
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn fnma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    /// The larger of each pair, `b` where either is NaN (x86's `maxps`): a value clamped
+    /// goes second, so that a NaN passes through as through torch's `clamp`.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn max(a: Self::V, b: Self::V) -> Self::V;
+    /// The smaller of each pair, `b` where either is NaN (see [`Simd::max`]).
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn min(a: Self::V, b: Self::V) -> Self::V;
+    /// # Safety
+    /// See the trait.
+    unsafe fn abs(a: Self::V) -> Self::V;
+    /// Each lane rounded to the nearest integer, ties to even.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn round(a: Self::V) -> Self::V;
+    /// `a * 2^n` for integral `n` in [-150, 128], rounded once as float32 rounds.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn scale2(a: Self::V, n: Self::V) -> Self::V;
+
+    /// Lanes where `a < b` (false where either is NaN).
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn lt(a: Self::V, b: Self::V) -> Self::M;
+    /// Lanes where `a > b` (false where either is NaN).
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn gt(a: Self::V, b: Self::V) -> Self::M;
+    /// Lanes where `a == b` (false where either is NaN).
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn eq(a: Self::V, b: Self::V) -> Self::M;
+    /// Lanes where `a != b` and neither is NaN.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn ne(a: Self::V, b: Self::V) -> Self::M;
+    /// Lanes where `a` is NaN.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn nan(a: Self::V) -> Self::M;
+    /// # Safety
+    /// See the trait.
+    unsafe fn and(a: Self::M, b: Self::M) -> Self::M;
+    /// # Safety
+    /// See the trait.
+    unsafe fn or(a: Self::M, b: Self::M) -> Self::M;
+    /// Whether any lane is set.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn any(m: Self::M) -> bool;
+    /// `yes` in the lanes `m` sets, `no` in the others.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn select(m: Self::M, yes: Self::V, no: Self::V) -> Self::V;
+    /// # Safety
+    /// See the trait.
+    unsafe fn reduce_max(a: Self::V) -> f32;
+    /// # Safety
+    /// See the trait.
+    unsafe fn reduce_add(a: Self::V) -> f32;
+}

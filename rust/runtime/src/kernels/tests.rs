@@ -1,0 +1,451 @@
+use super::isa;
+use super::*;
+
+/// Runs `f` once with each instruction set's kernels this CPU has, on the tests' pool of
+/// threads (`parallel::tests`: work large enough splits): every variant, threaded, is checked
+/// against the same reference.
+pub(crate) fn each_isa(f: impl Fn()) {
+    super::parallel::tests::install_test_pool();
+    for family in isa::supported() {
+        isa::with(family, &f);
+    }
+}
+
+#[test]
+fn add_i64_broadcasts_one_element() {
+    let mut out = [0; 3];
+    add_i64(&[1, 2, 3], &[10], &mut out);
+    assert_eq!(out, [11, 12, 13]);
+    add_i64(&[i64::MAX], &[1, 2, 3], &mut out);
+    assert_eq!(out, [i64::MIN, i64::MIN + 1, i64::MIN + 2]);
+}
+
+#[test]
+fn linear_matches_a_double_precision_reference() {
+    each_isa(|| {
+        for (m, k, n) in [
+            (1usize, 64usize, 128usize),
+            (3, 100, 70),
+            (4, 256, 256),
+            (9, 17, 5),
+            (2, 1, 1),
+            (33, 40, 200),
+            (50, 16, 16),
+            (31, 24, 40),
+            (101, 20, 130),
+        ] {
+            let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.01).sin()).collect();
+            let wt: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.013).cos()).collect();
+            let b: Vec<f32> = (0..n).map(|i| i as f32 * 0.001).collect();
+            let mut panels = vec![f32::NAN; k * n.div_ceil(PANEL) * PANEL];
+            pack_conv_panels(&wt, [n, k, 1, 1], [1, n, 0, 0], &mut panels);
+            for bias in [Some(&b[..]), None] {
+                let mut out = vec![f32::NAN; m * n];
+                assert!(linear_f32(&x, m, k, &panels, n, bias, &mut out));
+                for r in 0..m {
+                    for j in 0..n {
+                        let dot: f64 = (0..k).map(|kk| x[r * k + kk] as f64 * wt[kk * n + j] as f64).sum();
+                        let want = dot + bias.map_or(0.0, |b| b[j] as f64);
+                        assert!((out[r * n + j] as f64 - want).abs() < 1e-5 * (k as f64).sqrt(), "{m}x{k}x{n} {r} {j}");
+                    }
+                }
+            }
+        }
+    });
+}
+
+#[test]
+fn max_pool_takes_each_windows_largest_inside_the_image() {
+    each_isa(|| {
+        for (pool, [h, w]) in [
+            (MaxPool { kernel: [3, 3], stride: [2, 2], padding: [1, 1] }, [8, 7]),
+            (MaxPool { kernel: [2, 3], stride: [1, 2], padding: [0, 1] }, [5, 6]),
+            (MaxPool { kernel: [3, 3], stride: [3, 3], padding: [0, 0] }, [3, 3]),
+        ] {
+            let (batch, c) = (2, 19);
+            let mut x: Vec<f32> = (0..batch * h * w * c).map(|i| ((i * 7919) % 1013) as f32 - 500.0).collect();
+            x[c + 3] = f32::NAN;
+            let [ho, wo] = pool.output(h, w).unwrap();
+            let mut out = vec![0.0; batch * ho * wo * c];
+            assert!(max_pool_f32(&x, [batch, h, w, c], &pool, &mut out));
+            for b in 0..batch {
+                for (oy, ox, ch) in (0..ho).flat_map(|y| (0..wo).flat_map(move |x| (0..c).map(move |ch| (y, x, ch)))) {
+                    let mut want = f32::NEG_INFINITY;
+                    let mut nan = false;
+                    for ky in 0..pool.kernel[0] {
+                        for kx in 0..pool.kernel[1] {
+                            let iy = (oy * pool.stride[0] + ky) as isize - pool.padding[0] as isize;
+                            let ix = (ox * pool.stride[1] + kx) as isize - pool.padding[1] as isize;
+                            if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
+                                continue;
+                            }
+                            let v = x[((b * h + iy as usize) * w + ix as usize) * c + ch];
+                            nan |= v.is_nan();
+                            want = want.max(v);
+                        }
+                    }
+                    let got = out[((b * ho + oy) * wo + ox) * c + ch];
+                    assert!(if nan { got.is_nan() } else { got == want }, "{pool:?} {b} {oy} {ox} {ch}");
+                }
+            }
+        }
+        let bad = MaxPool { kernel: [2, 2], stride: [1, 1], padding: [2, 2] };
+        assert_eq!(bad.output(4, 4), None, "padding over half the kernel");
+    });
+}
+
+#[test]
+fn layer_norm_matches_a_double_precision_reference() {
+    for n in [1usize, 7, 16, 256, 771] {
+        let rows = 3;
+        // Rows far from zero: the variance is taken around the mean, not from E[x^2].
+        let x: Vec<f32> = (0..rows * n).map(|i| 100.0 + (i as f32 * 0.37).sin() * 3.0).collect();
+        let w: Vec<f32> = (0..n).map(|i| 1.0 + (i as f32 * 0.11).cos()).collect();
+        let b: Vec<f32> = (0..n).map(|i| i as f32 * 0.01 - 0.5).collect();
+        let mut out = vec![f32::NAN; rows * n];
+        layer_norm_f32(&x, &w, &b, 1e-5, &mut out);
+        for (r, row) in x.chunks(n).enumerate() {
+            let mean = row.iter().map(|&v| v as f64).sum::<f64>() / n as f64;
+            let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n as f64;
+            for j in 0..n {
+                let want = (row[j] as f64 - mean) / (var + 1e-5).sqrt() * w[j] as f64 + b[j] as f64;
+                let got = out[r * n + j] as f64;
+                assert!((got - want).abs() < 2e-5, "n={n} row {r} col {j}: {got} vs {want}");
+            }
+        }
+    }
+}
+
+#[test]
+fn gemm_epilogues_match_torchs_definitions() {
+    each_isa(|| {
+        // 1x1-convolution shapes: many rows (pixels), few columns (channels), each tile width.
+        type Definition = (Epilogue, fn(f64) -> f64);
+        let defs: [Definition; 8] = [
+            (Epilogue::None, |v| v),
+            (Epilogue::Relu, |v| v.max(0.0)),
+            (Epilogue::Hardswish, |v| v * (v + 3.0).clamp(0.0, 6.0) / 6.0),
+            (Epilogue::Hardsigmoid, |v| (v + 3.0).clamp(0.0, 6.0) / 6.0),
+            (Epilogue::Sigmoid, |v| 1.0 / (1.0 + (-v).exp())),
+            (Epilogue::Swish, |v| v / (1.0 + (-v).exp())),
+            (Epilogue::Gelu, |v| 0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2))),
+            (Epilogue::GeluTanh, |v| {
+                0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v.powi(3))).tanh())
+            }),
+        ];
+        for (m, k, n) in [(49usize, 24usize, 16usize), (23, 16, 40), (7, 9, 72), (196, 40, 240)] {
+            let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+            let wt: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
+            let b: Vec<f32> = (0..n).map(|i| i as f32 * 0.01 - 0.2).collect();
+            let mut panels = vec![0.0; k * n.div_ceil(PANEL) * PANEL];
+            pack_conv_panels(&wt, [n, k, 1, 1], [1, n, 0, 0], &mut panels);
+            for (epilogue, f) in defs {
+                let mut out = vec![f32::NAN; m * n];
+                assert!(gemm_f32(&x, m, k, &panels, n, Some(&b), None, epilogue, &mut out));
+                // And the epilogue alone, in place over the plain product (torch's result).
+                let mut plain = vec![f32::NAN; m * n];
+                assert!(gemm_f32(&x, m, k, &panels, n, Some(&b), None, Epilogue::None, &mut plain));
+                assert!(epilogue_f32(epilogue, &mut plain));
+                // And with a residual added before the epilogue (`passes::conv_residual`).
+                let res: Vec<f32> = (0..m * n).map(|i| (i as f32 * 0.23).cos()).collect();
+                let mut added = vec![f32::NAN; m * n];
+                assert!(gemm_f32(&x, m, k, &panels, n, Some(&b), Some(&res), epilogue, &mut added));
+                for r in 0..m {
+                    for j in 0..n {
+                        let dot: f64 = (0..k).map(|kk| x[r * k + kk] as f64 * wt[kk * n + j] as f64).sum();
+                        let want = f(dot + b[j] as f64);
+                        for (how, got) in [("fused", out[r * n + j]), ("after", plain[r * n + j])] {
+                            let close = (got as f64 - want).abs() < 2e-6 * (k as f64).sqrt();
+                            assert!(close, "{epilogue:?} {how} {m}x{k}x{n} {r} {j}");
+                        }
+                        let want = f(dot + b[j] as f64 + res[r * n + j] as f64);
+                        let close = (added[r * n + j] as f64 - want).abs() < 2e-6 * (k as f64).sqrt();
+                        assert!(close, "{epilogue:?} residual {m}x{k}x{n} {r} {j}");
+                    }
+                }
+            }
+        }
+        assert_eq!(Epilogue::of_attr("swish"), Some(Epilogue::Swish));
+        assert_eq!(Epilogue::of_attr("tanh"), None);
+        assert_eq!(Epilogue::of_linear("gelu", Some("tanh")), Some(Epilogue::GeluTanh));
+        assert_eq!(Epilogue::of_linear("gelu", None), Some(Epilogue::Gelu));
+        assert_eq!(Epilogue::of_linear("gelu", Some("sigmoid")), None);
+        assert_eq!(Epilogue::of_linear("swish", None), Some(Epilogue::Swish));
+    });
+}
+
+#[test]
+fn depthwise_matches_a_direct_convolution() {
+    each_isa(|| {
+        // (c, kernel, stride, padding, h, w): mobilenet's shapes, odd sizes, a kernel larger
+        // than the image with padding, channels that aren't a multiple of 16, 7×7 (ConvNeXt's).
+        for (c, k, s, p, h, w) in [
+            (16, 3, 2, 1, 9, 9),
+            (24, 5, 1, 2, 7, 6),
+            (5, 3, 1, 1, 4, 5),
+            (40, 5, 2, 2, 3, 3),
+            (24, 7, 1, 3, 9, 8),
+            (19, 7, 2, 3, 10, 10),
+            (64, 7, 1, 3, 28, 28),
+        ] {
+            let g = Depthwise::new([c as i64, k as i64, k as i64], [s as i64; 2], [p as i64; 2]).unwrap();
+            let [ho, wo] = g.output(h, w).unwrap();
+            let x: Vec<f32> = (0..2 * h * w * c).map(|i| (i as f32 * 0.29).sin()).collect();
+            let taps: Vec<f32> = (0..k * k * c).map(|i| (i as f32 * 0.07).cos()).collect();
+            let bias: Vec<f32> = (0..c).map(|i| i as f32 * 0.1).collect();
+            let mut out = vec![f32::NAN; 2 * ho * wo * c];
+            assert!(depthwise_f32(&x, [2, h, w], &taps, &g, Some(&bias), Epilogue::Relu, &mut out));
+            for b in 0..2 {
+                for (oy, ox, ch) in (0..ho).flat_map(|y| (0..wo).flat_map(move |x| (0..c).map(move |ch| (y, x, ch)))) {
+                    let mut want = bias[ch] as f64;
+                    for (i, j) in (0..k).flat_map(|i| (0..k).map(move |j| (i, j))) {
+                        let (y, xx) = ((oy * s + i) as isize - p as isize, (ox * s + j) as isize - p as isize);
+                        if (0..h as isize).contains(&y) && (0..w as isize).contains(&xx) {
+                            let v = x[((b * h + y as usize) * w + xx as usize) * c + ch] as f64;
+                            want += v * taps[(i * k + j) * c + ch] as f64;
+                        }
+                    }
+                    let got = out[((b * ho + oy) * wo + ox) * c + ch] as f64;
+                    assert!((got - want.max(0.0)).abs() < 1e-5, "c{c} k{k} s{s} p{p} ({b}, {oy}, {ox}, {ch})");
+                }
+            }
+        }
+        assert_eq!(Depthwise::new([4, 3, 3], [0, 1], [0, 0]), None);
+        assert_eq!(Depthwise::new([4, 5, 5], [1, 1], [0, 0]).unwrap().output(3, 3), None);
+    });
+}
+
+#[test]
+fn direct_and_indirect_match_a_reference_convolution() {
+    each_isa(|| {
+        // (cin, cout, k, stride, padding, h, w): an RGB stem, odd sizes, 40 outputs (a masked
+        // block), a kernel larger than the image with padding, a strided 1×1, 70 outputs
+        // over 20 channels (two panels), many pixels.
+        let cases = [
+            (3, 16, 3, 2, 1, 11, 9),
+            (3, 40, 3, 1, 1, 6, 7),
+            (2, 8, 5, 2, 2, 3, 4),
+            (6, 10, 1, 2, 0, 5, 5),
+            (20, 70, 3, 1, 1, 5, 4),
+            (1, 4, 3, 1, 1, 120, 100),
+        ];
+        for (ci, co, k, s, p, h, w) in cases {
+            let g = Conv2d::new([co as i64, ci as i64, k as i64, k as i64], [s as i64; 2], [p as i64; 2]).unwrap();
+            let [ho, wo] = g.output(h, w).unwrap();
+            let x: Vec<f32> = (0..2 * ci * h * w).map(|i| (i as f32 * 0.31).sin()).collect();
+            let wts: Vec<f32> = (0..co * ci * k * k).map(|i| (i as f32 * 0.05).cos()).collect(); // [co, ci, k, k]
+            let taps: Vec<f32> = (0..ci * k * k * co).map(|t| wts[(t % co) * ci * k * k + t / co]).collect();
+            let mut panels = vec![f32::NAN; g.taps() * co.div_ceil(PANEL) * PANEL];
+            pack_conv_panels(&wts, [co, ci, k, k], [ci * k * k, k * k, k, 1], &mut panels);
+            let bias: Vec<f32> = (0..co).map(|i| i as f32 * 0.1).collect();
+            // NCHW, and the same values laid out channels-last.
+            let nchw = [ci * h * w, h * w, w, 1];
+            let nhwc: Vec<f32> = (0..2 * h * w * ci)
+                .map(|i| {
+                    let (b, y, xx, c) = (i / (h * w * ci), i / (w * ci) % h, i / ci % w, i % ci);
+                    x[b * ci * h * w + c * h * w + y * w + xx]
+                })
+                .collect();
+            type Run<'a> = (&'a str, &'a dyn Fn(&mut [f32]) -> bool);
+            let runs: [Run; 3] = [
+                ("direct nchw", &|out| direct_f32(&x, [2, h, w], nchw, &taps, &g, Some(&bias), Epilogue::None, out)),
+                ("direct nhwc", &|out| {
+                    let cl = [h * w * ci, 1, w * ci, ci];
+                    direct_f32(&nhwc, [2, h, w], cl, &taps, &g, Some(&bias), Epilogue::None, out)
+                }),
+                ("indirect", &|out| {
+                    indirect_f32(&nhwc, [2, h, w], &panels, &g, Some(&bias), None, Epilogue::None, out)
+                }),
+            ];
+            for (name, run) in runs {
+                let mut out = vec![f32::NAN; 2 * ho * wo * co];
+                assert!(run(&mut out));
+                for (b, oy, ox, o) in (0..2).flat_map(|b| {
+                    (0..ho).flat_map(move |y| (0..wo).flat_map(move |xx| (0..co).map(move |o| (b, y, xx, o))))
+                }) {
+                    let mut want = bias[o] as f64;
+                    for (c, i, j) in (0..ci).flat_map(|c| (0..k).flat_map(move |i| (0..k).map(move |j| (c, i, j)))) {
+                        let (y, xx) = ((oy * s + i) as isize - p as isize, (ox * s + j) as isize - p as isize);
+                        if (0..h as isize).contains(&y) && (0..w as isize).contains(&xx) {
+                            let v = x[((b * ci + c) * h + y as usize) * w + xx as usize] as f64;
+                            want += v * wts[((o * ci + c) * k + i) * k + j] as f64;
+                        }
+                    }
+                    let got = out[((b * ho + oy) * wo + ox) * co + o] as f64;
+                    let tolerance = 1e-6 * g.taps() as f64;
+                    assert!(
+                        (got - want).abs() < tolerance,
+                        "{name} {ci}->{co} k{k} s{s} ({b}, {oy}, {ox}, {o}): {got} {want}"
+                    );
+                }
+            }
+        }
+    });
+}
+
+/// erf in double: its Taylor series below 2.5, else 1 - erfc by erfc's continued fraction.
+fn erf(z: f64) -> f64 {
+    if z.abs() >= 2.5 {
+        let a = z.abs();
+        let f = (1..80).rev().fold(a, |f, n| a + (n as f64 / 2.0) / f);
+        return z.signum() * (1.0 - (-a * a).exp() / (std::f64::consts::PI.sqrt() * f));
+    }
+    let (mut term, mut sum) = (z, z);
+    for n in 1..200 {
+        term *= -z * z / n as f64;
+        sum += term / (2 * n + 1) as f64;
+    }
+    sum * 2.0 / std::f64::consts::PI.sqrt()
+}
+
+#[test]
+fn gelu_matches_a_double_precision_reference() {
+    each_isa(|| {
+        let x: Vec<f32> = (0..301).map(|i| (i as f32 - 150.0) * 0.07).chain([-90.0, 90.0, 0.0]).collect();
+        for tanh in [false, true] {
+            let mut out = vec![f32::NAN; x.len()];
+            assert!(gelu_f32(&x, tanh, &mut out));
+            for (&v, &got) in x.iter().zip(&out) {
+                let v = v as f64;
+                let want = if tanh {
+                    0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v.powi(3))).tanh())
+                } else {
+                    0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2))
+                };
+                assert!((got as f64 - want).abs() <= 2e-7 * v.abs().max(1.0), "tanh={tanh} x={v}: {got} vs {want}");
+            }
+        }
+    });
+}
+
+#[test]
+fn rms_norm_normalizes_each_row() {
+    let x: Vec<f32> = (0..70).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+    let w: Vec<f32> = (0..35).map(|i| 0.5 + i as f32 * 0.01).collect();
+    let mut out = vec![0.0; 70];
+    rms_norm_f32(&x, &w, 1e-6, &mut out);
+    for r in 0..2 {
+        let row = &x[r * 35..(r + 1) * 35];
+        let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / 35.0;
+        for i in 0..35 {
+            let want = w[i] as f64 * row[i] as f64 / (ms + 1e-6).sqrt();
+            assert!((out[r * 35 + i] as f64 - want).abs() <= 1e-6 * want.abs().max(1.0), "{r} {i}");
+        }
+    }
+}
+
+mod attention {
+    use super::*;
+
+    /// `[batch, heads, rows, cols]` values of `f`, laid out `[batch, rows, heads, cols]` (the
+    /// transposed view attention reads from a projection), and that layout's strides.
+    fn transposed(g: &Attention, rows: usize, cols: usize, f: impl Fn(usize) -> f32) -> (Vec<f32>, [usize; 3]) {
+        let data = (0..g.batch * rows * g.heads * cols).map(f).collect();
+        (data, [rows * g.heads * cols, cols, g.heads * cols])
+    }
+
+    /// The reference in double precision, `None` where a row has no key.
+    fn reference(
+        g: &Attention,
+        (q, qs): (&[f32], [usize; 3]),
+        (k, ks): (&[f32], [usize; 3]),
+        (v, vs): (&[f32], [usize; 3]),
+        mask: &dyn Fn(usize, usize, usize, usize) -> Option<f64>,
+    ) -> Option<Vec<f64>> {
+        let mut out = vec![0.0; g.batch * g.l * g.heads * g.ev];
+        for b in 0..g.batch {
+            for h in 0..g.heads {
+                for i in 0..g.l {
+                    let scores: Vec<Option<f64>> = (0..g.s)
+                        .map(|j| {
+                            let dot: f64 = (0..g.e)
+                                .map(|c| {
+                                    q[b * qs[0] + h * qs[1] + i * qs[2] + c] as f64
+                                        * k[b * ks[0] + h * ks[1] + j * ks[2] + c] as f64
+                                })
+                                .sum();
+                            mask(b, h, i, j).map(|m| dot * g.scale as f64 + m).filter(|x| x.is_finite())
+                        })
+                        .collect();
+                    let max = scores.iter().flatten().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    if max == f64::NEG_INFINITY {
+                        return None;
+                    }
+                    let p: Vec<f64> = scores.iter().map(|s| s.map_or(0.0, |s| (s - max).exp())).collect();
+                    let sum: f64 = p.iter().sum();
+                    for c in 0..g.ev {
+                        let acc: f64 = (0..g.s).map(|j| p[j] * v[b * vs[0] + h * vs[1] + j * vs[2] + c] as f64).sum();
+                        out[((b * g.l + i) * g.heads + h) * g.ev + c] = acc / sum;
+                    }
+                }
+            }
+        }
+        Some(out)
+    }
+
+    #[test]
+    fn attention_matches_a_double_precision_reference() {
+        each_isa(|| {
+            for (batch, heads, l, s, e, ev) in [
+                (1, 4, 32, 32, 64, 64),
+                (2, 3, 5, 37, 24, 80),
+                (1, 1, 1, 1, 1, 1),
+                (2, 2, 9, 16, 16, 130),
+                (1, 4, 64, 64, 64, 64),
+            ] {
+                let g = Attention { batch, heads, l, s, e, ev, scale: 1.0 / (e as f32).sqrt() };
+                let (q, qs) = transposed(&g, l, e, |i| (i as f32 * 0.37).sin());
+                let (k, ks) = transposed(&g, s, e, |i| (i as f32 * 0.11).cos());
+                let (v, vs) = transposed(&g, s, ev, |i| (i as f32 * 0.07).sin() * 3.0);
+                // A padding-style bool mask over [batch, 1, 1, s] (zero strides where broadcast), a
+                // float mask over [l, s] with some -inf, and the causal triangle.
+                let keep: Vec<u8> = (0..batch * s).map(|i| u8::from(i % s == 0 || i % 3 != 1)).collect();
+                let add: Vec<f32> = (0..l * s)
+                    .map(|i| if i % s != 0 && i % 5 == 2 { f32::NEG_INFINITY } else { (i as f32).sin() })
+                    .collect();
+                // And masks that vary along the queries only (BERT's: keys at stride 0).
+                let rows: Vec<u8> = (0..l).map(|i| u8::from(i % 4 != 3)).collect();
+                let row_add: Vec<f32> = (0..l).map(|i| (i as f32).cos()).collect();
+                type Case<'a> = (AttentionMask<'a>, &'a dyn Fn(usize, usize, usize, usize) -> Option<f64>);
+                let cases: [Case; 6] = [
+                    (AttentionMask::None, &|_, _, _, _| Some(0.0)),
+                    (AttentionMask::Causal, &|_, _, i, j| (j <= i).then_some(0.0)),
+                    (AttentionMask::Bool(&keep, [s, 0, 0, 1]), &|b, _, _, j| (keep[b * s + j] != 0).then_some(0.0)),
+                    (AttentionMask::Float(&add, [0, 0, s, 1]), &|_, _, i, j| Some(add[i * s + j] as f64)),
+                    (AttentionMask::Float(&row_add, [0, 0, 1, 0]), &|_, _, i, _| Some(row_add[i] as f64)),
+                    (AttentionMask::Bool(&rows, [0, 0, 1, 0]), &|_, _, i, _| (rows[i] != 0).then_some(0.0)),
+                ];
+                for (mask, want_mask) in cases {
+                    let mut out = vec![f32::NAN; batch * l * heads * ev];
+                    let ok = attention_f32((&q, qs), (&k, ks), (&v, vs), &g, mask, &mut out);
+                    let want = reference(&g, (&q, qs), (&k, ks), (&v, vs), want_mask);
+                    assert_eq!(ok, want.is_some(), "{g:?} {mask:?}");
+                    let Some(want) = want else { continue };
+                    let scale = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+                    for (got, want) in out.iter().zip(&want) {
+                        assert!((*got as f64 - want).abs() <= 1e-5 * scale, "{g:?} {mask:?}: {got} vs {want}");
+                    }
+                }
+            }
+        });
+    }
+
+    #[test]
+    fn a_query_with_no_key_is_left_to_torch() {
+        each_isa(|| {
+            let g = Attention { batch: 1, heads: 1, l: 2, s: 3, e: 2, ev: 2, scale: 1.0 };
+            let x = [0.5f32; 6];
+            let keep = [1u8, 1, 1, 0, 0, 0];
+            let mut out = [0.0f32; 4];
+            let ok = attention_f32(
+                (&x[..4], [4, 4, 2]),
+                (&x, [6, 6, 2]),
+                (&x, [6, 6, 2]),
+                &g,
+                AttentionMask::Bool(&keep, [0, 0, 3, 1]),
+                &mut out,
+            );
+            assert!(!ok);
+        });
+    }
+}
