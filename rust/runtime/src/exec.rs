@@ -448,7 +448,9 @@ impl CStep {
         if !admitted {
             return self.on_python(abi, shim, slots);
         }
-        let Some(weight) = conv.packed.get_or_init(|| pack_conv_weight(abi, conv, &consts[conv.weight])) else {
+        // SAFETY: a live handle.
+        let input = unsafe { abi.sizes_strides(t[0]) }.map(|(s, _)| s);
+        let Some(weight) = conv.packed.get_or_init(|| pack_conv_weight(abi, conv, &consts[conv.weight], input)) else {
             return self.on_python(abi, shim, slots);
         };
         // oneDNN's fused op, with its post-op or (`post` false) without it.
@@ -721,10 +723,18 @@ impl CStep {
 }
 
 /// A convolution's weight packed for oneDNN (`mkldnn::_reorder_convolution_weight`, through
-/// the dispatcher), or the plain weight where torch can't pack it: oneDNN then reorders it
-/// on each call, which gives the same values. `None` only if not even a new handle to the
-/// weight could be made (the node then runs its Python op).
-fn pack_conv_weight(abi: &Abi, conv: &crate::plan::Conv, weight: &abi::Tensor) -> Option<abi::Tensor> {
+/// the dispatcher) for the first call's input sizes, or the plain weight where torch can't
+/// pack it: oneDNN then reorders it on each call, which gives the same values. Packed for no
+/// input size, oneDNN guesses one, and where its kernel for the real size wants another
+/// blocking it reorders the weight on every call (on an AVX2 CPU: 24- against 32-wide blocks,
+/// 70 ms a call for resnet18's 512-channel convolutions). `None` only if not even a new
+/// handle to the weight could be made (the node then runs its Python op).
+fn pack_conv_weight(
+    abi: &Abi,
+    conv: &crate::plan::Conv,
+    weight: &abi::Tensor,
+    input: Option<Vec<i64>>,
+) -> Option<abi::Tensor> {
     let packed = || -> Result<abi::Tensor, CError> {
         let ints = |v: &[i64; 2]| abi.new_list(&[v[0] as StableIValue, v[1] as StableIValue]);
         let list = Ty::List(Box::new(Ty::Int));
@@ -741,8 +751,18 @@ fn pack_conv_weight(abi: &Abi, conv: &crate::plan::Conv, weight: &abi::Tensor) -
             }
             return Err(e);
         }
-        // groups, and input_size=None
-        stack.extend([conv.groups as StableIValue, 0]);
+        stack.push(conv.groups as StableIValue);
+        // input_size: an optional list, boxed; None (0) where the sizes are unknown or the
+        // list couldn't be made.
+        let sizes: Vec<StableIValue> = input.iter().flatten().map(|&v| v as StableIValue).collect();
+        let boxed = input.is_some().then(|| abi.new_list(&sizes)).and_then(Result::ok).and_then(|list_handle| {
+            abi.boxed(list_handle).ok().or_else(|| {
+                // SAFETY: made above for a list of ints, never handed to torch.
+                unsafe { abi.release(&list, list_handle) };
+                None
+            })
+        });
+        stack.push(boxed.unwrap_or(0));
         // SAFETY: one value per argument of `_reorder_convolution_weight`'s schema, encoded
         // for its type; it returns one tensor.
         unsafe { abi.call(c"mkldnn::_reorder_convolution_weight", c"", &mut stack) }?;
