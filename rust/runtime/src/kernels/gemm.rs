@@ -317,7 +317,10 @@ unsafe fn columns_block<S: Simd, R: Rows>(
     k: usize,
 ) {
     let (wide, width) = (S::REGISTERS >= 32, (s.n - j).min(PANEL));
-    let step = if wide { PANEL } else { 2 * S::LANES };
+    // With 16 registers, one or two rows take 4 vectors at once (a GEMV streams its weight:
+    // fewer, longer passes over each panel row), more rows 2 (6 rows × 2 vectors).
+    let few = range.len() <= 2;
+    let step = if wide { PANEL } else if few { 4 * S::LANES } else { 2 * S::LANES };
     let mut sub = 0;
     while sub < width {
         // A tile narrower than the widest (the last, or a small `n`: a 1x1 convolution's
@@ -330,6 +333,7 @@ unsafe fn columns_block<S: Simd, R: Rows>(
             match (wide, vectors) {
                 (true, 4) => rows::<S, R, 6, 4>(rows_of, range.clone(), wp, op, s, jj),
                 (true, 3) => rows::<S, R, 8, 3>(rows_of, range.clone(), wp, op, s, jj),
+                (false, 3 | 4) => rows::<S, R, 2, 4>(rows_of, range.clone(), wp, op, s, jj),
                 (_, 2) if wide => rows::<S, R, 12, 2>(rows_of, range.clone(), wp, op, s, jj),
                 (_, 2) => rows::<S, R, 6, 2>(rows_of, range.clone(), wp, op, s, jj),
                 _ => rows::<S, R, 12, 1>(rows_of, range.clone(), wp, op, s, jj),
@@ -340,7 +344,7 @@ unsafe fn columns_block<S: Simd, R: Rows>(
 }
 
 /// Rows `range` times `V` vectors of the panel at `wp` (columns from `j`): tiles of `T`
-/// rows, then the remainder in tiles of 4, 2 and 1.
+/// rows, then the remainder in tiles of 4 (where `T` is taller), 2 and 1.
 #[inline(always)]
 unsafe fn rows<S: Simd, R: Rows, const T: usize, const V: usize>(
     rows_of: R,
@@ -357,7 +361,8 @@ unsafe fn rows<S: Simd, R: Rows, const T: usize, const V: usize>(
             tile::<S, R, T, V>(rows_of, i, wp, op.add(i * s.n), s, j);
             i += T;
         }
-        while i + 4 <= m {
+        // Tiles of 4 only where the main tile is taller (a shorter one would spill).
+        while T > 4 && i + 4 <= m {
             tile::<S, R, 4, V>(rows_of, i, wp, op.add(i * s.n), s, j);
             i += 4;
         }
