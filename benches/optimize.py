@@ -1,20 +1,39 @@
 """Optimization levels side by side with the peers: eager, kwexport `exact` and `fast`, ONNX
 Runtime (`torch.onnx.export(..., dynamo=True)`, default graph optimizations) and OpenVINO
 (`ov.convert_model(exported_program)`, f32) where the bench extra is installed, ExecuTorch
-with XNNPACK where `executorch` is installed, and AOTInductor when asked; one thread,
-interleaved rounds (best of each), with `fast`'s largest difference from eager relative to
-the output's scale, on issue 20's workloads: conv nets at batch 1, transformers of 4 layers
-at d=256 on 32 tokens (no cache), and 8 x (Linear 256->256 + GELU) at batch 4. A peer that fails on a model (or computes something else) is a cell
-saying so. Writes nothing; prints a Markdown table (BENCHMARKS.md, "Optimization levels").
+with XNNPACK where `executorch` is installed, and AOTInductor when asked; each at the same
+intra-op thread count, interleaved rounds (best of each), with `fast`'s largest difference
+from eager relative to the output's scale. A peer that fails on a model (or computes
+something else) is a cell saying so. Writes nothing; prints a Markdown table (BENCHMARKS.md).
 
-    python benches/optimize.py [--peers ort,openvino,executorch,aoti]
+The models: issue 20's workloads, which `fast`'s kernels were tuned on (the `tuned` set: conv
+nets at batch 1, transformers of 4 layers at d=256 on 32 tokens without a cache, 8 x (Linear
+256->256 + GELU) at batch 4), and with `--zoo` the `holdout` set, which no choice was tuned
+on: torchvision, timm and transformers models at other sizes (encoders and decoders at 128
+and 512 tokens, vision transformers, conv nets with grouped, depthwise and 7x7 kernels).
+
+    python benches/optimize.py [--peers ort,openvino,executorch,aoti] [--threads 1,2] [--zoo]
+    python benches/optimize.py --isa avx2   # kwexport's AVX2 kernels, torch and OpenVINO
+                                            # limited to AVX2 (ONNX Runtime can't be)
     python benches/optimize.py --bf16   # precision="bf16" beside OpenVINO's bf16
 """
 
+import os
+import sys
 import tempfile
 import timeit
 import warnings
 from pathlib import Path
+
+# `--isa NAME` runs the whole table with kwexport's kernels of that family and, where the
+# peers can be limited, theirs: set before torch (oneDNN, MKL) and OpenVINO load.
+if "--isa" in sys.argv[:-1]:
+    _isa = sys.argv[sys.argv.index("--isa") + 1]
+    os.environ["KWEXPORT_ISA"] = _isa
+    if _isa == "avx2":
+        os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
+        os.environ["MKL_ENABLE_INSTRUCTIONS"] = "AVX2"
+        os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
 
 import torch
 import torchvision
@@ -47,14 +66,70 @@ def mlp():
     return torch.nn.Sequential(*layers)
 
 
+def encoder(d, layers, heads):
+    cfg = transformers.BertConfig(
+        vocab_size=1000, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * d
+    )
+    return transformers.BertModel(cfg)
+
+
+def ids(n):
+    return lambda: {"input_ids": torch.randint(0, 1000, (1, n))}
+
+
+def decoder_tokens(n):
+    return lambda: {"input_ids": torch.randint(0, 1000, (1, n)), "use_cache": False}
+
+
+def vit():
+    cfg = transformers.ViTConfig(
+        hidden_size=384, num_hidden_layers=6, num_attention_heads=6, intermediate_size=1536, image_size=224
+    )
+    return transformers.ViTModel(cfg, add_pooling_layer=False)
+
+
+def tv(name, **kw):
+    return lambda: getattr(torchvision.models, name)(num_classes=10, **kw)
+
+
+def timm_model(name):
+    def build():
+        import timm  # the bench extra
+
+        return timm.create_model(name, pretrained=False, num_classes=10)
+
+    return build
+
+
+# Issue 20's workloads: the set `fast`'s kernels and thresholds were tuned on.
 MODELS = [
-    ("torchvision resnet18, 64×64", lambda: torchvision.models.resnet18(num_classes=10), pixels(64)),
-    ("torchvision resnet18, 224×224", lambda: torchvision.models.resnet18(num_classes=10), pixels(224)),
-    ("torchvision mobilenet_v3_small, 224", lambda: torchvision.models.mobilenet_v3_small(num_classes=10), pixels(224)),
-    ("BERT, 4 layers, d=256, 32 tokens", lambda: lm("bert"), lambda: {"input_ids": torch.randint(0, 1000, (1, 32))}),
+    ("torchvision resnet18, 64×64", tv("resnet18"), pixels(64)),
+    ("torchvision resnet18, 224×224", tv("resnet18"), pixels(224)),
+    ("torchvision mobilenet_v3_small, 224", tv("mobilenet_v3_small"), pixels(224)),
+    ("BERT, 4 layers, d=256, 32 tokens", lambda: lm("bert"), ids(32)),
     ("GPT-2, same size, no cache", lambda: lm("gpt2"), tokens),
     ("Llama, same size, no cache", lambda: lm("llama"), tokens),
     ("8 × (Linear 256→256 + GELU), batch 4", mlp, lambda: {"input": torch.randn(4, 256)}),
+]
+
+# Models no choice was tuned on (`--zoo`): how `fast` does on what users bring.
+HOLDOUT = [
+    ("torchvision mobilenet_v2, 224", tv("mobilenet_v2"), pixels(224)),
+    ("torchvision shufflenet_v2_x1_0, 224", tv("shufflenet_v2_x1_0"), pixels(224)),
+    ("torchvision efficientnet_b0, 224", tv("efficientnet_b0"), pixels(224)),
+    ("torchvision regnet_y_400mf, 224", tv("regnet_y_400mf"), pixels(224)),
+    ("torchvision squeezenet1_1, 224", tv("squeezenet1_1"), pixels(224)),
+    ("torchvision resnet50, 128×128", tv("resnet50"), pixels(128)),
+    ("timm convnext_atto, 224", timm_model("convnext_atto"), pixels(224)),
+    ("timm ghostnet_100, 224", timm_model("ghostnet_100"), pixels(224)),
+    ("timm vit_tiny_patch16_224", timm_model("vit_tiny_patch16_224"), pixels(224)),
+    ("timm regnetx_002, 224", timm_model("regnetx_002"), pixels(224)),
+    ("BERT, 6 layers, d=384, 128 tokens", lambda: encoder(384, 6, 12), ids(128)),
+    ("BERT, 4 layers, d=768, 128 tokens", lambda: encoder(768, 4, 12), ids(128)),
+    ("BERT, 4 layers, d=256, 512 tokens", lambda: lm("bert"), ids(512)),
+    ("GPT-2, 4 layers, d=256, 128 tokens", lambda: lm("gpt2"), decoder_tokens(128)),
+    ("Llama, 4 layers, d=256, 512 tokens", lambda: lm("llama"), decoder_tokens(512)),
+    ("ViT, 6 layers, d=384, 224 px", vit, lambda: {"pixel_values": torch.randn(1, 3, 224, 224)}),
 ]
 
 
@@ -82,20 +157,22 @@ def peer_failure(e: Exception) -> str:
     return f"fails: {type(e).__name__}"
 
 
-def ort_session(model, kwargs, tmp: Path):
-    """An ONNX Runtime session on one thread (a function of the kwargs), None without the
-    bench extra, or the reason its export or session failed."""
+def ort_session(model, kwargs, tmp: Path, threads: int = 1):
+    """An ONNX Runtime session on `threads` intra-op threads (a function of the kwargs), None
+    without the bench extra, or the reason its export or session failed. The model is
+    exported once per `tmp` folder (`saved` empties it per model)."""
     try:
         import onnxruntime as ort
     except ImportError:
         return None
     try:
         path = tmp / "m.onnx"
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.onnx.export(model, (), path, kwargs=kwargs, dynamo=True)
+        if not path.exists():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.onnx.export(model, (), path, kwargs=kwargs, dynamo=True)
         so = ort.SessionOptions()
-        so.intra_op_num_threads = so.inter_op_num_threads = 1
+        so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
         sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     except Exception as e:  # a peer's failure is a cell of the table
         return peer_failure(e)
@@ -104,10 +181,10 @@ def ort_session(model, kwargs, tmp: Path):
     return lambda **_kw: sess.run(None, feed)
 
 
-def openvino_model(model, kwargs, tmp: Path, precision: str = "f32"):
-    """OpenVINO from ``ov.convert_model(exported_program)``, compiled for the CPU with one
-    inference thread and the f32 precision hint (it would pick bf16 on this CPU; ``--bf16``
-    asks for that)."""
+def openvino_model(model, kwargs, tmp: Path, precision: str = "f32", threads: int = 1):
+    """OpenVINO from ``ov.convert_model(exported_program)``, compiled for the CPU with
+    `threads` inference threads and the f32 precision hint (it would pick bf16 on a CPU with
+    AVX512-BF16; ``--bf16`` asks for that)."""
     try:
         import openvino as ov
     except ImportError:
@@ -121,7 +198,7 @@ def openvino_model(model, kwargs, tmp: Path, precision: str = "f32"):
         compiled = ov.Core().compile_model(
             ov.convert_model(ep),
             "CPU",
-            {"INFERENCE_NUM_THREADS": 1, "INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY"},
+            {"INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY"},
         )
         request = compiled.create_infer_request()
         feed = [tensors[i.get_any_name()].numpy() for i in compiled.inputs]
@@ -135,9 +212,9 @@ def openvino_model(model, kwargs, tmp: Path, precision: str = "f32"):
     return run
 
 
-def executorch_model(model, kwargs, tmp: Path):
+def executorch_model(model, kwargs, tmp: Path, threads: int = 1):
     """ExecuTorch with the XNNPACK delegate (``to_edge_transform_and_lower``), its threadpool
-    reset to one thread; ``pip install executorch`` (not in the bench extra: it is large)."""
+    reset to `threads`; ``pip install executorch`` (not in the bench extra: it is large)."""
     try:
         import executorch.extension.pybindings.portable_lib as portable
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
@@ -146,7 +223,7 @@ def executorch_model(model, kwargs, tmp: Path):
     except ImportError:
         return None
     try:
-        portable._unsafe_reset_threadpool(1)
+        portable._unsafe_reset_threadpool(threads)
         ep = torch.export.export(model, (), kwargs)
         program = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]).to_executorch()
         path = tmp / "m.pte"
@@ -158,15 +235,18 @@ def executorch_model(model, kwargs, tmp: Path):
     return lambda **_kw: method.execute(inputs)
 
 
-def aoti_model(model, kwargs, tmp: Path):
-    """AOTInductor (``aoti_compile_and_package``), in torch: compiling takes minutes per model
-    on two cores, so it runs only when asked (``--peers ...,aoti``)."""
+def aoti_model(model, kwargs, tmp: Path, threads: int = 1):
+    """AOTInductor (``aoti_compile_and_package``), in torch (its kernels use torch's threads):
+    compiling takes minutes per model on two cores, so it runs only when asked (``--peers
+    ...,aoti``)."""
     try:
-        ep = torch.export.export(model, (), kwargs)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            package = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp / "m.pt2"))
-        runner = torch._inductor.aoti_load_package(package)
+        path = tmp / "m.pt2"
+        if not path.exists():
+            ep = torch.export.export(model, (), kwargs)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
+        runner = torch._inductor.aoti_load_package(str(path))
     except Exception as e:
         return peer_failure(e)
     return runner
@@ -180,61 +260,84 @@ PEERS = {
 }
 
 
-def saved(models: list[str] | None, tmp: Path):
-    """Each workload whose name contains one of `models` (all without), built with seed 0
-    and saved under `tmp`: `(name, model, kwargs, path)`."""
-    for name, build, make_inputs in MODELS:
+def saved(models: list[str] | None, tmp: Path, zoo: bool = False):
+    """Each workload whose name contains one of `models` (all without; the holdout set too
+    with `zoo`), built with seed 0 and saved under a folder of its own in `tmp`: `(name, set,
+    model, kwargs, path)`, or `(name, set, None, error, None)` where it can't be exported."""
+    sets = [("tuned", MODELS)] + ([("holdout", HOLDOUT)] if zoo else [])
+    for i, (which, (name, build, make_inputs)) in enumerate((w, m) for w, ms in sets for m in ms):
         if models and not any(m in name for m in models):
             continue
+        folder = tmp / str(i)
+        folder.mkdir()
         torch.manual_seed(0)
-        model, kwargs = build().eval(), make_inputs()
-        path = tmp / "m.kwx"
-        kwexport.save(kwexport.export(model, (), kwargs), path)
-        yield name, model, kwargs, path
+        try:
+            model, kwargs = build().eval(), make_inputs()
+            path = folder / "m.kwx"
+            kwexport.save(kwexport.export(model, (), kwargs), path)
+        except Exception as e:
+            yield name, which, None, f"{type(e).__name__}: {str(e)[:80]}", None
+            continue
+        yield name, which, model, kwargs, path
 
 
-def main(peers: list[str], models: list[str] | None = None, rounds: int = 3) -> None:
-    torch.set_num_threads(1)
+def best_time(f, kwargs) -> float:
+    """Seconds per call: the best of 5 repeats of enough calls to take ~20 ms."""
+    once = timeit.timeit(lambda: f(**kwargs), number=1)
+    number = max(1, min(20, int(0.02 / max(once, 1e-6))))
+    return min(timeit.repeat(lambda: f(**kwargs), number=number, repeat=5)) / number
+
+
+def main(peers: list[str], models: list[str] | None, threads: list[int], zoo: bool, rounds: int = 3) -> None:
     names = [PEERS[p][0] for p in peers]
+    info = kwexport.kernel_info()
+    print(f"kwexport kernels: {info['isa']} (of {', '.join(info['supported'])}); torch {torch.__version__}")
     print(
-        f"| model | eager | `exact` | `fast` | {' | '.join(names)} | `fast` / `exact` | `fast` / fastest peer | rel. error |"
+        f"| model | set | threads | eager | `exact` | `fast` | {' | '.join(names)} "
+        "| `fast` / `exact` | `fast` / fastest peer | rel. error |"
     )
-    print("| --- |" + " ---: |" * (len(names) + 6))
+    print("| --- | --- |" + " ---: |" * (len(names) + 8))
     with tempfile.TemporaryDirectory() as tmp:
-        for name, model, kwargs, path in saved(models, Path(tmp)):
+        for name, which, model, kwargs, path in saved(models, Path(tmp), zoo):
+            if model is None:
+                print(f"| {name} | {which} | – | kwexport can't export it: {kwargs} |")
+                continue
             exact, fast = kwexport.load(path), kwexport.load(path, optimize="fast")
-            runners = [("eager", model), ("exact", exact), ("fast", fast)]
-            cells = {}
             with torch.no_grad():
                 want = first(model(**kwargs))
                 err = ((first(fast(**kwargs)) - want).abs().max() / want.abs().max()).item()
-                for p in peers:
-                    run = PEERS[p][1](model, kwargs, Path(tmp))
-                    if callable(run):
-                        # A peer is compared only where it computes what eager does.
-                        try:
-                            got = first(run(**kwargs))
-                            if ((got - want).abs().max() / want.abs().max()).item() > 1e-4:
-                                run = "fails: a different result"
-                        except Exception as e:
-                            run = peer_failure(e)
-                    if callable(run):
-                        runners.append((p, run))
-                    else:
-                        cells[p] = run or "not installed"
-                best = {}
-                for _ in range(rounds):
-                    for k, f in runners:
-                        t = min(timeit.repeat(lambda f=f, kw=kwargs: f(**kw), number=5, repeat=5)) / 5
-                        best[k] = min(best.get(k, float("inf")), t)
-            ms = {k: v * 1e3 for k, v in best.items()}
-            measured = [ms[p] for p in peers if p in ms]
-            fastest = f"{ms['fast'] / min(measured):.2f}" if measured else "–"
-            peer_cells = " | ".join(f"{ms[p]:.2f} ms" if p in ms else cells[p] for p in peers)
-            print(
-                f"| {name} | {ms['eager']:.2f} ms | {ms['exact']:.2f} ms | {ms['fast']:.2f} ms | {peer_cells} "
-                f"| {ms['fast'] / ms['exact']:.2f} | {fastest} | {err:.1e} |"
-            )
+            for n in threads:
+                torch.set_num_threads(n)
+                runners = [("eager", model), ("exact", exact), ("fast", fast)]
+                cells = {}
+                with torch.no_grad():
+                    for p in peers:
+                        run = PEERS[p][1](model, kwargs, path.parent, threads=n)
+                        if callable(run):
+                            # A peer is compared only where it computes what eager does.
+                            try:
+                                got = first(run(**kwargs))
+                                if ((got - want).abs().max() / want.abs().max()).item() > 1e-4:
+                                    run = "fails: a different result"
+                            except Exception as e:
+                                run = peer_failure(e)
+                        if callable(run):
+                            runners.append((p, run))
+                        else:
+                            cells[p] = run or "not installed"
+                    best = {}
+                    for _ in range(rounds):
+                        for k, f in runners:
+                            best[k] = min(best.get(k, float("inf")), best_time(f, kwargs))
+                ms = {k: v * 1e3 for k, v in best.items()}
+                measured = [ms[p] for p in peers if p in ms]
+                fastest = f"{ms['fast'] / min(measured):.2f}" if measured else "–"
+                peer_cells = " | ".join(f"{ms[p]:.2f} ms" if p in ms else cells[p] for p in peers)
+                print(
+                    f"| {name} | {which} | {n} | {ms['eager']:.2f} ms | {ms['exact']:.2f} ms | {ms['fast']:.2f} ms "
+                    f"| {peer_cells} | {ms['fast'] / ms['exact']:.2f} | {fastest} | {err:.1e} |",
+                    flush=True,
+                )
 
 
 def main_bf16(models: list[str] | None = None, rounds: int = 3) -> None:
@@ -247,7 +350,9 @@ def main_bf16(models: list[str] | None = None, rounds: int = 3) -> None:
     )
     print("| --- |" + " ---: |" * 8)
     with tempfile.TemporaryDirectory() as tmp:
-        for name, model, kwargs, path in saved(models, Path(tmp)):
+        for name, _, model, kwargs, path in saved(models, Path(tmp)):
+            if model is None:
+                continue
             runners = {
                 "fast": kwexport.load(path, optimize="fast"),
                 "bf16": kwexport.load(path, precision="bf16"),
@@ -284,9 +389,12 @@ if __name__ == "__main__":
     parser.add_argument("--peers", default="ort,openvino,executorch", help="comma-separated: " + ", ".join(PEERS))
     parser.add_argument("--models", help="comma-separated: only the models whose names contain one of these")
     parser.add_argument("--bf16", action="store_true", help="precision='bf16' beside OpenVINO's bf16 instead")
+    parser.add_argument("--threads", default="1", help="comma-separated intra-op thread counts, e.g. 1,2")
+    parser.add_argument("--zoo", action="store_true", help="the holdout models too, beside the tuned set")
+    parser.add_argument("--isa", help="avx512, avx2 or portable: kwexport's kernels of that family (read at start)")
     args = parser.parse_args()
     models = args.models.split(",") if args.models else None
     if args.bf16:
         main_bf16(models)
     else:
-        main(args.peers.split(","), models)
+        main(args.peers.split(","), models, [int(t) for t in args.threads.split(",")], args.zoo)

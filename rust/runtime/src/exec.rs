@@ -450,7 +450,8 @@ impl CStep {
         }
         // SAFETY: a live handle.
         let input = unsafe { abi.sizes_strides(t[0]) }.map(|(s, _)| s);
-        let Some(weight) = conv.packed.get_or_init(|| pack_conv_weight(abi, conv, &consts[conv.weight], input)) else {
+        let pack = &conv.packed[abi.threads().clamp(1, conv.packed.len()) - 1];
+        let Some(weight) = pack.get_or_init(|| pack_conv_weight(abi, conv, &consts[conv.weight], input)) else {
             return self.on_python(abi, shim, slots);
         };
         // oneDNN's fused op, with its post-op or (`post` false) without it.

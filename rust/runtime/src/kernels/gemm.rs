@@ -320,7 +320,13 @@ unsafe fn columns_block<S: Simd, R: Rows>(
     // With 16 registers, one or two rows take 4 vectors at once (a GEMV streams its weight:
     // fewer, longer passes over each panel row), more rows 2 (6 rows × 2 vectors).
     let few = range.len() <= 2;
-    let step = if wide { PANEL } else if few { 4 * S::LANES } else { 2 * S::LANES };
+    let step = if wide {
+        PANEL
+    } else if few {
+        4 * S::LANES
+    } else {
+        2 * S::LANES
+    };
     let mut sub = 0;
     while sub < width {
         // A tile narrower than the widest (the last, or a small `n`: a 1x1 convolution's

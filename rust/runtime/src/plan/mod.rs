@@ -185,8 +185,8 @@ pub struct ShimStep {
 
 /// A convolution on oneDNN's fused kernel (`passes::conv_pointwise`): the geometry it was
 /// compiled with, and its weight packed into oneDNN's layout for this CPU on the first call
-/// (`mkldnn::_reorder_convolution_weight`; a load shouldn't pay for packing every weight).
-/// Threads that call first together wait for one packing.
+/// at each thread count (`mkldnn::_reorder_convolution_weight`; a load shouldn't pay for
+/// packing every weight). Threads that call first together wait for one packing.
 pub struct Conv {
     pub(crate) padding: [i64; 2],
     pub(crate) stride: [i64; 2],
@@ -203,9 +203,12 @@ pub struct Conv {
     pub(crate) shape: [i64; 4],
     /// The const index of the plain weight.
     pub(crate) weight: usize,
-    /// The packed weight, or the plain one where torch couldn't pack it (oneDNN then
-    /// reorders it on each call: slower, the same values).
-    pub(crate) packed: std::sync::OnceLock<Option<crate::abi::Tensor>>,
+    /// The packed weight per intra-op thread count (1, 2, 3, then 4 or more), or the plain
+    /// one where torch couldn't pack it (oneDNN then reorders it on each call: slower, the
+    /// same values). oneDNN's kernel, and the blocking it wants, depends on the threads: a
+    /// weight packed at two threads is reordered on every call at one (shufflenet_v2 on an
+    /// AVX2 CPU: 36.6 ms a call against 6.9).
+    pub(crate) packed: [std::sync::OnceLock<Option<crate::abi::Tensor>>; 4],
     /// kwexport's kernel for this convolution, where it has one (below).
     pub(crate) own: Option<Box<OwnConv>>,
     /// The post-op (or, with a residual, the one after the add) where oneDNN's kernel turns

@@ -359,7 +359,7 @@ fn conv_step(
         },
         shape,
         weight,
-        packed: std::sync::OnceLock::new(),
+        packed: Default::default(),
         own,
         nan_post_op: crate::kernels::Epilogue::of_attr(&attr)
             .filter(|e| matches!(e, crate::kernels::Epilogue::Relu | crate::kernels::Epilogue::Hardsigmoid)),
