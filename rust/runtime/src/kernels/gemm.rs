@@ -69,6 +69,19 @@ pub fn gemm_f32(
     true
 }
 
+/// `out[m, n] = x[m, k] @ panels` on `block` (a kernel table's GEMM): for a kernel that runs
+/// products of its own (Winograd's) on the table it was called with.
+///
+/// # Safety
+/// `block` runs on this CPU; `x`, `panels` and `out` hold `m * k`, [`panels_len`] and `m * n`
+/// elements.
+pub(super) unsafe fn product(block: Block, x: &[f32], m: usize, k: usize, panels: &[f32], n: usize, out: &mut [f32]) {
+    let shape =
+        Shape { taps: 1, cin: k, n, bias: std::ptr::null(), residual: std::ptr::null(), epilogue: Epilogue::None };
+    // SAFETY: as the caller guarantees.
+    unsafe { columns(block, Source::Dense(Dense { x: x.as_ptr(), k }), m, &shape, panels, out) }
+}
+
 /// An indirect convolution's table: for each of the `m` output pixels (of `[ho, wo]`
 /// images) and each tap of the kernel, `row(Some(p))` for the input pixel `p` it reads (of
 /// `[h, w]` images, counted across the batch), or `row(None)` for a tap in the padding.

@@ -145,8 +145,8 @@ macro_rules! table {
             unsafe { pool::max_pool_rows::<S>(ops, range) }
         }
         $(#[target_feature(enable = $features)])?
-        unsafe fn winograd(ops: &winograd::Operands<'_>, out: &mut [f32]) -> bool {
-            unsafe { winograd::run(ops, out) }
+        unsafe fn winograd(ops: &winograd::Operands<'_>, range: std::ops::Range<usize>) {
+            unsafe { winograd::bands(ops, range) }
         }
         Table { isa: $isa, epilogue, gelu, gemm_block, depthwise, direct, attention, max_pool, winograd }
     }};

@@ -88,49 +88,70 @@ pub fn conv(
     if !super::all_finite(&x[..batch * h * w * cin]) {
         return false;
     }
-    let ops = Operands { x, dims: [batch, h, w], panels, g, add: (bias, residual) };
-    // SAFETY: the table's functions run on this CPU, and the slices hold what the shapes say.
-    let done = unsafe { (t.winograd)(&ops, out) };
+    let band = band(cin, cout);
+    let bands = (ho.div_ceil(2) * wo.div_ceil(2)).div_ceil(band);
+    let (add, gemm, out_ptr) = ((bias, residual), t.gemm_block, out.as_mut_ptr());
+    let ops = Operands { x, dims: [batch, h, w], panels, g, add, band, gemm, out: out_ptr };
+    let flops = 2 * 16 * batch * bands * band * cin * cout;
+    let threads = super::parallel::share(flops, batch * bands, super::parallel::threads());
+    // SAFETY: the table's functions run on this CPU; the slices hold what the shapes say,
+    // and each band writes its own blocks' outputs.
+    super::parallel::for_each(batch * bands, threads, &|begin, end| unsafe { (t.winograd)(&ops, begin..end) });
     // One pass over the output (in cache at these sizes): applied per pixel inside the
     // transform's loop it measured slower.
-    done && (epilogue == Epilogue::None || super::epilogue_f32(epilogue, &mut out[..batch * ho * wo * cout]))
+    epilogue == Epilogue::None || super::epilogue_f32(epilogue, &mut out[..batch * ho * wo * cout])
 }
 
-/// [`conv`]'s operands as the kernel table's entry takes them.
+/// The blocks per band: a band's transformed inputs and products stay in L2 (16 matrices
+/// each).
+fn band(cin: usize, cout: usize) -> usize {
+    (64 * 1024 / (16 * cin.max(cout))).clamp(6, 96)
+}
+
+/// [`conv`]'s operands as the kernel table's entry takes them: the output as a pointer,
+/// shared by the threads of one call (each writes its own bands' outputs).
 pub(super) struct Operands<'a> {
     x: &'a [f32],
     dims: [usize; 3],
     panels: &'a [f32],
     g: &'a Conv2d,
     add: (Option<&'a [f32]>, Option<&'a [f32]>),
+    band: usize,
+    /// The GEMM of the table the call runs on, for the 16 products.
+    gemm: super::gemm::Block,
+    out: *mut f32,
 }
 
-/// [`run`] compiled for one instruction set: the kernel table's entry.
-pub(super) type Run = unsafe fn(&Operands<'_>, &mut [f32]) -> bool;
+// SAFETY: the inputs are read only; the threads of one call write the outputs of disjoint
+// blocks through `out`, which the caller keeps alive until every thread has finished.
+unsafe impl Sync for Operands<'_> {}
 
+/// [`bands`] compiled for one instruction set: the kernel table's entry.
+pub(super) type Run = unsafe fn(&Operands<'_>, std::ops::Range<usize>);
+
+/// Bands `range` (counted across the batch: image `item / bands`, band `item % bands`) of
 /// [`conv`] before its epilogue, inlined into each instruction set's entry (the transforms'
-/// loops over channels vectorize for it); `false` where the GEMM declined a product (the
-/// output is then incomplete).
+/// loops over channels vectorize for it). Its 16 products run on the call's own table's
+/// GEMM block, which takes any shape: none can be declined and leave stale products.
 ///
 /// # Safety
 /// The instruction set's features must be enabled; the operands hold what the shapes say.
 #[inline(always)]
-pub(super) unsafe fn run(ops: &Operands<'_>, out: &mut [f32]) -> bool {
-    let (x, [batch, h, w], panels, g, (bias, residual)) = (ops.x, ops.dims, ops.panels, ops.g, ops.add);
-    let (cin, cout) = (g.in_channels, g.out_channels);
+pub(super) unsafe fn bands(ops: &Operands<'_>, range: std::ops::Range<usize>) {
+    let (x, [_, h, w], panels, g, (bias, residual)) = (ops.x, ops.dims, ops.panels, ops.g, ops.add);
+    let (cin, cout, band) = (g.in_channels, g.out_channels, ops.band);
     let [ho, wo] = [h + 2 * g.padding[0] - 2, w + 2 * g.padding[1] - 2];
     let per = cout.div_ceil(PANEL) * cin * PANEL;
     let [pt, pl] = g.padding;
     let (th, tw) = (ho.div_ceil(2), wo.div_ceil(2));
-    // Blocks in bands whose transformed inputs and products stay in L2 (16 matrices each).
-    let band = (64 * 1024 / (16 * cin.max(cout))).clamp(6, 96);
+    let per_image = (th * tw).div_ceil(band);
     let mut v = vec![0f32; 16 * band * cin];
     let mut m = vec![0f32; 16 * band * cout];
     let (mut d, mut rows) = (vec![0f32; 16 * cin], vec![0f32; 16 * cin.max(cout)]);
-    for b in 0..batch {
+    for item in range {
+        let (b, t0) = (item / per_image, item % per_image * band);
         let image = &x[b * h * w * cin..(b + 1) * h * w * cin];
-        let mut t0 = 0;
-        while t0 < th * tw {
+        {
             let tiles = band.min(th * tw - t0);
             // Vᵉ = (Bᵀ d B)ᵉ for each block's 4×4 inputs d, zeros outside the image.
             for t in 0..tiles {
@@ -151,9 +172,8 @@ pub(super) unsafe fn run(ops: &Operands<'_>, out: &mut [f32]) -> bool {
             // The 16 products, each over the band's blocks.
             for e in 0..16 {
                 let (ve, me) = (&v[e * band * cin..][..tiles * cin], &mut m[e * band * cout..][..tiles * cout]);
-                if !super::gemm_f32(ve, tiles, cin, &panels[e * per..][..per], cout, None, None, Epilogue::None, me) {
-                    return false;
-                }
+                // SAFETY: `ve`, the panels and `me` hold `tiles * cin`, `per` and `tiles * cout`.
+                unsafe { super::gemm::product(ops.gemm, ve, tiles, cin, &panels[e * per..][..per], cout, me) };
             }
             // Y = Aᵀ M A, plus the bias and the residual, for the outputs inside the image.
             for t in 0..tiles {
@@ -165,7 +185,10 @@ pub(super) unsafe fn run(ops: &Operands<'_>, out: &mut [f32]) -> bool {
                         continue;
                     }
                     let at = ((b * ho + oy) * wo + ox) * cout;
-                    let (o, y) = (&mut out[at..at + cout], &rows[k * cout..(k + 1) * cout]);
+                    // SAFETY: this block's output pixel, inside the output (the caller's
+                    // sizes) and written by this band only.
+                    let o = unsafe { std::slice::from_raw_parts_mut(ops.out.add(at), cout) };
+                    let y = &rows[k * cout..(k + 1) * cout];
                     match (bias, residual) {
                         (Some(bias), Some(r)) => {
                             for (((o, y), b), r) in o.iter_mut().zip(y).zip(bias).zip(&r[at..at + cout]) {
@@ -180,10 +203,8 @@ pub(super) unsafe fn run(ops: &Operands<'_>, out: &mut [f32]) -> bool {
                     }
                 }
             }
-            t0 += tiles;
         }
     }
-    true
 }
 
 /// `Bᵀ d B` for one block's 4×4 inputs (`d[(i * 4 + j) * cin + c]`), into row `t` of each of
