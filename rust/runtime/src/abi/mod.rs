@@ -885,8 +885,6 @@ impl Abi {
         scale: Option<f64>,
     ) -> Option<Result<Tensor, CError>> {
         use crate::kernels::{Attention, AttentionMask};
-        /// Keys beyond which torch's kernel keeps the node.
-        const MAX_KEYS: usize = 512;
         let shims = self.shims.as_ref()?;
         let dims = |t: Raw| -> Option<([usize; 4], [usize; 4])> {
             // SAFETY: the caller's live handles.
@@ -903,7 +901,12 @@ impl Abi {
         let (s, ev) = (kd[2], e);
         // Values as wide as keys: torch's flash kernel then runs, whose output's strides the
         // kernel's match (torch's math kernel returns a contiguous one).
-        if kd != [batch, heads, s, e] || vd != kd || s > MAX_KEYS || qd.contains(&0) || s == 0 {
+        if kd != [batch, heads, s, e]
+            || vd != kd
+            || s > crate::kernels::attention::max_keys()
+            || qd.contains(&0)
+            || s == 0
+        {
             return None;
         }
         let scale = scale.unwrap_or(1.0 / (e as f64).sqrt()) as f32;

@@ -40,14 +40,20 @@ impl Attention {
     }
 }
 
+/// The most keys [`attention_f32`] takes on this CPU (0 where kwexport's kernels don't run).
+pub fn max_keys() -> usize {
+    super::isa::kernels().map_or(0, |t| t.attention_max_keys)
+}
+
 /// `softmax(q k^T scale + mask) v` for each batch and head, into `out` laid out `[batch, l,
 /// heads, ev]` (as torch's CPU kernel lays out its result). `q`, `k` and `v` are at element
 /// strides for their first three dimensions, their last contiguous. For the tokens of a
 /// small model's call, where torch's flash kernel spends most of its time on setup: keys are
 /// transposed once per head, then each block of four query rows takes its scores, softmax
 /// and weighted values in registers. Returns `false` where a query row has no key to attend
-/// or a score is NaN (torch decides what those give), the slices don't fit the sizes, or
-/// kwexport's kernels don't run on this CPU; `out` may then be partly written.
+/// or a score is NaN (torch decides what those give), the slices don't fit the sizes, there
+/// are more keys than the family's kernel is faster for (`isa::Table::attention_max_keys`),
+/// or kwexport's kernels don't run on this CPU; `out` may then be partly written.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_f32(
     q: (&[f32], [usize; 3]),
@@ -68,7 +74,7 @@ pub fn attention_f32(
             AttentionMask::Float(m, ms) => g.fits(m.len(), g.l, g.s, ms),
             _ => true,
         };
-    let Some(t) = super::isa::kernels().filter(|_| fits) else { return false };
+    let Some(t) = super::isa::kernels().filter(|t| fits && g.s <= t.attention_max_keys) else { return false };
     let ops = Operands {
         q: (q.0.as_ptr(), q.1),
         k: (k.0.as_ptr(), k.1),

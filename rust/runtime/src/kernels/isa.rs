@@ -93,6 +93,10 @@ pub(super) fn torch_uses_avx512() -> bool {
 /// One instruction set's kernels (see each entry's generic body for its contract).
 pub struct Table {
     pub isa: Isa,
+    /// The most keys the attention kernel takes: beyond, torch's flash kernel, blocked for
+    /// long sequences, is faster (measured per family: on AVX2 at 128 tokens kwexport's took
+    /// 1.44× torch's time, at 32 0.61×).
+    pub attention_max_keys: usize,
     pub(super) epilogue: unsafe fn(Epilogue, &mut [f32]),
     pub(super) gelu: unsafe fn(&[f32], bool, &mut [f32]),
     pub(super) gemm_block: gemm::Block,
@@ -106,7 +110,7 @@ pub struct Table {
 /// A [`Table`] of `$simd`'s kernels, each entry compiled with `$features` enabled (none for
 /// the portable family), so that every generic body inlines to the set's instructions.
 macro_rules! table {
-    ($isa:expr, $simd:ty $(, $features:literal)?) => {{
+    ($isa:expr, $simd:ty, $keys:expr $(, $features:literal)?) => {{
         type S = $simd;
         $(#[target_feature(enable = $features)])?
         unsafe fn epilogue(e: Epilogue, x: &mut [f32]) {
@@ -148,17 +152,28 @@ macro_rules! table {
         unsafe fn winograd(ops: &winograd::Operands<'_>, range: std::ops::Range<usize>) {
             unsafe { winograd::bands(ops, range) }
         }
-        Table { isa: $isa, epilogue, gelu, gemm_block, depthwise, direct, attention, max_pool, winograd }
+        Table {
+            isa: $isa,
+            attention_max_keys: $keys,
+            epilogue,
+            gelu,
+            gemm_block,
+            depthwise,
+            direct,
+            attention,
+            max_pool,
+            winograd,
+        }
     }};
 }
 
 // SAFETY (the entries' features): `Isa::table` hands out a table only where
 // `Isa::supported` found its features.
 #[cfg(target_arch = "x86_64")]
-static AVX512: Table = table!(Isa::Avx512, simd::avx512::Avx512, "avx512f");
+static AVX512: Table = table!(Isa::Avx512, simd::avx512::Avx512, 512, "avx512f");
 #[cfg(target_arch = "x86_64")]
-static AVX2: Table = table!(Isa::Avx2, simd::avx2::Avx2, "avx2,fma");
-static PORTABLE: Table = table!(Isa::Portable, simd::portable::Portable);
+static AVX2: Table = table!(Isa::Avx2, simd::avx2::Avx2, 64, "avx2,fma");
+static PORTABLE: Table = table!(Isa::Portable, simd::portable::Portable, 64);
 
 /// The family this process runs and why: the best this CPU has, or `KWEXPORT_ISA`'s.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
