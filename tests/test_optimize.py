@@ -524,6 +524,47 @@ def test_lowered_convolutions_off_onednn_compute_what_the_graph_did(tmp_path):
     assert rel_err(got.detach(), want.detach()) < 1e-5 and rel_err(xg.grad, xe.grad) < 1e-5
 
 
+class Relu6Block(nn.Module):
+    """MobileNetV2's inverted residual: 1×1 expand, depthwise 3×3, each with ReLU6, and a
+    `hardtanh` with other bounds, which stays a node of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.expand = nn.Conv2d(16, 64, 1)
+        self.depthwise = nn.Conv2d(64, 64, 3, padding=1, groups=64)
+        self.project = nn.Conv2d(64, 16, 1)
+
+    def forward(self, x):
+        h = nn.functional.relu6(self.expand(x))
+        h = nn.functional.relu6(self.depthwise(h))
+        return nn.functional.hardtanh(self.project(h), -0.5, 0.5)
+
+
+def test_fast_fuses_relu6_into_convolutions(tmp_path):
+    """ReLU6 (`hardtanh(x, 0, 6)`) becomes the lowered convolution's post-op, on oneDNN's
+    kernel or kwexport's, and off them (autograd) the Python form applies the same bounds; a
+    `hardtanh` with other bounds stays a node."""
+    torch.manual_seed(0)
+    model = Relu6Block().eval()
+    x = (torch.randn(1, 16, 12, 12) * 8).contiguous(memory_format=torch.channels_last)
+    path = tmp_path / "relu6.kwx"
+    kwexport.save(kwexport.export(model, (x,)), path)
+    fast = kwexport.load(path, optimize="fast")
+    with torch.no_grad():
+        want = model(x)
+    assert rel_err(fast(x), want) < 1e-5
+    ran = [n["op"] for n in fast.profile(x)]
+    if torch.backends.mkldnn.is_available():
+        assert ran.count("aten::hardtanh.default") == 1, ran
+        assert "mkldnn::_convolution_pointwise.default" in ran
+    xg = x.clone().requires_grad_()
+    got = fast(xg)
+    got.sum().backward()
+    xe = x.clone().requires_grad_()
+    model(xe).sum().backward()
+    assert rel_err(got.detach(), want) < 1e-5 and rel_err(xg.grad, xe.grad) < 1e-5
+
+
 class MaskedAttention(nn.Module):
     """What transformers build from the traced sizes on every call: a causal mask from
     `arange`s and a rotary table in a no-grad region, read by the layer."""

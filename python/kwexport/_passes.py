@@ -29,9 +29,12 @@ def fold_batch_norms(weights: dict[str, Any], folds: list[dict[str, Any]]) -> di
 
 # The post-ops of oneDNN's fused convolution and linear, as torch computes them
 # (rust/core/src/passes/mod.rs's POST_OPS; GELU, with its approximation, in _linear_pointwise).
-def _post_op(attr: str) -> Any:
+def _post_op(attr: str, scalars: list[Any] | None = None) -> Any:
     import torch
 
+    if attr == "hardtanh":  # ReLU6's bounds, the scalars the pass gave it
+        lo, hi = scalars or (-1.0, 1.0)
+        return lambda y: torch.nn.functional.hardtanh(y, lo, hi)
     return {
         "none": lambda y: y,
         "relu": torch.relu,
@@ -61,7 +64,7 @@ def _convolution_pointwise(  # noqa: PLR0917 (the op's schema, positionally)
     such a call computes what the graph as exported does."""
     import torch
 
-    return _post_op(attr)(torch.conv2d(x, w, b, stride, padding, dilation, groups))
+    return _post_op(attr, scalars)(torch.conv2d(x, w, b, stride, padding, dilation, groups))
 
 
 def _convolution_pointwise_binary(  # noqa: PLR0917 (the op's schema, positionally)

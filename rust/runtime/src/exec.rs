@@ -455,6 +455,8 @@ impl CStep {
             return self.on_python(abi, shim, slots);
         };
         // oneDNN's fused op, with its post-op or (`post` false) without it.
+        // The post-op's scalars (ReLU6's bounds), as the optional doubles the shim takes.
+        let scalars: Vec<*const f64> = conv.scalars.iter().map(std::ptr::from_ref).collect();
         let fused = |post: bool| -> Result<abi::Tensor, CError> {
             let mut b = t[2];
             let b = if conv.bias { &mut b as *mut abi::Raw } else { std::ptr::null_mut() };
@@ -499,8 +501,8 @@ impl CStep {
                         2,
                         conv.groups,
                         if post { conv.attr.as_ptr() } else { c"none".as_ptr() },
-                        std::ptr::null(),
-                        0,
+                        if post { scalars.as_ptr() } else { std::ptr::null() },
+                        if post { scalars.len() as i64 } else { 0 },
                         std::ptr::null(),
                         &mut out,
                     ),

@@ -21,7 +21,7 @@ use crate::schema::{Arg, Document, Method, Node};
 pub const FUSED: &str = crate::tables::PASS_OPS[0];
 
 /// The post-ops (`super::POST_OPS`) a lowered convolution takes, each of its input only.
-const ACTIVATIONS: &[&str] = &["relu", "hardswish", "hardsigmoid", "swish", "sigmoid", "tanh"];
+const ACTIVATIONS: &[&str] = &["relu", "hardswish", "hardsigmoid", "swish", "sigmoid", "tanh", "hardtanh"];
 
 /// Lowers every qualifying 2-D convolution of each method's top-level graph (1×1 ones with
 /// stride 1, no padding and one group only with `gemm`); returns how many.
@@ -73,7 +73,8 @@ fn find(m: &Method, gemm: bool, weight_shape: impl Fn(&str) -> Option<Vec<i64>>)
         let activation = sole_reader(&readers, conv).and_then(|ai| {
             let a = &g.nodes[ai];
             let attr = super::post_op(op_of(a), ACTIVATIONS)?;
-            (a.args.len() == 1 && a.kwargs.is_empty()).then_some((ai, attr))
+            let scalars = super::post_op_scalars(attr, &a.args).filter(|_| a.kwargs.is_empty())?;
+            Some((ai, attr, scalars))
         });
         let (x, bias) = (conv.args[0].clone(), conv.args.get(2).cloned().unwrap_or(Arg::None(())));
         let node = Node {
@@ -86,14 +87,14 @@ fn find(m: &Method, gemm: bool, weight_shape: impl Fn(&str) -> Option<Vec<i64>>)
                 stride,
                 dilation,
                 groups,
-                Arg::Str(activation.map_or("none", |(_, attr)| attr).to_owned()),
-                Arg::List(Vec::new()),
+                Arg::Str(activation.as_ref().map_or("none", |(_, attr, _)| attr).to_owned()),
+                Arg::List(activation.as_ref().map_or_else(Vec::new, |(_, _, scalars)| scalars.clone())),
                 Arg::None(()),
             ],
             kwargs: Default::default(),
-            outputs: activation.map_or(&conv.outputs, |(ai, _)| &g.nodes[ai].outputs).clone(),
+            outputs: activation.as_ref().map_or(&conv.outputs, |(ai, _, _)| &g.nodes[*ai].outputs).clone(),
         };
-        found.push((ci, activation.map(|(ai, _)| ai), node));
+        found.push((ci, activation.map(|(ai, _, _)| ai), node));
     }
     found
 }

@@ -153,7 +153,35 @@ const POST_OPS: &[(&str, &str)] = &[
     ("aten::tanh.default", "tanh"),
     ("aten::gelu.default", "gelu"),
     ("aten::gelu_.default", "gelu"),
+    // ReLU6 only (`hardtanh(x, 0, 6)`: MobileNetV2's), its bounds the post-op's scalars
+    // (`RELU6`); a pass checks the node's bounds before fusing it.
+    ("aten::hardtanh.default", "hardtanh"),
+    ("aten::hardtanh_.default", "hardtanh"),
 ];
+
+/// The bounds of the one `hardtanh` post-op the passes fuse, ReLU6's: `[min, max]`, the
+/// post-op's scalars in oneDNN's fused ops.
+pub const RELU6: [f64; 2] = [0.0, 6.0];
+
+/// The scalars an activation node gives its post-op `attr` (`[]` for all but `hardtanh`),
+/// `None` where the node's arguments aren't ones the post-op takes: the input alone, or for
+/// `hardtanh`, the input and ReLU6's bounds as literals.
+fn post_op_scalars(attr: &str, args: &[crate::schema::Arg]) -> Option<Vec<crate::schema::Arg>> {
+    use crate::schema::{Arg, Float};
+    let number = |a: &Arg| match a {
+        Arg::Float(Float(v)) => Some(*v),
+        Arg::Int(v) => Some(*v as f64),
+        _ => None,
+    };
+    match (attr, args) {
+        ("hardtanh", [_, lo, hi]) if [number(lo)?, number(hi)?] == RELU6 => {
+            Some(RELU6.iter().map(|&v| Arg::Float(Float(v))).collect())
+        }
+        ("hardtanh", _) => None,
+        (_, [_]) => Some(Vec::new()),
+        _ => None,
+    }
+}
 
 /// oneDNN's name for the activation op `op`, where it is one of `attrs`.
 fn post_op(op: Option<&str>, attrs: &[&str]) -> Option<&'static str> {

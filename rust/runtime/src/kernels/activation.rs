@@ -9,6 +9,8 @@ use super::simd::Simd;
 pub enum Epilogue {
     None,
     Relu,
+    /// `min(max(x, 0), 6)` (`hardtanh(x, 0, 6)`).
+    Relu6,
     /// `x * min(max(x + 3, 0), 6) / 6`.
     Hardswish,
     /// `min(max(x + 3, 0), 6) / 6`.
@@ -25,11 +27,12 @@ pub enum Epilogue {
 
 impl Epilogue {
     /// The epilogue for oneDNN's name of a post-op (`mkldnn::_convolution_pointwise`'s
-    /// `attr`), if the kernel has it.
+    /// `attr`), if the kernel has it; `hardtanh` is ReLU6, the one the passes fuse.
     pub fn of_attr(attr: &str) -> Option<Epilogue> {
         Some(match attr {
             "none" => Epilogue::None,
             "relu" => Epilogue::Relu,
+            "hardtanh" => Epilogue::Relu6,
             "hardswish" => Epilogue::Hardswish,
             "hardsigmoid" => Epilogue::Hardsigmoid,
             "sigmoid" => Epilogue::Sigmoid,
@@ -107,6 +110,7 @@ pub(super) unsafe fn apply<S: Simd>(epilogue: Epilogue, x: S::V) -> S::V {
         match epilogue {
             Epilogue::None => x,
             Epilogue::Relu => S::max(zero, x),
+            Epilogue::Relu6 => S::min(S::splat(6.0), S::max(zero, x)),
             Epilogue::Hardswish => S::div(S::mul(x, relu6_of_x_plus_3()), S::splat(6.0)),
             Epilogue::Hardsigmoid => S::div(relu6_of_x_plus_3(), S::splat(6.0)),
             Epilogue::Sigmoid => S::div(one, S::add(one, exp::<S>(S::sub(zero, x)))),

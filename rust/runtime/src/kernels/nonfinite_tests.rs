@@ -40,6 +40,7 @@ fn reference(epilogue: Epilogue, v: f64) -> f64 {
     match epilogue {
         Epilogue::None => v,
         Epilogue::Relu => clamp(v, 0.0, f64::INFINITY),
+        Epilogue::Relu6 => clamp(v, 0.0, 6.0),
         Epilogue::Hardswish => v * clamp(v + 3.0, 0.0, 6.0) / 6.0,
         Epilogue::Hardsigmoid => clamp(v + 3.0, 0.0, 6.0) / 6.0,
         Epilogue::Sigmoid => 1.0 / (1.0 + (-v).exp()),
@@ -58,9 +59,10 @@ fn erf_sign(v: f64) -> f64 {
     (v * 0.8).tanh()
 }
 
-const EPILOGUES: [Epilogue; 8] = [
+const EPILOGUES: [Epilogue; 9] = [
     Epilogue::None,
     Epilogue::Relu,
+    Epilogue::Relu6,
     Epilogue::Hardswish,
     Epilogue::Hardsigmoid,
     Epilogue::Sigmoid,
@@ -152,7 +154,7 @@ fn convolutions_give_the_references_nan_and_inf() {
             let mut panels = vec![0.0; g.taps() * co.div_ceil(PANEL) * PANEL];
             pack_conv_panels(&wts, [co, ci, k, k], [ci * k * k, k * k, k, 1], &mut panels);
             let cl = [h * w * ci, 1, w * ci, ci];
-            for epilogue in [Epilogue::Relu, Epilogue::Hardsigmoid, Epilogue::Swish] {
+            for epilogue in [Epilogue::Relu, Epilogue::Relu6, Epilogue::Hardsigmoid, Epilogue::Swish] {
                 let mut direct = vec![0.0; 2 * ho * wo * co];
                 let mut indirect = vec![0.0; 2 * ho * wo * co];
                 assert!(direct_f32(&x, [2, h, w], cl, &taps, &g, None, epilogue, &mut direct));

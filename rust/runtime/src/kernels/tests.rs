@@ -121,9 +121,10 @@ fn gemm_epilogues_match_torchs_definitions() {
     each_isa(|| {
         // 1x1-convolution shapes: many rows (pixels), few columns (channels), each tile width.
         type Definition = (Epilogue, fn(f64) -> f64);
-        let defs: [Definition; 8] = [
+        let defs: [Definition; 9] = [
             (Epilogue::None, |v| v),
             (Epilogue::Relu, |v| v.max(0.0)),
+            (Epilogue::Relu6, |v| v.clamp(0.0, 6.0)),
             (Epilogue::Hardswish, |v| v * (v + 3.0).clamp(0.0, 6.0) / 6.0),
             (Epilogue::Hardsigmoid, |v| (v + 3.0).clamp(0.0, 6.0) / 6.0),
             (Epilogue::Sigmoid, |v| 1.0 / (1.0 + (-v).exp())),

@@ -194,6 +194,8 @@ pub struct Conv {
     pub(crate) groups: i64,
     /// The post-op: `relu`, `hardswish`, ... or `none`.
     pub(crate) attr: std::ffi::CString,
+    /// The post-op's scalars: ReLU6's bounds for `hardtanh`, else none.
+    pub(crate) scalars: Vec<f64>,
     /// Whether the step's third tensor is a bias.
     pub(crate) bias: bool,
     /// For `_convolution_pointwise.binary` (`passes::conv_residual`): the residual add, whose

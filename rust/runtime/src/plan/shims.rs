@@ -284,7 +284,12 @@ fn conv_step(
     // The post-op, and for the binary overload the residual tensor and the add's own post-op.
     let (f, x, w, bias, [padding, stride, dilation, groups], attr, residual) = match bound {
         [x, SlotArg::Value(ValueRef::Weight(w)), bias, p, s, d, g, attr, scalars, algorithm]
-            if empty(scalars) && none(algorithm) =>
+            if none(algorithm)
+                && match str_of(attr).as_deref() {
+                    // ReLU6, the one `hardtanh` the pass fuses (`passes::RELU6`).
+                    Some("hardtanh") => floats(scalars).as_deref() == Some(&kwexport_core::passes::RELU6[..]),
+                    _ => empty(scalars),
+                } =>
         {
             (shims.conv_pointwise?, *x, w, *bias, [*p, *s, *d, *g], str_of(attr)?, None)
         }
@@ -351,6 +356,7 @@ fn conv_step(
         dilation,
         groups: *groups,
         attr: CString::new(attr.as_str()).ok()?,
+        scalars: if attr == "hardtanh" { kwexport_core::passes::RELU6.to_vec() } else { Vec::new() },
         bias: has_bias,
         residual: match residual {
             Some((_, Some(unary))) => Some(Some(CString::new(unary).ok()?)),
@@ -362,7 +368,7 @@ fn conv_step(
         packed: Default::default(),
         own,
         nan_post_op: crate::kernels::Epilogue::of_attr(&attr)
-            .filter(|e| matches!(e, crate::kernels::Epilogue::Relu | crate::kernels::Epilogue::Hardsigmoid)),
+            .filter(|e| matches!(e, Epilogue::Relu | Epilogue::Relu6 | Epilogue::Hardsigmoid)),
     };
     Some(CStep {
         name: (c"mkldnn::_convolution_pointwise".to_owned(), overload.to_owned()),
@@ -484,6 +490,18 @@ fn wrapped_overload(
 }
 
 /// A list of int literals (a size, a stride), `None` for anything else.
+/// A list of literal floats.
+fn floats(a: &SlotArg) -> Option<Vec<f64>> {
+    let SlotArg::List(items) = a else { return None };
+    items
+        .iter()
+        .map(|i| match i {
+            SlotArg::Literal(Arg::Float(v)) => Some(v.0),
+            _ => None,
+        })
+        .collect()
+}
+
 fn ints(a: &SlotArg) -> Option<Vec<i64>> {
     let SlotArg::List(items) = a else { return None };
     items
