@@ -59,9 +59,14 @@ impl Epilogue {
 pub fn epilogue_f32(epilogue: Epilogue, x: &mut [f32]) -> bool {
     let Some(t) = super::isa::kernels() else { return false };
     // SAFETY: the table's functions run on this CPU.
-    unsafe { (t.epilogue)(epilogue, x) };
+    super::parallel::blocks(&[], x, RUN, RUN * WORK, &|_, x| unsafe { (t.epilogue)(epilogue, x) });
     true
 }
+
+/// Elements per unit where an activation splits across threads (a multiple of every
+/// family's lanes), and the floating-point work per element it counts (GELU's erf and exp).
+const RUN: usize = 1024;
+const WORK: usize = 30;
 
 /// GELU of each element: `0.5 x (1 + erf(x / sqrt 2))` (at +inf, NaN where torch's vectorized
 /// kernels run their AVX-512 variant and +inf where they run their AVX2 one, as eager gives;
@@ -72,8 +77,9 @@ pub fn epilogue_f32(epilogue: Epilogue, x: &mut [f32]) -> bool {
 /// is shorter than `x` or kwexport's kernels don't run on this CPU: torch's op then runs.
 pub fn gelu_f32(x: &[f32], tanh: bool, out: &mut [f32]) -> bool {
     let Some(t) = super::isa::kernels().filter(|_| out.len() >= x.len()) else { return false };
-    // SAFETY: the table's functions run on this CPU; `out` holds `x.len()` elements.
-    unsafe { (t.gelu)(x, tanh, out) };
+    // SAFETY: the table's functions run on this CPU; each block of `out` is as long as its
+    // block of `x`.
+    super::parallel::blocks(x, &mut out[..x.len()], RUN, RUN * WORK, &|x, out| unsafe { (t.gelu)(x, tanh, out) });
     true
 }
 

@@ -40,6 +40,13 @@ pub fn rms_norm_f32(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     if n == 0 {
         return;
     }
+    let rows = x.len().min(out.len()) / n * n;
+    parallel::blocks(&x[..rows], &mut out[..rows], n, 4 * n, &|x, out| rms_norm_rows(x, w, eps, out));
+}
+
+/// [`rms_norm_f32`] on one thread.
+fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let n = w.len();
     for (row, dst) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
         let mut lanes = [0f32; 16];
         let mut chunks = row.chunks_exact(16);
@@ -65,6 +72,13 @@ pub fn layer_norm_f32(x: &[f32], w: &[f32], b: &[f32], eps: f32, out: &mut [f32]
     if n == 0 || b.len() != n {
         return;
     }
+    let rows = x.len().min(out.len()) / n * n;
+    parallel::blocks(&x[..rows], &mut out[..rows], n, 8 * n, &|x, out| layer_norm_rows(x, w, b, eps, out));
+}
+
+/// [`layer_norm_f32`] on one thread.
+fn layer_norm_rows(x: &[f32], w: &[f32], b: &[f32], eps: f32, out: &mut [f32]) {
+    let n = w.len();
     let lanes_sum = |row: &[f32], f: &dyn Fn(f32) -> f32| {
         let mut lanes = [0f32; 16];
         let mut chunks = row.chunks_exact(16);

@@ -56,6 +56,41 @@ pub fn for_each(n: usize, threads: usize, body: Body<'_>) {
     }
 }
 
+/// A pointer to the output the threads of one call share, each writing its own elements.
+#[derive(Clone, Copy)]
+struct Shared(*mut f32);
+
+// SAFETY: the threads of one call write disjoint elements through it (`blocks`), and the call
+// returns only once every thread has finished.
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    /// Element `i` (a method, so closures capture the whole `Sync` wrapper).
+    fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
+/// `f` over `out` in blocks of whole units of `width` elements (rows, or vector-aligned
+/// runs), each with the same range of `x` (`x` as long as `out`, or empty), split across
+/// threads where each thread's share holds enough work (`work` floating-point operations per
+/// unit).
+pub fn blocks(x: &[f32], out: &mut [f32], width: usize, work: usize, f: &(dyn Fn(&[f32], &mut [f32]) + Sync)) {
+    let units = out.len().div_ceil(width.max(1));
+    let threads = share(units * work, units, threads());
+    if threads <= 1 {
+        return f(x, out);
+    }
+    let (len, o) = (out.len(), Shared(out.as_mut_ptr()));
+    for_each(units, threads, &|begin, end| {
+        let (from, to) = (begin * width, (end * width).min(len));
+        // SAFETY: `out`'s elements `from..to`, written by this chunk only, while `out` is
+        // borrowed for the whole call.
+        let out = unsafe { std::slice::from_raw_parts_mut(o.at(from), to - from) };
+        f(if x.is_empty() { x } else { &x[from..to] }, out);
+    });
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -110,6 +145,37 @@ pub(crate) mod tests {
                             );
                         }
                     }
+                }
+            }
+        });
+    }
+
+    /// GELU, an epilogue and both norms over work large enough to split on three threads give
+    /// the bits of the same kernels on one small piece at a time: every element written once,
+    /// by the same arithmetic.
+    #[test]
+    fn threaded_activations_and_norms_match_piece_by_piece() {
+        use super::super::{epilogue_f32, gelu_f32, layer_norm_f32, rms_norm_f32, Epilogue};
+        super::super::tests::each_isa(|| {
+            let (rows, n) = (300usize, 384usize);
+            let x: Vec<f32> = (0..rows * n).map(|i| (i as f32 * 0.37).sin() * 4.0).collect();
+            let (w, b): (Vec<f32>, Vec<f32>) = (0..n).map(|i| (1.0 + i as f32 * 0.01, i as f32 * 0.02)).unzip();
+            assert!(share(rows * n * 30, rows * n / 1024, THREADS) > 1, "must split");
+            type Run<'a> = &'a dyn Fn(&[f32], &mut [f32]);
+            let gelu: Run = &|x, out| assert!(gelu_f32(x, false, out));
+            let epilogue: Run = &|x, out| {
+                out.copy_from_slice(x);
+                assert!(epilogue_f32(Epilogue::Swish, out));
+            };
+            let layer: Run = &|x, out| layer_norm_f32(x, &w, &b, 1e-5, out);
+            let rms: Run = &|x, out| rms_norm_f32(x, &w, 1e-6, out);
+            for (name, run) in [("gelu", gelu), ("swish", epilogue), ("layer norm", layer), ("rms norm", rms)] {
+                let mut whole = vec![f32::NAN; rows * n];
+                run(&x, &mut whole);
+                for (r, row) in x.chunks(n).enumerate() {
+                    let mut piece = vec![f32::NAN; n];
+                    run(row, &mut piece);
+                    assert_eq!(&whole[r * n..(r + 1) * n], &piece[..], "{name}, row {r}");
                 }
             }
         });
