@@ -278,6 +278,27 @@ impl Abi {
         table.iter().any(|(_, c)| i64::from(*c) == code)
     }
 
+    /// A device string as torch's codes (type, index), as [`Abi::tensor_meta`] reads a
+    /// tensor's: a CPU device's index is -1.
+    pub fn device_code(&self, device: &str) -> Option<(i32, i32)> {
+        let s = std::ffi::CString::new(device).ok()?;
+        let (mut ty, mut index) = (0u32, 0i32);
+        // SAFETY: valid C string and out-pointers.
+        let status = unsafe { (self.parse_device)(s.as_ptr(), &mut ty, &mut index) };
+        (status == 0).then_some((ty as i32, if ty == 0 { -1 } else { index.max(0) }))
+    }
+
+    /// A tensor's dtype code, device codes (as [`Abi::device_code`]) and sizes, through
+    /// torch's C queries; `None` where one fails or this torch lacks them (a nested tensor's
+    /// sizes, say): the caller then asks Python.
+    pub fn tensor_meta(&self, t: &Tensor) -> Option<(i32, (i32, i32), Vec<i64>)> {
+        let shims = self.shims.as_ref()?;
+        let (dtype, device) = (shims.dtype(t.0)?, shims.device(t.0)?);
+        // SAFETY: a live handle.
+        let (sizes, _) = unsafe { self.sizes_strides(t.0) }?;
+        Some((dtype, device, sizes))
+    }
+
     /// A device string as the dispatcher's packed form: index in the low 32 bits, type above.
     pub fn device_bits(&self, device: &str) -> Option<StableIValue> {
         let s = std::ffi::CString::new(device).ok()?;

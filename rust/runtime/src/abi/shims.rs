@@ -221,6 +221,14 @@ impl Shims {
         self.float32.is_some() && self.dtype(t) == self.float32
     }
 
+    /// `t`'s device as torch's codes: its type and index (-1 for a CPU tensor).
+    pub(crate) fn device(&self, t: Raw) -> Option<(i32, i32)> {
+        let (mut ty, mut index) = (0, 0);
+        // SAFETY: a live handle and out-pointers.
+        let ok = unsafe { (self.get_device_type)(t, &mut ty) == 0 && (self.get_device_index)(t, &mut index) == 0 };
+        ok.then_some((ty, index))
+    }
+
     pub(crate) fn dtype(&self, t: Raw) -> Option<i32> {
         let mut d = 0;
         // SAFETY: a live handle and an out-pointer.
