@@ -3,6 +3,10 @@
 //! they ran long enough last time to be worth it; values cross between the two forms in one
 //! batched call each way, where the plan said.
 
+mod choice;
+
+use choice::choose_linear;
+
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -419,149 +423,6 @@ impl CStep {
         }
     }
 
-    /// A convolution oneDNN's fused op runs (`passes::conv_pointwise`, with its residual add
-    /// for `passes::conv_residual`), or kwexport's kernel where that measured faster; its
-    /// Python op where neither can take the tensors. `t` holds the input, the weight, the bias
-    /// if the node has one, and the residual if it adds one.
-    #[allow(clippy::too_many_arguments)]
-    fn call_conv(
-        &self,
-        abi: &Abi,
-        shim: &ShimStep,
-        conv: &crate::plan::Conv,
-        t: &[abi::Raw; 4],
-        slots: &mut [Option<Native>],
-        consts: &[abi::Tensor],
-        direct: Direct,
-    ) -> Result<(), CError> {
-        let shims = abi.shims.as_ref().ok_or_else(|| CError::Internal("a shim step without shims".into()))?;
-        let n = self.args.len();
-        let bias = conv.bias.then_some(t[2]);
-        let residual = conv.residual.as_ref().map(|_| t[n - 1]);
-        // SAFETY: the handles just read from live slots and constants.
-        let admitted = direct.no_autograd
-            && direct.no_autocast
-            && unsafe { shims.admits(Family::Cpu, &t[..n], false, false) && shims.dim(t[0]) == Some(4) }
-            && shims.is_f32(t[0])
-            // oneDNN adds a residual of the output's shape only (the add broadcast).
-            && residual.is_none_or(|r| shims.is_f32(r) && unsafe { conv.output_sizes(abi, t[0]) }.is_some_and(|o| unsafe { abi.sizes_strides(r) }.is_some_and(|(s, _)| s == o)));
-        if !admitted {
-            return self.on_python(abi, shim, slots);
-        }
-        // SAFETY: a live handle.
-        let input = unsafe { abi.sizes_strides(t[0]) }.map(|(s, _)| s);
-        let pack = &conv.packed[abi.threads().clamp(1, conv.packed.len()) - 1];
-        let Some(weight) = pack.get_or_init(|| pack_conv_weight(abi, conv, &consts[conv.weight], input)) else {
-            return self.on_python(abi, shim, slots);
-        };
-        // oneDNN's fused op, with its post-op or (`post` false) without it.
-        // The post-op's scalars (ReLU6's bounds), as the optional doubles the shim takes.
-        let scalars: Vec<*const f64> = conv.scalars.iter().map(std::ptr::from_ref).collect();
-        let fused = |post: bool| -> Result<abi::Tensor, CError> {
-            let mut b = t[2];
-            let b = if conv.bias { &mut b as *mut abi::Raw } else { std::ptr::null_mut() };
-            let mut out: abi::Raw = std::ptr::null_mut();
-            let geometry = (conv.padding.as_ptr(), conv.stride.as_ptr(), conv.dilation.as_ptr());
-            // SAFETY: live handles (the bias a pointer to one, or null); pairs of two ints; no
-            // scalars and no algorithm, as compiled; the attributes C strings of the plan.
-            let status = unsafe {
-                match (shim.f, residual, &conv.residual) {
-                    (ShimFn::ConvPointwiseBinary(f), Some(r), Some(unary)) => {
-                        let unary_ptr = unary.as_ref().filter(|_| post).map(|u| u.as_ptr());
-                        f(
-                            t[0],
-                            r,
-                            weight.raw(),
-                            b,
-                            geometry.0,
-                            2,
-                            geometry.1,
-                            2,
-                            geometry.2,
-                            2,
-                            conv.groups,
-                            c"add".as_ptr(),
-                            std::ptr::null_mut(),
-                            unary_ptr.as_ref().map_or(std::ptr::null(), |p| p as *const _),
-                            std::ptr::null(),
-                            0,
-                            std::ptr::null(),
-                            &mut out,
-                        )
-                    }
-                    (ShimFn::ConvPointwise(f), None, None) => f(
-                        t[0],
-                        weight.raw(),
-                        b,
-                        geometry.0,
-                        2,
-                        geometry.1,
-                        2,
-                        geometry.2,
-                        2,
-                        conv.groups,
-                        if post { conv.attr.as_ptr() } else { c"none".as_ptr() },
-                        if post { scalars.as_ptr() } else { std::ptr::null() },
-                        if post { scalars.len() as i64 } else { 0 },
-                        std::ptr::null(),
-                        &mut out,
-                    ),
-                    _ => return Err(CError::Internal("a convolution's shim and residual disagree".into())),
-                }
-            };
-            let result = (!out.is_null()).then(|| abi.adopt(out as StableIValue));
-            abi.status(status)?;
-            result.ok_or_else(|| CError::Internal("a shim returned no tensor".into()))
-        };
-        let onednn = || -> Result<abi::Tensor, CError> {
-            // SAFETY: live handles (the input, and the residual if any).
-            let finite = || unsafe { abi.all_finite(t[0]) && residual.is_none_or(|r| abi.all_finite(r)) };
-            match conv.nan_post_op {
-                Some(post_op) if !finite() => {
-                    let mut out = fused(false)?;
-                    abi.apply_epilogue(&mut out, post_op)?;
-                    Ok(out)
-                }
-                _ => fused(true),
-            }
-        };
-        if let Some(own) = conv.own.as_deref() {
-            // SAFETY: a live handle.
-            let pixels = unsafe { abi.sizes_strides(t[0]) }.map(|(s, _)| s[0] * s[2] * s[3]);
-            let adds = (bias, residual);
-            // SAFETY: live handles: the input, the bias, the residual and the packed weight (a
-            // const of the plan).
-            let ours = || unsafe {
-                match &own.kernel {
-                    OwnKernel::Gemm { panels, n } => {
-                        abi.conv1x1(t[0], panels.get(abi, consts)?, *n, adds, own.epilogue, panels.bf16)
-                    }
-                    OwnKernel::Depthwise { taps, geometry } if residual.is_none() => {
-                        abi.depthwise(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
-                    }
-                    OwnKernel::Direct { taps, geometry } if residual.is_none() => {
-                        abi.direct_conv(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
-                    }
-                    OwnKernel::Indirect { weight, geometry, winograd: Some(w), .. } if pixels? >= w.min_pixels => {
-                        let panels = w.panels.get_or_init(|| abi.pack_winograd(&consts[*weight]));
-                        abi.winograd_conv(t[0], panels.as_ref()?.raw(), geometry, adds, own.epilogue)
-                    }
-                    OwnKernel::Indirect { weight, geometry, panels, bf16, .. } => {
-                        let panels = panels.get_or_init(|| abi.pack_conv_panels(&consts[*weight], *bf16));
-                        abi.indirect_conv(t[0], panels.as_ref()?.raw(), geometry, adds, own.epilogue, *bf16)
-                    }
-                    _ => None,
-                }
-            };
-            if let Some(result) = pixels.and_then(|p| choose(abi, &own.choices, p, ours, onednn)) {
-                self.finish(slots, result?);
-                return Ok(());
-            }
-        }
-        self.finish(slots, onednn()?);
-        Ok(())
-    }
-
     /// Runs a node through its shim, or its Python op where the shim can't take the tensors.
     fn call_shim(
         &self,
@@ -725,55 +586,6 @@ impl CStep {
     }
 }
 
-/// A convolution's weight packed for oneDNN (`mkldnn::_reorder_convolution_weight`, through
-/// the dispatcher) for the first call's input sizes, or the plain weight where torch can't
-/// pack it: oneDNN then reorders it on each call, which gives the same values. Packed for no
-/// input size, oneDNN guesses one, and where its kernel for the real size wants another
-/// blocking it reorders the weight on every call (on an AVX2 CPU: 24- against 32-wide blocks,
-/// 70 ms a call for resnet18's 512-channel convolutions). `None` only if not even a new
-/// handle to the weight could be made (the node then runs its Python op).
-fn pack_conv_weight(
-    abi: &Abi,
-    conv: &crate::plan::Conv,
-    weight: &abi::Tensor,
-    input: Option<Vec<i64>>,
-) -> Option<abi::Tensor> {
-    let packed = || -> Result<abi::Tensor, CError> {
-        let ints = |v: &[i64; 2]| abi.new_list(&[v[0] as StableIValue, v[1] as StableIValue]);
-        let list = Ty::List(Box::new(Ty::Int));
-        let mut stack: Vec<StableIValue> = Vec::with_capacity(6);
-        let parts = [&conv.padding, &conv.stride, &conv.dilation];
-        let built = abi.share(weight).and_then(|w| {
-            stack.push(w);
-            parts.iter().try_for_each(|p| ints(p).map(|l| stack.push(l)))
-        });
-        if let Err(e) = built {
-            for (i, &v) in stack.iter().enumerate() {
-                // SAFETY: built above for these types, never handed to torch.
-                unsafe { abi.release(if i == 0 { &Ty::Tensor } else { &list }, v) };
-            }
-            return Err(e);
-        }
-        stack.push(conv.groups as StableIValue);
-        // input_size: an optional list, boxed; None (0) where the sizes are unknown or the
-        // list couldn't be made.
-        let sizes: Vec<StableIValue> = input.iter().flatten().map(|&v| v as StableIValue).collect();
-        let boxed = input.is_some().then(|| abi.new_list(&sizes)).and_then(Result::ok).and_then(|list_handle| {
-            abi.boxed(list_handle).ok().or_else(|| {
-                // SAFETY: made above for a list of ints, never handed to torch.
-                unsafe { abi.release(&list, list_handle) };
-                None
-            })
-        });
-        stack.push(boxed.unwrap_or(0));
-        // SAFETY: one value per argument of `_reorder_convolution_weight`'s schema, encoded
-        // for its type; it returns one tensor.
-        unsafe { abi.call(c"mkldnn::_reorder_convolution_weight", c"", &mut stack) }?;
-        Ok(abi.adopt(stack[0]))
-    };
-    packed().or_else(|_| abi.share(weight).map(|w| abi.adopt(w))).ok()
-}
-
 /// A shim step's torch kernel on its tensors `t`: the new tensor it returns.
 fn torch_kernel(abi: &Abi, shim: &ShimStep, t: &[abi::Raw; 4]) -> Result<abi::Tensor, CError> {
     let shims = abi.shims.as_ref().ok_or_else(|| CError::Internal("a shim step without shims".into()))?;
@@ -814,101 +626,6 @@ fn torch_kernel(abi: &Abi, shim: &ShimStep, t: &[abi::Raw; 4]) -> Result<abi::Te
     let result = (!out.is_null()).then(|| abi.adopt(out as StableIValue));
     abi.status(status)?;
     result.ok_or_else(|| CError::Internal("a shim returned no tensor".into()))
-}
-
-/// `KWEXPORT_LINEAR_KERNEL=kwexport` or `=torch` skips the measuring and always takes that
-/// kernel where both qualify (for tests and for comparing the two); read once per process.
-/// It chooses for every node kwexport's GEMM is a candidate for: linears, and the 1×1
-/// convolutions where the other kernel is oneDNN's.
-fn forced_linear_kernel() -> Option<bool> {
-    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    *FORCED.get_or_init(|| match std::env::var("KWEXPORT_LINEAR_KERNEL").as_deref() {
-        Ok("kwexport") => Some(true),
-        Ok("torch") => Some(false),
-        _ => None,
-    })
-}
-
-/// Rows up to which kwexport's linear kernel is a candidate: beyond, torch's GEMM wins.
-const SMALL_ROWS: i64 = 64;
-
-/// At `fast`, a linear on a float32 matrix of few rows, with a fused linear's epilogue:
-/// kwexport's kernel or torch's (`torch`, which applies the epilogue itself), as [`choose`]
-/// picks. `None` where the kernel can't take the tensors or lost (the caller runs torch's).
-///
-/// # Safety
-/// `t` must be live handles: `t[packed.input]` the linear's input matrix, `t[0]` its bias
-/// where there are three tensors; `consts` the plan's constants.
-unsafe fn choose_linear(
-    abi: &Abi,
-    shim: &ShimStep,
-    packed: &crate::plan::Packed,
-    t: &[abi::Raw; 4],
-    consts: &[abi::Tensor],
-    torch: impl Fn() -> Result<abi::Tensor, CError>,
-) -> Option<Result<abi::Tensor, CError>> {
-    let epilogue = shim.epilogue;
-    let input = packed.input;
-    let bias = (input == 1).then_some(t[0]);
-    // SAFETY: live handles (the caller's).
-    let rows = *unsafe { abi.contiguous_sizes(t[input]) }?.first()?;
-    // bfloat16 panels (`precision="bf16"`) for any number of rows: their kernel does twice
-    // the float32 GEMM's arithmetic per instruction.
-    let bf16 = packed.panels.bf16;
-    if rows > SMALL_ROWS && !bf16 {
-        return None;
-    }
-    // Packed here, the first time the node has few enough rows: a node that never does never
-    // copies its weight.
-    let panels = packed.panels.get(abi, consts)?;
-    let ours = || unsafe { abi.linear(t[input], panels, packed.n, bias, epilogue, bf16) };
-    choose(abi, &packed.choices, rows, ours, torch)
-}
-
-/// kwexport's GEMM (`ours`) or the other kernel (`theirs`) for a node, whichever measured
-/// faster for this number of rows the first time it came (best of five runs of each,
-/// interleaved; kwexport's must be 5% faster; per process): `ours`'s result where it is
-/// chosen, `None` where the other is (or `ours` can't take the tensors), for the caller to
-/// run.
-fn choose(
-    abi: &Abi,
-    choices: &crate::plan::Choices,
-    rows: i64,
-    ours: impl Fn() -> Option<Result<abi::Tensor, CError>>,
-    theirs: impl Fn() -> Result<abi::Tensor, CError>,
-) -> Option<Result<abi::Tensor, CError>> {
-    // A choice holds for one number of rows at one thread count: both kernels scale
-    // differently with threads.
-    let rows = rows.saturating_mul(64).saturating_add(abi.threads().min(63) as i64);
-    match forced_linear_kernel().or_else(|| choices.choice(rows)) {
-        Some(true) => ours(),
-        Some(false) => None,
-        None => {
-            let time = |f: &dyn Fn() -> Option<Result<abi::Tensor, CError>>| {
-                let start = std::time::Instant::now();
-                f().map(|r| r.map(|_| start.elapsed()))
-            };
-            let (mut best_ours, mut best_theirs) = (std::time::Duration::MAX, std::time::Duration::MAX);
-            for _ in 0..5 {
-                best_ours = best_ours.min(match time(&ours)? {
-                    Ok(d) => d,
-                    Err(e) => return Some(Err(e)),
-                });
-                best_theirs = best_theirs.min(match time(&|| Some(theirs())).expect("always Some") {
-                    Ok(d) => d,
-                    Err(e) => return Some(Err(e)),
-                });
-            }
-            // Only a clear win counts: at a tie the two are within the noise of five runs, and
-            // torch's kernel gives eager's bits.
-            let won = best_ours.as_secs_f64() * 1.05 < best_theirs.as_secs_f64();
-            if choices.record(rows, won) && won {
-                ours()
-            } else {
-                None
-            }
-        }
-    }
 }
 
 /// Runs a shim step's node through its Python op, converting what it reads and returns.
