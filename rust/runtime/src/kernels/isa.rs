@@ -114,10 +114,14 @@ macro_rules! table {
         type S = $simd;
         $(#[target_feature(enable = $features)])?
         unsafe fn epilogue(e: Epilogue, x: &mut [f32]) {
+            // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
+            // enables; the caller upholds the generic body\'s contract.
             unsafe { super::activation::epilogue_slice::<S>(e, x) }
         }
         $(#[target_feature(enable = $features)])?
         unsafe fn gelu(x: &[f32], tanh: bool, out: &mut [f32]) {
+            // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
+            // enables; the caller upholds the generic body\'s contract.
             unsafe { super::activation::gelu_slice::<S>(x, tanh, out) }
         }
         $(#[target_feature(enable = $features)])?
@@ -130,26 +134,38 @@ macro_rules! table {
             j: usize,
             k: usize,
         ) {
+            // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
+            // enables; the caller upholds the generic body\'s contract.
             unsafe { gemm::block::<S>(source, range, s, panels, out, j, k) }
         }
         $(#[target_feature(enable = $features)])?
         unsafe fn depthwise(ops: &conv::Operands<conv::Depthwise>, range: std::ops::Range<usize>) {
+            // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
+            // enables; the caller upholds the generic body\'s contract.
             unsafe { conv::depthwise::<S>(ops, range) }
         }
         $(#[target_feature(enable = $features)])?
         unsafe fn direct(ops: &conv::Operands<conv::Conv2d>, range: std::ops::Range<usize>) {
+            // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
+            // enables; the caller upholds the generic body\'s contract.
             unsafe { conv::direct::<S>(ops, range) }
         }
         $(#[target_feature(enable = $features)])?
         unsafe fn attention(ops: &attention::Operands<'_>, range: std::ops::Range<usize>) -> bool {
+            // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
+            // enables; the caller upholds the generic body\'s contract.
             unsafe { attention::heads::<S>(ops, range) }
         }
         $(#[target_feature(enable = $features)])?
         unsafe fn max_pool(ops: &pool::Operands, range: std::ops::Range<usize>) {
+            // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
+            // enables; the caller upholds the generic body\'s contract.
             unsafe { pool::max_pool_rows::<S>(ops, range) }
         }
         $(#[target_feature(enable = $features)])?
         unsafe fn winograd(ops: &winograd::Operands<'_>, range: std::ops::Range<usize>) {
+            // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
+            // enables; the caller upholds the generic body\'s contract.
             unsafe { winograd::bands(ops, range) }
         }
         Table {
