@@ -223,7 +223,7 @@ fn kernels(c: &mut Criterion) {
         b.iter(|| direct_f32(&x, [1, 224, 224], nchw, &taps, &g, Some(&bias), Epilogue::Hardswish, &mut out))
     });
     // resnet18's max pooling after its stem, at a 64×64 input.
-    let pool = MaxPool { kernel: [3, 3], stride: [2, 2], padding: [1, 1] };
+    let pool = MaxPool { kernel: [3, 3], stride: [2, 2], padding: [1, 1], ceil: false };
     let (x, mut out) = (data(32 * 32 * 64), vec![0.0; 16 * 16 * 64]);
     group.throughput(Throughput::Elements((16 * 16 * 64 * 9) as u64));
     group.bench_function("max_pool/64x32x32/k3s2", |b| b.iter(|| max_pool_f32(&x, [1, 32, 32, 64], &pool, &mut out)));

@@ -795,6 +795,8 @@ class Pools(nn.Module):
             nn.functional.max_pool2d(y, (2, 3), (1, 2), (0, 1)),
             nn.functional.max_pool2d(y, 2),
             nn.functional.max_pool2d(y, 3, 2, 1, ceil_mode=True),
+            nn.functional.max_pool2d(y, 3, 2, ceil_mode=True),
+            nn.functional.max_pool2d(y, 2, 2, 1, ceil_mode=True),
             nn.functional.max_pool2d(x, 3, 2, 1),
         )
 
@@ -814,9 +816,9 @@ def test_fast_max_pooling_matches_eager(tmp_path):
         assert g.shape == w.shape
         assert torch.equal(g.isnan(), w.isnan()) and rel_err(g.nan_to_num(), w.nan_to_num()) < 1e-6
     if own_kernels() and torch.backends.mkldnn.is_available():
-        # kwexport's loop on the channels-last convolution outputs; torch's op for ceil mode
-        # and for the NCHW input.
-        assert [e.name for e in prof.events()].count("aten::max_pool2d") == 2
+        # kwexport's loop on the channels-last convolution outputs, ceil mode included
+        # (windows hanging past the input); torch's op for the NCHW input.
+        assert [e.name for e in prof.events()].count("aten::max_pool2d") == 1
 
 
 class WideNet(nn.Module):

@@ -231,7 +231,7 @@ fn depthwise_gives_the_references_nan_and_inf() {
 #[test]
 fn max_pool_keeps_nan_and_infinities() {
     super::tests::each_isa(|| {
-        let pool = MaxPool { kernel: [3, 3], stride: [2, 2], padding: [1, 1] };
+        let pool = MaxPool { kernel: [3, 3], stride: [2, 2], padding: [1, 1], ceil: false };
         let (h, w, c) = (9, 8, 21);
         let x = with_specials(h * w * c, 19, 3);
         let [ho, wo] = pool.output(h, w).unwrap();

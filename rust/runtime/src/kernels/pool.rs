@@ -5,12 +5,15 @@ use super::conv::{inside, output_size};
 use super::simd::Simd;
 
 /// A max pooling's window: `[kh, kw]` taps at `stride`, the input padded by `padding` (which
-/// takes no part: torch pads with -inf), no dilation, output sizes rounded down.
+/// takes no part: torch pads with -inf), no dilation, output sizes rounded down, or up with
+/// `ceil` (torch's `ceil_mode`: SqueezeNet's, GoogLeNet's), the last window then hanging past
+/// the input, its taps outside taking no part.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MaxPool {
     pub kernel: [usize; 2],
     pub stride: [usize; 2],
     pub padding: [usize; 2],
+    pub ceil: bool,
 }
 
 impl MaxPool {
@@ -21,7 +24,24 @@ impl MaxPool {
         if !half(self.kernel[0], self.padding[0]) || !half(self.kernel[1], self.padding[1]) {
             return None;
         }
-        output_size([h, w], self.kernel, self.stride, self.padding).filter(|o| o[0] > 0 && o[1] > 0)
+        let floor = output_size([h, w], self.kernel, self.stride, self.padding)?;
+        let out = if self.ceil {
+            // torch's pooling_output_shape: rounded up, but a last window must start inside
+            // the input or its left padding.
+            let up = |d: usize, size: usize| {
+                let (k, s, p) = (self.kernel[d], self.stride[d], self.padding[d]);
+                let n = (size + 2 * p - k).div_ceil(s) + 1;
+                if (n - 1) * s >= size + p {
+                    n - 1
+                } else {
+                    n
+                }
+            };
+            [up(0, h), up(1, w)]
+        } else {
+            floor
+        };
+        Some(out).filter(|o| o[0] > 0 && o[1] > 0)
     }
 }
 

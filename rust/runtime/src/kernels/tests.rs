@@ -58,9 +58,12 @@ fn linear_matches_a_double_precision_reference() {
 fn max_pool_takes_each_windows_largest_inside_the_image() {
     each_isa(|| {
         for (pool, [h, w]) in [
-            (MaxPool { kernel: [3, 3], stride: [2, 2], padding: [1, 1] }, [8, 7]),
-            (MaxPool { kernel: [2, 3], stride: [1, 2], padding: [0, 1] }, [5, 6]),
-            (MaxPool { kernel: [3, 3], stride: [3, 3], padding: [0, 0] }, [3, 3]),
+            (MaxPool { kernel: [3, 3], stride: [2, 2], padding: [1, 1], ceil: false }, [8, 7]),
+            (MaxPool { kernel: [2, 3], stride: [1, 2], padding: [0, 1], ceil: false }, [5, 6]),
+            (MaxPool { kernel: [3, 3], stride: [3, 3], padding: [0, 0], ceil: false }, [3, 3]),
+            // ceil_mode: the last windows hang past the input (SqueezeNet's 3×3 at stride 2).
+            (MaxPool { kernel: [3, 3], stride: [2, 2], padding: [0, 0], ceil: true }, [8, 7]),
+            (MaxPool { kernel: [2, 3], stride: [2, 2], padding: [1, 1], ceil: true }, [5, 6]),
         ] {
             let (batch, c) = (2, 19);
             let mut x: Vec<f32> = (0..batch * h * w * c).map(|i| ((i * 7919) % 1013) as f32 - 500.0).collect();
@@ -89,8 +92,15 @@ fn max_pool_takes_each_windows_largest_inside_the_image() {
                 }
             }
         }
-        let bad = MaxPool { kernel: [2, 2], stride: [1, 1], padding: [2, 2] };
+        let bad = MaxPool { kernel: [2, 2], stride: [1, 1], padding: [2, 2], ceil: false };
         assert_eq!(bad.output(4, 4), None, "padding over half the kernel");
+        // torch's sizes: 8 rows and 7 columns under a 3×3 at stride 2 give 4×3 rounded up (3×3
+        // down); a 2-wide window at stride 2 over 6 columns padded by 1 gives 4, not 5 (the
+        // fifth would start in the right padding).
+        let up = MaxPool { kernel: [3, 3], stride: [2, 2], padding: [0, 0], ceil: true };
+        assert_eq!(up.output(8, 7), Some([4, 3]));
+        let edge = MaxPool { kernel: [2, 2], stride: [2, 2], padding: [1, 1], ceil: true };
+        assert_eq!(edge.output(6, 6), Some([4, 4]));
     });
 }
 

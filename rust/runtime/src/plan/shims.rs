@@ -223,7 +223,7 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg]) -> Option<super::OwnOp> 
         }
         (
             ("aten::max_pool2d", ""),
-            [SlotArg::Value(_), kernel, stride, padding, dilation, SlotArg::Literal(Arg::Bool(false))],
+            [SlotArg::Value(_), kernel, stride, padding, dilation, SlotArg::Literal(Arg::Bool(ceil))],
         ) => {
             // One size for both dimensions, or one each, as torch takes them.
             let pair = |a: &SlotArg| -> Option<[usize; 2]> {
@@ -242,7 +242,7 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg]) -> Option<super::OwnOp> 
             };
             let (padding, dilation) = (pair(padding)?, pair(dilation)?);
             let valid = dilation == [1, 1] && !kernel.contains(&0) && !stride.contains(&0);
-            valid.then_some(super::OwnOp::MaxPool(crate::kernels::MaxPool { kernel, stride, padding }))
+            valid.then_some(super::OwnOp::MaxPool(crate::kernels::MaxPool { kernel, stride, padding, ceil: *ceil }))
         }
         (
             ("aten::scaled_dot_product_attention", ""),
