@@ -36,6 +36,7 @@ pub mod fallback;
 pub mod generate;
 pub mod kernels;
 pub mod method;
+pub mod operators;
 pub mod ops;
 pub mod plan;
 pub mod program;

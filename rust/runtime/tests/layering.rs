@@ -1,7 +1,8 @@
-//! The runtime's stages import one way: ops -> plan -> exec, all over abi, and abi over
-//! nothing of the runtime's but the pure-Rust leaves (`kernels`, `views`), which import
-//! nothing of it. Read from the sources, so a new `use` that breaks the layering
-//! fails here rather than in review.
+//! The runtime's stages import one way: ops -> plan -> exec, over the operator layer
+//! (`operators`: kwexport's kernels on torch's tensors) and the binding to torch's C ABI
+//! (`abi`); the kernels are leaves that know no tensor, and the binding knows no kernel.
+//! Read from the sources, so a new `use` that breaks the layering fails here rather than
+//! in review.
 
 use std::path::Path;
 
@@ -9,12 +10,13 @@ use std::path::Path;
 const ALLOWED: &[(&str, &[&str])] = &[
     ("kernels", &[]),
     ("views", &[]),
-    ("abi", &["kernels", "views"]),
+    ("abi", &["views"]),
+    ("operators", &["abi", "kernels", "views"]),
     ("ops", &["abi", "errors"]),
-    // The plan packs weights in the layout a kernel reads (`kernels::PANEL`) and names the
-    // activation a kernel applies (`kernels::Epilogue`).
-    ("plan", &["abi", "ops", "errors", "constants", "views", "kernels"]),
-    ("exec", &["abi", "plan", "errors", "views"]),
+    // The plan asks the operators which kernel takes a node (geometry, post-op) and names
+    // the packed weights they read.
+    ("plan", &["abi", "ops", "errors", "constants", "views", "operators"]),
+    ("exec", &["abi", "plan", "errors", "views", "operators"]),
 ];
 
 fn sources(stage: &str) -> Vec<(String, String)> {
@@ -90,4 +92,22 @@ fn stages_import_one_way() {
         }
     }
     assert!(wrong.is_empty(), "imports against the stage order:\n{}", wrong.join("\n"));
+}
+
+/// exec runs what the plan chose: it names no op (a rule about an op belongs to the plan,
+/// which reads the schema) and no instruction set (the kernel table decides those).
+#[test]
+fn exec_names_no_op_and_no_cpu_feature() {
+    let mut wrong = Vec::new();
+    for (path, text) in sources("exec") {
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or_default();
+            let names_op = ["aten::", "prims::", "mkldnn::", "quantized"].iter().any(|ns| code.contains(ns));
+            let names_cpu = ["avx", "neon", "isa::", "target_feature"].iter().any(|f| code.to_lowercase().contains(f));
+            if names_op || names_cpu {
+                wrong.push(format!("{path}:{}: {}", n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "exec decides what the plan should:\n{}", wrong.join("\n"));
 }

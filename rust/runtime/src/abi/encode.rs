@@ -48,17 +48,6 @@ pub trait Consts {
     fn number(&mut self, lit: &Arg) -> Option<usize>;
     /// The index of weight `name`'s transpose (`weight.t()`), if it is a matrix.
     fn weight_t(&mut self, name: &str) -> Option<usize>;
-    /// A float32 matrix weight to pack into kwexport's GEMM's panels on first use
-    /// (`super::Panels`), read as `[k, n]`: the weight transposed (`transpose`, a linear's
-    /// `[n, k]` or a 1×1 convolution's `[n, k, 1, 1]`) or as it is (an `addmm`'s second
-    /// matrix); and `n`. `None` for other weights, and those too large to copy.
-    fn weight_panels(&mut self, name: &str, transpose: bool) -> Option<(std::sync::Arc<super::Panels>, i64)>;
-    /// Whether the GEMM's weights are packed in bfloat16 (`precision="bf16"`).
-    fn bf16(&self) -> bool;
-    /// A convolution's float32 `[out, in, kh, kw]` weight as a new contiguous `[in * kh * kw,
-    /// out]` tensor of taps (each tap's output channels contiguous: `kernels::depthwise_f32`,
-    /// `kernels::direct_f32`), and the weight's shape; `None` for any other weight.
-    fn conv_taps(&mut self, name: &str) -> Option<(usize, [i64; 4])>;
     /// The shape of a float32 weight; `None` for another dtype.
     fn f32_shape(&mut self, name: &str) -> Option<Vec<i64>>;
     /// The index of the wrapped number `wrapped` (an index `number` gave) cast to `dtype`

@@ -11,11 +11,10 @@
 //! - `types`   the schema types the dispatcher converts
 //! - `encode`  values on the C path: how arguments are encoded and returns decoded
 //! - `shims`   per-op C entry points that take a `Scalar` as a `double`
-//! - `parallel` torch's intra-op thread pool, as the kernels' pool
+//! - `parallel` torch's intra-op thread pool
 
 pub mod encode;
-mod operators;
-mod parallel;
+pub mod parallel;
 pub mod shims;
 pub mod types;
 
@@ -71,6 +70,8 @@ pub struct Abi {
     version: u64,
     /// The per-op shims for nodes with a `Scalar`; `None` without the tensor queries.
     pub shims: Option<Shims>,
+    /// torch's intra-op thread pool, where the running torch exports it.
+    pub pool: Option<parallel::TorchPool>,
     /// torch >= 2.14's C conversions between Python tensors and handles (GIL held), which
     /// save a Python call per tensor over `torch._C._aoti`'s below.
     from_pyobject: Option<unsafe extern "C" fn(Raw, *mut Raw) -> Status>,
@@ -199,8 +200,6 @@ impl Abi {
             return Ok(None);
         }
         // SAFETY: as for `sym` above.
-        unsafe { parallel::install(&lib, hidden) };
-        // SAFETY: as for `sym` above.
         Ok(unsafe {
             (|| {
                 Some(Abi {
@@ -219,6 +218,7 @@ impl Abi {
                     parse_device: sym(&lib, hidden, "torch_parse_device_string")?,
                     exception_what: sym(&lib, hidden, "torch_exception_get_what_without_backtrace")?,
                     shims: Shims::open(&lib, hidden, floating_codes(&dtypes)),
+                    pool: parallel::TorchPool::open(&lib, hidden),
                     from_pyobject: sym(&lib, hidden, "torch_tensor_from_pyobject"),
                     reinterpret: sym(&lib, hidden, "aoti_torch__reinterpret_tensor"),
                     geometry: (|| {
@@ -246,11 +246,6 @@ impl Abi {
                 })
             })()
         })
-    }
-
-    /// The threads kwexport's kernels may use on this thread (torch's intra-op count).
-    pub fn threads(&self) -> usize {
-        crate::kernels::parallel::threads()
     }
 
     /// torch's code for a dtype of the core's table.
@@ -691,39 +686,6 @@ impl Drop for Tensor {
     fn drop(&mut self) {
         // SAFETY: an owned handle, deleted once.
         unsafe { (self.1)(self.0) };
-    }
-}
-
-/// Four sizes or strides as the kernels take them; `None` for another count or a negative.
-fn four(v: &[i64]) -> Option<[usize; 4]> {
-    let v: Vec<usize> = v.iter().map(|&d| usize::try_from(d).ok()).collect::<Option<_>>()?;
-    v.try_into().ok()
-}
-
-/// A matrix weight packed into the GEMM's panels on its first use (`Abi::pack_matrix_panels`),
-/// not at load: a load copies no weight, and a weight no call reaches is never packed. One
-/// per weight, shared by the nodes that read it.
-pub struct Panels {
-    /// The weight, as a constant of the plan.
-    weight: usize,
-    transpose: bool,
-    /// For the bfloat16 GEMM (`precision="bf16"`).
-    pub bf16: bool,
-    packed: std::sync::OnceLock<Option<Tensor>>,
-}
-
-impl Panels {
-    /// Panels for constant `weight`: `[n, k]` (`transpose`) or `[k, n]`, in bfloat16 with
-    /// `bf16`.
-    pub fn new(weight: usize, transpose: bool, bf16: bool) -> Panels {
-        Panels { weight, transpose, bf16, packed: std::sync::OnceLock::new() }
-    }
-
-    /// The packed panels, packed now if no call did yet; `None` where the weight can't be.
-    pub fn get(&self, abi: &Abi, consts: &[Tensor]) -> Option<Raw> {
-        let packed =
-            self.packed.get_or_init(|| abi.pack_matrix_panels(consts.get(self.weight)?, self.transpose, self.bf16));
-        packed.as_ref().map(Tensor::raw)
     }
 }
 

@@ -35,8 +35,11 @@ impl CStep {
         }
         // SAFETY: a live handle.
         let input = unsafe { abi.sizes_strides(t[0]) }.map(|(s, _)| s);
-        let pack = &conv.packed[abi.threads().clamp(1, conv.packed.len()) - 1];
-        let Some(weight) = pack.get_or_init(|| pack_conv_weight(abi, conv, &consts[conv.weight], input)) else {
+        let pack = &conv.packed[operators::threads().clamp(1, conv.packed.len()) - 1];
+        let Some(weight) = pack.get_or_init(|| {
+            let geometry = ([conv.padding, conv.stride, conv.dilation], conv.groups);
+            Operators(abi).pack_onednn_conv_weight(geometry, &consts[conv.weight], input)
+        }) else {
             return self.on_python(abi, shim, slots);
         };
         // oneDNN's fused op, with its post-op or (`post` false) without it.
@@ -100,11 +103,12 @@ impl CStep {
         };
         let onednn = || -> Result<abi::Tensor, CError> {
             // SAFETY: live handles (the input, and the residual if any).
-            let finite = || unsafe { abi.all_finite(t[0]) && residual.is_none_or(|r| abi.all_finite(r)) };
+            let finite =
+                || unsafe { Operators(abi).all_finite(t[0]) && residual.is_none_or(|r| Operators(abi).all_finite(r)) };
             match conv.nan_post_op {
                 Some(post_op) if !finite() => {
                     let mut out = fused(false)?;
-                    abi.apply_epilogue(&mut out, post_op)?;
+                    Operators(abi).apply_epilogue(&mut out, post_op)?;
                     Ok(out)
                 }
                 _ => fused(true),
@@ -119,26 +123,26 @@ impl CStep {
             let ours = || unsafe {
                 match &own.kernel {
                     OwnKernel::Gemm { panels, n } => {
-                        abi.conv1x1(t[0], panels.get(abi, consts)?, *n, adds, own.epilogue, panels.bf16)
+                        Operators(abi).conv1x1(t[0], panels.get(abi, consts)?, *n, adds, own.epilogue, panels.bf16)
                     }
                     OwnKernel::Depthwise { taps, geometry } if residual.is_none() => {
-                        abi.depthwise(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
+                        Operators(abi).depthwise(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
                     }
                     OwnKernel::Direct { taps, geometry } if residual.is_none() => {
-                        abi.direct_conv(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
+                        Operators(abi).direct_conv(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
                     }
                     OwnKernel::Indirect { weight, geometry, winograd: Some(w), .. } if pixels? >= w.min_pixels => {
-                        let panels = w.panels.get_or_init(|| abi.pack_winograd(&consts[*weight]));
-                        abi.winograd_conv(t[0], panels.as_ref()?.raw(), geometry, adds, own.epilogue)
+                        let panels = w.panels.get_or_init(|| Operators(abi).pack_winograd(&consts[*weight]));
+                        Operators(abi).winograd_conv(t[0], panels.as_ref()?.raw(), geometry, adds, own.epilogue)
                     }
                     OwnKernel::Indirect { weight, geometry, panels, bf16, .. } => {
-                        let panels = panels.get_or_init(|| abi.pack_conv_panels(&consts[*weight], *bf16));
-                        abi.indirect_conv(t[0], panels.as_ref()?.raw(), geometry, adds, own.epilogue, *bf16)
+                        let panels = panels.get_or_init(|| Operators(abi).pack_conv_panels(&consts[*weight], *bf16));
+                        Operators(abi).indirect_conv(t[0], panels.as_ref()?.raw(), geometry, adds, own.epilogue, *bf16)
                     }
                     _ => None,
                 }
             };
-            if let Some(result) = pixels.and_then(|p| choose(abi, &own.choices, p, ours, onednn)) {
+            if let Some(result) = pixels.and_then(|p| choose(&own.choices, p, ours, onednn)) {
                 self.finish(slots, result?);
                 return Ok(());
             }
@@ -146,55 +150,6 @@ impl CStep {
         self.finish(slots, onednn()?);
         Ok(())
     }
-}
-
-/// A convolution's weight packed for oneDNN (`mkldnn::_reorder_convolution_weight`, through
-/// the dispatcher) for the first call's input sizes, or the plain weight where torch can't
-/// pack it: oneDNN then reorders it on each call, which gives the same values. Packed for no
-/// input size, oneDNN guesses one, and where its kernel for the real size wants another
-/// blocking it reorders the weight on every call (on an AVX2 CPU: 24- against 32-wide blocks,
-/// 70 ms a call for resnet18's 512-channel convolutions). `None` only if not even a new
-/// handle to the weight could be made (the node then runs its Python op).
-fn pack_conv_weight(
-    abi: &Abi,
-    conv: &crate::plan::Conv,
-    weight: &abi::Tensor,
-    input: Option<Vec<i64>>,
-) -> Option<abi::Tensor> {
-    let packed = || -> Result<abi::Tensor, CError> {
-        let ints = |v: &[i64; 2]| abi.new_list(&[v[0] as StableIValue, v[1] as StableIValue]);
-        let list = Ty::List(Box::new(Ty::Int));
-        let mut stack: Vec<StableIValue> = Vec::with_capacity(6);
-        let parts = [&conv.padding, &conv.stride, &conv.dilation];
-        let built = abi.share(weight).and_then(|w| {
-            stack.push(w);
-            parts.iter().try_for_each(|p| ints(p).map(|l| stack.push(l)))
-        });
-        if let Err(e) = built {
-            for (i, &v) in stack.iter().enumerate() {
-                // SAFETY: built above for these types, never handed to torch.
-                unsafe { abi.release(if i == 0 { &Ty::Tensor } else { &list }, v) };
-            }
-            return Err(e);
-        }
-        stack.push(conv.groups as StableIValue);
-        // input_size: an optional list, boxed; None (0) where the sizes are unknown or the
-        // list couldn't be made.
-        let sizes: Vec<StableIValue> = input.iter().flatten().map(|&v| v as StableIValue).collect();
-        let boxed = input.is_some().then(|| abi.new_list(&sizes)).and_then(Result::ok).and_then(|list_handle| {
-            abi.boxed(list_handle).ok().or_else(|| {
-                // SAFETY: made above for a list of ints, never handed to torch.
-                unsafe { abi.release(&list, list_handle) };
-                None
-            })
-        });
-        stack.push(boxed.unwrap_or(0));
-        // SAFETY: one value per argument of `_reorder_convolution_weight`'s schema, encoded
-        // for its type; it returns one tensor.
-        unsafe { abi.call(c"mkldnn::_reorder_convolution_weight", c"", &mut stack) }?;
-        Ok(abi.adopt(stack[0]))
-    };
-    packed().or_else(|_| abi.share(weight).map(|w| abi.adopt(w))).ok()
 }
 
 /// `KWEXPORT_LINEAR_KERNEL=kwexport` or `=torch` skips the measuring and always takes that
@@ -242,8 +197,8 @@ pub(super) unsafe fn choose_linear(
     // Packed here, the first time the node has few enough rows: a node that never does never
     // copies its weight.
     let panels = packed.panels.get(abi, consts)?;
-    let ours = || unsafe { abi.linear(t[input], panels, packed.n, bias, epilogue, bf16) };
-    choose(abi, &packed.choices, rows, ours, torch)
+    let ours = || unsafe { Operators(abi).linear(t[input], panels, packed.n, bias, epilogue, bf16) };
+    choose(&packed.choices, rows, ours, torch)
 }
 
 /// kwexport's GEMM (`ours`) or the other kernel (`theirs`) for a node, whichever measured
@@ -252,7 +207,6 @@ pub(super) unsafe fn choose_linear(
 /// chosen, `None` where the other is (or `ours` can't take the tensors), for the caller to
 /// run.
 fn choose(
-    abi: &Abi,
     choices: &crate::plan::Choices,
     rows: i64,
     ours: impl Fn() -> Option<Result<abi::Tensor, CError>>,
@@ -260,7 +214,7 @@ fn choose(
 ) -> Option<Result<abi::Tensor, CError>> {
     // A choice holds for one number of rows at one thread count: both kernels scale
     // differently with threads.
-    let rows = rows.saturating_mul(64).saturating_add(abi.threads().min(63) as i64);
+    let rows = rows.saturating_mul(64).saturating_add(operators::threads().min(63) as i64);
     match forced_linear_kernel().or_else(|| choices.choice(rows)) {
         Some(true) => ours(),
         Some(false) => None,

@@ -19,6 +19,7 @@ use crate::abi::encode::{build, decode, Enc, Native};
 use crate::abi::shims::{Family, ShimFn};
 use crate::abi::{self, Abi, CError, StableIValue, Ty};
 use crate::errors::{RtError, RtResult};
+use crate::operators::{self, Operators};
 use crate::plan::{CStep, HopStep, OwnKernel, OwnOp, Plan, PyArg, PyOp, PyStep, Segment, ShimStep};
 use crate::views::{self, ViewArg, ViewKind};
 
@@ -455,9 +456,11 @@ impl CStep {
             // SAFETY (each): the handles just read from live slots and constants.
             let done = match shim.f {
                 _ if !direct.no_autograd => None,
-                ShimFn::Gelu => unsafe { abi.gelu(t[0], shim.scalars[0] != 0.0) },
-                ShimFn::RmsNorm => unsafe { abi.rms_norm(t[0], t[1], shim.scalars[0], shim.scalars[1] as i64) },
-                _ => unsafe { abi.layer_norm(t[0], t[1], t[2], shim.scalars[0], shim.scalars[1] as i64) },
+                ShimFn::Gelu => unsafe { Operators(abi).gelu(t[0], shim.scalars[0] != 0.0) },
+                ShimFn::RmsNorm => unsafe {
+                    Operators(abi).rms_norm(t[0], t[1], shim.scalars[0], shim.scalars[1] as i64)
+                },
+                _ => unsafe { Operators(abi).layer_norm(t[0], t[1], t[2], shim.scalars[0], shim.scalars[1] as i64) },
             };
             let Some(result) = done else { return self.on_python(abi, shim, slots) };
             self.finish(slots, result?);
@@ -483,16 +486,9 @@ impl CStep {
                     Some(_) => false,
                 }
         };
-        // Integer `add` (position arithmetic): the shim takes `alpha` as a double, which torch
-        // refuses for integers; kwexport's kernel adds int64 exactly instead of the Python op.
-        let integer_add = !admitted
-            && direct.no_autograd
-            && self.name.0.as_bytes() == b"aten::add"
-            && !shim.in_place
-            && shim.scalars == [1.0];
-        if integer_add {
+        if shim.integer_add && !admitted && direct.no_autograd {
             // SAFETY: the handles just read from live slots and constants.
-            if let Some(result) = unsafe { abi.add_i64(t[0], t[1]) } {
+            if let Some(result) = unsafe { Operators(abi).add_i64(t[0], t[1]) } {
                 self.finish(slots, result?);
                 return Ok(());
             }
@@ -504,7 +500,7 @@ impl CStep {
         // torch's kernel, then a fused linear's activation on its result.
         let torch = || {
             let mut r = torch_kernel(abi, shim, &t)?;
-            abi.apply_epilogue(&mut r, shim.epilogue)?;
+            Operators(abi).apply_epilogue(&mut r, shim.epilogue)?;
             Ok(r)
         };
         let mut result = match packed {
@@ -558,13 +554,13 @@ impl CStep {
         };
         match own {
             // SAFETY: live handles from slots and constants.
-            OwnOp::GlobalAvgPool => unsafe { abi.global_avg_pool(tensor(0)??) },
+            OwnOp::GlobalAvgPool => unsafe { Operators(abi).global_avg_pool(tensor(0)??) },
             // SAFETY: as above.
-            OwnOp::MaxPool(pool) => unsafe { abi.max_pool(tensor(0)??, &pool) },
+            OwnOp::MaxPool(pool) => unsafe { Operators(abi).max_pool(tensor(0)??, &pool) },
             OwnOp::Attention { causal, scale } => {
                 let qkv = [tensor(0)??, tensor(1)??, tensor(2)??];
                 // SAFETY: as above.
-                unsafe { abi.attention(qkv, tensor(3)?, causal, scale) }
+                unsafe { Operators(abi).attention(qkv, tensor(3)?, causal, scale) }
             }
         }
     }

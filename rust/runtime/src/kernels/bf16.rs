@@ -23,10 +23,16 @@ pub fn round(x: f32) -> u16 {
     (u.wrapping_add(0x7FFF + ((u >> 16) & 1)) >> 16) as u16
 }
 
+/// The panels [`pack_panels`] makes of a `[n, cin, kh, kw]` weight: `ceil(n / 64)` panels of
+/// `[kh * kw * ceil(cin / 2), 64]` pairs. The one place the bfloat16 panels' size is computed.
+pub fn pack_size([n, cin, kh, kw]: [usize; 4]) -> [usize; 3] {
+    [n.div_ceil(PANEL), kh * kw * cin.div_ceil(2), PANEL]
+}
+
 /// A `[n, cin, kh, kw]` weight (at element `strides`; a matrix is `[n, k, 1, 1]`) as the
 /// kernel's panels: per 64 output columns, for each tap `(i, j)` then each pair of input
 /// channels `(2q, 2q + 1)`, a row of 64 pairs of bfloat16 weights (low half first; zero past
-/// `cin` and `n`). `panels` holds `ceil(n / 64) * kh * kw * ceil(cin / 2) * 64` pairs.
+/// `cin` and `n`). `panels` holds [`pack_size`]'s pairs.
 pub fn pack_panels(w: &[f32], shape: [usize; 4], strides: [usize; 4], panels: &mut [u32]) {
     let [n, cin, kh, kw] = shape;
     let pairs = cin.div_ceil(2);
@@ -64,7 +70,7 @@ pub fn gemm(
     out: &mut [f32],
 ) -> bool {
     let fits = x.len() >= m * k
-        && panels.len() >= k.div_ceil(2) * n.div_ceil(PANEL) * PANEL
+        && panels.len() >= pack_size([n, k, 1, 1]).iter().product()
         && out.len() >= m * n
         && bias.is_none_or(|b| b.len() >= n)
         && residual.is_none_or(|r| r.len() >= m * n);
@@ -104,7 +110,7 @@ pub fn indirect(
     let Some([ho, wo]) = g.output(h, w) else { return false };
     let (m, pairs) = (batch * ho * wo, cin.div_ceil(2));
     let fits = x.len() >= batch * h * w * cin
-        && panels.len() >= taps * pairs * n.div_ceil(PANEL) * PANEL
+        && panels.len() >= pack_size([n, cin, g.kernel[0], g.kernel[1]]).iter().product()
         && out.len() >= m * n
         && bias.is_none_or(|b| b.len() >= n)
         && residual.is_none_or(|r| r.len() >= m * n);

@@ -12,10 +12,16 @@ use super::simd::Simd;
 /// instruction set (a panel holds several register tiles' columns where vectors are narrow).
 pub const PANEL: usize = 64;
 
-/// The elements of the panels of a `[k, n]` weight (`ceil(n / 64)` panels of `[k, 64]`): the
-/// one place the packed size is computed.
+/// The panels [`pack_conv_panels`] makes of a `[n, cin, kh, kw]` weight (a matrix is `[n, k,
+/// 1, 1]`): `ceil(n / 64)` panels of `[cin * kh * kw, 64]`. The one place the float32
+/// panels' size is computed.
+pub fn pack_size([n, cin, kh, kw]: [usize; 4]) -> [usize; 3] {
+    [n.div_ceil(PANEL), cin * kh * kw, PANEL]
+}
+
+/// The elements of the panels of a `[k, n]` matrix ([`pack_size`] of `[n, k, 1, 1]`).
 pub fn panels_len(k: usize, n: usize) -> usize {
-    n.div_ceil(PANEL) * k * PANEL
+    pack_size([n, k, 1, 1]).iter().product()
 }
 
 /// `out[m, n] = bias[n] + x[m, k] @ w[k, n]` for small `m` (a few rows of activations: a
@@ -157,7 +163,7 @@ pub fn indirect_f32(
 /// A convolution's `[out, in, kh, kw]` weight (at element `strides`: contiguous or
 /// channels-last) as the GEMM's panels of its `[kh * kw * in, out]` matrix, whose rows follow
 /// [`indirect_f32`]'s patches: row `(i * kw + j) * in + c` holds the weights of input channel
-/// `c` at tap `(i, j)`. `panels` holds [`panels_len`] elements.
+/// `c` at tap `(i, j)`. `panels` holds [`pack_size`]'s elements; past `n` they are zero.
 pub fn pack_conv_panels(w: &[f32], shape: [usize; 4], strides: [usize; 4], panels: &mut [f32]) {
     let [n, cin, kh, kw] = shape;
     let k = cin * kh * kw;

@@ -11,21 +11,25 @@
 use super::{Conv2d, Epilogue, PANEL};
 
 /// The transformed weight's panels: 16 matrices `U[e]` (`[cin, cout]`, `e` the position in
-/// the 4×4 block), each packed as the GEMM reads it (`ceil(cout / 64)` panels of `[cin, 64]`).
-pub fn panels_sizes(cin: usize, cout: usize) -> [usize; 3] {
-    [16, cout.div_ceil(PANEL) * cin, PANEL]
+/// the 4×4 block), each packed as the GEMM reads it (`ceil(cout / 64)` panels of `[cin, 64]`,
+/// `gemm::pack_size`). The one place their size is computed.
+pub fn pack_size(cin: usize, cout: usize) -> [usize; 3] {
+    let [panels, rows, width] = super::gemm::pack_size([cout, cin, 1, 1]);
+    [16, panels * rows, width]
 }
 
-/// The elements of [`panels_sizes`].
+/// The elements of [`pack_size`].
 pub fn panels_len(cin: usize, cout: usize) -> usize {
-    panels_sizes(cin, cout).iter().product()
+    pack_size(cin, cout).iter().product()
 }
 
 /// A `[cout, cin, 3, 3]` weight (at element `strides`) as `U = G g Gᵀ` for each channel pair,
 /// packed into [`panels_len`] floats.
 pub fn pack_weights(w: &[f32], [cout, cin]: [usize; 2], strides: [usize; 4], panels: &mut [f32]) {
     const G: [[f32; 3]; 4] = [[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]];
-    let per = cout.div_ceil(PANEL) * cin * PANEL;
+    let per = super::gemm::panels_len(cin, cout);
+    // Zero past `cout`: the GEMM reads whole panels.
+    panels[..16 * per].fill(0.0);
     for o in 0..cout {
         for c in 0..cin {
             let g = |i: usize, j: usize| w[o * strides[0] + c * strides[1] + i * strides[2] + j * strides[3]];
@@ -141,7 +145,7 @@ pub(super) unsafe fn bands(ops: &Operands<'_>, range: std::ops::Range<usize>) {
     let (x, [_, h, w], panels, g, (bias, residual)) = (ops.x, ops.dims, ops.panels, ops.g, ops.add);
     let (cin, cout, band) = (g.in_channels, g.out_channels, ops.band);
     let [ho, wo] = [h + 2 * g.padding[0] - 2, w + 2 * g.padding[1] - 2];
-    let per = cout.div_ceil(PANEL) * cin * PANEL;
+    let per = super::gemm::panels_len(cin, cout);
     let [pt, pl] = g.padding;
     let (th, tw) = (ho.div_ceil(2), wo.div_ceil(2));
     let per_image = (th * tw).div_ceil(band);

@@ -13,6 +13,7 @@ use crate::abi::encode::Consts;
 use crate::abi::{self, Abi};
 use crate::constants::literal_to_py;
 use crate::errors::RtResult;
+use crate::operators::Panels;
 use crate::ops::{ResolvedOp, SchemaArg};
 
 /// Constant objects for the plan, each made once per load.
@@ -25,7 +26,7 @@ pub(super) struct ConstTable<'a, 'py> {
     tensors: Vec<Const>,
     weight_index: HashMap<String, usize>,
     /// Weights to pack for kwexport's GEMM, and their `n`.
-    panels: HashMap<String, (std::sync::Arc<abi::Panels>, i64)>,
+    panels: HashMap<String, (std::sync::Arc<Panels>, i64)>,
     /// Pack them for the bfloat16 GEMM (`precision="bf16"`).
     bf16: bool,
     /// Wrapped numbers, one per distinct number literal.
@@ -252,48 +253,6 @@ impl Consts for ConstTable<'_, '_> {
         Some(i)
     }
 
-    fn weight_panels(&mut self, name: &str, transpose: bool) -> Option<(std::sync::Arc<abi::Panels>, i64)> {
-        let key = format!("{name}\u{0}panels {transpose}");
-        if let Some((panels, n)) = self.panels.get(&key) {
-            return Some((panels.clone(), *n));
-        }
-        let w = self.weights.get(name)?.bind(self.py);
-        let shape: Vec<i64> = w.getattr("shape").ok()?.extract().ok()?;
-        // A 1×1 convolution's `[n, k, 1, 1]` weight is its `[n, k]` matrix.
-        let n = match (shape.as_slice(), transpose) {
-            ([n, _], true) | ([n, _, 1, 1], true) | ([_, n], false) => *n,
-            _ => return None,
-        };
-        let is_f32 = w.getattr("dtype").ok()?.eq(self.torch.getattr("float32").ok()?).ok()?;
-        let elements: i64 = shape.iter().product();
-        // The copy costs the weight's memory again: only for the small matrices the kernel is
-        // for, where it stays a small share of a model's weights.
-        let most = if self.bf16 { MAX_BF16_PACKED_ELEMENTS } else { MAX_PACKED_ELEMENTS };
-        if !is_f32 || elements > most || elements == 0 || self.abi.is_none() {
-            return None;
-        }
-        let panels = std::sync::Arc::new(abi::Panels::new(self.weight(name), transpose, self.bf16));
-        self.panels.insert(key, (panels.clone(), n));
-        Some((panels, n))
-    }
-
-    fn bf16(&self) -> bool {
-        self.bf16
-    }
-
-    fn conv_taps(&mut self, name: &str) -> Option<(usize, [i64; 4])> {
-        let w = self.weights.get(name)?.bind(self.py);
-        let shape: [i64; 4] = w.getattr("shape").ok()?.extract::<Vec<i64>>().ok()?.try_into().ok()?;
-        let is_f32 = w.getattr("dtype").ok()?.eq(self.torch.getattr("float32").ok()?).ok()?;
-        if !is_f32 || shape.contains(&0) {
-            return None;
-        }
-        let taps = w.call_method0("detach").ok()?.call_method1("flatten", (1,)).ok()?.call_method0("t").ok()?;
-        let taps = taps.call_method0("contiguous").ok()?;
-        let i = self.push(Const::Py(taps.unbind()));
-        Some((i, shape))
-    }
-
     fn f32_shape(&mut self, name: &str) -> Option<Vec<i64>> {
         let w = self.weights.get(name)?.bind(self.py);
         let is_f32 = w.getattr("dtype").ok()?.eq(self.torch.getattr("float32").ok()?).ok()?;
@@ -321,6 +280,66 @@ impl Consts for ConstTable<'_, '_> {
         let at = self.push(Const::Py(t));
         self.numbers[i].const_index = Some(at);
         Some(at)
+    }
+}
+
+/// The constants that kwexport's own kernels take beside the encoded arguments' (packed
+/// weights, taps), resolved by the plan.
+pub(crate) trait KernelConsts: Consts {
+    /// A float32 matrix weight to pack into kwexport's GEMM's panels on first use
+    /// (`operators::Panels`), read as `[k, n]`: the weight transposed (`transpose`, a linear's
+    /// `[n, k]` or a 1×1 convolution's `[n, k, 1, 1]`) or as it is (an `addmm`'s second
+    /// matrix); and `n`. `None` for other weights, and those too large to copy.
+    fn weight_panels(&mut self, name: &str, transpose: bool) -> Option<(std::sync::Arc<Panels>, i64)>;
+    /// Whether the GEMM's weights are packed in bfloat16 (`precision="bf16"`).
+    fn bf16(&self) -> bool;
+    /// A convolution's float32 `[out, in, kh, kw]` weight as a new contiguous `[in * kh * kw,
+    /// out]` tensor of taps (each tap's output channels contiguous: `kernels::depthwise_f32`,
+    /// `kernels::direct_f32`), and the weight's shape; `None` for any other weight.
+    fn conv_taps(&mut self, name: &str) -> Option<(usize, [i64; 4])>;
+}
+
+impl KernelConsts for ConstTable<'_, '_> {
+    fn weight_panels(&mut self, name: &str, transpose: bool) -> Option<(std::sync::Arc<Panels>, i64)> {
+        let key = format!("{name}\u{0}panels {transpose}");
+        if let Some((panels, n)) = self.panels.get(&key) {
+            return Some((panels.clone(), *n));
+        }
+        let w = self.weights.get(name)?.bind(self.py);
+        let shape: Vec<i64> = w.getattr("shape").ok()?.extract().ok()?;
+        // A 1×1 convolution's `[n, k, 1, 1]` weight is its `[n, k]` matrix.
+        let n = match (shape.as_slice(), transpose) {
+            ([n, _], true) | ([n, _, 1, 1], true) | ([_, n], false) => *n,
+            _ => return None,
+        };
+        let is_f32 = w.getattr("dtype").ok()?.eq(self.torch.getattr("float32").ok()?).ok()?;
+        let elements: i64 = shape.iter().product();
+        // The copy costs the weight's memory again: only for the small matrices the kernel is
+        // for, where it stays a small share of a model's weights.
+        let most = if self.bf16 { MAX_BF16_PACKED_ELEMENTS } else { MAX_PACKED_ELEMENTS };
+        if !is_f32 || elements > most || elements == 0 || self.abi.is_none() {
+            return None;
+        }
+        let panels = std::sync::Arc::new(Panels::new(self.weight(name), transpose, self.bf16));
+        self.panels.insert(key, (panels.clone(), n));
+        Some((panels, n))
+    }
+
+    fn bf16(&self) -> bool {
+        self.bf16
+    }
+
+    fn conv_taps(&mut self, name: &str) -> Option<(usize, [i64; 4])> {
+        let w = self.weights.get(name)?.bind(self.py);
+        let shape: [i64; 4] = w.getattr("shape").ok()?.extract::<Vec<i64>>().ok()?.try_into().ok()?;
+        let is_f32 = w.getattr("dtype").ok()?.eq(self.torch.getattr("float32").ok()?).ok()?;
+        if !is_f32 || shape.contains(&0) {
+            return None;
+        }
+        let taps = w.call_method0("detach").ok()?.call_method1("flatten", (1,)).ok()?.call_method0("t").ok()?;
+        let taps = taps.call_method0("contiguous").ok()?;
+        let i = self.push(Const::Py(taps.unbind()));
+        Some((i, shape))
     }
 }
 

@@ -151,7 +151,7 @@ pub enum OwnOp {
     /// `max_pool2d` without dilation or ceil mode on a channels-last float32 CPU tensor
     /// (`kernels::max_pool_f32`; torch's channels-last kernel sets up per call and runs at a
     /// fifth of the speed on resnet18's stem pooling).
-    MaxPool(crate::kernels::MaxPool),
+    MaxPool(crate::operators::MaxPool),
 }
 
 /// A node run through one of torch's per-op C shims (see `shims`).
@@ -176,11 +176,15 @@ pub struct ShimStep {
     pub(crate) packed: Option<Box<Packed>>,
     /// The activation a fused linear applies to its result (`passes::linear_pointwise`):
     /// kwexport's GEMM as it stores, or kwexport's pointwise kernel after torch's.
-    pub(crate) epilogue: crate::kernels::Epilogue,
+    pub(crate) epilogue: crate::operators::Epilogue,
     /// For oneDNN's fused convolution, its geometry and packed weight.
     pub(crate) conv: Option<Box<Conv>>,
     /// The node through its Python op, for calls the shim can't take (integer tensors).
     pub(crate) fallback: Option<PyStep>,
+    /// `add(a, b)` with alpha 1: where the shim can't take the tensors (it takes `alpha` as a
+    /// double, which torch refuses for integers), kwexport's int64 kernel adds them exactly
+    /// (position arithmetic) instead of the Python op.
+    pub(crate) integer_add: bool,
 }
 
 /// A convolution on oneDNN's fused kernel (`passes::conv_pointwise`): the geometry it was
@@ -217,7 +221,7 @@ pub struct Conv {
     /// NaN into a number (`relu` and `hardsigmoid`: its `max`/`min` return the non-NaN
     /// operand, where torch's ops keep NaN), as kwexport's epilogue: where an input isn't
     /// finite, `exec` runs oneDNN without the post-op, then this.
-    pub(crate) nan_post_op: Option<crate::kernels::Epilogue>,
+    pub(crate) nan_post_op: Option<crate::operators::Epilogue>,
 }
 
 impl Conv {
@@ -243,7 +247,7 @@ impl Conv {
 /// each result is stored.
 pub struct OwnConv {
     pub(crate) kernel: OwnKernel,
-    pub(crate) epilogue: crate::kernels::Epilogue,
+    pub(crate) epilogue: crate::operators::Epilogue,
     pub(crate) choices: Choices,
 }
 
@@ -251,20 +255,20 @@ pub struct OwnConv {
 pub enum OwnKernel {
     /// A 1×1 convolution with stride 1, no padding and one group: a matrix product over
     /// pixels, on the `[n, k, 1, 1]` weight's `[k, n]` transpose packed into panels.
-    Gemm { panels: std::sync::Arc<crate::abi::Panels>, n: i64 },
+    Gemm { panels: std::sync::Arc<crate::operators::Panels>, n: i64 },
     /// A depthwise convolution (one group per channel, one output per group, no dilation):
     /// its `[c, 1, kh, kw]` weight as `[kh * kw, c]` taps.
-    Depthwise { taps: usize, geometry: crate::kernels::Depthwise },
+    Depthwise { taps: usize, geometry: crate::operators::Depthwise },
     /// A convolution over few input channels (a stem's: `kernels::Conv2d::MAX_DIRECT_IN_CHANNELS`),
     /// one group, on an input of any layout: its weight as `[in * kh * kw, out]` taps.
-    Direct { taps: usize, geometry: crate::kernels::Conv2d },
+    Direct { taps: usize, geometry: crate::operators::Conv2d },
     /// Any other convolution with one group: the GEMM over channels-last patches read in
     /// place (`kernels::indirect_f32`), on the plain weight packed into panels on the node's first
     /// call (`kernels::pack_conv_panels`), as oneDNN's is: a load shouldn't pay for every
     /// weight of a network.
     Indirect {
         weight: usize,
-        geometry: crate::kernels::Conv2d,
+        geometry: crate::operators::Conv2d,
         panels: std::sync::OnceLock<Option<crate::abi::Tensor>>,
         /// Packed for the bfloat16 GEMM (`precision="bf16"`, `kernels::bf16::indirect`).
         bf16: bool,
@@ -288,7 +292,7 @@ pub struct Packed {
     /// The weight as `[k, n]` packed into the kernel's panels (a copy made on the first call
     /// that runs the kernel: of `weight.t()` for a linear, of the weight itself for an
     /// `addmm`'s second matrix), and `n`.
-    pub(crate) panels: std::sync::Arc<crate::abi::Panels>,
+    pub(crate) panels: std::sync::Arc<crate::operators::Panels>,
     pub(crate) n: i64,
     /// Which of the step's tensors is the input matrix (a bias, if any, is tensor 0 before it).
     pub(crate) input: usize,
@@ -477,7 +481,8 @@ pub fn with_grad_mode<T>(torch: &Bound<'_, PyModule>, enabled: bool, f: impl FnO
 pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -> RtResult<Plan> {
     let py = cx.torch.py();
     let abi = match cx.dispatch {
-        Dispatch::Auto | Dispatch::Abi => Abi::get(py),
+        // The kernels split their work on torch's pool from the first plan on.
+        Dispatch::Auto | Dispatch::Abi => Abi::get(py).inspect(|&abi| crate::operators::install_pool(abi)),
         Dispatch::Python => None,
     };
     let mut consts = consts::ConstTable::new(py, cx.torch, cx.weights, abi, cx.bf16);

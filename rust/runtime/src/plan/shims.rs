@@ -20,11 +20,12 @@ use std::ffi::CString;
 use kwexport_core::graph::{SlotArg, SlotNode, SlotOutputs, ValueRef};
 use kwexport_core::schema::Arg;
 
+use super::consts::KernelConsts;
 use super::{CStep, ShimStep};
-use crate::abi::encode::{self, Consts, Enc};
+use crate::abi::encode::{self, Enc};
 use crate::abi::shims::{Family, ShimFn};
 use crate::abi::{Abi, Ty};
-use crate::kernels::Epilogue;
+use crate::operators::Epilogue;
 use crate::ops::OpSchema;
 
 /// Comparisons whose `Scalar` overload is the `Tensor` overload on a wrapped number.
@@ -80,7 +81,7 @@ pub(super) fn compile(
     node: &SlotNode,
     bound: &[&SlotArg],
     is_tensor: &dyn Fn(usize) -> bool,
-    consts: &mut dyn Consts,
+    consts: &mut dyn KernelConsts,
     on_cpu: bool,
     fast: bool,
 ) -> Option<CStep> {
@@ -139,7 +140,13 @@ pub(super) fn compile(
         return Some(step);
     }
     let uses = match name {
-        ("aten::add", "Tensor") => cpu(shims.add_tensor, &[0, 1], &[2], false, false),
+        ("aten::add", "Tensor") => {
+            let mut step =
+                shim_step(abi, op, node, bound, is_tensor, consts, cpu(shims.add_tensor, &[0, 1], &[2], false, false))?;
+            let shim = step.shim.as_mut()?;
+            shim.integer_add = shim.scalars == [1.0];
+            return Some(step);
+        }
         ("aten::add_", "Tensor") => cpu(shims.add_tensor, &[0, 1], &[2], true, false),
         ("aten::sub", "Tensor") => {
             ShimUse { family: Family::Aten, ..cpu(shims.subtract_tensor, &[0, 1], &[2], false, false) }
@@ -242,7 +249,7 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg]) -> Option<super::OwnOp> 
             };
             let (padding, dilation) = (pair(padding)?, pair(dilation)?);
             let valid = dilation == [1, 1] && !kernel.contains(&0) && !stride.contains(&0);
-            valid.then_some(super::OwnOp::MaxPool(crate::kernels::MaxPool { kernel, stride, padding, ceil: *ceil }))
+            valid.then_some(super::OwnOp::MaxPool(crate::operators::MaxPool { kernel, stride, padding, ceil: *ceil }))
         }
         (
             ("aten::scaled_dot_product_attention", ""),
@@ -272,7 +279,7 @@ fn conv_step(
     node: &SlotNode,
     bound: &[&SlotArg],
     is_tensor: &dyn Fn(usize) -> bool,
-    consts: &mut dyn Consts,
+    consts: &mut dyn KernelConsts,
     shims: &crate::abi::shims::Shims,
 ) -> Option<CStep> {
     let none = |a: &SlotArg| matches!(a, SlotArg::Literal(Arg::None(())));
@@ -310,8 +317,8 @@ fn conv_step(
     let (padding, stride, dilation) = (pair(padding)?, pair(stride)?, pair(dilation)?);
     let weight = consts.weight(w);
     let shape: [i64; 4] = consts.f32_shape(w)?.try_into().ok()?;
-    let own = crate::kernels::Epilogue::of_attr(&attr).filter(|_| dilation == [1, 1]).and_then(|epilogue| {
-        use crate::kernels::Conv2d;
+    let own = crate::operators::Epilogue::of_attr(&attr).filter(|_| dilation == [1, 1]).and_then(|epilogue| {
+        use crate::operators::Conv2d;
         let [out, inputs, kh, kw] = shape;
         let geometry = Conv2d::new(shape, stride, padding)?;
         let pointwise = [kh, kw] == [1, 1] && stride == [1, 1] && padding == [0, 0];
@@ -324,14 +331,14 @@ fn conv_step(
             }
             (1, None) => {
                 let (panels, bf16) = (std::sync::OnceLock::new(), consts.bf16());
-                let winograd = (!bf16 && crate::kernels::winograd::takes(&geometry)).then(|| super::Winograd {
+                let winograd = (!bf16 && crate::operators::winograd_takes(&geometry)).then(|| super::Winograd {
                     panels: std::sync::OnceLock::new(),
-                    min_pixels: crate::kernels::winograd::MIN_PIXELS as i64,
+                    min_pixels: crate::operators::WINOGRAD_MIN_PIXELS as i64,
                 });
                 super::OwnKernel::Indirect { weight, geometry, panels, bf16, winograd }
             }
             (g, _) if g == out && inputs == 1 => {
-                let geometry = crate::kernels::Depthwise::new([out, kh, kw], stride, padding)?;
+                let geometry = crate::operators::Depthwise::new([out, kh, kw], stride, padding)?;
                 super::OwnKernel::Depthwise { taps: consts.conv_taps(w)?.0, geometry }
             }
             (_, _) => return None,
@@ -367,7 +374,7 @@ fn conv_step(
         weight,
         packed: Default::default(),
         own,
-        nan_post_op: crate::kernels::Epilogue::of_attr(&attr)
+        nan_post_op: crate::operators::Epilogue::of_attr(&attr)
             .filter(|e| matches!(e, Epilogue::Relu | Epilogue::Relu6 | Epilogue::Hardsigmoid)),
     };
     Some(CStep {
@@ -389,6 +396,7 @@ fn conv_step(
             epilogue: Epilogue::None,
             conv: Some(Box::new(conv)),
             fallback: None,
+            integer_add: false,
         })),
         view: None,
         own: None,
@@ -403,7 +411,7 @@ fn shim_step(
     node: &SlotNode,
     bound: &[&SlotArg],
     is_tensor: &dyn Fn(usize) -> bool,
-    consts: &mut dyn Consts,
+    consts: &mut dyn KernelConsts,
     uses: ShimUse,
 ) -> Option<CStep> {
     if !matches!(node.outputs, SlotOutputs::One(_)) {
@@ -453,6 +461,7 @@ fn shim_step(
             epilogue: uses.epilogue,
             conv: None,
             fallback: None,
+            integer_add: false,
         })),
         view: None,
         own: None,
@@ -467,7 +476,7 @@ fn wrapped_overload(
     node: &SlotNode,
     bound: &[&SlotArg],
     is_tensor: &dyn Fn(usize) -> bool,
-    consts: &mut dyn Consts,
+    consts: &mut dyn KernelConsts,
 ) -> Option<CStep> {
     let (last, tensors) = bound.split_last()?;
     let SlotArg::Literal(value) = last else { return None };

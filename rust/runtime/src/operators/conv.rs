@@ -1,0 +1,273 @@
+//! Convolutions on channels-last tensors (1×1 as a GEMM, depthwise, direct, indirect,
+//! Winograd) and the packing of their weights.
+
+use super::{four, Operators};
+use crate::abi::{CError, Raw, Tensor};
+use crate::kernels;
+
+impl Operators<'_> {
+    /// A 1×1 convolution (stride 1, no padding, one group) on `x`, a float32 CPU `[N, C, H,
+    /// W]` tensor laid out channels-last (`[N·H·W, C]` in memory), as kwexport's GEMM over
+    /// its pixels with the weight's `panels` (`[ceil(n / 64), C, 64]`, the `[C, n]` transpose
+    /// of the `[n, C, 1, 1]` weight packed), `bias` (`[n]`), the `residual` to add (the
+    /// output's shape, channels-last) and `epilogue`: a new channels-last `[N, n, H, W]`
+    /// tensor, the layout torch's convolution gives a channels-last weight. `None` where the
+    /// tensors don't qualify or the CPU lacks the kernel.
+    ///
+    /// # Safety
+    /// `x`, `panels`, `bias` and `residual` must be live handles.
+    pub unsafe fn conv1x1(
+        &self,
+        x: Raw,
+        panels: Raw,
+        n: i64,
+        (bias, residual): (Option<Raw>, Option<Raw>),
+        epilogue: kernels::Epilogue,
+        bf16: bool,
+    ) -> Option<Result<Tensor, CError>> {
+        let n = usize::try_from(n).ok()?;
+        // SAFETY: live handles.
+        unsafe {
+            if self.0.shims.as_ref()?.dim(x)? != 4 {
+                return None;
+            }
+            let c = usize::try_from(self.0.size(x, 1)?).ok()?;
+            let (xs, [batch, h, w]) = self.channels_last_f32(x, c)?;
+            let rs = self.residual_f32(residual, [batch, n, h, w])?;
+            let out = || self.empty_channels_last([batch, n, h, w]);
+            self.gemm(xs, [batch * h * w, c, n], (panels, bf16), bias, rs, epilogue, out)
+        }
+    }
+
+    /// A convolution's residual (`passes::conv_residual`) for an output of `[batch, c, h, w]`:
+    /// `Some(None)` without one; `None` where it isn't a float32 CPU tensor of that shape laid
+    /// out channels-last with no gaps, as the kernels' outputs are.
+    ///
+    /// # Safety
+    /// `residual` must be a live handle, which nothing writes while the slice is used.
+    unsafe fn residual_f32<'a>(
+        &self,
+        residual: Option<Raw>,
+        [batch, c, h, w]: [usize; 4],
+    ) -> Option<Option<&'a [f32]>> {
+        let Some(r) = residual else { return Some(None) };
+        // SAFETY: the caller's live handle.
+        let (rs, dims) = unsafe { self.channels_last_f32(r, c)? };
+        (dims == [batch, h, w]).then_some(Some(rs))
+    }
+
+    /// A depthwise convolution (`kernels::depthwise_f32`) on `x`, a float32 CPU `[N, C, H, W]`
+    /// tensor laid out channels-last, with the weight as `taps` (`[kh * kw, C]`), `bias`
+    /// (`[C]`) and `epilogue`: a new channels-last `[N, C, Ho, Wo]` tensor. `None` where the
+    /// tensors don't qualify or the CPU lacks the kernel.
+    ///
+    /// # Safety
+    /// `x`, `taps` and `bias` must be live handles.
+    pub unsafe fn depthwise(
+        &self,
+        x: Raw,
+        taps: Raw,
+        g: &kernels::Depthwise,
+        bias: Option<Raw>,
+        epilogue: kernels::Epilogue,
+    ) -> Option<Result<Tensor, CError>> {
+        let c = g.channels;
+        // SAFETY: live handles.
+        let (xs, [batch, h, w], ts, bs) = unsafe {
+            let ts = self.contiguous_f32(taps, &[(g.kernel[0] * g.kernel[1]) as i64, c as i64])?;
+            let bs = self.bias_f32(bias, c)?;
+            let (xs, dims) = self.channels_last_f32(x, c)?;
+            (xs, dims, ts, bs)
+        };
+        let [ho, wo] = g.output(h, w)?;
+        let mut out = match self.empty_channels_last([batch, c, ho, wo]) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        // SAFETY: the new output of that many elements.
+        let os = unsafe { self.floats_mut(&mut out, batch * ho * wo * c) }?;
+        kernels::depthwise_f32(xs, [batch, h, w], ts, g, bs, epilogue, os).then_some(Ok(out))
+    }
+
+    /// A direct convolution (`kernels::direct_f32`) on `x`, a float32 CPU `[N, C, H, W]`
+    /// tensor of any layout, with the weight as `taps` (`[C * kh * kw, out]`), `bias`
+    /// (`[out]`) and `epilogue`: a new channels-last `[N, out, Ho, Wo]` tensor. `None` where
+    /// the tensors don't qualify or the CPU lacks the kernel.
+    ///
+    /// # Safety
+    /// `x`, `taps` and `bias` must be live handles.
+    pub unsafe fn direct_conv(
+        &self,
+        x: Raw,
+        taps: Raw,
+        g: &kernels::Conv2d,
+        bias: Option<Raw>,
+        epilogue: kernels::Epilogue,
+    ) -> Option<Result<Tensor, CError>> {
+        let shims = self.0.shims.as_ref()?;
+        let (cin, cout) = (g.in_channels, g.out_channels);
+        // SAFETY: live handles.
+        let (ts, bs, sizes, strides) = unsafe {
+            let ts = self.contiguous_f32(taps, &[g.taps() as i64, cout as i64])?;
+            let bs = self.bias_f32(bias, cout)?;
+            if !shims.is_cpu_f32(x) {
+                return None;
+            }
+            let (sizes, strides) = self.0.sizes_strides(x)?;
+            (ts, bs, sizes, strides)
+        };
+        let ([batch, c, h, w], strides) = (four(&sizes)?, four(&strides)?);
+        if c != cin || batch == 0 || h == 0 || w == 0 {
+            return None;
+        }
+        let [ho, wo] = g.output(h, w)?;
+        // The elements the input spans: its last one's offset, plus one.
+        let span = 1 + [batch, c, h, w].iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>();
+        // SAFETY: a float32 CPU tensor spanning `span` elements from its first.
+        let xs = unsafe { self.floats(x, span) }?;
+        let mut out = match self.empty_channels_last([batch, cout, ho, wo]) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        // SAFETY: the new output of that many elements.
+        let os = unsafe { self.floats_mut(&mut out, batch * ho * wo * cout) }?;
+        kernels::direct_f32(xs, [batch, h, w], strides, ts, g, bs, epilogue, os).then_some(Ok(out))
+    }
+
+    /// A convolution (`kernels::indirect_f32`) on `x`, a float32 CPU `[N, C, H, W]` tensor laid
+    /// out channels-last, with the weight's `panels` (`kernels::pack_conv_panels`), `bias`
+    /// (`[out]`), the `residual` to add (the output's shape, channels-last) and `epilogue`: a
+    /// new channels-last `[N, out, Ho, Wo]` tensor. `None` where the tensors don't qualify or
+    /// the CPU lacks the kernel.
+    ///
+    /// # Safety
+    /// `x`, `panels`, `bias` and `residual` must be live handles.
+    pub unsafe fn indirect_conv(
+        &self,
+        x: Raw,
+        panels: Raw,
+        g: &kernels::Conv2d,
+        adds: (Option<Raw>, Option<Raw>),
+        epilogue: kernels::Epilogue,
+        bf16: bool,
+    ) -> Option<Result<Tensor, CError>> {
+        if bf16 && !kernels::bf16::available() {
+            return None;
+        }
+        let shape = [g.out_channels, g.in_channels, g.kernel[0], g.kernel[1]];
+        let sizes = if bf16 { kernels::bf16::pack_size(shape) } else { kernels::gemm::pack_size(shape) };
+        // SAFETY: the caller's live handles.
+        unsafe {
+            self.conv_channels_last(x, (panels, sizes), g, adds, |xs, dims, ps, bs, rs, os| {
+                if bf16 {
+                    // SAFETY: the panels' float32 elements, read as the pairs of bfloat16 they hold.
+                    let pairs = std::slice::from_raw_parts(ps.as_ptr() as *const u32, ps.len());
+                    kernels::bf16::indirect(xs, dims, pairs, g, bs, rs, epilogue, os)
+                } else {
+                    kernels::indirect_f32(xs, dims, ps, g, bs, rs, epilogue, os)
+                }
+            })
+        }
+    }
+
+    /// What the channels-last convolution kernels share: `x` (a float32 CPU `[N, C, H, W]`
+    /// tensor laid out channels-last), the weight's `panels` (contiguous float32 of `sizes`),
+    /// the bias and the residual as slices, and a new channels-last `[N, out, Ho, Wo]` output
+    /// for `run` to fill (`run(x, [N, H, W], panels, bias, residual, out)`, `false` where it
+    /// can't). `None` where a tensor doesn't qualify or `run` declines.
+    ///
+    /// # Safety
+    /// `x`, `panels` and the bias and residual must be live handles.
+    #[allow(clippy::type_complexity)]
+    unsafe fn conv_channels_last(
+        &self,
+        x: Raw,
+        (panels, sizes): (Raw, [usize; 3]),
+        g: &kernels::Conv2d,
+        (bias, residual): (Option<Raw>, Option<Raw>),
+        run: impl FnOnce(&[f32], [usize; 3], &[f32], Option<&[f32]>, Option<&[f32]>, &mut [f32]) -> bool,
+    ) -> Option<Result<Tensor, CError>> {
+        let cout = g.out_channels;
+        // SAFETY: the caller's live handles.
+        let (xs, [batch, h, w], ps, bs) = unsafe {
+            let ps = self.contiguous_f32(panels, &sizes.map(|s| s as i64))?;
+            let bs = self.bias_f32(bias, cout)?;
+            let (xs, dims) = self.channels_last_f32(x, g.in_channels)?;
+            (xs, dims, ps, bs)
+        };
+        let [ho, wo] = g.output(h, w)?;
+        // SAFETY: a live handle.
+        let rs = unsafe { self.residual_f32(residual, [batch, cout, ho, wo]) }?;
+        let mut out = match self.empty_channels_last([batch, cout, ho, wo]) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        // SAFETY: the new output of that many elements.
+        let os = unsafe { self.floats_mut(&mut out, batch * ho * wo * cout) }?;
+        run(xs, [batch, h, w], ps, bs, rs, os).then_some(Ok(out))
+    }
+
+    /// A float32 CPU `[out, in, 3, 3]` weight (any strides) transformed and packed for
+    /// [`Operators::winograd_conv`] (`kernels::winograd::pack_weights`), or `None` for another tensor.
+    pub fn pack_winograd(&self, weight: &Tensor) -> Option<Tensor> {
+        // SAFETY: a live handle.
+        let (sizes, strides) = unsafe { self.0.sizes_strides(weight.raw()) }?;
+        let (shape @ [cout, cin, 3, 3], strides) = (four(&sizes)?, four(&strides)?) else { return None };
+        let sizes = kernels::winograd::pack_size(cin, cout);
+        self.packed(weight.raw(), shape, strides, sizes, |src, dst| {
+            kernels::winograd::pack_weights(src, [cout, cin], strides, dst)
+        })
+    }
+
+    /// A 3×3 convolution at stride 1 by Winograd's F(2×2, 3×3) (`kernels::winograd::conv`) on
+    /// `x`, as [`Operators::indirect_conv`] takes it, with the weight from [`Operators::pack_winograd`].
+    ///
+    /// # Safety
+    /// `x`, `panels`, `bias` and `residual` must be live handles.
+    pub unsafe fn winograd_conv(
+        &self,
+        x: Raw,
+        panels: Raw,
+        g: &kernels::Conv2d,
+        adds: (Option<Raw>, Option<Raw>),
+        epilogue: kernels::Epilogue,
+    ) -> Option<Result<Tensor, CError>> {
+        let sizes = kernels::winograd::pack_size(g.in_channels, g.out_channels);
+        // SAFETY: the caller's live handles.
+        unsafe {
+            self.conv_channels_last(x, (panels, sizes), g, adds, |xs, dims, ps, bs, rs, os| {
+                kernels::winograd::conv(xs, dims, ps, g, bs, rs, epilogue, os)
+            })
+        }
+    }
+
+    /// A float32 CPU convolution weight (`[out, in, kh, kw]`, any strides) packed for
+    /// [`Operators::indirect_conv`] (`kernels::pack_conv_panels`): a new `[ceil(out / 64), in * kh *
+    /// kw, 64]` tensor (with `bf16`, `pack_bf16_panels_of`'s), or `None` for another tensor.
+    pub fn pack_conv_panels(&self, weight: &Tensor, bf16: bool) -> Option<Tensor> {
+        // SAFETY: a live handle.
+        let (sizes, strides) = unsafe { self.0.sizes_strides(weight.raw()) }?;
+        if bf16 {
+            return self.pack_bf16_panels_of(weight.raw(), four(&sizes)?, four(&strides)?);
+        }
+        self.pack_panels_of(weight.raw(), four(&sizes)?, four(&strides)?)
+    }
+
+    /// `kernels::bf16::pack_panels` of a float32 CPU `[n, cin, kh, kw]` weight at `strides`:
+    /// a `[ceil(n / 64), kh * kw * ceil(cin / 2), 64]` tensor whose 4-byte elements hold the
+    /// pairs of bfloat16.
+    pub(super) fn pack_bf16_panels_of(&self, weight: Raw, shape: [usize; 4], strides: [usize; 4]) -> Option<Tensor> {
+        let sizes = kernels::bf16::pack_size(shape);
+        self.packed(weight, shape, strides, sizes, |src, dst| {
+            // SAFETY: the same fresh memory, as the 4-byte words the pairs are.
+            let pairs = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr() as *mut u32, dst.len()) };
+            kernels::bf16::pack_panels(src, shape, strides, pairs)
+        })
+    }
+
+    /// `kernels::pack_conv_panels` of a float32 CPU `[n, cin, kh, kw]` weight at `strides`.
+    pub(super) fn pack_panels_of(&self, weight: Raw, shape: [usize; 4], strides: [usize; 4]) -> Option<Tensor> {
+        let sizes = kernels::gemm::pack_size(shape);
+        self.packed(weight, shape, strides, sizes, |src, dst| kernels::pack_conv_panels(src, shape, strides, dst))
+    }
+}

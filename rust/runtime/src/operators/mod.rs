@@ -1,0 +1,208 @@
+//! kwexport's kernels as operators on torch's tensors, the layer between the plan and the
+//! kernels: each operator checks that the handles qualify (dtype, device, layout, sizes),
+//! allocates the output, packs weights, and runs the kernel on the tensors' memory; `None`
+//! where the tensors don't qualify (the caller runs torch's op). The binding to torch's C ABI
+//! is `abi`, which knows no kernel; the kernels know no tensor.
+
+mod conv;
+mod dense;
+mod onednn;
+mod pool;
+
+use std::sync::OnceLock;
+
+use crate::abi::{Abi, CError, Raw, StableIValue, Status, Tensor};
+use crate::kernels;
+
+pub use kernels::winograd::{takes as winograd_takes, MIN_PIXELS as WINOGRAD_MIN_PIXELS};
+pub use kernels::{Conv2d, Depthwise, Epilogue, MaxPool};
+
+/// Installs torch's intra-op pool (`abi::parallel`) as the kernels' pool, once per process:
+/// the kernels then split their work on exactly the threads torch would use. Without it
+/// they stay on the calling thread.
+pub fn install_pool(abi: &'static Abi) {
+    static DONE: OnceLock<()> = OnceLock::new();
+    DONE.get_or_init(|| {
+        let Some(pool) = abi.pool.as_ref() else { return };
+        kernels::parallel::install(kernels::parallel::Pool {
+            threads: Box::new(|| pool.threads()),
+            run: Box::new(|n, threads, body| pool.run(n, threads, body)),
+        });
+    });
+}
+
+/// How many threads kwexport's kernels may use on the calling thread (torch's intra-op count).
+pub fn threads() -> usize {
+    kernels::parallel::threads()
+}
+
+/// The operators, over one binding to torch.
+#[derive(Clone, Copy)]
+pub struct Operators<'a>(pub &'a Abi);
+
+impl Operators<'_> {
+    /// A tensor a shim made (`empty_strided`), owned here, or the error torch reported.
+    fn owned(&self, made: Result<Raw, Status>) -> Result<Tensor, CError> {
+        match made {
+            Ok(raw) => Ok(self.0.adopt(raw as StableIValue)),
+            Err(status) => Err(self.0.status(status).err().unwrap_or_else(|| CError::Internal("empty_strided".into()))),
+        }
+    }
+
+    /// The number of elements of a float32 CPU tensor whose memory is dense (any order of
+    /// its dimensions: `views::dense_len`), `None` for another tensor.
+    ///
+    /// # Safety
+    /// `t` must be a live handle.
+    unsafe fn dense_f32_len(&self, t: Raw) -> Option<usize> {
+        // SAFETY: the caller's live handle.
+        unsafe {
+            if !self.0.shims.as_ref()?.is_cpu_f32(t) {
+                return None;
+            }
+            let (sizes, strides) = self.0.sizes_strides(t)?;
+            crate::views::dense_len(&sizes, &strides)
+        }
+    }
+
+    /// A new float32 tensor of `sizes` that `pack` fills from the elements of `weight`, a
+    /// float32 CPU tensor of `shape` at `strides` with no empty dimension (the elements its
+    /// strides span); `None` for another tensor.
+    fn packed(
+        &self,
+        weight: Raw,
+        shape: [usize; 4],
+        strides: [usize; 4],
+        sizes: [usize; 3],
+        pack: impl FnOnce(&[f32], &mut [f32]),
+    ) -> Option<Tensor> {
+        let shims = self.0.shims.as_ref()?;
+        // SAFETY: a live handle.
+        if !unsafe { shims.is_cpu_f32(weight) } || shape.contains(&0) {
+            return None;
+        }
+        let span = 1 + shape.iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>();
+        let out = self.owned(shims.empty_f32(&sizes.map(|s| s as i64))).ok()?;
+        // SAFETY: a float32 CPU tensor spanning `span` elements from its first (checked
+        // above), and the fresh output, which aliases nothing.
+        unsafe {
+            let src = std::slice::from_raw_parts(shims.data_ptr(weight)? as *const f32, span);
+            let dst = std::slice::from_raw_parts_mut(shims.data_ptr(out.raw())? as *mut f32, sizes.iter().product());
+            pack(src, dst);
+        }
+        Some(out)
+    }
+
+    /// The elements and `[N, H, W]` of `x` where it is a float32 CPU `[N, c, H, W]` tensor
+    /// laid out channels-last with no gaps (`[N, H, W, c]` in memory; a stride only matters
+    /// where its dimension has more than one element) and no empty dimension.
+    ///
+    /// # Safety
+    /// `x` must be a live handle, which nothing writes while the slice is used.
+    unsafe fn channels_last_f32<'a>(&self, x: Raw, c: usize) -> Option<(&'a [f32], [usize; 3])> {
+        // SAFETY: the caller's live handle.
+        let (sizes, strides) = unsafe {
+            if !self.0.shims.as_ref()?.is_cpu_f32(x) {
+                return None;
+            }
+            self.0.sizes_strides(x)?
+        };
+        let (&[batch, channels, h, w], c) = (sizes.as_slice(), c as i64) else { return None };
+        let want = [h * w * c, 1, w * c, c];
+        let dense = sizes.iter().zip(&strides).zip(want).all(|((&size, &stride), want)| size <= 1 || stride == want);
+        if channels != c || !dense || batch * h * w == 0 {
+            return None;
+        }
+        let dims = [usize::try_from(batch).ok()?, usize::try_from(h).ok()?, usize::try_from(w).ok()?];
+        // SAFETY: a float32 CPU tensor of that many elements from its first, densely.
+        Some((unsafe { self.floats(x, dims.iter().product::<usize>() * c as usize) }?, dims))
+    }
+
+    /// The elements of `t` where it is a contiguous float32 CPU tensor of exactly `sizes`.
+    ///
+    /// # Safety
+    /// `t` must be a live handle, which nothing writes while the slice is used.
+    unsafe fn contiguous_f32<'a>(&self, t: Raw, sizes: &[i64]) -> Option<&'a [f32]> {
+        // SAFETY: the caller's live handle.
+        unsafe {
+            if !self.0.shims.as_ref()?.is_cpu_f32(t) || self.0.contiguous_sizes(t)? != sizes {
+                return None;
+            }
+            self.floats(t, usize::try_from(sizes.iter().product::<i64>()).ok()?)
+        }
+    }
+
+    /// A bias of `n` elements: `Some(None)` without one, `None` where it isn't a contiguous
+    /// float32 CPU `[n]` tensor.
+    ///
+    /// # Safety
+    /// `bias` must be a live handle, which nothing writes while the slice is used.
+    unsafe fn bias_f32<'a>(&self, bias: Option<Raw>, n: usize) -> Option<Option<&'a [f32]>> {
+        match bias {
+            None => Some(None),
+            // SAFETY: the caller's live handle.
+            Some(b) => unsafe { self.contiguous_f32(b, &[n as i64]) }.map(Some),
+        }
+    }
+
+    /// `len` floats from a tensor's first element.
+    ///
+    /// # Safety
+    /// `t` must be a live float32 CPU tensor with `len` elements from its first in its
+    /// storage, which nothing writes while the slice is used.
+    unsafe fn floats<'a>(&self, t: Raw, len: usize) -> Option<&'a [f32]> {
+        // SAFETY: the caller's live handle, and `len` floats there.
+        unsafe { Some(std::slice::from_raw_parts(self.0.shims.as_ref()?.data_ptr(t)? as *const f32, len)) }
+    }
+
+    /// A tensor this call made, as its `len` floats to write.
+    ///
+    /// # Safety
+    /// `t` must be a new dense float32 CPU tensor of `len` elements that nothing else
+    /// reads or writes while the slice is used.
+    unsafe fn floats_mut<'a>(&self, t: &'a mut Tensor, len: usize) -> Option<&'a mut [f32]> {
+        // SAFETY: the caller's new tensor of `len` floats.
+        unsafe { Some(std::slice::from_raw_parts_mut(self.0.shims.as_ref()?.data_ptr(t.raw())? as *mut f32, len)) }
+    }
+
+    /// A new float32 CPU `[n, c, h, w]` tensor laid out channels-last.
+    fn empty_channels_last(&self, [n, c, h, w]: [usize; 4]) -> Result<Tensor, CError> {
+        let shims = self.0.shims.as_ref().ok_or_else(|| CError::Internal("no shims".into()))?;
+        let [n, c, h, w] = [n, c, h, w].map(|v| v as i64);
+        self.owned(shims.empty_f32_strided(&[n, c, h, w], &[h * w * c, 1, w * c, c]))
+    }
+}
+
+/// Four sizes or strides as the kernels take them; `None` for another count or a negative.
+fn four(v: &[i64]) -> Option<[usize; 4]> {
+    let v: Vec<usize> = v.iter().map(|&d| usize::try_from(d).ok()).collect::<Option<_>>()?;
+    v.try_into().ok()
+}
+
+/// A matrix weight packed into the GEMM's panels on its first use (`Operators::pack_matrix_panels`),
+/// not at load: a load copies no weight, and a weight no call reaches is never packed. One
+/// per weight, shared by the nodes that read it.
+pub struct Panels {
+    /// The weight, as a constant of the plan.
+    weight: usize,
+    transpose: bool,
+    /// For the bfloat16 GEMM (`precision="bf16"`).
+    pub bf16: bool,
+    packed: std::sync::OnceLock<Option<Tensor>>,
+}
+
+impl Panels {
+    /// Panels for constant `weight`: `[n, k]` (`transpose`) or `[k, n]`, in bfloat16 with
+    /// `bf16`.
+    pub fn new(weight: usize, transpose: bool, bf16: bool) -> Panels {
+        Panels { weight, transpose, bf16, packed: std::sync::OnceLock::new() }
+    }
+
+    /// The packed panels, packed now if no call did yet; `None` where the weight can't be.
+    pub fn get(&self, abi: &Abi, consts: &[Tensor]) -> Option<Raw> {
+        let packed = self
+            .packed
+            .get_or_init(|| Operators(abi).pack_matrix_panels(consts.get(self.weight)?, self.transpose, self.bf16));
+        packed.as_ref().map(Tensor::raw)
+    }
+}
