@@ -27,23 +27,21 @@ def fold_batch_norms(weights: dict[str, Any], folds: list[dict[str, Any]]) -> di
     return new
 
 
-# The post-ops of oneDNN's fused convolution and linear, as torch computes them
-# (rust/core/src/passes/mod.rs's POST_OPS; GELU, with its approximation, in _linear_pointwise).
-def _post_op(attr: str, scalars: list[Any] | None = None) -> Any:
+def _post_op(attr: str, scalars: list[Any] | None = None, algorithm: str | None = None) -> Any:
+    """The post-op ``attr`` of oneDNN's fused convolution and linear as torch computes it: the
+    aten op the core's table names for it (``_rt.POST_OPS``, rust/core/src/passes/post_ops.rs)
+    on the result, with the post-op's scalars (ReLU6's bounds) and GELU's approximation."""
+    if attr == "none":
+        return lambda y: y
     import torch
 
-    if attr == "hardtanh":  # ReLU6's bounds, the scalars the pass gave it
-        lo, hi = scalars or (-1.0, 1.0)
-        return lambda y: torch.nn.functional.hardtanh(y, lo, hi)
-    return {
-        "none": lambda y: y,
-        "relu": torch.relu,
-        "hardswish": torch.nn.functional.hardswish,
-        "hardsigmoid": torch.nn.functional.hardsigmoid,
-        "swish": torch.nn.functional.silu,
-        "sigmoid": torch.sigmoid,
-        "tanh": torch.tanh,
-    }[attr]
+    from kwexport import _rt
+
+    namespace, name = dict(_rt.POST_OPS)[attr].split("::")
+    packet, overload = name.split(".")
+    op = getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+    extra = {"approximate": algorithm} if algorithm is not None else {}
+    return lambda y: op(y, *(scalars or []), **extra)
 
 
 def _convolution_pointwise(  # noqa: PLR0917 (the op's schema, positionally)
@@ -102,7 +100,4 @@ def _linear_pointwise(  # noqa: PLR0917 (the op's schema, positionally)
     pass replaced (rust/core/src/passes/linear_pointwise.rs)."""
     import torch
 
-    y = torch.nn.functional.linear(x, w, b)
-    if attr == "gelu":
-        return torch.nn.functional.gelu(y, approximate=algorithm or "none")
-    return _post_op(attr)(y)
+    return _post_op(attr, scalars, algorithm)(torch.nn.functional.linear(x, w, b))

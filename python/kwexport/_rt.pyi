@@ -25,6 +25,7 @@ __all__ = [
     "MEMORY_FORMATS",
     "HIGHER_ORDER_OPS",
     "SHIM_SYMBOLS",
+    "POST_OPS",
     "FALLBACK_CALLS_AFTER_ERROR",
     "stable_abi_available",
     "kernel_info",
@@ -56,6 +57,8 @@ LAYOUTS: list[str]
 MEMORY_FORMATS: list[str]
 HIGHER_ORDER_OPS: list[str]
 SHIM_SYMBOLS: list[str]
+# The activations fused ops apply, as (oneDNN's attr, aten op) (rust/core/src/passes/post_ops.rs).
+POST_OPS: list[tuple[str, str]]
 FALLBACK_CALLS_AFTER_ERROR: int
 
 class KwexportError(Exception):

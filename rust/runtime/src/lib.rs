@@ -300,6 +300,8 @@ fn _rt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MEMORY_FORMATS", tables::MEMORY_FORMATS.to_vec())?;
     m.add("HIGHER_ORDER_OPS", kwexport_core::hops::HopKind::NAMES.to_vec())?;
     m.add("SHIM_SYMBOLS", abi::shims::SYMBOLS.to_vec())?;
+    let post_ops = kwexport_core::passes::post_ops::POST_OPS.iter().map(|p| (p.attr, p.op)).collect::<Vec<_>>();
+    m.add("POST_OPS", post_ops)?;
     m.add("FALLBACK_CALLS_AFTER_ERROR", fallback::CALLS_AFTER_ERROR)?;
     m.add_function(wrap_pyfunction!(stable_abi_available, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_info, m)?)?;

@@ -17,11 +17,10 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use super::readers::{one, readers, sole_reader, weight_inputs};
+use super::pass::{Ctx, Pass};
+use super::readers::{one, sole_reader, weight_inputs, Readers};
+use super::{Level, Target};
 use crate::schema::{Arg, Document, InputSource, Method, Node, Outputs, WeightTensor};
-
-/// Convolutions (argument 1 is the weight, 2 the bias) whose output a batch norm may fold into.
-const CONVOLUTIONS: &[&str] = &["aten::conv2d.default", "aten::conv1d.default", "aten::convolution.default"];
 
 /// One folded pair, by weight name (the file's, not the graph's), for the code that computes
 /// the new tensors: `weight <- weight * s` and `bias <- (conv_bias - mean) * s + beta`, with
@@ -49,6 +48,39 @@ pub struct Fold {
 
 /// Folds every batch norm that follows a convolution, in every method; returns the folds.
 pub fn apply(doc: &mut Document) -> Vec<Fold> {
+    let mut cx = Ctx::new(doc, Target::default());
+    BatchNorm.apply(&mut cx);
+    cx.rewrites.folds
+}
+
+/// The pass (`fast`): its folds go to `Rewrites::folds`, for the runtime to compute.
+pub struct BatchNorm;
+
+impl Pass for BatchNorm {
+    fn name(&self) -> &'static str {
+        "batch_norm"
+    }
+
+    fn level(&self) -> Level {
+        Level::Fast
+    }
+
+    fn apply(&self, cx: &mut Ctx<'_>) -> usize {
+        let named = named(cx.doc);
+        let mut folds = Vec::new();
+        let made = cx.each_method(|_, m, readers, weights| {
+            let found = fold_method(m, &weights.tensors, &named, readers);
+            let n = found.len();
+            folds.extend(found);
+            n
+        });
+        cx.rewrites.folds.extend(folds);
+        made
+    }
+}
+
+/// How often each weight is named anywhere: by a graph input, or as a parameter's default.
+fn named(doc: &Document) -> HashMap<String, usize> {
     // How often each weight is named anywhere: by a graph input, or as a parameter's default.
     let mut named: HashMap<String, usize> = HashMap::new();
     for m in doc.methods.values() {
@@ -63,17 +95,17 @@ pub fn apply(doc: &mut Document) -> Vec<Fold> {
             }
         }
     }
-    let mut folds = Vec::new();
-    for m in doc.methods.values_mut() {
-        folds.extend(fold_method(m, &doc.weights.tensors, &named));
-    }
-    folds
+    named
 }
 
-fn fold_method(m: &mut Method, tensors: &BTreeMap<String, WeightTensor>, named: &HashMap<String, usize>) -> Vec<Fold> {
+fn fold_method(
+    m: &mut Method,
+    tensors: &BTreeMap<String, WeightTensor>,
+    named: &HashMap<String, usize>,
+    readers: &Readers,
+) -> Vec<Fold> {
     let g = &m.graph;
     let op_of = |n: &Node| m.ops.get(n.op).map(|o| o.name.as_str());
-    let readers = readers(g);
     let weight_of = weight_inputs(g);
     // A float32 weight (with `channels`, a vector of that many) read only by node `reader`,
     // named once in the file, not state: its weight name.
@@ -96,20 +128,18 @@ fn fold_method(m: &mut Method, tensors: &BTreeMap<String, WeightTensor>, named: 
     };
     let mut found: Vec<(usize, usize, Fold, String)> = Vec::new();
     for (ci, conv) in g.nodes.iter().enumerate() {
-        if !op_of(conv).is_some_and(|o| CONVOLUTIONS.contains(&o)) || !conv.kwargs.is_empty() {
+        // torch's forward convolutions (a batch norm folds before any lowering).
+        let Some(op) = super::conv::of(op_of(conv)).filter(|c| c.torch) else { continue };
+        if !conv.kwargs.is_empty() || op.transposed(conv) {
             continue;
         }
-        // `convolution`'s `transposed`: a transposed weight's channels are its second dimension.
-        if op_of(conv) == Some("aten::convolution.default") && conv.args.get(6) != Some(&Arg::Bool(false)) {
-            continue;
-        }
-        let Some(w_name) = conv.args.get(1).and_then(|a| sole_weight(a, ci, None)) else { continue };
+        let Some(w_name) = conv.args.get(op.weight).and_then(|a| sole_weight(a, ci, None)) else { continue };
         let w = &tensors[&w_name];
         let (Some(&channels), true) = (w.shape.first(), w.shape.len() >= 3) else { continue };
-        let Some(conv_bias) = optional(conv.args.get(2), ci, channels) else { continue };
-        let Some(bi) = sole_reader(&readers, conv) else { continue };
+        let Some(conv_bias) = optional(conv.args.get(op.bias), ci, channels) else { continue };
+        let Some(bi) = sole_reader(readers, conv) else { continue };
         let bn = &g.nodes[bi];
-        let Some((y, [gamma, beta, mean, var], eps)) = batch_norm(op_of(bn), bn, &readers) else { continue };
+        let Some((y, [gamma, beta, mean, var], eps)) = batch_norm(op_of(bn), bn, readers) else { continue };
         if !matches!(bn.args.first(), Some(Arg::Ref(r)) if Some(r.as_str()) == one(conv)) {
             continue;
         }
@@ -153,11 +183,7 @@ fn fold_method(m: &mut Method, tensors: &BTreeMap<String, WeightTensor>, named: 
 /// `batch_norm(x, gamma, beta, mean, var, training=False, momentum, eps, cudnn)`, or
 /// `_native_batch_norm_legit_no_training(x, gamma, beta, mean, var, momentum, eps)` whose
 /// second and third outputs nothing reads.
-fn batch_norm<'a>(
-    op: Option<&str>,
-    n: &'a Node,
-    readers: &HashMap<&str, Vec<usize>>,
-) -> Option<(&'a str, [&'a Arg; 4], f64)> {
+fn batch_norm<'a>(op: Option<&str>, n: &'a Node, readers: &Readers) -> Option<(&'a str, [&'a Arg; 4], f64)> {
     if !n.kwargs.is_empty() {
         return None;
     }

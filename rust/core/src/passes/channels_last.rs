@@ -7,20 +7,11 @@
 
 use crate::schema::{Arg, Document};
 
-/// The convolution ops and the argument each takes its weight at: torch's, and the lowered
-/// ones of `conv_pointwise` and `conv_residual` (oneDNN reorders a weight that isn't
+/// The weights read as 4-D convolution weights (`super::conv`: torch's, and the lowered ones
+/// of `conv_pointwise` and `conv_residual`, whose oneDNN reorders a weight that isn't
 /// channels-last on every call: on an AVX2 CPU, 15× the convolution's own time at 512
-/// channels).
-const CONVOLUTIONS: &[(&str, usize)] = &[
-    ("aten::convolution.default", 1),
-    ("aten::conv2d.default", 1),
-    ("aten::conv2d.padding", 1),
-    (super::conv_pointwise::FUSED, 1),
-    (super::conv_residual::FUSED, 2),
-];
-
-/// The weights read as 4-D convolution weights by a method's top-level graph, that the
-/// program doesn't write (state keeps its layout), in name order.
+/// channels) by a method's top-level graph, that the program doesn't write (state keeps its
+/// layout), in name order.
 pub fn conv_weights(doc: &Document) -> Vec<String> {
     let mut out: Vec<String> = doc
         .methods
@@ -28,9 +19,8 @@ pub fn conv_weights(doc: &Document) -> Vec<String> {
         .flat_map(|m| {
             let weight_of = super::readers::weight_inputs(&m.graph);
             m.graph.nodes.iter().filter_map(move |n| {
-                let op = m.ops.get(n.op)?;
-                let &(_, at) = CONVOLUTIONS.iter().find(|(name, _)| *name == op.name)?;
-                match n.args.get(at) {
+                let conv = super::conv::of(m.ops.get(n.op).map(|o| o.name.as_str()))?;
+                match n.args.get(conv.weight) {
                     Some(Arg::Ref(name)) => weight_of.get(name.as_str()).copied(),
                     _ => None,
                 }

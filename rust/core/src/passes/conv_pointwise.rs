@@ -14,51 +14,82 @@
 //! shouldn't pay), so files keep plain tensors and the pass runs at load only: a file
 //! written by `kwexport optimize` keeps its `convolution` nodes, portable to any torch.
 
-use super::readers::{readers, sole_reader, weight_inputs};
-use crate::schema::{Arg, Document, Method, Node};
+use super::pass::{Ctx, Pass};
+use super::readers::{sole_reader, weight_inputs, Readers};
+use super::{Level, Target};
+use std::collections::BTreeMap;
+
+use crate::schema::{Arg, Document, Method, Node, WeightTensor};
 
 /// The op a lowered convolution runs.
 pub const FUSED: &str = crate::tables::PASS_OPS[0];
 
-/// The post-ops (`super::POST_OPS`) a lowered convolution takes, each of its input only.
+/// The post-ops (`post_ops::POST_OPS`) a lowered convolution takes, each of its input only.
 const ACTIVATIONS: &[&str] = &["relu", "hardswish", "hardsigmoid", "swish", "sigmoid", "tanh", "hardtanh"];
 
 /// Lowers every qualifying 2-D convolution of each method's top-level graph (1×1 ones with
 /// stride 1, no padding and one group only with `gemm`); returns how many.
 pub fn apply(doc: &mut Document, gemm: bool) -> usize {
-    let tensors = &doc.weights.tensors;
-    let mut lowered = 0;
-    for m in doc.methods.values_mut() {
-        let weight_of = weight_inputs(&m.graph);
-        let found = find(m, gemm, |input| {
-            let t = tensors.get(*weight_of.get(input)?)?;
-            (t.dtype == "float32" && !t.mutable).then(|| t.shape.clone())
-        });
-        if found.is_empty() {
-            continue;
-        }
-        let op = super::op_index(&mut m.ops, FUSED);
-        let mut removed = vec![false; m.graph.nodes.len()];
-        for (conv, activation, node) in found {
-            let at = activation.unwrap_or(conv);
-            m.graph.nodes[at] = Node { op, ..node };
-            if activation.is_some() {
-                removed[conv] = true;
-            }
-            lowered += 1;
-        }
-        super::remove_nodes(&mut m.graph.nodes, &removed);
+    ConvPointwise.apply(&mut Ctx::new(doc, Target { onednn: true, gemm, in_place: false }))
+}
+
+/// The pass (`fast`, on a loader's CPU with oneDNN).
+pub struct ConvPointwise;
+
+impl Pass for ConvPointwise {
+    fn name(&self) -> &'static str {
+        "conv_pointwise"
     }
+
+    fn level(&self) -> Level {
+        Level::Fast
+    }
+
+    fn runs_for(&self, target: Target) -> bool {
+        target.onednn
+    }
+
+    fn apply(&self, cx: &mut Ctx<'_>) -> usize {
+        let gemm = cx.target.gemm;
+        cx.each_method(|_, m, readers, weights| lower(m, &weights.tensors, readers, gemm))
+    }
+}
+
+/// Lowers the method's qualifying convolutions; returns how many.
+fn lower(m: &mut Method, tensors: &BTreeMap<String, WeightTensor>, readers: &Readers, gemm: bool) -> usize {
+    let weight_of = weight_inputs(&m.graph);
+    let found = find(m, gemm, readers, |input| {
+        let t = tensors.get(*weight_of.get(input)?)?;
+        (t.dtype == "float32" && !t.mutable).then(|| t.shape.clone())
+    });
+    if found.is_empty() {
+        return 0;
+    }
+    let op = super::op_index(&mut m.ops, FUSED);
+    let mut removed = vec![false; m.graph.nodes.len()];
+    let lowered = found.len();
+    for (conv, activation, node) in found {
+        let at = activation.unwrap_or(conv);
+        m.graph.nodes[at] = Node { op, ..node };
+        if activation.is_some() {
+            removed[conv] = true;
+        }
+    }
+    super::remove_nodes(&mut m.graph.nodes, &removed);
     lowered
 }
 
 /// Each convolution to lower: its index, the activation's it absorbs, and the fused node
 /// (`op` left for the caller). `weight_shape(input)` is the shape of the float32 weight a
 /// graph input names, if it names one that isn't state.
-fn find(m: &Method, gemm: bool, weight_shape: impl Fn(&str) -> Option<Vec<i64>>) -> Vec<(usize, Option<usize>, Node)> {
+fn find(
+    m: &Method,
+    gemm: bool,
+    readers: &Readers,
+    weight_shape: impl Fn(&str) -> Option<Vec<i64>>,
+) -> Vec<(usize, Option<usize>, Node)> {
     let g = &m.graph;
     let op_of = |n: &Node| m.ops.get(n.op).map(|o| o.name.as_str());
-    let readers = readers(g);
     let mut found = Vec::new();
     for (ci, conv) in g.nodes.iter().enumerate() {
         let Some(geometry) = convolution(op_of(conv), conv) else { continue };
@@ -70,10 +101,10 @@ fn find(m: &Method, gemm: bool, weight_shape: impl Fn(&str) -> Option<Vec<i64>>)
         if shape.len() != 4 || (shape[2] <= 1 && shape[3] <= 1 && !for_gemm) {
             continue;
         }
-        let activation = sole_reader(&readers, conv).and_then(|ai| {
+        let activation = sole_reader(readers, conv).and_then(|ai| {
             let a = &g.nodes[ai];
-            let attr = super::post_op(op_of(a), ACTIVATIONS)?;
-            let scalars = super::post_op_scalars(attr, &a.args).filter(|_| a.kwargs.is_empty())?;
+            let attr = super::post_ops::attr_of_op(op_of(a), ACTIVATIONS)?;
+            let scalars = super::post_ops::scalars(attr, &a.args).filter(|_| a.kwargs.is_empty())?;
             Some((ai, attr, scalars))
         });
         let (x, bias) = (conv.args[0].clone(), conv.args.get(2).cloned().unwrap_or(Arg::None(())));
@@ -128,12 +159,13 @@ fn convolution(op: Option<&str>, n: &Node) -> Option<[Arg; 4]> {
         _ => None,
     };
     let a = &n.args;
-    let geometry = match op? {
+    let conv = super::conv::of(op).filter(|c| c.torch && !c.transposed(n))?;
+    let geometry = match conv.name {
         "aten::conv2d.default" if bias_ok && a.len() <= 7 => {
             [pair(a.get(3), 1)?, pair(a.get(4), 0)?, pair(a.get(5), 1)?, groups(a.get(6))?]
         }
         // convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
-        "aten::convolution.default" if bias_ok && a.len() == 9 && a[6] == Arg::Bool(false) => {
+        "aten::convolution.default" if bias_ok && a.len() == 9 => {
             [pair(a.get(3), 1)?, pair(a.get(4), 0)?, pair(a.get(5), 1)?, groups(a.get(8))?]
         }
         _ => return None,

@@ -12,7 +12,9 @@
 //! whether the other tensor has the output's shape and layout is the runtime's check on each
 //! call (it runs torch's ops where it hasn't, broadcasting as the add did).
 
-use super::readers::{one, readers, sole_reader};
+use super::pass::{Ctx, Pass};
+use super::readers::{one, sole_reader, Readers};
+use super::{Level, Target};
 use crate::schema::{Arg, Document, Method, Node, Outputs};
 
 /// The op a convolution with its residual add runs.
@@ -24,35 +26,57 @@ const ADDS: &[&str] = &["aten::add.Tensor", "aten::add_.Tensor"];
 /// Fuses every qualifying convolution of each method's top-level graph with its residual add
 /// (and the ReLU after it); returns how many.
 pub fn apply(doc: &mut Document) -> usize {
-    let mut fused = 0;
-    for m in doc.methods.values_mut() {
-        let found = find(m);
-        if found.is_empty() {
-            continue;
-        }
-        let op = super::op_index(&mut m.ops, FUSED);
-        let mut removed = vec![false; m.graph.nodes.len()];
-        for (conv, adds, node) in found {
-            let at = *adds.last().expect("an add");
-            m.graph.nodes[at] = Node { op, ..node };
-            removed[conv] = true;
-            adds[..adds.len() - 1].iter().for_each(|&i| removed[i] = true);
-            fused += 1;
-        }
-        super::remove_nodes(&mut m.graph.nodes, &removed);
+    ConvResidual.apply(&mut Ctx::new(doc, Target { onednn: true, ..Target::default() }))
+}
+
+/// The pass (`fast`, after `conv_pointwise`).
+pub struct ConvResidual;
+
+impl Pass for ConvResidual {
+    fn name(&self) -> &'static str {
+        "conv_residual"
     }
+
+    fn level(&self) -> Level {
+        Level::Fast
+    }
+
+    fn runs_for(&self, target: Target) -> bool {
+        target.onednn
+    }
+
+    fn apply(&self, cx: &mut Ctx<'_>) -> usize {
+        cx.each_method(|_, m, readers, _| fuse(m, readers))
+    }
+}
+
+/// Fuses the method's qualifying convolutions with their adds; returns how many.
+fn fuse(m: &mut Method, readers: &Readers) -> usize {
+    let found = find(m, readers);
+    if found.is_empty() {
+        return 0;
+    }
+    let op = super::op_index(&mut m.ops, FUSED);
+    let mut removed = vec![false; m.graph.nodes.len()];
+    let fused = found.len();
+    for (conv, adds, node) in found {
+        let at = *adds.last().expect("an add");
+        m.graph.nodes[at] = Node { op, ..node };
+        removed[conv] = true;
+        adds[..adds.len() - 1].iter().for_each(|&i| removed[i] = true);
+    }
+    super::remove_nodes(&mut m.graph.nodes, &removed);
     fused
 }
 
 /// Each convolution to fuse: its index, the add's (and the ReLU's), and the fused node (`op`
 /// left for the caller).
-fn find(m: &Method) -> Vec<(usize, Vec<usize>, Node)> {
+fn find(m: &Method, readers: &Readers) -> Vec<(usize, Vec<usize>, Node)> {
     let g = &m.graph;
     let op_of = |n: &Node| m.ops.get(n.op).map(|o| o.name.as_str());
     // Whether a node may sit between the convolution and its add: it writes nothing.
     let writes_nothing =
         |n: &Node| m.ops.get(n.op).is_some_and(|o| super::dead_code::pure(o) || o.name == super::conv_pointwise::FUSED);
-    let readers = readers(g);
     let mut found = Vec::new();
     // Adds already absorbed: of two convolutions added together, the first absorbs the add
     // and the second stays, its output the residual.
@@ -62,7 +86,7 @@ fn find(m: &Method) -> Vec<(usize, Vec<usize>, Node)> {
             continue;
         }
         // (A reader before the node is possible: the passes run before validation.)
-        let Some((y, ai)) = one(conv).zip(sole_reader(&readers, conv)).filter(|&(_, ai)| ai > ci) else { continue };
+        let Some((y, ai)) = one(conv).zip(sole_reader(readers, conv)).filter(|&(_, ai)| ai > ci) else { continue };
         let add = &g.nodes[ai];
         let other = match (op_of(add), add.args.as_slice()) {
             (Some(op), [Arg::Ref(a), other @ Arg::Ref(b)]) if ADDS.contains(&op) && a == y && b != y => other,
@@ -73,9 +97,12 @@ fn find(m: &Method) -> Vec<(usize, Vec<usize>, Node)> {
         if !add.kwargs.is_empty() || !g.nodes[ci + 1..ai].iter().all(writes_nothing) || !taken.insert(ai) {
             continue;
         }
-        let relu = sole_reader(&readers, add).filter(|&ri| {
+        let relu = sole_reader(readers, add).filter(|&ri| {
             let r = &g.nodes[ri];
-            ri > ai && super::post_op(op_of(r), &["relu"]).is_some() && r.args.len() == 1 && r.kwargs.is_empty()
+            ri > ai
+                && super::post_ops::attr_of_op(op_of(r), &["relu"]).is_some()
+                && r.args.len() == 1
+                && r.kwargs.is_empty()
         });
         // A ReLU later than right after the add would move the add's result past its readers.
         let relu = relu.filter(|&ri| g.nodes[ai + 1..ri].iter().all(writes_nothing));

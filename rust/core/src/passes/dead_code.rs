@@ -11,6 +11,8 @@
 
 use std::collections::HashSet;
 
+use super::pass::{Ctx, Pass};
+use super::Level;
 use crate::schema::{Arg, Method, Node, OpEntry};
 
 /// Assertions that can't fail on a checked call (see the module docs).
@@ -72,6 +74,23 @@ pub(crate) fn pure(op: &OpEntry) -> bool {
     let namespace_ok = op.name.starts_with("aten::") || op.name.starts_with("prims::");
     let writes = op.schema.as_deref().is_none_or(|s| s.contains('!'));
     namespace_ok && !writes && !RANDOM.iter().any(|r| op.name.contains(r))
+}
+
+/// The pass, at every level: dead code first, so the patterns see each value's real readers.
+pub struct DeadCode;
+
+impl Pass for DeadCode {
+    fn name(&self) -> &'static str {
+        "dead_code"
+    }
+
+    fn level(&self) -> Level {
+        Level::Exact
+    }
+
+    fn apply(&self, cx: &mut Ctx<'_>) -> usize {
+        cx.each_method(|_, m, _, _| apply(m))
+    }
 }
 
 #[cfg(test)]

@@ -12,12 +12,20 @@
 
 use std::collections::HashMap;
 
-use super::readers::{one, readers, sole_reader};
+use super::pass::{Ctx, Pass};
+use super::readers::{one, readers, sole_reader, Readers};
+use super::Level;
 use crate::schema::{Arg, Method, Node};
 
 /// Fuses every pattern of the method's top-level graph; returns how many.
 pub fn apply(m: &mut Method) -> usize {
-    let found = find(m);
+    let readers = readers(&m.graph);
+    rewrite(m, &readers)
+}
+
+/// [`apply`] with the method's readers known.
+fn rewrite(m: &mut Method, readers: &Readers) -> usize {
+    let found = find(m, readers);
     if found.is_empty() {
         return 0;
     }
@@ -39,10 +47,9 @@ pub fn apply(m: &mut Method) -> usize {
 }
 
 /// Every pattern: its nodes' indices (the last, `y`, is replaced) and `x`.
-fn find(m: &Method) -> Vec<(Vec<usize>, String)> {
+fn find(m: &Method, readers: &Readers) -> Vec<(Vec<usize>, String)> {
     let g = &m.graph;
     let op_of = |i: usize| m.ops.get(g.nodes[i].op).map(|o| o.name.as_str());
-    let readers = readers(g);
     let producer: HashMap<&str, usize> =
         g.nodes.iter().enumerate().flat_map(|(i, n)| n.outputs.names().map(move |o| (o, i))).collect();
     // Node `i` if it is `op` on two arguments, no keywords: its operands in both orders.
@@ -57,7 +64,7 @@ fn find(m: &Method) -> Vec<(Vec<usize>, String)> {
     let feeding = |v: &Arg, reader: usize| -> Option<usize> {
         let Arg::Ref(v) = v else { return None };
         let p = *producer.get(v.as_str())?;
-        (sole_reader(&readers, &g.nodes[p]) == Some(reader)).then_some(p)
+        (sole_reader(readers, &g.nodes[p]) == Some(reader)).then_some(p)
     };
     let float = |a: &Arg, want: f64, tol: f64| matches!(a, Arg::Float(f) if (f.0 - want).abs() <= tol);
     // `value * c` (either order) at node `i`: the other operand.
@@ -82,9 +89,9 @@ fn find(m: &Method) -> Vec<(Vec<usize>, String)> {
                 return None;
             }
             // s = t + 1; y = h * s with h = x * 0.5
-            let (si, t_out) = (sole_reader(&readers, t)?, one(t)?);
+            let (si, t_out) = (sole_reader(readers, t)?, one(t)?);
             let s_ok = binary(si, "aten::add.Tensor")?.into_iter().any(|(v, c)| v.reads(t_out) && float(c, 1.0, 0.0));
-            let yi = sole_reader(&readers, &g.nodes[si]).filter(|_| s_ok)?;
+            let yi = sole_reader(readers, &g.nodes[si]).filter(|_| s_ok)?;
             let s = one(&g.nodes[si])?;
             let (h, _) = binary(yi, "aten::mul.Tensor")?.into_iter().find(|(_, v)| v.reads(s))?;
             let hi = feeding(h, yi)?;
@@ -97,6 +104,23 @@ fn find(m: &Method) -> Vec<(Vec<usize>, String)> {
         found.extend(chain);
     }
     found
+}
+
+/// The pass (`fast`).
+pub struct GeluTanh;
+
+impl Pass for GeluTanh {
+    fn name(&self) -> &'static str {
+        "gelu_tanh"
+    }
+
+    fn level(&self) -> Level {
+        Level::Fast
+    }
+
+    fn apply(&self, cx: &mut Ctx<'_>) -> usize {
+        cx.each_method(|_, m, readers, _| rewrite(m, readers))
+    }
 }
 
 #[cfg(test)]

@@ -14,6 +14,8 @@
 
 use std::collections::HashSet;
 
+use super::pass::{Ctx, Pass};
+use super::{Level, Target};
 use crate::schema::{Arg, InputSource, Method, MutationTarget, OpEntry};
 
 /// Out-of-place ops and the in-place op that computes their value into their first argument.
@@ -111,6 +113,38 @@ fn candidate(m: &Method, weight: &str, value: &str) -> Option<usize> {
         return None;
     }
     Some(node)
+}
+
+/// The pass, at every level where the loader decides it (`Target::in_place`): the weights
+/// each method writes in place go to `Rewrites::in_place`.
+pub struct InplaceState;
+
+impl Pass for InplaceState {
+    fn name(&self) -> &'static str {
+        "inplace_state"
+    }
+
+    fn level(&self) -> Level {
+        Level::Exact
+    }
+
+    fn runs_for(&self, target: Target) -> bool {
+        target.in_place
+    }
+
+    fn apply(&self, cx: &mut Ctx<'_>) -> usize {
+        let mut written = std::collections::BTreeMap::<String, Vec<String>>::new();
+        let made = cx.each_method(|name, m, _, _| {
+            let weights = apply(m);
+            let n = weights.len();
+            written.insert(name.to_owned(), weights);
+            n
+        });
+        for (name, weights) in written {
+            cx.rewrites.in_place.entry(name).or_default().extend(weights);
+        }
+        made
+    }
 }
 
 #[cfg(test)]

@@ -9,50 +9,70 @@
 //! Like [`conv_pointwise`](super::conv_pointwise), the pass runs at load only: a file written
 //! by `kwexport optimize` keeps its `linear` nodes, portable to any torch.
 
-use super::readers::{readers, sole_reader, weight_inputs};
+use super::pass::{Ctx, Pass};
+use super::readers::{sole_reader, weight_inputs, Readers};
+use super::{Level, Target};
 use crate::schema::{Arg, Document, Method, Node};
 
 /// The op a fused linear runs.
 pub const FUSED: &str = crate::tables::PASS_OPS[1];
 
-/// The post-ops (`super::POST_OPS`) a fused linear takes: those kwexport's GEMM applies
+/// The post-ops (`post_ops::POST_OPS`) a fused linear takes: those kwexport's GEMM applies
 /// where transformers and MLPs use them.
 const ACTIVATIONS: &[&str] = &["relu", "swish", "gelu"];
 
 /// Fuses every linear of each method's top-level graph whose float32 weight isn't state and
 /// whose output only an activation reads; returns how many.
 pub fn apply(doc: &mut Document) -> usize {
-    let tensors = &doc.weights.tensors;
-    let mut fused = 0;
-    for m in doc.methods.values_mut() {
-        let weight_of = weight_inputs(&m.graph);
-        let found = find(m, |input| {
-            let t = weight_of.get(input).and_then(|w| tensors.get(*w));
-            t.is_some_and(|t| t.dtype == "float32" && !t.mutable && t.shape.len() == 2)
-        });
-        if found.is_empty() {
-            continue;
-        }
-        let op = super::op_index(&mut m.ops, FUSED);
-        let mut removed = vec![false; m.graph.nodes.len()];
-        for (linear, activation, node) in found {
-            // At the activation's place: everything the linear read is defined by then.
-            m.graph.nodes[activation] = Node { op, ..node };
-            removed[linear] = true;
-            fused += 1;
-        }
-        super::remove_nodes(&mut m.graph.nodes, &removed);
+    LinearPointwise.apply(&mut Ctx::new(doc, Target { onednn: true, gemm: true, in_place: false }))
+}
+
+/// The pass (`fast`, on a loader's CPU with oneDNN and the runtime's GEMM).
+pub struct LinearPointwise;
+
+impl Pass for LinearPointwise {
+    fn name(&self) -> &'static str {
+        "linear_pointwise"
     }
-    fused
+
+    fn level(&self) -> Level {
+        Level::Fast
+    }
+
+    fn runs_for(&self, target: Target) -> bool {
+        target.onednn && target.gemm
+    }
+
+    fn apply(&self, cx: &mut Ctx<'_>) -> usize {
+        cx.each_method(|_, m, readers, weights| {
+            let weight_of = weight_inputs(&m.graph);
+            let found = find(m, readers, |input| {
+                let t = weight_of.get(input).and_then(|w| weights.tensors.get(*w));
+                t.is_some_and(|t| t.dtype == "float32" && !t.mutable && t.shape.len() == 2)
+            });
+            if found.is_empty() {
+                return 0;
+            }
+            let op = super::op_index(&mut m.ops, FUSED);
+            let mut removed = vec![false; m.graph.nodes.len()];
+            let fused = found.len();
+            for (linear, activation, node) in found {
+                // At the activation's place: everything the linear read is defined by then.
+                m.graph.nodes[activation] = Node { op, ..node };
+                removed[linear] = true;
+            }
+            super::remove_nodes(&mut m.graph.nodes, &removed);
+            fused
+        })
+    }
 }
 
 /// Each linear to fuse: its index, its activation's, and the fused node (`op` left for the
 /// caller). `is_weight(input)` says whether a graph input names a float32 matrix weight that
 /// isn't state.
-fn find(m: &Method, is_weight: impl Fn(&str) -> bool) -> Vec<(usize, usize, Node)> {
+fn find(m: &Method, readers: &Readers, is_weight: impl Fn(&str) -> bool) -> Vec<(usize, usize, Node)> {
     let g = &m.graph;
     let op_of = |n: &Node| m.ops.get(n.op).map(|o| o.name.as_str());
-    let readers = readers(g);
     let mut found = Vec::new();
     for (li, linear) in g.nodes.iter().enumerate() {
         if op_of(linear) != Some("aten::linear.default") || !linear.kwargs.is_empty() {
@@ -67,9 +87,9 @@ fn find(m: &Method, is_weight: impl Fn(&str) -> bool) -> Vec<(usize, usize, Node
         if linear.args.len() > 3 || !is_weight(w) {
             continue;
         }
-        let Some(ai) = sole_reader(&readers, linear) else { continue };
+        let Some(ai) = sole_reader(readers, linear) else { continue };
         let a = &g.nodes[ai];
-        let Some(attr) = super::post_op(op_of(a), ACTIVATIONS) else { continue };
+        let Some(attr) = super::post_ops::attr_of_op(op_of(a), ACTIVATIONS) else { continue };
         let Some(algorithm) = algorithm(attr, a) else { continue };
         let node = Node {
             op: 0,

@@ -27,15 +27,21 @@
 pub mod batch_norm;
 pub mod channels_last;
 pub mod constant_fold;
+pub mod conv;
 pub mod conv_pointwise;
 pub mod conv_residual;
 pub mod dead_code;
 pub mod gelu_tanh;
 pub mod inplace_state;
 pub mod linear_pointwise;
+pub mod pass;
+pub mod post_ops;
 pub mod readers;
 pub mod rms_norm;
 pub mod views_as_reshapes;
+
+pub use pass::{Ctx, Pass};
+pub use post_ops::RELU6;
 
 use crate::schema::Document;
 
@@ -84,6 +90,8 @@ pub struct Rewrites {
     /// Batch norms folded into convolutions: the weights to recompute, before anything else
     /// reads them (`kwexport._passes`).
     pub folds: Vec<batch_norm::Fold>,
+    /// The rewrites each pass that ran made, by its name.
+    pub counts: pass::Counts,
 }
 
 /// What the program that will run the graph can do, for the passes that depend on it.
@@ -100,92 +108,61 @@ pub struct Target {
     pub gemm: bool,
 }
 
-/// Applies `level`'s graph passes (and those of every level) to each method of `doc`; the
-/// level applied is the higher of `level` and the file's own (`doc.optimized`), and becomes
-/// the file's. Passes are idempotent, so a file optimized when written passes through
-/// unchanged. `target` adds what only a loader may decide.
+/// The passes every level runs, in the order a sweep runs them.
+const EXACT: &[&dyn Pass] = &[&dead_code::DeadCode, &inplace_state::InplaceState];
+
+/// The passes `fast` runs after those. Batch norms fold first, so that a convolution's
+/// activation is the node right after it; convolutions lower before their residuals fuse.
+const FAST: &[&dyn Pass] = &[
+    &batch_norm::BatchNorm,
+    &views_as_reshapes::ViewsAsReshapes,
+    &rms_norm::RmsNorm,
+    &gelu_tanh::GeluTanh,
+    &conv_pointwise::ConvPointwise,
+    &conv_residual::ConvResidual,
+    &linear_pointwise::LinearPointwise,
+];
+
+/// The passes `level` runs, in order: its own after those of the levels below.
+pub fn registered(level: Level) -> Vec<&'static dyn Pass> {
+    let mut passes = EXACT.to_vec();
+    if level == Level::Fast {
+        passes.extend_from_slice(FAST);
+    }
+    passes
+}
+
+/// The most sweeps `apply` runs. Each pass rewrites only what it finds and finds nothing in
+/// its own output, so a graph settles in two or three; the bound keeps a pass that claimed
+/// a change forever from hanging a load.
+const MAX_SWEEPS: usize = 8;
+
+/// Applies `level`'s graph passes (and those of every level) to each method of `doc`, sweep
+/// after sweep until one changes nothing; the level applied is the higher of `level` and the
+/// file's own (`doc.optimized`), and becomes the file's. A file optimized when written passes
+/// through unchanged. `target` adds what only a loader may decide.
 pub fn apply(doc: &mut Document, level: Level, target: Target) -> Rewrites {
     let level = level.max(doc.optimized);
     doc.optimized = level;
-    let mut rewrites = Rewrites::default();
-    if level == Level::Fast {
-        // Folded first, so a convolution's activation is the node right after it.
-        rewrites.folds = batch_norm::apply(doc);
-    }
-    for (name, m) in doc.methods.iter_mut() {
-        // Dead code first: the patterns below want each value's real readers.
-        dead_code::apply(m);
-        if level == Level::Fast {
-            views_as_reshapes::apply(m);
-            rms_norm::apply(m, &doc.weights);
-            gelu_tanh::apply(m);
+    let passes: Vec<&dyn Pass> = registered(level).into_iter().filter(|p| p.runs_for(target)).collect();
+    let mut cx = Ctx::new(doc, target);
+    for _ in 0..MAX_SWEEPS {
+        let mut changed = false;
+        for &pass in &passes {
+            let made = pass.apply(&mut cx);
+            cx.count(pass, made);
+            changed |= made > 0;
         }
-        if target.in_place {
-            rewrites.in_place.insert(name.clone(), inplace_state::apply(m));
+        if !changed {
+            break;
         }
     }
+    let mut rewrites = cx.rewrites;
     if level == Level::Fast {
-        if target.onednn {
-            conv_pointwise::apply(doc, target.gemm);
-            conv_residual::apply(doc);
-        }
-        if target.onednn && target.gemm {
-            linear_pointwise::apply(doc);
-        }
+        // What the rewritten graphs convolve, once they have settled.
         rewrites.channels_last = channels_last::conv_weights(doc);
     }
     rewrites
-}
-
-/// The activations oneDNN's fused ops apply as a post-op, by op, with oneDNN's name for them
-/// (`attr`): the one table `conv_pointwise` and `linear_pointwise` read, each taking the
-/// names it lowers. GELU's approximation rides in the node's arguments.
-const POST_OPS: &[(&str, &str)] = &[
-    ("aten::relu.default", "relu"),
-    ("aten::relu_.default", "relu"),
-    ("aten::hardswish.default", "hardswish"),
-    ("aten::hardswish_.default", "hardswish"),
-    ("aten::hardsigmoid.default", "hardsigmoid"),
-    ("aten::hardsigmoid_.default", "hardsigmoid"),
-    ("aten::silu.default", "swish"),
-    ("aten::silu_.default", "swish"),
-    ("aten::sigmoid.default", "sigmoid"),
-    ("aten::tanh.default", "tanh"),
-    ("aten::gelu.default", "gelu"),
-    ("aten::gelu_.default", "gelu"),
-    // ReLU6 only (`hardtanh(x, 0, 6)`: MobileNetV2's), its bounds the post-op's scalars
-    // (`RELU6`); a pass checks the node's bounds before fusing it.
-    ("aten::hardtanh.default", "hardtanh"),
-    ("aten::hardtanh_.default", "hardtanh"),
-];
-
-/// The bounds of the one `hardtanh` post-op the passes fuse, ReLU6's: `[min, max]`, the
-/// post-op's scalars in oneDNN's fused ops.
-pub const RELU6: [f64; 2] = [0.0, 6.0];
-
-/// The scalars an activation node gives its post-op `attr` (`[]` for all but `hardtanh`),
-/// `None` where the node's arguments aren't ones the post-op takes: the input alone, or for
-/// `hardtanh`, the input and ReLU6's bounds as literals.
-fn post_op_scalars(attr: &str, args: &[crate::schema::Arg]) -> Option<Vec<crate::schema::Arg>> {
-    use crate::schema::{Arg, Float};
-    let number = |a: &Arg| match a {
-        Arg::Float(Float(v)) => Some(*v),
-        Arg::Int(v) => Some(*v as f64),
-        _ => None,
-    };
-    match (attr, args) {
-        ("hardtanh", [_, lo, hi]) if [number(lo)?, number(hi)?] == RELU6 => {
-            Some(RELU6.iter().map(|&v| Arg::Float(Float(v))).collect())
-        }
-        ("hardtanh", _) => None,
-        (_, [_]) => Some(Vec::new()),
-        _ => None,
-    }
-}
-
-/// oneDNN's name for the activation op `op`, where it is one of `attrs`.
-fn post_op(op: Option<&str>, attrs: &[&str]) -> Option<&'static str> {
-    POST_OPS.iter().find(|(name, attr)| op == Some(*name) && attrs.contains(attr)).map(|(_, attr)| *attr)
 }
 
 /// The index of op `name` in a method's op table, added if missing (a pass's new node).
@@ -240,6 +217,28 @@ pub(crate) mod tests {
                 .push(json!({"op": 1, "args": [{"ref": "y"}], "outputs": {"none": null}}));
         });
         crate::parse(&bytes).unwrap().document
+    }
+
+    #[test]
+    fn each_pass_is_registered_once_at_its_level() {
+        let fast = registered(Level::Fast);
+        for (i, p) in fast.iter().enumerate() {
+            assert!(fast[i + 1..].iter().all(|q| q.name() != p.name()), "{} twice", p.name());
+            assert_eq!(EXACT.iter().any(|q| q.name() == p.name()), p.level() == Level::Exact, "{}", p.name());
+        }
+        assert!(registered(Level::Exact).iter().all(|p| p.level() == Level::Exact));
+    }
+
+    #[test]
+    fn passes_run_until_a_sweep_changes_nothing_and_report_their_counts() {
+        let mut d = doc();
+        let target = Target { in_place: true, ..Target::default() };
+        let rewrites = apply(&mut d, Level::Fast, target);
+        // The assertion went in the first sweep; the second changed nothing.
+        assert_eq!(rewrites.counts["dead_code"], 1);
+        assert_eq!(rewrites.counts["gelu_tanh"], 0);
+        assert!(!rewrites.counts.contains_key("conv_pointwise"), "not for a target without oneDNN");
+        assert_eq!(rewrites.in_place.keys().collect::<Vec<_>>(), ["forward"]);
     }
 
     #[test]

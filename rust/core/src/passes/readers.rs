@@ -20,17 +20,25 @@ pub fn weight_inputs(g: &Graph) -> HashMap<&str, &str> {
 /// A reader that is not a node: a graph output or a mutation's value.
 pub const OUTSIDE: usize = usize::MAX;
 
-/// The node indices that read each value of `g`'s top level, in order, with [`OUTSIDE`] for a
-/// graph output or mutation.
-pub fn readers(g: &Graph) -> HashMap<&str, Vec<usize>> {
-    let mut readers: HashMap<&str, Vec<usize>> = HashMap::new();
+/// The node indices that read each value of a graph's top level, in order, by value name.
+pub type Readers = HashMap<String, Vec<usize>>;
+
+/// Who reads each value of `g`'s top level, with [`OUTSIDE`] for a graph output or mutation.
+pub fn readers(g: &Graph) -> Readers {
+    let mut readers: Readers = HashMap::new();
+    let mut read = |r: &str, by: usize| match readers.get_mut(r) {
+        Some(v) => v.push(by),
+        None => {
+            readers.insert(r.to_owned(), vec![by]);
+        }
+    };
     for (i, n) in g.nodes.iter().enumerate() {
         for a in n.args.iter().chain(n.kwargs.values()) {
-            a.for_each_ref(&mut |r| readers.entry(r).or_default().push(i));
+            a.for_each_ref(&mut |r| read(r, i));
         }
     }
     for a in g.outputs.iter().chain(g.mutations.iter().map(|w| &w.value)) {
-        a.for_each_ref(&mut |r| readers.entry(r).or_default().push(OUTSIDE));
+        a.for_each_ref(&mut |r| read(r, OUTSIDE));
     }
     readers
 }
@@ -44,7 +52,7 @@ pub fn one(n: &Node) -> Option<&str> {
 }
 
 /// The node that alone reads `n`'s one output (read once, by a node).
-pub fn sole_reader(readers: &HashMap<&str, Vec<usize>>, n: &Node) -> Option<usize> {
+pub fn sole_reader(readers: &Readers, n: &Node) -> Option<usize> {
     match readers.get(one(n)?)?.as_slice() {
         [j] if *j != OUTSIDE => Some(*j),
         _ => None,

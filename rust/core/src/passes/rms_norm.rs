@@ -11,14 +11,22 @@
 //! torch's `rms_norm` otherwise. Each intermediate must be read only by the next op, so nothing
 //! else needs the values that disappear.
 
-use super::readers::{one, readers, sole_reader, weight_inputs};
+use super::pass::{Ctx, Pass};
+use super::readers::{one, readers, sole_reader, weight_inputs, Readers};
+use super::Level;
 use crate::schema::{Arg, Method, Node, Weights};
 
 /// Fuses every RMS-norm pattern of the method's top-level graph; returns how many.
 pub fn apply(m: &mut Method, weights: &Weights) -> usize {
+    let readers = readers(&m.graph);
+    rewrite(m, weights, &readers)
+}
+
+/// [`apply`] with the method's readers known.
+fn rewrite(m: &mut Method, weights: &Weights, readers: &Readers) -> usize {
     // Patterns share no node (each intermediate has one reader), so all are found in one
     // pass over the graph and rewritten together.
-    let found = find(m, weights);
+    let found = find(m, weights, readers);
     if found.is_empty() {
         return 0;
     }
@@ -34,13 +42,12 @@ pub fn apply(m: &mut Method, weights: &Weights) -> usize {
 }
 
 /// Every pattern: its nodes' indices (the last is replaced) and the fused node.
-fn find(m: &Method, weights: &Weights) -> Vec<(Vec<usize>, Node)> {
+fn find(m: &Method, weights: &Weights, readers: &Readers) -> Vec<(Vec<usize>, Node)> {
     let g = &m.graph;
     let op_of = |n: &Node| m.ops.get(n.op).map(|o| o.name.as_str());
-    let readers = readers(g);
     // The node that alone reads `n`'s value, if it is `op`.
     let sole_reader =
-        |n: &Node, op: &str| -> Option<usize> { sole_reader(&readers, n).filter(|&j| op_of(&g.nodes[j]) == Some(op)) };
+        |n: &Node, op: &str| -> Option<usize> { sole_reader(readers, n).filter(|&j| op_of(&g.nodes[j]) == Some(op)) };
     let weight_of = weight_inputs(g);
     let weight_1d = |name: &str| -> Option<(String, i64, &str)> {
         let t = weights.tensors.get(*weight_of.get(name)?)?;
@@ -122,6 +129,23 @@ fn is_f32_cast(n: &Node) -> bool {
     let rest_ok = n.args.iter().skip(2).all(|a| matches!(a, Arg::Bool(false)));
     let kwargs_ok = n.kwargs.values().all(|a| matches!(a, Arg::Bool(false) | Arg::None(())));
     dtype_ok && rest_ok && kwargs_ok && n.args.len() <= 4
+}
+
+/// The pass (`fast`).
+pub struct RmsNorm;
+
+impl Pass for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms_norm"
+    }
+
+    fn level(&self) -> Level {
+        Level::Fast
+    }
+
+    fn apply(&self, cx: &mut Ctx<'_>) -> usize {
+        cx.each_method(|_, m, readers, weights| rewrite(m, weights, readers))
+    }
 }
 
 #[cfg(test)]

@@ -2,6 +2,7 @@
 //! softmax shares. Generic over [`Simd`]; `super::isa` instantiates the slice kernels.
 
 use super::simd::Simd;
+use super::Ran;
 
 /// What a kernel applies to each result before storing it: the activation a linear or
 /// convolution absorbed (`passes::conv_pointwise`), computed as torch's CPU kernels do.
@@ -25,42 +26,14 @@ pub enum Epilogue {
     GeluTanh,
 }
 
-impl Epilogue {
-    /// The epilogue for oneDNN's name of a post-op (`mkldnn::_convolution_pointwise`'s
-    /// `attr`), if the kernel has it; `hardtanh` is ReLU6, the one the passes fuse.
-    pub fn of_attr(attr: &str) -> Option<Epilogue> {
-        Some(match attr {
-            "none" => Epilogue::None,
-            "relu" => Epilogue::Relu,
-            "hardtanh" => Epilogue::Relu6,
-            "hardswish" => Epilogue::Hardswish,
-            "hardsigmoid" => Epilogue::Hardsigmoid,
-            "sigmoid" => Epilogue::Sigmoid,
-            "swish" => Epilogue::Swish,
-            _ => return None,
-        })
-    }
-
-    /// The epilogue for a fused linear's post-op (`mkldnn::_linear_pointwise`'s `attr` and
-    /// `algorithm`: GELU's approximation), if the kernel has it.
-    pub fn of_linear(attr: &str, algorithm: Option<&str>) -> Option<Epilogue> {
-        match (attr, algorithm) {
-            ("gelu", Some("none") | None) => Some(Epilogue::Gelu),
-            ("gelu", Some("tanh")) => Some(Epilogue::GeluTanh),
-            ("gelu", _) => None,
-            _ => Epilogue::of_attr(attr),
-        }
-    }
-}
-
 /// `epilogue` applied to each element of `x`, in place: a fused linear's activation on the
-/// result of torch's GEMM. Returns `false` (writing nothing) where kwexport's kernels don't
+/// result of torch's GEMM. Declines (writing nothing) where kwexport's kernels don't
 /// run on this CPU (`super::isa`).
-pub fn epilogue_f32(epilogue: Epilogue, x: &mut [f32]) -> bool {
-    let Some(t) = super::isa::kernels() else { return false };
+pub fn epilogue_f32(epilogue: Epilogue, x: &mut [f32]) -> Ran {
+    let t = super::table_if(true)?;
     // SAFETY: the table's functions run on this CPU.
     super::parallel::blocks(&[], x, RUN, RUN * WORK, &|_, x| unsafe { (t.epilogue)(epilogue, x) });
-    true
+    Ok(())
 }
 
 /// Elements per unit where an activation splits across threads (a multiple of every
@@ -73,14 +46,14 @@ const WORK: usize = 30;
 /// NaN at -inf), or with `tanh`, the tanh approximation `0.5 x (1 + tanh(sqrt(2 / pi) (x +
 /// 0.044715 x^3)))`, computed as `x / (1 + exp(-2 u))`. erf is Abramowitz and Stegun's 7.1.26
 /// (absolute error under 1.5e-7, the rational form torch's vectorized erf uses too), exp a
-/// degree-7 polynomial after range reduction. Returns `false` (writing nothing) where `out`
+/// degree-7 polynomial after range reduction. Declines (writing nothing) where `out`
 /// is shorter than `x` or kwexport's kernels don't run on this CPU: torch's op then runs.
-pub fn gelu_f32(x: &[f32], tanh: bool, out: &mut [f32]) -> bool {
-    let Some(t) = super::isa::kernels().filter(|_| out.len() >= x.len()) else { return false };
+pub fn gelu_f32(x: &[f32], tanh: bool, out: &mut [f32]) -> Ran {
+    let t = super::table_if(out.len() >= x.len())?;
     // SAFETY: the table's functions run on this CPU; each block of `out` is as long as its
     // block of `x`.
     super::parallel::blocks(x, &mut out[..x.len()], RUN, RUN * WORK, &|x, out| unsafe { (t.gelu)(x, tanh, out) });
-    true
+    Ok(())
 }
 
 /// `e^x` in each lane: `2^n e^r` with `r = x - n ln 2` in [-ln2/2, ln2/2], `e^r` by its

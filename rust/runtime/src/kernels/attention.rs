@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::activation::exp;
 use super::simd::Simd;
+use super::{Declined, Ran};
 
 /// What masks an attention's scores, per query row.
 #[derive(Debug, Clone, Copy)]
@@ -62,7 +63,7 @@ pub fn attention_f32(
     g: &Attention,
     mask: AttentionMask<'_>,
     out: &mut [f32],
-) -> bool {
+) -> Ran {
     let nonempty = [g.batch, g.heads, g.l, g.s, g.e, g.ev].iter().all(|&n| n > 0);
     let fits = nonempty
         && g.fits(q.0.len(), g.l, g.e, [q.1[0], q.1[1], q.1[2], 1])
@@ -74,7 +75,10 @@ pub fn attention_f32(
             AttentionMask::Float(m, ms) => g.fits(m.len(), g.l, g.s, ms),
             _ => true,
         };
-    let Some(t) = super::isa::kernels().filter(|t| fits && g.s <= t.attention_max_keys) else { return false };
+    let t = super::table_if(fits)?;
+    if g.s > t.attention_max_keys {
+        return Err(Declined::Shapes);
+    }
     let ops = Operands {
         q: (q.0.as_ptr(), q.1),
         k: (k.0.as_ptr(), k.1),
@@ -94,7 +98,10 @@ pub fn attention_f32(
             failed.store(true, Ordering::Relaxed);
         }
     });
-    !failed.load(Ordering::Relaxed)
+    if failed.load(Ordering::Relaxed) {
+        return Err(Declined::Values);
+    }
+    Ok(())
 }
 
 /// [`attention_f32`]'s operands as the kernel table's entry takes them: pointers with their

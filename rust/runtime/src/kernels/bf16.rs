@@ -5,7 +5,7 @@
 //! and outputs stay float32, so no cast runs around the node, as oneDNN's bfloat16 linear
 //! would need.
 
-use super::{Epilogue, PANEL};
+use super::{Declined, Epilogue, Ran, PANEL};
 
 /// Whether the bfloat16 kernels run here: the AVX-512 family runs (`super::isa`: a forced
 /// AVX2 or portable family runs torch's bfloat16 path instead) and the CPU has AVX512-BF16.
@@ -55,7 +55,7 @@ pub fn pack_panels(w: &[f32], shape: [usize; 4], strides: [usize; 4], panels: &m
 
 /// `out[m, n] = epilogue(bias[n] + x[m, k] @ w[k, n] + residual[m, n])` with `x` and `w`
 /// rounded to bfloat16 and the sums in float32; `panels` from [`pack_panels`] of the `[n, k,
-/// 1, 1]` weight. Returns `false` (writing nothing) where the slices don't fit the shapes or
+/// 1, 1]` weight. Declines (writing nothing) where the slices don't fit the shapes or
 /// this CPU lacks AVX512-BF16.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm(
@@ -68,7 +68,7 @@ pub fn gemm(
     residual: Option<&[f32]>,
     epilogue: Epilogue,
     out: &mut [f32],
-) -> bool {
+) -> Ran {
     let fits = x.len() >= m * k
         && panels.len() >= pack_size([n, k, 1, 1]).iter().product()
         && out.len() >= m * n
@@ -83,18 +83,17 @@ pub fn gemm(
             let s = avx512bf16::Shape { taps: 1, pairs: k.div_ceil(2), n, bias, residual, epilogue };
             avx512bf16::columns(avx512bf16::Dense { x: xb.as_ptr(), pairs: s.pairs }, m, &s, panels, out);
         }
-        return true;
+        return Ok(());
     }
-    let _ = (fits, x, m, k, panels, n, bias, residual, epilogue, out);
-    false
+    let _ = (x, m, k, panels, n, bias, residual, epilogue, out);
+    Err(if fits { Declined::NoKernels } else { Declined::Shapes })
 }
 
 /// [`super::indirect_f32`] in bfloat16: the convolution of channels-last images (`x`:
 /// `[batch, h, w, cin]`) as an indirect GEMM over each pixel's taps, with the input rounded to
 /// bfloat16 once (each pixel's channels as pairs) and `panels` from [`pack_panels`] of the
-/// `[cout, cin, kh, kw]` weight; `residual`, if any, added before the epilogue. Returns
-/// `false` (writing nothing) where the slices don't fit the shapes or this CPU lacks
-/// AVX512-BF16.
+/// `[cout, cin, kh, kw]` weight; `residual`, if any, added before the epilogue. Declines
+/// (writing nothing) where the slices don't fit the shapes or this CPU lacks AVX512-BF16.
 #[allow(clippy::too_many_arguments)]
 pub fn indirect(
     x: &[f32],
@@ -105,9 +104,9 @@ pub fn indirect(
     residual: Option<&[f32]>,
     epilogue: Epilogue,
     out: &mut [f32],
-) -> bool {
+) -> Ran {
     let (cin, n, taps) = (g.in_channels, g.out_channels, g.kernel[0] * g.kernel[1]);
-    let Some([ho, wo]) = g.output(h, w) else { return false };
+    let Some([ho, wo]) = g.output(h, w) else { return Err(Declined::Shapes) };
     let (m, pairs) = (batch * ho * wo, cin.div_ceil(2));
     let fits = x.len() >= batch * h * w * cin
         && panels.len() >= pack_size([n, cin, g.kernel[0], g.kernel[1]]).iter().product()
@@ -129,10 +128,10 @@ pub fn indirect(
             let s = avx512bf16::Shape { taps, pairs, n, bias, residual, epilogue };
             avx512bf16::columns(avx512bf16::Table { table: table.as_ptr(), taps }, m, &s, panels, out);
         }
-        return true;
+        return Ok(());
     }
-    let _ = (fits, x, batch, h, w, panels, g, bias, residual, epilogue, out, m, pairs);
-    false
+    let _ = (x, batch, h, w, panels, g, bias, residual, epilogue, out, m, pairs);
+    Err(if fits { Declined::NoKernels } else { Declined::Shapes })
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -413,8 +412,11 @@ mod tests {
                 // A residual with the ReLU: the order a ResNet block's add and ReLU take.
                 let residual: Vec<f32> = (0..m * n).map(|i| ((i * 29 % 31) as f32 - 15.0) / 9.0).collect();
                 let residual = (epilogue == Epilogue::Relu).then_some(residual.as_slice());
-                assert!(gemm(&x, m, k, &panels, n, Some(&bias), residual, epilogue, &mut out));
-                assert!(super::super::gemm_f32(&xr, m, k, &f32_panels, n, Some(&bias), residual, epilogue, &mut want));
+                assert_eq!(gemm(&x, m, k, &panels, n, Some(&bias), residual, epilogue, &mut out), Ok(()));
+                assert_eq!(
+                    super::super::gemm_f32(&xr, m, k, &f32_panels, n, Some(&bias), residual, epilogue, &mut want),
+                    Ok(())
+                );
                 for (i, (got, want)) in out.iter().zip(&want).enumerate() {
                     assert!(
                         (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
@@ -458,17 +460,20 @@ mod tests {
             let (mut out, mut want) = (vec![f32::NAN; 2 * ho * wo * cout], vec![f32::NAN; 2 * ho * wo * cout]);
             let residual: Vec<f32> = (0..2 * ho * wo * cout).map(|i| ((i * 29 % 31) as f32 - 15.0) / 9.0).collect();
             let residual = Some(residual.as_slice());
-            assert!(indirect(&x, [2, h, w], &panels, &g, Some(&bias), residual, Epilogue::Relu, &mut out));
-            assert!(super::super::indirect_f32(
-                &xr,
-                [2, h, w],
-                &f32_panels,
-                &g,
-                Some(&bias),
-                residual,
-                Epilogue::Relu,
-                &mut want
-            ));
+            assert_eq!(indirect(&x, [2, h, w], &panels, &g, Some(&bias), residual, Epilogue::Relu, &mut out), Ok(()));
+            assert_eq!(
+                super::super::indirect_f32(
+                    &xr,
+                    [2, h, w],
+                    &f32_panels,
+                    &g,
+                    Some(&bias),
+                    residual,
+                    Epilogue::Relu,
+                    &mut want
+                ),
+                Ok(())
+            );
             for (i, (got, want)) in out.iter().zip(&want).enumerate() {
                 assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "{cin}->{cout} [{i}]: {got} vs {want}");
             }

@@ -5,6 +5,7 @@
 
 use super::activation::{apply, Epilogue};
 use super::simd::Simd;
+use super::{Declined, Ran};
 
 /// A convolution's output height and width for an input's, `None` where the kernel doesn't
 /// fit the padded input.
@@ -140,7 +141,7 @@ unsafe fn by_rows<G: Sync>(rows: Rows<G>, ops: &Operands<G>, flops: usize) {
 /// A depthwise convolution over `batch` channels-last images (`x`: `[batch, h, w, c]`), with
 /// the weight as `[kh * kw, c]` taps, the bias and `epilogue`, into `out` (`[batch, ho, wo,
 /// c]`): for each output pixel, a vector of channels at a time, the sum over the taps that
-/// fall inside the image (the padding is zeros). Returns `false` (writing nothing) where the
+/// fall inside the image (the padding is zeros). Declines (writing nothing) where the
 /// slices don't fit the shapes or kwexport's kernels don't run on this CPU.
 #[allow(clippy::too_many_arguments)]
 pub fn depthwise_f32(
@@ -151,14 +152,14 @@ pub fn depthwise_f32(
     bias: Option<&[f32]>,
     epilogue: Epilogue,
     out: &mut [f32],
-) -> bool {
+) -> Ran {
     let c = g.channels;
-    let Some([ho, wo]) = g.output(h, w) else { return false };
+    let Some([ho, wo]) = g.output(h, w) else { return Err(Declined::Shapes) };
     let fits = x.len() >= batch * h * w * c
         && taps.len() >= g.kernel[0] * g.kernel[1] * c
         && out.len() >= batch * ho * wo * c
         && bias.is_none_or(|b| b.len() >= c);
-    let Some(t) = super::isa::kernels().filter(|_| fits) else { return false };
+    let t = super::table_if(fits)?;
     let ops = Operands {
         x: x.as_ptr(),
         dims: [batch, h, w],
@@ -173,7 +174,7 @@ pub fn depthwise_f32(
     let flops = 2 * batch * ho * wo * c * g.kernel[0] * g.kernel[1];
     // SAFETY: the table's functions run on this CPU; the slices hold what the shapes say.
     unsafe { by_rows(t.depthwise, &ops, flops) };
-    true
+    Ok(())
 }
 
 /// A direct convolution of `x` (`[batch, cin, h, w]` at element `strides`: any layout), with
@@ -190,15 +191,15 @@ pub fn direct_f32(
     bias: Option<&[f32]>,
     epilogue: Epilogue,
     out: &mut [f32],
-) -> bool {
-    let Some([ho, wo]) = g.output(h, w) else { return false };
+) -> Ran {
+    let Some([ho, wo]) = g.output(h, w) else { return Err(Declined::Shapes) };
     let last = [batch, g.in_channels, h, w].iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>();
     let fits = batch > 0
         && x.len() > last
         && taps.len() >= g.in_channels * g.kernel[0] * g.kernel[1] * g.out_channels
         && out.len() >= batch * ho * wo * g.out_channels
         && bias.is_none_or(|b| b.len() >= g.out_channels);
-    let Some(t) = super::isa::kernels().filter(|_| fits) else { return false };
+    let t = super::table_if(fits)?;
     let ops = Operands {
         x: x.as_ptr(),
         dims: [batch, h, w],
@@ -213,7 +214,7 @@ pub fn direct_f32(
     let flops = 2 * batch * ho * wo * g.out_channels * g.taps();
     // SAFETY: the table's functions run on this CPU; the slices hold what the shapes say.
     unsafe { by_rows(t.direct, &ops, flops) };
-    true
+    Ok(())
 }
 
 /// Whether the four output pixels from `ox` (of `wo`) all have every tap of their kernel

@@ -7,6 +7,7 @@
 use super::activation::{apply, epilogue_slice, Epilogue};
 use super::conv::Conv2d;
 use super::simd::Simd;
+use super::{Declined, Ran};
 
 /// The width of a weight panel: the columns one pass of the GEMM computes, the same for every
 /// instruction set (a panel holds several register tiles' columns where vectors are narrow).
@@ -29,7 +30,7 @@ pub fn panels_len(k: usize, n: usize) -> usize {
 /// `panels` is the weight packed once ([`pack_conv_panels`], its first use): `ceil(n / 64)`
 /// contiguous `[k, 64]` panels, so the kernel streams each panel from memory in order (a row
 /// of a plain `[k, n]` weight is a new page every few rows, which the prefetchers don't
-/// follow). Returns `false` (writing nothing) where kwexport's kernels don't run on this CPU;
+/// follow). Declines (writing nothing) where kwexport's kernels don't run on this CPU;
 /// the plan measures it against torch's kernel per shape and keeps the faster (`exec`).
 pub fn linear_f32(
     x: &[f32],
@@ -39,7 +40,7 @@ pub fn linear_f32(
     n: usize,
     bias: Option<&[f32]>,
     out: &mut [f32],
-) -> bool {
+) -> Ran {
     gemm_f32(x, m, k, panels, n, bias, None, Epilogue::None, out)
 }
 
@@ -60,19 +61,19 @@ pub fn gemm_f32(
     residual: Option<&[f32]>,
     epilogue: Epilogue,
     out: &mut [f32],
-) -> bool {
+) -> Ran {
     let fits = x.len() >= m * k
         && panels.len() >= panels_len(k, n)
         && out.len() >= m * n
         && bias.is_none_or(|b| b.len() >= n)
         && residual.is_none_or(|r| r.len() >= m * n);
-    let Some(t) = super::isa::kernels().filter(|_| fits) else { return false };
+    let t = super::table_if(fits)?;
     let (bias, residual) = addends((bias, residual));
     let shape = Shape { taps: 1, cin: k, n, bias, residual, epilogue };
     // SAFETY: the table's functions run on this CPU; every slice holds what the shapes say
     // (checked).
     unsafe { columns(t.gemm_block, Source::Dense(Dense { x: x.as_ptr(), k }), m, &shape, panels, out) };
-    true
+    Ok(())
 }
 
 /// `out[m, n] = x[m, k] @ panels` on `block` (a kernel table's GEMM): for a kernel that runs
@@ -123,7 +124,7 @@ pub(super) fn tap_table<T>(
 /// pixel and tap: the input pixel's `cin` channels, or a row of zeros for a tap in the
 /// padding), so no patch is ever copied (3–7% faster than gathering patches into a buffer
 /// that stays in L2). `residual`, if any, is added before the epilogue, as [`gemm_f32`] adds
-/// it. Returns `false` (writing nothing) where the slices don't fit the shapes or kwexport's
+/// it. Declines (writing nothing) where the slices don't fit the shapes or kwexport's
 /// kernels don't run on this CPU.
 #[allow(clippy::too_many_arguments)]
 pub fn indirect_f32(
@@ -135,16 +136,16 @@ pub fn indirect_f32(
     residual: Option<&[f32]>,
     epilogue: Epilogue,
     out: &mut [f32],
-) -> bool {
+) -> Ran {
     let (cin, n, k) = (g.in_channels, g.out_channels, g.taps());
-    let Some([ho, wo]) = g.output(h, w) else { return false };
+    let Some([ho, wo]) = g.output(h, w) else { return Err(Declined::Shapes) };
     let m = batch * ho * wo;
     let fits = x.len() >= batch * h * w * cin
         && panels.len() >= panels_len(k, n)
         && out.len() >= m * n
         && bias.is_none_or(|b| b.len() >= n)
         && residual.is_none_or(|r| r.len() >= m * n);
-    let Some(t) = super::isa::kernels().filter(|_| fits) else { return false };
+    let t = super::table_if(fits)?;
     let taps = g.kernel[0] * g.kernel[1];
     let zeros = vec![0f32; cin];
     let table = tap_table(m, [h, w], [ho, wo], g, |pixel| match pixel {
@@ -157,7 +158,7 @@ pub fn indirect_f32(
     // readable floats (of `x`, or of `zeros`, alive until the end of this function), and the
     // other slices hold what the shapes say (checked).
     unsafe { columns(t.gemm_block, Source::Table(Table { table: table.as_ptr(), taps }), m, &shape, panels, out) };
-    true
+    Ok(())
 }
 
 /// A convolution's `[out, in, kh, kw]` weight (at element `strides`: contiguous or

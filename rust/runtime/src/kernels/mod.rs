@@ -113,6 +113,31 @@ pub fn all_finite(x: &[f32]) -> bool {
     lanes.iter().chain(chunks.remainder()).all(|v| v.is_finite())
 }
 
+/// Why a kernel wrote nothing (or nothing the caller may use), for the caller to run another
+/// kernel (torch's): a `Result` it can't ignore.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Declined {
+    /// The slices don't hold what the shapes say, or the shapes are outside the kernel's.
+    Shapes,
+    /// kwexport's kernels don't run on this CPU (or not this one's instructions: bfloat16).
+    NoKernels,
+    /// An input's values (NaN or infinities) give results that depend on how torch's kernel
+    /// computes them: the output may be partly written, and torch's must run.
+    Values,
+}
+
+/// What a kernel returns: it ran, or it declined.
+pub type Ran = Result<(), Declined>;
+
+/// The kernel table of this CPU's family, where the operands `fit`.
+fn table_if(fit: bool) -> Result<&'static isa::Table, Declined> {
+    match isa::kernels() {
+        None => Err(Declined::NoKernels),
+        Some(_) if !fit => Err(Declined::Shapes),
+        Some(t) => Ok(t),
+    }
+}
+
 /// Whether kwexport's kernels run on this CPU (`isa::kernels`), so that a plan may lower
 /// onto them.
 pub fn available() -> bool {

@@ -79,7 +79,7 @@ fn epilogues_keep_nan_and_map_infinities_as_torch_does() {
             // Every lane position of a vector, and a masked tail.
             let x: Vec<f32> = (0..37).map(|i| specials[i % specials.len()]).collect();
             let mut got = x.clone();
-            assert!(epilogue_f32(epilogue, &mut got));
+            assert_eq!(epilogue_f32(epilogue, &mut got), Ok(()));
             for (v, g) in x.iter().zip(&got) {
                 let want = reference(epilogue, *v as f64);
                 assert_eq!(class(*g as f64), class(want), "{epilogue:?}({v}) = {g}");
@@ -100,7 +100,7 @@ fn gemm_and_its_epilogues_give_the_references_nan_and_inf() {
             for epilogue in EPILOGUES {
                 for res in [None, Some(&residual[..])] {
                     let mut out = vec![0.0; m * n];
-                    assert!(gemm_f32(&x, m, k, &panels, n, None, res, epilogue, &mut out));
+                    assert_eq!(gemm_f32(&x, m, k, &panels, n, None, res, epilogue, &mut out), Ok(()));
                     for r in 0..m {
                         for j in 0..n {
                             let dot: f64 = (0..k).map(|t| x[r * k + t] as f64 * wt[t * n + j] as f64).sum();
@@ -157,8 +157,8 @@ fn convolutions_give_the_references_nan_and_inf() {
             for epilogue in [Epilogue::Relu, Epilogue::Relu6, Epilogue::Hardsigmoid, Epilogue::Swish] {
                 let mut direct = vec![0.0; 2 * ho * wo * co];
                 let mut indirect = vec![0.0; 2 * ho * wo * co];
-                assert!(direct_f32(&x, [2, h, w], cl, &taps, &g, None, epilogue, &mut direct));
-                assert!(indirect_f32(&x, [2, h, w], &panels, &g, None, None, epilogue, &mut indirect));
+                assert_eq!(direct_f32(&x, [2, h, w], cl, &taps, &g, None, epilogue, &mut direct), Ok(()));
+                assert_eq!(indirect_f32(&x, [2, h, w], &panels, &g, None, None, epilogue, &mut indirect), Ok(()));
                 for (b, oy, ox, o) in (0..2).flat_map(|b| {
                     (0..ho).flat_map(move |y| (0..wo).flat_map(move |xx| (0..co).map(move |o| (b, y, xx, o))))
                 }) {
@@ -189,11 +189,14 @@ fn winograd_declines_a_non_finite_input_and_takes_a_finite_one() {
         winograd::pack_weights(&wts, [16, 8], [72, 9, 3, 1], &mut panels);
         let mut out = vec![0.0; 6 * 6 * 16];
         let finite: Vec<f32> = (0..6 * 6 * 8).map(|i| (i as f32 * 0.3).sin()).collect();
-        assert!(winograd::conv(&finite, [1, 6, 6], &panels, &g, None, None, Epilogue::Relu, &mut out));
+        assert_eq!(winograd::conv(&finite, [1, 6, 6], &panels, &g, None, None, Epilogue::Relu, &mut out), Ok(()));
         for special in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
             let mut x = finite.clone();
             x[3 * 8 * 6 + 17] = special;
-            assert!(!winograd::conv(&x, [1, 6, 6], &panels, &g, None, None, Epilogue::Relu, &mut out), "{special}");
+            assert!(
+                winograd::conv(&x, [1, 6, 6], &panels, &g, None, None, Epilogue::Relu, &mut out).is_err(),
+                "{special}"
+            );
         }
     });
 }
@@ -209,7 +212,7 @@ fn depthwise_gives_the_references_nan_and_inf() {
             let x = with_specials(2 * h * w * c, 41, (c * k) as u64);
             let taps: Vec<f32> = (0..k * k * c).map(|i| (i as f32 * 0.07).cos()).collect();
             let mut out = vec![0.0; 2 * ho * wo * c];
-            assert!(depthwise_f32(&x, [2, h, w], &taps, &g, None, Epilogue::Relu, &mut out));
+            assert_eq!(depthwise_f32(&x, [2, h, w], &taps, &g, None, Epilogue::Relu, &mut out), Ok(()));
             for (b, oy, ox, ch) in (0..2).flat_map(|b| {
                 (0..ho).flat_map(move |y| (0..wo).flat_map(move |xx| (0..c).map(move |ch| (b, y, xx, ch))))
             }) {
@@ -236,7 +239,7 @@ fn max_pool_keeps_nan_and_infinities() {
         let x = with_specials(h * w * c, 19, 3);
         let [ho, wo] = pool.output(h, w).unwrap();
         let mut out = vec![0.0; ho * wo * c];
-        assert!(max_pool_f32(&x, [1, h, w, c], &pool, &mut out));
+        assert_eq!(max_pool_f32(&x, [1, h, w, c], &pool, &mut out), Ok(()));
         for (oy, ox, ch) in (0..ho).flat_map(|y| (0..wo).flat_map(move |x| (0..c).map(move |ch| (y, x, ch)))) {
             let window = (0..3).flat_map(|i| (0..3).map(move |j| (i, j))).filter_map(|(i, j)| {
                 let (y, xx) = ((oy * 2 + i) as isize - 1, (ox * 2 + j) as isize - 1);
@@ -283,19 +286,19 @@ fn attention_declines_nan_scores_and_carries_infinite_values() {
         let run = |q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]| {
             attention_f32((q, strides(5, 8)), (k, strides(19, 8)), (v, strides(19, 8)), &g, AttentionMask::None, out)
         };
-        assert!(run(&q, &k, &v, &mut out));
+        assert_eq!(run(&q, &k, &v, &mut out), Ok(()));
         // A NaN query or key makes NaN scores, whose softmax torch's kernels decide.
         let mut bad_q = q.clone();
         bad_q[8 + 3] = f32::NAN;
-        assert!(!run(&bad_q, &k, &v, &mut out), "NaN query");
+        assert!(run(&bad_q, &k, &v, &mut out).is_err(), "NaN query");
         let mut bad_k = k.clone();
         bad_k[19 * 8 + 4 * 8 + 1] = f32::NAN;
-        assert!(!run(&q, &bad_k, &v, &mut out), "NaN key");
+        assert!(run(&q, &bad_k, &v, &mut out).is_err(), "NaN key");
         for special in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
             // A non-finite value reaches every output of its head and column, as `p * v` does.
             let mut bad_v = v.clone();
             bad_v[19 * 8 + 2 * 8 + 5] = special; // head 1, key 2, column 5
-            assert!(run(&q, &k, &bad_v, &mut out));
+            assert_eq!(run(&q, &k, &bad_v, &mut out), Ok(()));
             for i in 0..5 {
                 for h in 0..2 {
                     for c in 0..8 {
@@ -317,7 +320,7 @@ fn bf16_gemm_rounds_nan_and_infinities_to_themselves() {
     let mut panels = vec![0u32; k.div_ceil(2) * n.div_ceil(PANEL) * PANEL];
     bf16::pack_panels(&wt, [n, k, 1, 1], [1, n, 0, 0], &mut panels);
     let mut out = vec![0.0; m * n];
-    if !bf16::gemm(&x, m, k, &panels, n, None, None, Epilogue::Relu, &mut out) {
+    if bf16::gemm(&x, m, k, &panels, n, None, None, Epilogue::Relu, &mut out).is_err() {
         return; // no AVX512-BF16 here
     }
     for r in 0..m {

@@ -130,7 +130,7 @@ pub(crate) mod tests {
                 assert!(share(2 * m * k * n, 8, THREADS) > 1 || m == 1, "{m}x{k}x{n} must split");
                 for epilogue in [Epilogue::Relu, Epilogue::Gelu] {
                     let mut out = vec![f32::NAN; m * n];
-                    assert!(gemm_f32(&x, m, k, &panels, n, None, None, epilogue, &mut out));
+                    assert_eq!(gemm_f32(&x, m, k, &panels, n, None, None, epilogue, &mut out), Ok(()));
                     for r in 0..m {
                         for j in 0..n {
                             let dot: f64 = (0..k).map(|t| x[r * k + t] as f64 * wt[t * n + j] as f64).sum();
@@ -162,10 +162,10 @@ pub(crate) mod tests {
             let (w, b): (Vec<f32>, Vec<f32>) = (0..n).map(|i| (1.0 + i as f32 * 0.01, i as f32 * 0.02)).unzip();
             assert!(share(rows * n * 30, rows * n / 1024, THREADS) > 1, "must split");
             type Run<'a> = &'a dyn Fn(&[f32], &mut [f32]);
-            let gelu: Run = &|x, out| assert!(gelu_f32(x, false, out));
+            let gelu: Run = &|x, out| assert_eq!(gelu_f32(x, false, out), Ok(()));
             let epilogue: Run = &|x, out| {
                 out.copy_from_slice(x);
-                assert!(epilogue_f32(Epilogue::Swish, out));
+                assert_eq!(epilogue_f32(Epilogue::Swish, out), Ok(()));
             };
             let layer: Run = &|x, out| layer_norm_f32(x, &w, &b, 1e-5, out);
             let rms: Run = &|x, out| rms_norm_f32(x, &w, 1e-6, out);

@@ -3,6 +3,7 @@
 
 use super::conv::{inside, output_size};
 use super::simd::Simd;
+use super::{Declined, Ran};
 
 /// A max pooling's window: `[kh, kw]` taps at `stride`, the input padded by `padding` (which
 /// takes no part: torch pads with -inf), no dilation, output sizes rounded down, or up with
@@ -64,18 +65,18 @@ unsafe impl Sync for Operands {}
 /// ho, wo, c]`): each output the largest of its window's inputs inside the image, NaN where
 /// any is (as torch's kernel). Returns `false` where the slices don't fit the sizes or
 /// kwexport's kernels don't run on this CPU.
-pub fn max_pool_f32(x: &[f32], dims: [usize; 4], pool: &MaxPool, out: &mut [f32]) -> bool {
+pub fn max_pool_f32(x: &[f32], dims: [usize; 4], pool: &MaxPool, out: &mut [f32]) -> Ran {
     let [batch, h, w, c] = dims;
-    let Some([ho, wo]) = pool.output(h, w) else { return false };
+    let Some([ho, wo]) = pool.output(h, w) else { return Err(Declined::Shapes) };
     let fits = x.len() >= batch * h * w * c && out.len() >= batch * ho * wo * c;
-    let Some(t) = super::isa::kernels().filter(|_| fits) else { return false };
+    let t = super::table_if(fits)?;
     let ops = Operands { x: x.as_ptr(), dims, pool: *pool, hw: [ho, wo], out: out.as_mut_ptr() };
     let (rows, work) = (batch * ho, batch * ho * wo * c * pool.kernel[0] * pool.kernel[1]);
     let threads = super::parallel::share(work, rows, super::parallel::threads());
     // SAFETY: the table's functions run on this CPU; both slices hold what the sizes say
     // (checked), and each chunk writes its own output rows.
     super::parallel::for_each(rows, threads, &|begin, end| unsafe { (t.max_pool)(&ops, begin..end) });
-    true
+    Ok(())
 }
 
 /// Output rows `range` (counted across the batch) of [`max_pool_f32`]: the kernel table's

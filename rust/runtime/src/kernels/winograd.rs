@@ -8,7 +8,7 @@
 //! The weight grows by 16/9 in the transform, so a convolution over few pixels, which streams
 //! its weight rather than computing, is faster direct: the caller picks by pixel count.
 
-use super::{Conv2d, Epilogue, PANEL};
+use super::{Conv2d, Declined, Epilogue, Ran, PANEL};
 
 /// The transformed weight's panels: 16 matrices `U[e]` (`[cin, cout]`, `e` the position in
 /// the 4×4 block), each packed as the GEMM reads it (`ceil(cout / 64)` panels of `[cin, 64]`,
@@ -79,18 +79,18 @@ pub fn conv(
     residual: Option<&[f32]>,
     epilogue: Epilogue,
     out: &mut [f32],
-) -> bool {
+) -> Ran {
     let (cin, cout) = (g.in_channels, g.out_channels);
-    let Some([ho, wo]) = g.output(h, w) else { return false };
+    let Some([ho, wo]) = g.output(h, w) else { return Err(Declined::Shapes) };
     let fits = takes(g)
         && x.len() >= batch * h * w * cin
         && panels.len() >= panels_len(cin, cout)
         && out.len() >= batch * ho * wo * cout
         && bias.is_none_or(|b| b.len() >= cout)
         && residual.is_none_or(|r| r.len() >= batch * ho * wo * cout);
-    let Some(t) = super::isa::kernels().filter(|_| fits) else { return false };
+    let t = super::table_if(fits)?;
     if !super::all_finite(&x[..batch * h * w * cin]) {
-        return false;
+        return Err(Declined::Values);
     }
     let band = band(cin, cout);
     let bands = (ho.div_ceil(2) * wo.div_ceil(2)).div_ceil(band);
@@ -103,7 +103,10 @@ pub fn conv(
     super::parallel::for_each(batch * bands, threads, &|begin, end| unsafe { (t.winograd)(&ops, begin..end) });
     // One pass over the output (in cache at these sizes): applied per pixel inside the
     // transform's loop it measured slower.
-    epilogue == Epilogue::None || super::epilogue_f32(epilogue, &mut out[..batch * ho * wo * cout])
+    match epilogue {
+        Epilogue::None => Ok(()),
+        _ => super::epilogue_f32(epilogue, &mut out[..batch * ho * wo * cout]),
+    }
 }
 
 /// The blocks per band: a band's transformed inputs and products stay in L2 (16 matrices
@@ -298,9 +301,12 @@ mod tests {
                 super::super::pack_conv_panels(&wt, [cout, cin, 3, 3], strides, &mut direct);
                 let n = 2 * ho * wo * cout;
                 let (mut got, mut want) = (vec![f32::NAN; n], vec![f32::NAN; n]);
-                assert!(conv(&x, [2, h, w], &panels, &g, Some(&bias), Some(&res), Epilogue::Relu, &mut got));
+                assert_eq!(conv(&x, [2, h, w], &panels, &g, Some(&bias), Some(&res), Epilogue::Relu, &mut got), Ok(()));
                 let indirect = super::super::indirect_f32;
-                assert!(indirect(&x, [2, h, w], &direct, &g, Some(&bias), Some(&res), Epilogue::Relu, &mut want));
+                assert_eq!(
+                    indirect(&x, [2, h, w], &direct, &g, Some(&bias), Some(&res), Epilogue::Relu, &mut want),
+                    Ok(())
+                );
                 let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
                 for (i, (got, want)) in got.iter().zip(&want).enumerate() {
                     assert!((got - want).abs() <= 1e-5 * scale, "{cin}->{cout} p{padding} [{i}]: {got} vs {want}");

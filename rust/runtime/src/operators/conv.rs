@@ -86,7 +86,7 @@ impl Operators<'_> {
         };
         // SAFETY: the new output of that many elements.
         let os = unsafe { self.floats_mut(&mut out, batch * ho * wo * c) }?;
-        kernels::depthwise_f32(xs, [batch, h, w], ts, g, bs, epilogue, os).then_some(Ok(out))
+        kernels::depthwise_f32(xs, [batch, h, w], ts, g, bs, epilogue, os).ok().map(|()| Ok(out))
     }
 
     /// A direct convolution (`kernels::direct_f32`) on `x`, a float32 CPU `[N, C, H, W]`
@@ -131,7 +131,7 @@ impl Operators<'_> {
         };
         // SAFETY: the new output of that many elements.
         let os = unsafe { self.floats_mut(&mut out, batch * ho * wo * cout) }?;
-        kernels::direct_f32(xs, [batch, h, w], strides, ts, g, bs, epilogue, os).then_some(Ok(out))
+        kernels::direct_f32(xs, [batch, h, w], strides, ts, g, bs, epilogue, os).ok().map(|()| Ok(out))
     }
 
     /// A convolution (`kernels::indirect_f32`) on `x`, a float32 CPU `[N, C, H, W]` tensor laid
@@ -173,8 +173,7 @@ impl Operators<'_> {
     /// What the channels-last convolution kernels share: `x` (a float32 CPU `[N, C, H, W]`
     /// tensor laid out channels-last), the weight's `panels` (contiguous float32 of `sizes`),
     /// the bias and the residual as slices, and a new channels-last `[N, out, Ho, Wo]` output
-    /// for `run` to fill (`run(x, [N, H, W], panels, bias, residual, out)`, `false` where it
-    /// can't). `None` where a tensor doesn't qualify or `run` declines.
+    /// for `run` to fill (`run(x, [N, H, W], panels, bias, residual, out)`, or decline). `None` where a tensor doesn't qualify or `run` declines.
     ///
     /// # Safety
     /// `x`, `panels` and the bias and residual must be live handles.
@@ -185,7 +184,7 @@ impl Operators<'_> {
         (panels, sizes): (Raw, [usize; 3]),
         g: &kernels::Conv2d,
         (bias, residual): (Option<Raw>, Option<Raw>),
-        run: impl FnOnce(&[f32], [usize; 3], &[f32], Option<&[f32]>, Option<&[f32]>, &mut [f32]) -> bool,
+        run: impl FnOnce(&[f32], [usize; 3], &[f32], Option<&[f32]>, Option<&[f32]>, &mut [f32]) -> kernels::Ran,
     ) -> Option<Result<Tensor, CError>> {
         let cout = g.out_channels;
         // SAFETY: the caller's live handles.
@@ -204,7 +203,7 @@ impl Operators<'_> {
         };
         // SAFETY: the new output of that many elements.
         let os = unsafe { self.floats_mut(&mut out, batch * ho * wo * cout) }?;
-        run(xs, [batch, h, w], ps, bs, rs, os).then_some(Ok(out))
+        run(xs, [batch, h, w], ps, bs, rs, os).ok().map(|()| Ok(out))
     }
 
     /// A float32 CPU `[out, in, 3, 3]` weight (any strides) transformed and packed for

@@ -107,7 +107,7 @@ impl Operators<'_> {
             let os = std::slice::from_raw_parts_mut(po as *mut f32, len);
             kernels::gelu_f32(xs, tanh, os)
         };
-        done.then_some(Ok(out))
+        done.ok().map(|()| Ok(out))
     }
 
     /// A matrix weight as the GEMM's panels (`[ceil(n / 64), k, 64]`, `kernels::PANEL`): a
@@ -171,7 +171,7 @@ impl Operators<'_> {
         unsafe {
             let len = self.dense_f32_len(t.raw()).ok_or_else(fail)?;
             let xs = self.floats_mut(t, len).ok_or_else(fail)?;
-            kernels::epilogue_f32(epilogue, xs).then_some(()).ok_or_else(fail)
+            kernels::epilogue_f32(epilogue, xs).map_err(|_| fail())
         }
     }
 
@@ -231,7 +231,7 @@ impl Operators<'_> {
         } else {
             kernels::gemm_f32(xs, m, k, ps, n, bs, residual, epilogue, os)
         };
-        done.then_some(Ok(out))
+        done.ok().map(|()| Ok(out))
     }
 
     /// Scaled dot-product attention (`kernels::attention_f32`) over float32 CPU `[batch,
@@ -321,7 +321,7 @@ impl Operators<'_> {
         };
         // SAFETY: the new output of that many elements.
         let os = unsafe { self.floats_mut(&mut out, batch * l * heads * ev) }?;
-        kernels::attention_f32((qx, three(qs)), (kx, three(ks)), (vx, three(vs)), &g, mask, os).then_some(Ok(out))
+        kernels::attention_f32((qx, three(qs)), (kx, three(ks)), (vx, three(vs)), &g, mask, os).ok().map(|()| Ok(out))
     }
 
     /// `a + b` for int64 CPU tensors, contiguous, of one shape or one of them a single element

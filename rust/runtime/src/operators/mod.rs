@@ -17,6 +17,27 @@ use crate::kernels;
 pub use kernels::winograd::{takes as winograd_takes, MIN_PIXELS as WINOGRAD_MIN_PIXELS};
 pub use kernels::{Conv2d, Depthwise, Epilogue, MaxPool};
 
+/// The kernels' epilogue for oneDNN's post-op `attr` (the core's `passes::post_ops`), with
+/// GELU's `algorithm` for a fused linear; `None` where no kernel applies it (`tanh`), and
+/// for an unknown name. `"none"` is no activation.
+pub fn epilogue_of(attr: &str, algorithm: Option<&str>) -> Option<Epilogue> {
+    use kwexport_core::passes::post_ops::{self, Activation};
+    if attr == "none" {
+        return Some(Epilogue::None);
+    }
+    Some(match (post_ops::of_attr(attr)?, algorithm) {
+        (Activation::Relu, _) => Epilogue::Relu,
+        (Activation::Relu6, _) => Epilogue::Relu6,
+        (Activation::Hardswish, _) => Epilogue::Hardswish,
+        (Activation::Hardsigmoid, _) => Epilogue::Hardsigmoid,
+        (Activation::Sigmoid, _) => Epilogue::Sigmoid,
+        (Activation::Swish, _) => Epilogue::Swish,
+        (Activation::Gelu, Some("none") | None) => Epilogue::Gelu,
+        (Activation::Gelu, Some("tanh")) => Epilogue::GeluTanh,
+        (Activation::Gelu, _) | (Activation::Tanh, _) => return None,
+    })
+}
+
 /// Installs torch's intra-op pool (`abi::parallel`) as the kernels' pool, once per process:
 /// the kernels then split their work on exactly the threads torch would use. Without it
 /// they stay on the calling thread.
@@ -204,5 +225,22 @@ impl Panels {
             .packed
             .get_or_init(|| Operators(abi).pack_matrix_panels(consts.get(self.weight)?, self.transpose, self.bf16));
         packed.as_ref().map(Tensor::raw)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_post_op_has_its_epilogue() {
+        assert_eq!(epilogue_of("swish", None), Some(Epilogue::Swish));
+        assert_eq!(epilogue_of("hardtanh", None), Some(Epilogue::Relu6));
+        assert_eq!(epilogue_of("tanh", None), None);
+        assert_eq!(epilogue_of("none", None), Some(Epilogue::None));
+        assert_eq!(epilogue_of("gelu", Some("tanh")), Some(Epilogue::GeluTanh));
+        assert_eq!(epilogue_of("gelu", None), Some(Epilogue::Gelu));
+        assert_eq!(epilogue_of("gelu", Some("sigmoid")), None);
+        assert_eq!(epilogue_of("elu", None), None);
     }
 }

@@ -56,6 +56,6 @@ impl Operators<'_> {
         };
         // SAFETY: the new output of that many elements.
         let os = unsafe { self.floats_mut(&mut out, batch * ho * wo * c) }?;
-        kernels::max_pool_f32(xs, [batch, h, w, c], pool, os).then_some(Ok(out))
+        kernels::max_pool_f32(xs, [batch, h, w, c], pool, os).ok().map(|()| Ok(out))
     }
 }

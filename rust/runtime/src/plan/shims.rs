@@ -210,7 +210,7 @@ pub(super) fn compile(
             let (SlotArg::Literal(Arg::Str(attr)), SlotArg::List(scalars)) = (bound.get(3)?, bound.get(4)?) else {
                 return None;
             };
-            let epilogue = Epilogue::of_linear(attr, algorithm).filter(|_| scalars.is_empty())?;
+            let epilogue = crate::operators::epilogue_of(attr, algorithm).filter(|_| scalars.is_empty())?;
             ShimUse { epilogue, ..linear(true) }
         }
         ("aten::linear", "") => linear(fast),
@@ -317,7 +317,7 @@ fn conv_step(
     let (padding, stride, dilation) = (pair(padding)?, pair(stride)?, pair(dilation)?);
     let weight = consts.weight(w);
     let shape: [i64; 4] = consts.f32_shape(w)?.try_into().ok()?;
-    let own = crate::operators::Epilogue::of_attr(&attr).filter(|_| dilation == [1, 1]).and_then(|epilogue| {
+    let own = crate::operators::epilogue_of(&attr, None).filter(|_| dilation == [1, 1]).and_then(|epilogue| {
         use crate::operators::Conv2d;
         let [out, inputs, kh, kw] = shape;
         let geometry = Conv2d::new(shape, stride, padding)?;
@@ -374,7 +374,7 @@ fn conv_step(
         weight,
         packed: Default::default(),
         own,
-        nan_post_op: crate::operators::Epilogue::of_attr(&attr)
+        nan_post_op: crate::operators::epilogue_of(&attr, None)
             .filter(|e| matches!(e, Epilogue::Relu | Epilogue::Relu6 | Epilogue::Hardsigmoid)),
     };
     Some(CStep {
