@@ -71,9 +71,7 @@ pub fn gemm(
 ) -> Ran {
     let fits = x.len() >= m * k
         && panels.len() >= pack_size([n, k, 1, 1]).iter().product()
-        && out.len() >= m * n
-        && bias.is_none_or(|b| b.len() >= n)
-        && residual.is_none_or(|r| r.len() >= m * n);
+        && super::gemm::results_fit(m, n, bias, residual, out.len());
     #[cfg(target_arch = "x86_64")]
     if fits && available() {
         // SAFETY: AVX-512F and AVX512-BF16 are present, and every slice holds what the shapes
@@ -110,9 +108,7 @@ pub fn indirect(
     let (m, pairs) = (batch * ho * wo, cin.div_ceil(2));
     let fits = x.len() >= batch * h * w * cin
         && panels.len() >= pack_size([n, cin, g.kernel[0], g.kernel[1]]).iter().product()
-        && out.len() >= m * n
-        && bias.is_none_or(|b| b.len() >= n)
-        && residual.is_none_or(|r| r.len() >= m * n);
+        && super::gemm::results_fit(m, n, bias, residual, out.len());
     #[cfg(target_arch = "x86_64")]
     if fits && available() {
         // SAFETY: AVX-512F and AVX512-BF16 are present; the slices hold what the shapes say

@@ -20,6 +20,12 @@ pub fn pack_size([n, cin, kh, kw]: [usize; 4]) -> [usize; 3] {
     [n.div_ceil(PANEL), cin * kh * kw, PANEL]
 }
 
+/// Whether a GEMM's `m × n` result fits `out`, with `n` biases and an `m × n` residual where
+/// given: what every GEMM-shaped kernel checks besides its input and panels.
+pub(super) fn results_fit(m: usize, n: usize, bias: Option<&[f32]>, residual: Option<&[f32]>, out: usize) -> bool {
+    out >= m * n && bias.is_none_or(|b| b.len() >= n) && residual.is_none_or(|r| r.len() >= m * n)
+}
+
 /// The elements of the panels of a `[k, n]` matrix ([`pack_size`] of `[n, k, 1, 1]`).
 pub fn panels_len(k: usize, n: usize) -> usize {
     pack_size([n, k, 1, 1]).iter().product()
@@ -62,11 +68,7 @@ pub fn gemm_f32(
     epilogue: Epilogue,
     out: &mut [f32],
 ) -> Ran {
-    let fits = x.len() >= m * k
-        && panels.len() >= panels_len(k, n)
-        && out.len() >= m * n
-        && bias.is_none_or(|b| b.len() >= n)
-        && residual.is_none_or(|r| r.len() >= m * n);
+    let fits = x.len() >= m * k && panels.len() >= panels_len(k, n) && results_fit(m, n, bias, residual, out.len());
     let t = super::table_if(fits)?;
     let (bias, residual) = addends((bias, residual));
     let shape = Shape { taps: 1, cin: k, n, bias, residual, epilogue };
@@ -142,9 +144,7 @@ pub fn indirect_f32(
     let m = batch * ho * wo;
     let fits = x.len() >= batch * h * w * cin
         && panels.len() >= panels_len(k, n)
-        && out.len() >= m * n
-        && bias.is_none_or(|b| b.len() >= n)
-        && residual.is_none_or(|r| r.len() >= m * n);
+        && results_fit(m, n, bias, residual, out.len());
     let t = super::table_if(fits)?;
     let taps = g.kernel[0] * g.kernel[1];
     let zeros = vec![0f32; cin];

@@ -23,6 +23,8 @@ pub mod winograd;
 #[cfg(test)]
 mod nonfinite_tests;
 #[cfg(test)]
+mod reference;
+#[cfg(test)]
 mod tests;
 
 pub use activation::{epilogue_f32, gelu_f32, Epilogue};

@@ -4,6 +4,7 @@
 //! positions. Where torch's own kernels decide (attention over a NaN score, Winograd on a
 //! non-finite input), the kernel must decline.
 
+use super::reference::{self, EPILOGUES};
 use super::*;
 
 /// What a value is, for comparing masks: NaN, +inf, -inf or finite.
@@ -34,43 +35,6 @@ fn with_specials(len: usize, every: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// Torch's activation of a double, NaN kept by every clamp (Rust's `f64::max` would drop it).
-fn reference(epilogue: Epilogue, v: f64) -> f64 {
-    let clamp = |v: f64, lo: f64, hi: f64| if v.is_nan() { v } else { v.clamp(lo, hi) };
-    match epilogue {
-        Epilogue::None => v,
-        Epilogue::Relu => clamp(v, 0.0, f64::INFINITY),
-        Epilogue::Relu6 => clamp(v, 0.0, 6.0),
-        Epilogue::Hardswish => v * clamp(v + 3.0, 0.0, 6.0) / 6.0,
-        Epilogue::Hardsigmoid => clamp(v + 3.0, 0.0, 6.0) / 6.0,
-        Epilogue::Sigmoid => 1.0 / (1.0 + (-v).exp()),
-        Epilogue::Swish => v / (1.0 + (-v).exp()),
-        // Both GELUs as `x * (something in [0, 1])`: NaN at -inf (`-inf * 0`), +inf at +inf,
-        // but torch's AVX-512 vectorized erf GELU gives NaN at +inf (all but one-element
-        // tensors), and kwexport's follows whichever torch runs.
-        Epilogue::Gelu if v == f64::INFINITY && super::isa::torch_uses_avx512() => f64::NAN,
-        Epilogue::Gelu => 0.5 * v * (1.0 + erf_sign(v)),
-        Epilogue::GeluTanh => 0.5 * v * (1.0 + (v * 0.8).tanh()),
-    }
-}
-
-/// A stand-in for erf with the same limits and sign (only NaN and infinities are compared).
-fn erf_sign(v: f64) -> f64 {
-    (v * 0.8).tanh()
-}
-
-const EPILOGUES: [Epilogue; 9] = [
-    Epilogue::None,
-    Epilogue::Relu,
-    Epilogue::Relu6,
-    Epilogue::Hardswish,
-    Epilogue::Hardsigmoid,
-    Epilogue::Sigmoid,
-    Epilogue::Swish,
-    Epilogue::Gelu,
-    Epilogue::GeluTanh,
-];
-
 #[test]
 fn epilogues_keep_nan_and_map_infinities_as_torch_does() {
     super::tests::each_isa(|| {
@@ -81,7 +45,7 @@ fn epilogues_keep_nan_and_map_infinities_as_torch_does() {
             let mut got = x.clone();
             assert_eq!(epilogue_f32(epilogue, &mut got), Ok(()));
             for (v, g) in x.iter().zip(&got) {
-                let want = reference(epilogue, *v as f64);
+                let want = reference::epilogue(epilogue, *v as f64);
                 assert_eq!(class(*g as f64), class(want), "{epilogue:?}({v}) = {g}");
             }
         }
@@ -101,44 +65,19 @@ fn gemm_and_its_epilogues_give_the_references_nan_and_inf() {
                 for res in [None, Some(&residual[..])] {
                     let mut out = vec![0.0; m * n];
                     assert_eq!(gemm_f32(&x, m, k, &panels, n, None, res, epilogue, &mut out), Ok(()));
-                    for r in 0..m {
-                        for j in 0..n {
-                            let dot: f64 = (0..k).map(|t| x[r * k + t] as f64 * wt[t * n + j] as f64).sum();
-                            let want = reference(epilogue, dot + res.map_or(0.0, |s| s[r * n + j] as f64));
-                            let got = out[r * n + j] as f64;
-                            assert_eq!(
-                                class(got),
-                                class(want),
-                                "{epilogue:?} {m}x{k}x{n} residual={} [{r}, {j}]",
-                                res.is_some()
-                            );
-                        }
+                    let want = reference::gemm(&x, [m, k, n], &wt, None, res, epilogue);
+                    for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
+                        let residual = res.is_some();
+                        assert_eq!(
+                            class(got as f64),
+                            class(want),
+                            "{epilogue:?} {m}x{k}x{n} residual={residual} [{i}]"
+                        );
                     }
                 }
             }
         }
     });
-}
-
-/// The reference convolution of channels-last `x` (`[2, h, w, cin]`) with `wts` (`[cout, cin,
-/// k, k]`), then `epilogue`, at output `(b, oy, ox, o)`.
-fn conv_at(
-    x: &[f32],
-    wts: &[f32],
-    g: &Conv2d,
-    [h, w]: [usize; 2],
-    (b, oy, ox, o): (usize, usize, usize, usize),
-) -> f64 {
-    let (ci, [k, _], [s, _], [p, _]) = (g.in_channels, g.kernel, g.stride, g.padding);
-    let mut sum = 0.0;
-    for (c, i, j) in (0..ci).flat_map(|c| (0..k).flat_map(move |i| (0..k).map(move |j| (c, i, j)))) {
-        let (y, xx) = ((oy * s + i) as isize - p as isize, (ox * s + j) as isize - p as isize);
-        if (0..h as isize).contains(&y) && (0..w as isize).contains(&xx) {
-            sum += x[((b * h + y as usize) * w + xx as usize) * ci + c] as f64
-                * wts[((o * ci + c) * k + i) * k + j] as f64;
-        }
-    }
-    sum
 }
 
 #[test]
@@ -159,21 +98,11 @@ fn convolutions_give_the_references_nan_and_inf() {
                 let mut indirect = vec![0.0; 2 * ho * wo * co];
                 assert_eq!(direct_f32(&x, [2, h, w], cl, &taps, &g, None, epilogue, &mut direct), Ok(()));
                 assert_eq!(indirect_f32(&x, [2, h, w], &panels, &g, None, None, epilogue, &mut indirect), Ok(()));
-                for (b, oy, ox, o) in (0..2).flat_map(|b| {
-                    (0..ho).flat_map(move |y| (0..wo).flat_map(move |xx| (0..co).map(move |o| (b, y, xx, o))))
-                }) {
-                    let want = class(reference(epilogue, conv_at(&x, &wts, &g, [h, w], (b, oy, ox, o))));
-                    let at = ((b * ho + oy) * wo + ox) * co + o;
-                    assert_eq!(
-                        class(direct[at] as f64),
-                        want,
-                        "direct {epilogue:?} {ci}->{co} k{k} ({b},{oy},{ox},{o})"
-                    );
-                    assert_eq!(
-                        class(indirect[at] as f64),
-                        want,
-                        "indirect {epilogue:?} {ci}->{co} k{k} ({b},{oy},{ox},{o})"
-                    );
+                let want = reference::conv2d(&x, [2, h, w], &wts, &g, (None, None), epilogue);
+                for (at, &want) in want.iter().enumerate() {
+                    let want = class(want);
+                    assert_eq!(class(direct[at] as f64), want, "direct {epilogue:?} {ci}->{co} k{k} [{at}]");
+                    assert_eq!(class(indirect[at] as f64), want, "indirect {epilogue:?} {ci}->{co} k{k} [{at}]");
                 }
             }
         }
@@ -213,19 +142,9 @@ fn depthwise_gives_the_references_nan_and_inf() {
             let taps: Vec<f32> = (0..k * k * c).map(|i| (i as f32 * 0.07).cos()).collect();
             let mut out = vec![0.0; 2 * ho * wo * c];
             assert_eq!(depthwise_f32(&x, [2, h, w], &taps, &g, None, Epilogue::Relu, &mut out), Ok(()));
-            for (b, oy, ox, ch) in (0..2).flat_map(|b| {
-                (0..ho).flat_map(move |y| (0..wo).flat_map(move |xx| (0..c).map(move |ch| (b, y, xx, ch))))
-            }) {
-                let mut sum = 0.0f64;
-                for (i, j) in (0..k).flat_map(|i| (0..k).map(move |j| (i, j))) {
-                    let (y, xx) = ((oy * s + i) as isize - p as isize, (ox * s + j) as isize - p as isize);
-                    if (0..h as isize).contains(&y) && (0..w as isize).contains(&xx) {
-                        sum += x[((b * h + y as usize) * w + xx as usize) * c + ch] as f64
-                            * taps[(i * k + j) * c + ch] as f64;
-                    }
-                }
-                let got = out[((b * ho + oy) * wo + ox) * c + ch] as f64;
-                assert_eq!(class(got), class(reference(Epilogue::Relu, sum)), "c{c} k{k} ({b},{oy},{ox},{ch})");
+            let want = reference::depthwise(&x, [2, h, w], &taps, &g, None, Epilogue::Relu);
+            for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
+                assert_eq!(class(got as f64), class(want), "c{c} k{k} [{i}]");
             }
         }
     });
@@ -326,7 +245,7 @@ fn bf16_gemm_rounds_nan_and_infinities_to_themselves() {
     for r in 0..m {
         for j in 0..n {
             let dot: f64 = (0..k).map(|t| x[r * k + t] as f64 * wt[t * n + j] as f64).sum();
-            assert_eq!(class(out[r * n + j] as f64), class(reference(Epilogue::Relu, dot)), "[{r}, {j}]");
+            assert_eq!(class(out[r * n + j] as f64), class(reference::epilogue(Epilogue::Relu, dot)), "[{r}, {j}]");
         }
     }
 }

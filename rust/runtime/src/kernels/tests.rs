@@ -1,4 +1,5 @@
 use super::isa;
+use super::reference;
 use super::*;
 
 /// Runs `f` once with each instruction set's kernels this CPU has, on the tests' pool of
@@ -82,12 +83,9 @@ fn linear_matches_a_double_precision_reference() {
             for bias in [Some(&b[..]), None] {
                 let mut out = vec![f32::NAN; m * n];
                 assert_eq!(linear_f32(&x, m, k, &panels, n, bias, &mut out), Ok(()));
-                for r in 0..m {
-                    for j in 0..n {
-                        let dot: f64 = (0..k).map(|kk| x[r * k + kk] as f64 * wt[kk * n + j] as f64).sum();
-                        let want = dot + bias.map_or(0.0, |b| b[j] as f64);
-                        assert!((out[r * n + j] as f64 - want).abs() < 1e-5 * (k as f64).sqrt(), "{m}x{k}x{n} {r} {j}");
-                    }
+                let want = reference::gemm(&x, [m, k, n], &wt, bias, None, Epilogue::None);
+                for (i, (&got, want)) in out.iter().zip(want).enumerate() {
+                    assert!((got as f64 - want).abs() < 1e-5 * (k as f64).sqrt(), "{m}x{k}x{n} [{i}]");
                 }
             }
         }
@@ -111,25 +109,9 @@ fn max_pool_takes_each_windows_largest_inside_the_image() {
             let [ho, wo] = pool.output(h, w).unwrap();
             let mut out = vec![0.0; batch * ho * wo * c];
             assert_eq!(max_pool_f32(&x, [batch, h, w, c], &pool, &mut out), Ok(()));
-            for b in 0..batch {
-                for (oy, ox, ch) in (0..ho).flat_map(|y| (0..wo).flat_map(move |x| (0..c).map(move |ch| (y, x, ch)))) {
-                    let mut want = f32::NEG_INFINITY;
-                    let mut nan = false;
-                    for ky in 0..pool.kernel[0] {
-                        for kx in 0..pool.kernel[1] {
-                            let iy = (oy * pool.stride[0] + ky) as isize - pool.padding[0] as isize;
-                            let ix = (ox * pool.stride[1] + kx) as isize - pool.padding[1] as isize;
-                            if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
-                                continue;
-                            }
-                            let v = x[((b * h + iy as usize) * w + ix as usize) * c + ch];
-                            nan |= v.is_nan();
-                            want = want.max(v);
-                        }
-                    }
-                    let got = out[((b * ho + oy) * wo + ox) * c + ch];
-                    assert!(if nan { got.is_nan() } else { got == want }, "{pool:?} {b} {oy} {ox} {ch}");
-                }
+            let want = reference::max_pool(&x, [batch, h, w, c], &pool);
+            for (i, (got, want)) in out.iter().zip(&want).enumerate() {
+                assert!(got.to_bits() == want.to_bits() || got.is_nan() && want.is_nan(), "{pool:?} [{i}]");
             }
         }
         let bad = MaxPool { kernel: [2, 2], stride: [1, 1], padding: [2, 2], ceil: false };
@@ -145,6 +127,18 @@ fn max_pool_takes_each_windows_largest_inside_the_image() {
 }
 
 #[test]
+fn mean_pixels_matches_the_reference() {
+    for (pixels, c) in [(49usize, 7usize), (1, 1), (196, 40)] {
+        let x: Vec<f32> = (0..pixels * c).map(|i| (i as f32 * 0.37).sin() * 5.0).collect();
+        let mut out = vec![f32::NAN; c];
+        mean_pixels_f32(&x, pixels, &mut out);
+        for (ch, (&got, want)) in out.iter().zip(reference::mean_pixels(&x, pixels, c)).enumerate() {
+            assert!((got as f64 - want).abs() < 1e-6 * (pixels as f64).sqrt(), "{pixels}x{c} [{ch}]");
+        }
+    }
+}
+
+#[test]
 fn layer_norm_matches_a_double_precision_reference() {
     for n in [1usize, 7, 16, 256, 771] {
         let rows = 3;
@@ -154,14 +148,8 @@ fn layer_norm_matches_a_double_precision_reference() {
         let b: Vec<f32> = (0..n).map(|i| i as f32 * 0.01 - 0.5).collect();
         let mut out = vec![f32::NAN; rows * n];
         layer_norm_f32(&x, &w, &b, 1e-5, &mut out);
-        for (r, row) in x.chunks(n).enumerate() {
-            let mean = row.iter().map(|&v| v as f64).sum::<f64>() / n as f64;
-            let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n as f64;
-            for j in 0..n {
-                let want = (row[j] as f64 - mean) / (var + 1e-5).sqrt() * w[j] as f64 + b[j] as f64;
-                let got = out[r * n + j] as f64;
-                assert!((got - want).abs() < 2e-5, "n={n} row {r} col {j}: {got} vs {want}");
-            }
+        for (i, (&got, want)) in out.iter().zip(reference::layer_norm(&x, &w, &b, 1e-5)).enumerate() {
+            assert!((got as f64 - want).abs() < 2e-5, "n={n} [{i}]: {got} vs {want}");
         }
     }
 }
@@ -170,27 +158,13 @@ fn layer_norm_matches_a_double_precision_reference() {
 fn gemm_epilogues_match_torchs_definitions() {
     each_isa(|| {
         // 1x1-convolution shapes: many rows (pixels), few columns (channels), each tile width.
-        type Definition = (Epilogue, fn(f64) -> f64);
-        let defs: [Definition; 9] = [
-            (Epilogue::None, |v| v),
-            (Epilogue::Relu, |v| v.max(0.0)),
-            (Epilogue::Relu6, |v| v.clamp(0.0, 6.0)),
-            (Epilogue::Hardswish, |v| v * (v + 3.0).clamp(0.0, 6.0) / 6.0),
-            (Epilogue::Hardsigmoid, |v| (v + 3.0).clamp(0.0, 6.0) / 6.0),
-            (Epilogue::Sigmoid, |v| 1.0 / (1.0 + (-v).exp())),
-            (Epilogue::Swish, |v| v / (1.0 + (-v).exp())),
-            (Epilogue::Gelu, |v| 0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2))),
-            (Epilogue::GeluTanh, |v| {
-                0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v.powi(3))).tanh())
-            }),
-        ];
         for (m, k, n) in [(49usize, 24usize, 16usize), (23, 16, 40), (7, 9, 72), (196, 40, 240)] {
             let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
             let wt: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
             let b: Vec<f32> = (0..n).map(|i| i as f32 * 0.01 - 0.2).collect();
             let mut panels = vec![0.0; k * n.div_ceil(PANEL) * PANEL];
             pack_conv_panels(&wt, [n, k, 1, 1], [1, n, 0, 0], &mut panels);
-            for (epilogue, f) in defs {
+            for epilogue in reference::EPILOGUES {
                 let mut out = vec![f32::NAN; m * n];
                 assert_eq!(gemm_f32(&x, m, k, &panels, n, Some(&b), None, epilogue, &mut out), Ok(()));
                 // And the epilogue alone, in place over the plain product (torch's result).
@@ -201,18 +175,13 @@ fn gemm_epilogues_match_torchs_definitions() {
                 let res: Vec<f32> = (0..m * n).map(|i| (i as f32 * 0.23).cos()).collect();
                 let mut added = vec![f32::NAN; m * n];
                 assert_eq!(gemm_f32(&x, m, k, &panels, n, Some(&b), Some(&res), epilogue, &mut added), Ok(()));
-                for r in 0..m {
-                    for j in 0..n {
-                        let dot: f64 = (0..k).map(|kk| x[r * k + kk] as f64 * wt[kk * n + j] as f64).sum();
-                        let want = f(dot + b[j] as f64);
-                        for (how, got) in [("fused", out[r * n + j]), ("after", plain[r * n + j])] {
-                            let close = (got as f64 - want).abs() < 2e-6 * (k as f64).sqrt();
-                            assert!(close, "{epilogue:?} {how} {m}x{k}x{n} {r} {j}");
-                        }
-                        let want = f(dot + b[j] as f64 + res[r * n + j] as f64);
-                        let close = (added[r * n + j] as f64 - want).abs() < 2e-6 * (k as f64).sqrt();
-                        assert!(close, "{epilogue:?} residual {m}x{k}x{n} {r} {j}");
-                    }
+                let want = reference::gemm(&x, [m, k, n], &wt, Some(&b), None, epilogue);
+                let want_added = reference::gemm(&x, [m, k, n], &wt, Some(&b), Some(&res), epilogue);
+                let close = |got: f32, want: f64| (got as f64 - want).abs() < 2e-6 * (k as f64).sqrt();
+                for i in 0..m * n {
+                    assert!(close(out[i], want[i]), "{epilogue:?} fused {m}x{k}x{n} [{i}]");
+                    assert!(close(plain[i], want[i]), "{epilogue:?} after {m}x{k}x{n} [{i}]");
+                    assert!(close(added[i], want_added[i]), "{epilogue:?} residual {m}x{k}x{n} [{i}]");
                 }
             }
         }
@@ -220,7 +189,7 @@ fn gemm_epilogues_match_torchs_definitions() {
 }
 
 #[test]
-fn depthwise_matches_a_direct_convolution() {
+fn depthwise_matches_the_reference() {
     each_isa(|| {
         // (c, kernel, stride, padding, h, w): mobilenet's shapes, odd sizes, a kernel larger
         // than the image with padding, channels that aren't a multiple of 16, 7×7 (ConvNeXt's).
@@ -240,19 +209,9 @@ fn depthwise_matches_a_direct_convolution() {
             let bias: Vec<f32> = (0..c).map(|i| i as f32 * 0.1).collect();
             let mut out = vec![f32::NAN; 2 * ho * wo * c];
             assert_eq!(depthwise_f32(&x, [2, h, w], &taps, &g, Some(&bias), Epilogue::Relu, &mut out), Ok(()));
-            for b in 0..2 {
-                for (oy, ox, ch) in (0..ho).flat_map(|y| (0..wo).flat_map(move |x| (0..c).map(move |ch| (y, x, ch)))) {
-                    let mut want = bias[ch] as f64;
-                    for (i, j) in (0..k).flat_map(|i| (0..k).map(move |j| (i, j))) {
-                        let (y, xx) = ((oy * s + i) as isize - p as isize, (ox * s + j) as isize - p as isize);
-                        if (0..h as isize).contains(&y) && (0..w as isize).contains(&xx) {
-                            let v = x[((b * h + y as usize) * w + xx as usize) * c + ch] as f64;
-                            want += v * taps[(i * k + j) * c + ch] as f64;
-                        }
-                    }
-                    let got = out[((b * ho + oy) * wo + ox) * c + ch] as f64;
-                    assert!((got - want.max(0.0)).abs() < 1e-5, "c{c} k{k} s{s} p{p} ({b}, {oy}, {ox}, {ch})");
-                }
+            let want = reference::depthwise(&x, [2, h, w], &taps, &g, Some(&bias), Epilogue::Relu);
+            for (i, (&got, want)) in out.iter().zip(want).enumerate() {
+                assert!((got as f64 - want).abs() < 1e-5, "c{c} k{k} s{s} p{p} [{i}]");
             }
         }
         assert_eq!(Depthwise::new([4, 3, 3], [0, 1], [0, 0]), None);
@@ -302,45 +261,20 @@ fn direct_and_indirect_match_a_reference_convolution() {
                     indirect_f32(&nhwc, [2, h, w], &panels, &g, Some(&bias), None, Epilogue::None, out)
                 }),
             ];
+            let want = reference::conv2d(&nhwc, [2, h, w], &wts, &g, (Some(&bias), None), Epilogue::None);
             for (name, run) in runs {
                 let mut out = vec![f32::NAN; 2 * ho * wo * co];
                 assert_eq!(run(&mut out), Ok(()));
-                for (b, oy, ox, o) in (0..2).flat_map(|b| {
-                    (0..ho).flat_map(move |y| (0..wo).flat_map(move |xx| (0..co).map(move |o| (b, y, xx, o))))
-                }) {
-                    let mut want = bias[o] as f64;
-                    for (c, i, j) in (0..ci).flat_map(|c| (0..k).flat_map(move |i| (0..k).map(move |j| (c, i, j)))) {
-                        let (y, xx) = ((oy * s + i) as isize - p as isize, (ox * s + j) as isize - p as isize);
-                        if (0..h as isize).contains(&y) && (0..w as isize).contains(&xx) {
-                            let v = x[((b * ci + c) * h + y as usize) * w + xx as usize] as f64;
-                            want += v * wts[((o * ci + c) * k + i) * k + j] as f64;
-                        }
-                    }
-                    let got = out[((b * ho + oy) * wo + ox) * co + o] as f64;
+                for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
                     let tolerance = 1e-6 * g.taps() as f64;
                     assert!(
-                        (got - want).abs() < tolerance,
-                        "{name} {ci}->{co} k{k} s{s} ({b}, {oy}, {ox}, {o}): {got} {want}"
+                        (got as f64 - want).abs() < tolerance,
+                        "{name} {ci}->{co} k{k} s{s} p{p} [{i}]: {got} {want}"
                     );
                 }
             }
         }
     });
-}
-
-/// erf in double: its Taylor series below 2.5, else 1 - erfc by erfc's continued fraction.
-fn erf(z: f64) -> f64 {
-    if z.abs() >= 2.5 {
-        let a = z.abs();
-        let f = (1..80).rev().fold(a, |f, n| a + (n as f64 / 2.0) / f);
-        return z.signum() * (1.0 - (-a * a).exp() / (std::f64::consts::PI.sqrt() * f));
-    }
-    let (mut term, mut sum) = (z, z);
-    for n in 1..200 {
-        term *= -z * z / n as f64;
-        sum += term / (2 * n + 1) as f64;
-    }
-    sum * 2.0 / std::f64::consts::PI.sqrt()
 }
 
 #[test]
@@ -351,12 +285,7 @@ fn gelu_matches_a_double_precision_reference() {
             let mut out = vec![f32::NAN; x.len()];
             assert_eq!(gelu_f32(&x, tanh, &mut out), Ok(()));
             for (&v, &got) in x.iter().zip(&out) {
-                let v = v as f64;
-                let want = if tanh {
-                    0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v.powi(3))).tanh())
-                } else {
-                    0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2))
-                };
+                let (v, want) = (v as f64, reference::gelu(v as f64, tanh));
                 assert!((got as f64 - want).abs() <= 2e-7 * v.abs().max(1.0), "tanh={tanh} x={v}: {got} vs {want}");
             }
         }
@@ -369,13 +298,8 @@ fn rms_norm_normalizes_each_row() {
     let w: Vec<f32> = (0..35).map(|i| 0.5 + i as f32 * 0.01).collect();
     let mut out = vec![0.0; 70];
     rms_norm_f32(&x, &w, 1e-6, &mut out);
-    for r in 0..2 {
-        let row = &x[r * 35..(r + 1) * 35];
-        let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / 35.0;
-        for i in 0..35 {
-            let want = w[i] as f64 * row[i] as f64 / (ms + 1e-6).sqrt();
-            assert!((out[r * 35 + i] as f64 - want).abs() <= 1e-6 * want.abs().max(1.0), "{r} {i}");
-        }
+    for (i, (&got, want)) in out.iter().zip(reference::rms_norm(&x, &w, 1e-6)).enumerate() {
+        assert!((got as f64 - want).abs() <= 1e-6 * want.abs().max(1.0), "[{i}]");
     }
 }
 
@@ -387,45 +311,6 @@ mod attention {
     fn transposed(g: &Attention, rows: usize, cols: usize, f: impl Fn(usize) -> f32) -> (Vec<f32>, [usize; 3]) {
         let data = (0..g.batch * rows * g.heads * cols).map(f).collect();
         (data, [rows * g.heads * cols, cols, g.heads * cols])
-    }
-
-    /// The reference in double precision, `None` where a row has no key.
-    fn reference(
-        g: &Attention,
-        (q, qs): (&[f32], [usize; 3]),
-        (k, ks): (&[f32], [usize; 3]),
-        (v, vs): (&[f32], [usize; 3]),
-        mask: &dyn Fn(usize, usize, usize, usize) -> Option<f64>,
-    ) -> Option<Vec<f64>> {
-        let mut out = vec![0.0; g.batch * g.l * g.heads * g.ev];
-        for b in 0..g.batch {
-            for h in 0..g.heads {
-                for i in 0..g.l {
-                    let scores: Vec<Option<f64>> = (0..g.s)
-                        .map(|j| {
-                            let dot: f64 = (0..g.e)
-                                .map(|c| {
-                                    q[b * qs[0] + h * qs[1] + i * qs[2] + c] as f64
-                                        * k[b * ks[0] + h * ks[1] + j * ks[2] + c] as f64
-                                })
-                                .sum();
-                            mask(b, h, i, j).map(|m| dot * g.scale as f64 + m).filter(|x| x.is_finite())
-                        })
-                        .collect();
-                    let max = scores.iter().flatten().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    if max == f64::NEG_INFINITY {
-                        return None;
-                    }
-                    let p: Vec<f64> = scores.iter().map(|s| s.map_or(0.0, |s| (s - max).exp())).collect();
-                    let sum: f64 = p.iter().sum();
-                    for c in 0..g.ev {
-                        let acc: f64 = (0..g.s).map(|j| p[j] * v[b * vs[0] + h * vs[1] + j * vs[2] + c] as f64).sum();
-                        out[((b * g.l + i) * g.heads + h) * g.ev + c] = acc / sum;
-                    }
-                }
-            }
-        }
-        Some(out)
     }
 
     #[test]
@@ -463,7 +348,7 @@ mod attention {
                 for (mask, want_mask) in cases {
                     let mut out = vec![f32::NAN; batch * l * heads * ev];
                     let ok = attention_f32((&q, qs), (&k, ks), (&v, vs), &g, mask, &mut out);
-                    let want = reference(&g, (&q, qs), (&k, ks), (&v, vs), want_mask);
+                    let want = reference::attention(&g, (&q, qs), (&k, ks), (&v, vs), want_mask);
                     assert_eq!(ok.is_ok(), want.is_some(), "{g:?} {mask:?}");
                     let Some(want) = want else { continue };
                     let scale = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
