@@ -386,7 +386,9 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peers", default="ort,openvino,executorch", help="comma-separated: " + ", ".join(PEERS))
+    parser.add_argument(
+        "--peers", default="ort,openvino,executorch", help="comma-separated: " + ", ".join(PEERS) + "; or none"
+    )
     parser.add_argument("--models", help="comma-separated: only the models whose names contain one of these")
     parser.add_argument("--bf16", action="store_true", help="precision='bf16' beside OpenVINO's bf16 instead")
     parser.add_argument("--threads", default="1", help="comma-separated intra-op thread counts, e.g. 1,2")
@@ -397,4 +399,5 @@ if __name__ == "__main__":
     if args.bf16:
         main_bf16(models)
     else:
-        main(args.peers.split(","), models, [int(t) for t in args.threads.split(",")], args.zoo)
+        peers = [p for p in args.peers.split(",") if p not in ("", "none")]
+        main(peers, models, [int(t) for t in args.threads.split(",")], args.zoo)

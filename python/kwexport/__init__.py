@@ -55,6 +55,7 @@ __all__ = [
     "export",
     "kernel_info",
     "load",
+    "quantize",
     "save",
 ]
 
@@ -130,6 +131,29 @@ def export(
     from kwexport._trace import export as _export
 
     return _export(f, args, kwargs, dynamic_shapes=dynamic_shapes, dynamic=dynamic)
+
+
+def quantize(
+    f: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    calibration: list[tuple[tuple[Any, ...], dict[str, Any]]] | None = None,
+    dynamic: bool = False,
+) -> Exported:
+    """Trace ``f`` as :func:`export` does, then quantize it to int8 with torch's pt2e flow
+    (torchao's x86 quantizer: per-channel int8 weights, int8 activations), keeping its
+    signature; ``kwexport.save`` writes it like any program, and ``kwexport.load`` runs it
+    without torchao.
+
+    Static quantization (the default) takes the activations' scales from calling the
+    prepared program on ``(args, kwargs)`` and on each ``(args, kwargs)`` of ``calibration``
+    (give inputs like the ones it will serve); ``dynamic=True`` computes them from each
+    call's values instead (transformers' linears). Needs torchao (``kwexport[quantize]``).
+    """
+    from kwexport._quantize import quantize as _quantize
+
+    return _quantize(f, args, kwargs, calibration=calibration, dynamic=dynamic)
 
 
 def save(

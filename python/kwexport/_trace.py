@@ -47,6 +47,57 @@ class Exported:
 
 
 def export(f, args, kwargs=None, *, dynamic_shapes=None, dynamic: bool = False) -> Exported:
+    traced = trace(f, args, kwargs, dynamic_shapes=dynamic_shapes, dynamic=dynamic)
+    return traced.encode(traced.exported_program)
+
+
+class Traced:
+    """A call traced over its flat leaves: the ExportedProgram, and what encoding it (or a
+    program made from it, such as its quantized form) needs."""
+
+    def __init__(self, exported_program, sig, sig_json, leaves, in_spec, *, flat_shapes, tensor_defaults):
+        self.exported_program = exported_program
+        self.sig, self.sig_json, self.leaves, self.in_spec = sig, sig_json, leaves, in_spec
+        self.flat_shapes, self.tensor_defaults = flat_shapes, tensor_defaults
+
+    def dynamic_shapes(self):
+        """The leaves' dynamic shapes as ``torch.export.export`` takes them, or ``None``."""
+        shapes = self.flat_shapes
+        return {"flat": tuple(shapes)} if any(s is not None for s in shapes) else None
+
+    def leaves_of(self, args, kwargs=None) -> list:
+        """Another call's leaves, bound and flattened as the traced one's were; a
+        ``SignatureError`` where the traced program can't take them (another structure, a
+        tensor where the trace had none, another value for a non-tensor the trace fixed)."""
+        try:
+            bound = self.sig.bind(*args, **dict(kwargs or {}))
+        except TypeError as e:
+            raise SignatureError(f"a calibration call: {e}") from None
+        bound.apply_defaults()
+        leaves, spec = pytree.tree_flatten((tuple(bound.args), dict(bound.kwargs)))
+        traced = self.leaves
+        same = spec == self.in_spec and all(
+            isinstance(a, torch.Tensor) == isinstance(b, torch.Tensor) and (isinstance(a, torch.Tensor) or a == b)
+            for a, b in zip(leaves, traced)
+        )
+        if not same:
+            raise SignatureError("a calibration call differs from the traced call other than in its tensors' values")
+        return leaves
+
+    def encode(self, ep) -> Exported:
+        """``ep``, a program over the same leaves, as an ``Exported`` with the traced signature."""
+        return _encode(
+            ep,
+            self.sig_json,
+            self.leaves,
+            self.in_spec,
+            dim_names=_dim_names(self.flat_shapes),
+            tensor_defaults=self.tensor_defaults,
+        )
+
+
+def trace(f, args, kwargs=None, *, dynamic_shapes=None, dynamic: bool = False) -> Traced:
+    """What :func:`export` traces: ``f`` bound to its signature and traced over the leaves."""
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple, got {type(args).__name__}")
     if dynamic and dynamic_shapes is not None:
@@ -101,7 +152,7 @@ def export(f, args, kwargs=None, *, dynamic_shapes=None, dynamic: bool = False) 
     finally:
         del module.forward
 
-    return _encode(ep, sig_json, leaves, in_spec, dim_names=_dim_names(flat_shapes), tensor_defaults=tensor_defaults)
+    return Traced(ep, sig, sig_json, leaves, in_spec, flat_shapes=flat_shapes, tensor_defaults=tensor_defaults)
 
 
 def _dim_names(flat_shapes: list) -> list[dict[int, str]]:

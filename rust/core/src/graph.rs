@@ -45,6 +45,12 @@ impl OpName {
         !crate::tables::DEFAULT_NAMESPACES.contains(&self.namespace.as_str())
             && crate::tables::PASS_OPS.contains(&self.to_string().as_str())
     }
+
+    /// Whether this is one of torch's quantize and dequantize ops the format knows
+    /// ([`crate::tables::QUANT_OPS`]).
+    pub fn is_quant_op(&self) -> bool {
+        crate::tables::QUANT_OPS.contains(&self.to_string().as_str())
+    }
 }
 
 impl std::fmt::Display for OpName {

@@ -77,6 +77,20 @@ pub const PASS_OPS: &[&str] = &[
     "mkldnn::_convolution_pointwise.binary",
 ];
 
+/// torch's quantize and dequantize ops (`torch.ao.quantization.fx._decomposed`; torchao's pt2e
+/// writes the same), which a quantized program holds: known ops of the format, validated as
+/// aten's are. The `quantized_ops` pass writes them out as aten arithmetic at load; a node it
+/// can't runs as torch's op.
+pub const QUANT_OPS: &[&str] = &[
+    "quantized_decomposed::quantize_per_tensor.default",
+    "quantized_decomposed::quantize_per_tensor.tensor",
+    "quantized_decomposed::dequantize_per_tensor.default",
+    "quantized_decomposed::dequantize_per_tensor.tensor",
+    "quantized_decomposed::quantize_per_channel.default",
+    "quantized_decomposed::dequantize_per_channel.default",
+    "quantized_decomposed::choose_qparams.tensor",
+];
+
 /// The longest extra-file name, in bytes.
 pub const MAX_EXTRA_NAME_BYTES: usize = 255;
 

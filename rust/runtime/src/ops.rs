@@ -54,6 +54,7 @@ impl AllowOps {
     fn allows(&self, op: &OpName) -> bool {
         DEFAULT_NAMESPACES.contains(&op.namespace.as_str())
             || op.is_pass_op()
+            || op.is_quant_op()
             || self.0.iter().any(|(ns, name, overload)| {
                 *ns == op.namespace
                     && name.as_ref().is_none_or(|n| *n == op.name)
@@ -97,7 +98,7 @@ pub fn resolve_ops(
         let op = resolve_op(py, torch, name, allow, &version, &entry)?;
         let schema = op.bind(py).getattr("_schema").ok(); // Python operators have none
         let current = schema.as_ref().map(|s| s.str().map(|s| s.to_string())).transpose()?;
-        if let (Some(recorded), Some(current)) = (doc.ops[i].schema.clone(), current) {
+        if let (Some(recorded), Some(current)) = (doc.ops[i].schema.clone(), current.clone()) {
             match opschema::compare(&recorded, &current) {
                 Drift::Identical => {}
                 Drift::Compatible(added) => notes.push(format!(
@@ -128,6 +129,11 @@ pub fn resolve_ops(
                     }
                 },
             }
+        }
+        if doc.ops[i].schema.is_none() && DEFAULT_NAMESPACES.contains(&name.namespace.as_str()) {
+            // An aten op a pass inserted records no schema: the running torch's is the one it
+            // runs with, which constant folding reads (what the op returns and writes).
+            doc.ops[i].schema = current;
         }
         let schema = schema.map(|s| OpSchema::read(&s)).transpose()?;
         // OpOverload.__call__ is a Python frame around `_op`, the C++ callable: skip it. An op
@@ -176,6 +182,11 @@ fn resolve_op(
     let Some(overload) = &op.overload else {
         return Err(Error::MissingOverload { entry, op: op.to_string() }.into());
     };
+    if op.is_quant_op() {
+        // A node `passes::quantized_ops` left: torch's op, whose library this torch module
+        // registers (part of torch, not of the file).
+        py.import("torch.ao.quantization.fx._decomposed")?;
+    }
     let found = torch
         .getattr("ops")?
         .getattr(op.namespace.as_str())

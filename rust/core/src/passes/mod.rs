@@ -36,6 +36,7 @@ pub mod inplace_state;
 pub mod linear_pointwise;
 pub mod pass;
 pub mod post_ops;
+pub mod quantized_ops;
 pub mod readers;
 pub mod rms_norm;
 pub mod views_as_reshapes;
@@ -109,7 +110,7 @@ pub struct Target {
 }
 
 /// The passes every level runs, in the order a sweep runs them.
-const EXACT: &[&dyn Pass] = &[&dead_code::DeadCode, &inplace_state::InplaceState];
+const EXACT: &[&dyn Pass] = &[&quantized_ops::QuantizedOps, &dead_code::DeadCode, &inplace_state::InplaceState];
 
 /// The passes `fast` runs after those. Batch norms fold first, so that a convolution's
 /// activation is the node right after it; convolutions lower before their residuals fuse.

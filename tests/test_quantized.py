@@ -1,0 +1,148 @@
+"""Quantized programs: what torch's pt2e flow writes (torchao's ``prepare_pt2e`` /
+``convert_pt2e`` with the x86 quantizer, static and dynamic) loads without flags and computes
+what the quantized reference graph computes: bit for bit at ``exact`` (the
+``quantized_decomposed`` ops run as the aten arithmetic torch defines them with), within
+float32 rounding at ``fast`` (the weights' dequantization folded at load)."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import kwexport
+
+torchao = pytest.importorskip("torchao")
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e  # noqa: E402
+from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq  # noqa: E402
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(64, 64) for _ in range(3)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.nn.functional.gelu(layer(x))
+        return x
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU())
+        self.b = nn.Sequential(nn.Conv2d(16, 8, 3, stride=2), nn.ReLU())
+        self.head = nn.Linear(8 * 7 * 7, 10)
+
+    def forward(self, x):
+        return self.head(self.b(self.a(x)).flatten(1))
+
+
+def quantized(model, x, dynamic):
+    """The model as pt2e's x86 flow quantizes it, calibrated on ``x``."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = torch.export.export(model.eval(), (x,)).module()
+        q = xiq.X86InductorQuantizer()
+        q.set_global(xiq.get_default_x86_inductor_quantization_config(is_dynamic=dynamic))
+        prepared = prepare_pt2e(graph, q)
+        prepared(x)
+        return convert_pt2e(prepared)
+
+
+def saved(tmp_path, program, x):
+    path = tmp_path / "q.kwx"
+    kwexport.save(kwexport.export(program, (x,)), path)
+    return path
+
+
+def ops_of(program) -> set[str]:
+    return {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_a_pt2e_linear_program_loads_without_flags_and_gives_the_references_bits(tmp_path, dynamic):
+    torch.manual_seed(0)
+    x = torch.randn(4, 64)
+    q = quantized(MLP(), x, dynamic)
+    assert any("quantized_decomposed" in op for op in ops_of(q))
+    if dynamic:
+        assert any("choose_qparams" in op for op in ops_of(q))
+    path = saved(tmp_path, q, x)
+    for inputs in [x, torch.randn(4, 64) * 3]:
+        want = q(inputs)
+        exact = kwexport.load(path)
+        assert torch.equal(exact(inputs), want)
+        # Every node on the C path: no Python op per quantize or dequantize.
+        assert exact.dispatch["python"] == 0, exact.dispatch
+        got = kwexport.load(path, optimize="fast")(inputs)
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+def test_a_pt2e_conv_net_loads_without_flags_and_gives_the_references_bits(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16, 16)
+    q = quantized(ConvNet(), x, dynamic=False)
+    path = saved(tmp_path, q, x)
+    want = q(x)
+    assert torch.equal(kwexport.load(path)(x), want)
+    got = kwexport.load(path, optimize="fast")(x)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+def test_a_quantize_op_the_format_does_not_know_is_refused(tmp_path):
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers the ops)
+
+    class PerToken(nn.Module):
+        def forward(self, x):
+            scales = torch.full((4, 1), 0.1)
+            zeros = torch.zeros((4, 1), dtype=torch.int64)
+            return torch.ops.quantized_decomposed.quantize_per_token(x, scales, zeros, -128, 127, torch.int8)
+
+    x = torch.randn(4, 8)
+    path = tmp_path / "t.kwx"
+    kwexport.save(kwexport.export(PerToken(), (x,)), path)
+    with pytest.raises(kwexport.ArtifactError, match='op namespace "quantized_decomposed" is not allowed'):
+        kwexport.load(path)
+
+
+class Keywords(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 8)
+
+    def forward(self, x, *, scale: float = 1.0, mask=None):
+        y = self.b(torch.relu(self.a(x)))
+        return y if mask is None else y * mask
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_quantize_makes_an_int8_program_that_keeps_the_signature(tmp_path, dynamic):
+    torch.manual_seed(0)
+    model = Keywords().eval()
+    x = torch.randn(4, 32)
+    calibration = [((torch.randn(4, 32),), {}) for _ in range(3)]
+    ex = kwexport.quantize(model, (x,), calibration=calibration, dynamic=dynamic)
+    path = tmp_path / "int8.kwx"
+    kwexport.save(ex, path)
+    prog = kwexport.load(path)
+    # The quantized graph: int8 weights, their dequantization, quantized activations.
+    assert any("quantized_decomposed" in op for op in ops_of(ex.exported_program.graph_module))
+    # The quantized graph's own result: it takes the call's leaves (x and the defaults).
+    want = ex.exported_program.module()(x, 1.0, None)
+    assert torch.equal(prog(x), want)
+    assert torch.equal(prog(x=x), want), "called by keyword, as the original signature allows"
+    with pytest.raises(kwexport.SignatureError):
+        prog(x, 2.0)  # `scale` is keyword-only, as in the model
+    # Close to the float32 model: int8's quantization step, not another computation.
+    with torch.no_grad():
+        ref = model(x)
+    assert ((prog(x) - ref).abs().max() / ref.abs().max()).item() < 0.05
+
+
+def test_quantize_refuses_a_calibration_call_of_another_structure():
+    with pytest.raises(kwexport.SignatureError, match="calibration call"):
+        calibration = [((torch.randn(2, 32),), {"mask": torch.ones(2, 8)})]
+        kwexport.quantize(Keywords().eval(), (torch.randn(2, 32),), calibration=calibration)
