@@ -16,6 +16,8 @@ and 512 tokens, vision transformers, conv nets with grouped, depthwise and 7x7 k
     python benches/optimize.py --isa avx2   # kwexport's AVX2 kernels, torch and OpenVINO
                                             # limited to AVX2 (ONNX Runtime can't be)
     python benches/optimize.py --bf16   # precision="bf16" beside OpenVINO's bf16
+    python benches/optimize.py --int8   # kwexport.quantize's programs beside ONNX Runtime's
+                                        # quantize_dynamic (needs torchao and onnxruntime)
 """
 
 import os
@@ -382,6 +384,76 @@ def main_bf16(models: list[str] | None = None, rounds: int = 3) -> None:
             print(f"| {name} | {' | '.join(cells)} |")
 
 
+def ort_int8_session(model, kwargs, tmp: Path, threads: int = 1):
+    """ONNX Runtime on its int8 model (``quantize_dynamic``: int8 weights, activations
+    quantized per call), from the same export as ``ort_session``'s."""
+    try:
+        import onnxruntime as ort
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+    except ImportError:
+        return None
+    if isinstance(fp32 := ort_session(model, kwargs, tmp, threads), str):
+        return fp32
+    try:
+        quantize_dynamic(str(tmp / "m.onnx"), str(tmp / "m.int8.onnx"), weight_type=QuantType.QInt8)
+        so = ort.SessionOptions()
+        so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
+        sess = ort.InferenceSession(str(tmp / "m.int8.onnx"), so, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        return peer_failure(e)
+    tensors = [v.numpy() for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    feed = {i.name: v for i, v in zip(sess.get_inputs(), tensors)}
+    return lambda **_kw: sess.run(None, feed)
+
+
+def main_int8(models: list[str] | None, threads: list[int], zoo: bool, rounds: int = 3) -> None:
+    """int8 beside float32: kwexport's programs from ``kwexport.quantize`` (pt2e's x86 flow,
+    static and dynamic, at ``fast``), ONNX Runtime's ``quantize_dynamic``, and the float32
+    model at ``fast``; each int8 row's largest difference from float32 eager relative to the
+    output's scale."""
+    print(f"kwexport kernels: {kwexport.kernel_info()['isa']}; torch {torch.__version__}")
+    cols = ["eager f32", "`fast` f32", "int8 static `fast`", "int8 dynamic `fast`", "ORT f32", "ORT int8"]
+    print(f"| model | threads | {' | '.join(cols)} | errors: static, dynamic, ORT int8 |")
+    print("| --- | ---: |" + " ---: |" * (len(cols) + 1))
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, _which, model, kwargs, path in saved(models, Path(tmp), zoo):
+            if model is None:
+                print(f"| {name} | – | kwexport can't export it: {kwargs} |")
+                continue
+            runners, cells, errors = {"eager f32": model}, {}, {}
+            with torch.no_grad():
+                want = first(model(**kwargs))
+            runners["`fast` f32"] = kwexport.load(path, optimize="fast")
+            for label, dynamic in [("int8 static `fast`", False), ("int8 dynamic `fast`", True)]:
+                try:
+                    q = path.parent / f"{dynamic}.kwx"
+                    kwexport.save(kwexport.quantize(model, (), kwargs, dynamic=dynamic), q)
+                    runners[label] = kwexport.load(q, optimize="fast")
+                except Exception as e:
+                    cells[label] = peer_failure(e)
+            for n in threads:
+                torch.set_num_threads(n)
+                live = dict(runners)
+                for label, make in [("ORT f32", ort_session), ("ORT int8", ort_int8_session)]:
+                    run = make(model, kwargs, path.parent, threads=n)
+                    if callable(run):
+                        live[label] = run
+                    else:
+                        cells[label] = run or "not installed"
+                with torch.no_grad():
+                    for label in ["int8 static `fast`", "int8 dynamic `fast`", "ORT int8"]:
+                        if label in live:
+                            got = first(live[label](**kwargs))
+                            errors[label] = f"{((got - want).abs().max() / want.abs().max()).item():.1e}"
+                    best: dict[str, float] = {}
+                    for _ in range(rounds):
+                        for label, f in live.items():
+                            best[label] = min(best.get(label, float("inf")), best_time(f, kwargs))
+                row = " | ".join(f"{best[c] * 1e3:.2f} ms" if c in best else cells.get(c, "–") for c in cols)
+                errs = ", ".join(errors.get(c, "–") for c in ["int8 static `fast`", "int8 dynamic `fast`", "ORT int8"])
+                print(f"| {name} | {n} | {row} | {errs} |", flush=True)
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -391,6 +463,7 @@ if __name__ == "__main__":
     )
     parser.add_argument("--models", help="comma-separated: only the models whose names contain one of these")
     parser.add_argument("--bf16", action="store_true", help="precision='bf16' beside OpenVINO's bf16 instead")
+    parser.add_argument("--int8", action="store_true", help="kwexport.quantize's int8 beside ONNX Runtime's instead")
     parser.add_argument("--threads", default="1", help="comma-separated intra-op thread counts, e.g. 1,2")
     parser.add_argument("--zoo", action="store_true", help="the holdout models too, beside the tuned set")
     parser.add_argument("--isa", help="avx512, avx2 or portable: kwexport's kernels of that family (read at start)")
@@ -398,6 +471,8 @@ if __name__ == "__main__":
     models = args.models.split(",") if args.models else None
     if args.bf16:
         main_bf16(models)
+    elif args.int8:
+        main_int8(models, [int(t) for t in args.threads.split(",")], args.zoo)
     else:
         peers = [p for p in args.peers.split(",") if p not in ("", "none")]
         main(peers, models, [int(t) for t in args.threads.split(",")], args.zoo)
