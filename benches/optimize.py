@@ -424,10 +424,10 @@ def main_int8(models: list[str] | None, threads: list[int], zoo: bool, rounds: i
             with torch.no_grad():
                 want = first(model(**kwargs))
             runners["`fast` f32"] = kwexport.load(path, optimize="fast")
-            for label, dynamic in [("int8 static `fast`", False), ("int8 dynamic `fast`", True)]:
+            for label, activations in [("int8 static `fast`", "static"), ("int8 dynamic `fast`", "dynamic")]:
                 try:
-                    q = path.parent / f"{dynamic}.kwx"
-                    kwexport.save(kwexport.quantize(model, (), kwargs, dynamic=dynamic), q)
+                    q = path.parent / f"{activations}.kwx"
+                    kwexport.save(kwexport.quantize(model, (), kwargs, activations=activations), q)
                     runners[label] = kwexport.load(q, optimize="fast")
                 except Exception as e:
                     cells[label] = peer_failure(e)

@@ -118,13 +118,13 @@ class Keywords(nn.Module):
         return y if mask is None else y * mask
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_quantize_makes_an_int8_program_that_keeps_the_signature(tmp_path, dynamic):
+@pytest.mark.parametrize("activations", ["static", "dynamic"])
+def test_quantize_makes_an_int8_program_that_keeps_the_signature(tmp_path, activations):
     torch.manual_seed(0)
     model = Keywords().eval()
     x = torch.randn(4, 32)
     calibration = [((torch.randn(4, 32),), {}) for _ in range(3)]
-    ex = kwexport.quantize(model, (x,), calibration=calibration, dynamic=dynamic)
+    ex = kwexport.quantize(model, (x,), calibration=calibration, activations=activations)
     path = tmp_path / "int8.kwx"
     kwexport.save(ex, path)
     prog = kwexport.load(path)
@@ -146,3 +146,20 @@ def test_quantize_refuses_a_calibration_call_of_another_structure():
     with pytest.raises(kwexport.SignatureError, match="calibration call"):
         calibration = [((torch.randn(2, 32),), {"mask": torch.ones(2, 8)})]
         kwexport.quantize(Keywords().eval(), (torch.randn(2, 32),), calibration=calibration)
+
+
+def test_quantize_keeps_dynamic_shapes(tmp_path):
+    torch.manual_seed(0)
+    model = Keywords().eval()
+    ex = kwexport.quantize(model, (torch.randn(4, 32),), activations="dynamic", dynamic=True)
+    path = tmp_path / "int8.kwx"
+    kwexport.save(ex, path)
+    prog, graph = kwexport.load(path), ex.exported_program.module()
+    for batch in [1, 7]:
+        x = torch.randn(batch, 32)
+        assert torch.equal(prog(x), graph(x, 1.0, None))
+
+
+def test_quantize_names_the_activation_modes():
+    with pytest.raises(ValueError, match="activations must be 'static' or 'dynamic', not 'int4'"):
+        kwexport.quantize(Keywords().eval(), (torch.randn(2, 32),), activations="int4")

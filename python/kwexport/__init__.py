@@ -139,6 +139,8 @@ def quantize(
     kwargs: dict[str, Any] | None = None,
     *,
     calibration: list[tuple[tuple[Any, ...], dict[str, Any]]] | None = None,
+    activations: str = "static",
+    dynamic_shapes: Any = None,
     dynamic: bool = False,
 ) -> Exported:
     """Trace ``f`` as :func:`export` does, then quantize it to int8 with torch's pt2e flow
@@ -146,14 +148,23 @@ def quantize(
     signature; ``kwexport.save`` writes it like any program, and ``kwexport.load`` runs it
     without torchao.
 
-    Static quantization (the default) takes the activations' scales from calling the
+    ``activations="static"`` (the default) takes the activations' scales from calling the
     prepared program on ``(args, kwargs)`` and on each ``(args, kwargs)`` of ``calibration``
-    (give inputs like the ones it will serve); ``dynamic=True`` computes them from each
-    call's values instead (transformers' linears). Needs torchao (``kwexport[quantize]``).
+    (give inputs like the ones it will serve); ``"dynamic"`` computes them from each call's
+    values instead (transformers' linears). ``dynamic_shapes`` and ``dynamic`` are
+    :func:`export`'s, for the inputs' shapes. Needs torchao (``kwexport[quantize]``).
     """
     from kwexport._quantize import quantize as _quantize
 
-    return _quantize(f, args, kwargs, calibration=calibration, dynamic=dynamic)
+    return _quantize(
+        f,
+        args,
+        kwargs,
+        calibration=calibration,
+        activations=activations,
+        dynamic_shapes=dynamic_shapes,
+        dynamic=dynamic,
+    )
 
 
 def save(

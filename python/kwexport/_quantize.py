@@ -20,8 +20,12 @@ def quantize(
     kwargs: dict[str, Any] | None = None,
     *,
     calibration: list[tuple[tuple[Any, ...], dict[str, Any]]] | None = None,
+    activations: str = "static",
+    dynamic_shapes: Any = None,
     dynamic: bool = False,
 ) -> Exported:
+    if activations not in ("static", "dynamic"):
+        raise ValueError(f"activations must be 'static' or 'dynamic', not {activations!r}")
     try:
         from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
         from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
@@ -29,10 +33,10 @@ def quantize(
         raise ImportError(
             "kwexport.quantize runs torch's pt2e flow, which lives in torchao: pip install 'kwexport[quantize]'"
         ) from e
-    traced = trace(f, args, kwargs)
+    traced = trace(f, args, kwargs, dynamic_shapes=dynamic_shapes, dynamic=dynamic)
     calls = [traced.leaves] + [traced.leaves_of(a, k) for a, k in (calibration or [])]
     quantizer = xiq.X86InductorQuantizer()
-    quantizer.set_global(xiq.get_default_x86_inductor_quantization_config(is_dynamic=dynamic))
+    quantizer.set_global(xiq.get_default_x86_inductor_quantization_config(is_dynamic=activations == "dynamic"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torchao's deprecation notes about torch internals
         prepared = prepare_pt2e(traced.exported_program.module(), quantizer)

@@ -61,9 +61,10 @@ class Traced:
         self.flat_shapes, self.tensor_defaults = flat_shapes, tensor_defaults
 
     def dynamic_shapes(self):
-        """The leaves' dynamic shapes as ``torch.export.export`` takes them, or ``None``."""
+        """The leaves' dynamic shapes for ``torch.export.export`` of a module that takes the
+        leaves as its positional arguments (such as ``exported_program.module()``), or ``None``."""
         shapes = self.flat_shapes
-        return {"flat": tuple(shapes)} if any(s is not None for s in shapes) else None
+        return tuple(shapes) if any(s is not None for s in shapes) else None
 
     def leaves_of(self, args, kwargs=None) -> list:
         """Another call's leaves, bound and flattened as the traced one's were; a
