@@ -208,7 +208,8 @@ fn write_out(e: &mut Emit<'_>, op: &str, node: &Node, rank: &dyn Fn(&Arg) -> Opt
         (
             "quantize_per_tensor.default",
             [x, Arg::Float(Float(scale)), zp @ Arg::Int(_), lo, hi, dt @ Arg::Dtype(_)],
-        ) if node.kwargs.is_empty() => {
+            // A zero or non-finite scale stays torch's op, which refuses it (`1.0 / scale` raises).
+        ) if node.kwargs.is_empty() && scale.is_finite() && *scale != 0.0 => {
             quantize(e, [x.clone(), float(1.0 / scale), zp.clone(), lo.clone(), hi.clone(), dt.clone()], outputs);
         }
         ("quantize_per_tensor.tensor", [x, scale @ Arg::Ref(_), zp @ Arg::Ref(_), lo, hi, dt @ Arg::Dtype(_)])
@@ -255,7 +256,8 @@ fn write_out(e: &mut Emit<'_>, op: &str, node: &Node, rank: &dyn Fn(&Arg) -> Opt
         {
             let Outputs::Many(outs) = &outputs else { return None };
             let [scale_out, zp_out] = outs.as_slice() else { return None };
-            choose_qparams(e, x.clone(), [*qmin, *qmax], *eps, [scale_out.clone(), zp_out.clone()]);
+            let steps = qmax.checked_sub(*qmin)? as f64;
+            choose_qparams(e, x.clone(), [*qmin, *qmax], steps, *eps, [scale_out.clone(), zp_out.clone()]);
         }
         _ => return None,
     }
@@ -267,7 +269,7 @@ fn write_out(e: &mut Emit<'_>, op: &str, node: &Node, rank: &dyn Fn(&Arg) -> Opt
 /// `zp = clamp(qmin - round(min(lo, 0) / scale).to(int32), qmin, qmax)` as int64, each of
 /// shape `[1]`. (torch returns `[1.0]` and `[0]` where `x` has an infinity or no element,
 /// and raises for a NaN minimum or maximum: those inputs get what this arithmetic gives.)
-fn choose_qparams(e: &mut Emit<'_>, x: Arg, [qmin, qmax]: [i64; 2], eps: f64, outs: [Option<String>; 2]) {
+fn choose_qparams(e: &mut Emit<'_>, x: Arg, [qmin, qmax]: [i64; 2], steps: f64, eps: f64, outs: [Option<String>; 2]) {
     let lo = e.call("aten::amin.default", vec![x.clone()], &[]);
     let hi = e.call("aten::amax.default", vec![x], &[]);
     let zero_lo = e.call("aten::zeros_like.default", vec![lo.clone()], &[]);
@@ -275,7 +277,7 @@ fn choose_qparams(e: &mut Emit<'_>, x: Arg, [qmin, qmax]: [i64; 2], eps: f64, ou
     let lo = e.call("aten::minimum.default", vec![lo, zero_lo], &[]);
     let hi = e.call("aten::maximum.default", vec![hi, zero_hi], &[]);
     let range = e.call("aten::sub.Tensor", vec![hi, lo.clone()], &[]);
-    let scale = e.call("aten::div.Tensor", vec![range, float((qmax - qmin) as f64)], &[]);
+    let scale = e.call("aten::div.Tensor", vec![range, float(steps)], &[]);
     let eps =
         e.call("aten::full.default", vec![Arg::List(vec![Arg::Int(1)]), float(eps)], &[("dtype", dtype("float32"))]);
     let scale = e.call("aten::maximum.default", vec![scale, eps], &[]);
@@ -363,6 +365,20 @@ mod tests {
         let view = &m.graph.nodes[3].args[1];
         assert_eq!(view, &Arg::List(vec![Arg::Int(-1), Arg::Int(1), Arg::Int(1), Arg::Int(1)]));
         assert_eq!(apply(&mut m, &w), 0, "nothing left to write out");
+    }
+
+    #[test]
+    fn a_quantize_torch_would_refuse_stays_torchs() {
+        let mut m = method(true);
+        m.ops[0].name = "quantized_decomposed::quantize_per_tensor.default".into();
+        m.graph.nodes.truncate(1);
+        m.graph.outputs.truncate(1);
+        for scale in [0.0, f64::INFINITY] {
+            let mut m = m.clone();
+            m.graph.nodes[0].args[1] = Arg::Float(Float(scale));
+            assert_eq!(apply(&mut m, &weights()), 0, "scale {scale}");
+        }
+        assert_eq!(apply(&mut m, &weights()), 1);
     }
 
     #[test]
