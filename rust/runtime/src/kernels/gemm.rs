@@ -1,7 +1,8 @@
-//! kwexport's float32 GEMM: linears, 1×1 convolutions (rows are pixels) and, reading each
-//! row's taps through a table of pointers, every other convolution (`indirect_f32`). The
-//! driver (threads, column blocks) is plain Rust; the register tiles are generic over
-//! [`Simd`] and instantiated per instruction set by `super::isa`, whose table the driver
+//! kwexport's GEMM: linears, 1×1 convolutions (rows are pixels) and, reading each row's taps
+//! through a table of pointers, every other convolution (`indirect_f32`). The driver
+//! (threads, column blocks, register tiles) is written once, generic over the element type
+//! ([`Dot`]: float32 values, or the int8 GEMM's pairs of int16, `super::int8`) and over
+//! [`Simd`], and instantiated per instruction set by `super::isa`, whose table the driver
 //! calls per block.
 
 use super::activation::{apply, epilogue_slice, Epilogue};
@@ -71,7 +72,7 @@ pub fn gemm_f32(
     let fits = x.len() >= m * k && panels.len() >= panels_len(k, n) && results_fit(m, n, bias, residual, out.len());
     let t = super::table_if(fits)?;
     let (bias, residual) = addends((bias, residual));
-    let shape = Shape { taps: 1, cin: k, n, bias, residual, epilogue };
+    let shape = Shape { taps: 1, cin: k, n, bias, scale: std::ptr::null(), residual, epilogue };
     // SAFETY: the table's functions run on this CPU; every slice holds what the shapes say
     // (checked).
     unsafe { columns(t.gemm_block, Source::Dense(Dense { x: x.as_ptr(), k }), m, &shape, panels, out) };
@@ -84,9 +85,17 @@ pub fn gemm_f32(
 /// # Safety
 /// `block` runs on this CPU; `x`, `panels` and `out` hold `m * k`, [`panels_len`] and `m * n`
 /// elements.
-pub(super) unsafe fn product(block: Block, x: &[f32], m: usize, k: usize, panels: &[f32], n: usize, out: &mut [f32]) {
-    let shape =
-        Shape { taps: 1, cin: k, n, bias: std::ptr::null(), residual: std::ptr::null(), epilogue: Epilogue::None };
+pub(super) unsafe fn product(
+    block: Block<f32>,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    panels: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    let null = std::ptr::null();
+    let shape = Shape { taps: 1, cin: k, n, bias: null, scale: null, residual: null, epilogue: Epilogue::None };
     // SAFETY: as the caller guarantees.
     unsafe { columns(block, Source::Dense(Dense { x: x.as_ptr(), k }), m, &shape, panels, out) }
 }
@@ -153,7 +162,7 @@ pub fn indirect_f32(
         None => zeros.as_ptr(),
     });
     let (bias, residual) = addends((bias, residual));
-    let shape = Shape { taps, cin, n, bias, residual, epilogue };
+    let shape = Shape { taps, cin, n, bias, scale: std::ptr::null(), residual, epilogue };
     // SAFETY: the table's functions run on this CPU; every pointer of the table starts `cin`
     // readable floats (of `x`, or of `zeros`, alive until the end of this function), and the
     // other slices hold what the shapes say (checked).
@@ -179,41 +188,156 @@ pub fn pack_conv_panels(w: &[f32], shape: [usize; 4], strides: [usize; 4], panel
     }
 }
 
-/// Where a GEMM tile reads each row's values: `taps` runs of `cin` floats per row, which
-/// the weight's panel rows follow in order.
-pub(super) trait Rows: Copy {
-    /// The first of row `r`'s values for tap `t`.
+/// What a GEMM multiplies and how its tiles sum it: one implementation per element type,
+/// over any instruction set's vectors, so that the driver below is written once.
+///
+/// # Safety
+/// The methods may use `S`'s instructions (see [`Simd`]); the pointer one reads `S::LANES`
+/// elements.
+pub(super) unsafe trait Dot: Copy + 'static {
+    /// An element of a row or of a panel row: a value, or a pair.
+    type X: Copy + 'static;
+    /// `S::LANES` sums, a vector of panel elements, or one row element in every lane.
+    type Acc<S: Simd>: Copy;
+    /// The sums a tile starts from, given its columns' bias (if any).
+    unsafe fn start<S: Simd>(bias: Option<S::V>) -> Self::Acc<S>;
+    /// `S::LANES` elements of a panel row.
+    unsafe fn load<S: Simd>(p: *const Self::X) -> Self::Acc<S>;
+    /// One element of a row, in every lane.
+    unsafe fn splat<S: Simd>(x: Self::X) -> Self::Acc<S>;
+    /// `acc + a * w`, per lane.
+    unsafe fn madd<S: Simd>(acc: Self::Acc<S>, a: Self::Acc<S>, w: Self::Acc<S>) -> Self::Acc<S>;
+    /// The sums as float32 results, given the columns' scales and bias (if any).
+    unsafe fn finish<S: Simd>(acc: Self::Acc<S>, scale: Option<S::V>, bias: Option<S::V>) -> S::V;
+}
+
+/// Float32 values, fused-multiply-added from the bias on (the float32 GEMM).
+#[derive(Clone, Copy)]
+pub(super) struct F32;
+
+// SAFETY: each method is `S`'s operation of the same name.
+unsafe impl Dot for F32 {
+    type X = f32;
+    type Acc<S: Simd> = S::V;
+    #[inline(always)]
+    unsafe fn start<S: Simd>(bias: Option<S::V>) -> S::V {
+        // SAFETY: the trait's contract.
+        bias.unwrap_or_else(|| unsafe { S::zero() })
+    }
+    #[inline(always)]
+    unsafe fn load<S: Simd>(p: *const f32) -> S::V {
+        // SAFETY: the trait's contract.
+        unsafe { S::load(p) }
+    }
+    #[inline(always)]
+    unsafe fn splat<S: Simd>(x: f32) -> S::V {
+        // SAFETY: the trait's contract.
+        unsafe { S::splat(x) }
+    }
+    #[inline(always)]
+    unsafe fn madd<S: Simd>(acc: S::V, a: S::V, w: S::V) -> S::V {
+        // SAFETY: the trait's contract.
+        unsafe { S::fma(a, w, acc) }
+    }
+    #[inline(always)]
+    unsafe fn finish<S: Simd>(acc: S::V, _: Option<S::V>, _: Option<S::V>) -> S::V {
+        acc
+    }
+}
+
+/// Pairs of int16 (two int8 values with their zero points taken out), summed exactly in
+/// int32, then scaled per column and biased in float32 (the int8 GEMM, `super::int8`).
+#[derive(Clone, Copy)]
+pub(super) struct Pairs;
+
+// SAFETY: each method is `S`'s integer operations on pairs, then float32 arithmetic.
+unsafe impl Dot for Pairs {
+    type X = u32;
+    type Acc<S: Simd> = S::I;
+    #[inline(always)]
+    unsafe fn start<S: Simd>(_: Option<S::V>) -> S::I {
+        // SAFETY: the trait's contract.
+        unsafe { S::izero() }
+    }
+    #[inline(always)]
+    unsafe fn load<S: Simd>(p: *const u32) -> S::I {
+        // SAFETY: the trait's contract.
+        unsafe { S::load_pairs(p) }
+    }
+    #[inline(always)]
+    unsafe fn splat<S: Simd>(x: u32) -> S::I {
+        // SAFETY: the trait's contract.
+        unsafe { S::splat_pair(x) }
+    }
+    #[inline(always)]
+    unsafe fn madd<S: Simd>(acc: S::I, a: S::I, w: S::I) -> S::I {
+        // SAFETY: the trait's contract.
+        unsafe { S::dot_pairs(acc, a, w) }
+    }
+    #[inline(always)]
+    unsafe fn finish<S: Simd>(acc: S::I, scale: Option<S::V>, bias: Option<S::V>) -> S::V {
+        // SAFETY (all below): the trait's contract.
+        unsafe {
+            let sums = S::to_float(acc);
+            let scaled = match scale {
+                Some(s) => S::mul(sums, s),
+                None => sums,
+            };
+            match bias {
+                Some(b) => S::add(scaled, b),
+                None => scaled,
+            }
+        }
+    }
+}
+
+/// Where a GEMM tile reads each row's elements: `taps` runs of `cin` per row, which the
+/// weight's panel rows follow in order.
+pub(super) trait Rows<X>: Copy {
+    /// The first of row `r`'s elements for tap `t`.
     ///
     /// # Safety
     /// Row `r` and tap `t` must exist.
-    unsafe fn at(self, r: usize, t: usize) -> *const f32;
+    unsafe fn at(self, r: usize, t: usize) -> *const X;
 }
 
-/// The rows of a dense `[m, k]` matrix: one tap of `k` values each.
-#[derive(Clone, Copy)]
-pub(super) struct Dense {
-    x: *const f32,
-    k: usize,
+/// The rows of a dense `[m, k]` matrix: one tap of `k` elements each.
+pub(super) struct Dense<X> {
+    pub(super) x: *const X,
+    pub(super) k: usize,
 }
 
-impl Rows for Dense {
+impl<X> Clone for Dense<X> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<X> Copy for Dense<X> {}
+
+impl<X> Rows<X> for Dense<X> {
     #[inline(always)]
-    unsafe fn at(self, r: usize, _: usize) -> *const f32 {
+    unsafe fn at(self, r: usize, _: usize) -> *const X {
         // SAFETY: row `r` exists (the caller's).
         unsafe { self.x.add(r * self.k) }
     }
 }
 
 /// Rows read through a table of pointers, `taps` per row ([`indirect_f32`]).
-#[derive(Clone, Copy)]
-pub(super) struct Table {
-    table: *const *const f32,
-    taps: usize,
+pub(super) struct Table<X> {
+    pub(super) table: *const *const X,
+    pub(super) taps: usize,
 }
 
-impl Rows for Table {
+impl<X> Clone for Table<X> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<X> Copy for Table<X> {}
+
+impl<X> Rows<X> for Table<X> {
     #[inline(always)]
-    unsafe fn at(self, r: usize, t: usize) -> *const f32 {
+    unsafe fn at(self, r: usize, t: usize) -> *const X {
         // SAFETY: entry `(r, t)` exists (the caller's).
         unsafe { *self.table.add(r * self.taps + t) }
     }
@@ -221,23 +345,31 @@ impl Rows for Table {
 
 /// A GEMM's rows, dense or through a table (one type for the kernel table's entry; each
 /// block's tiles are instantiated for the one it is).
-#[derive(Clone, Copy)]
-pub(super) enum Source {
-    Dense(Dense),
-    Table(Table),
+pub(super) enum Source<X> {
+    Dense(Dense<X>),
+    Table(Table<X>),
 }
 
-/// A GEMM's shape besides its rows: taps and values per tap of each row, the output's
-/// width, the bias (or null) and the epilogue.
+impl<X> Clone for Source<X> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<X> Copy for Source<X> {}
+
+/// A GEMM's shape besides its rows: taps and elements per tap of each row, the output's
+/// width, the bias and the per-column scales (or null) and the epilogue.
 #[derive(Clone, Copy)]
 pub(super) struct Shape {
-    taps: usize,
-    cin: usize,
-    n: usize,
-    bias: *const f32,
+    pub(super) taps: usize,
+    pub(super) cin: usize,
+    pub(super) n: usize,
+    pub(super) bias: *const f32,
+    /// `n` values the sums are multiplied by before the bias (the int8 GEMM's), or null.
+    pub(super) scale: *const f32,
     /// `m * n` values added to the results before the epilogue, or null.
-    residual: *const f32,
-    epilogue: Epilogue,
+    pub(super) residual: *const f32,
+    pub(super) epilogue: Epilogue,
 }
 
 /// A bias and a residual as the tiles read them (null where absent).
@@ -249,20 +381,20 @@ fn addends((bias, residual): (Option<&[f32]>, Option<&[f32]>)) -> (*const f32, *
 /// The output's first element, shared by the threads of one GEMM: each writes the rows
 /// and columns of its own blocks only.
 #[derive(Clone, Copy)]
-pub(super) struct Out(*mut f32);
+pub(super) struct Out(pub(super) *mut f32);
 
 // SAFETY: the threads of one call write disjoint elements through it (`columns`), and the
 // call returns only once every thread has finished.
 unsafe impl Sync for Out {}
 // SAFETY: the tables and shapes point at memory the caller keeps alive and unwritten for
 // the whole call; the threads only read through them.
-unsafe impl Sync for Source {}
+unsafe impl<X> Sync for Source<X> {}
 // SAFETY: as for `Source`.
 unsafe impl Sync for Shape {}
 
 /// One block of a GEMM, as the kernel table holds it: rows `range` of `source` times the
 /// column block from `j` (of `k`-deep panels), into the output.
-pub(super) type Block = unsafe fn(Source, std::ops::Range<usize>, &Shape, &[f32], Out, usize, usize);
+pub(super) type Block<X> = unsafe fn(Source<X>, std::ops::Range<usize>, &Shape, &[X], Out, usize, usize);
 
 /// The rows per chunk, a multiple of every tile's height, where a GEMM splits its rows.
 const ROW_CHUNK: usize = 24;
@@ -274,7 +406,14 @@ const ROW_CHUNK: usize = 24;
 ///
 /// # Safety
 /// `block` runs on this CPU; the rows, panels and output hold what the shape says.
-unsafe fn columns(block: Block, source: Source, m: usize, s: &Shape, panels: &[f32], out: &mut [f32]) {
+pub(super) unsafe fn columns<X: Sync>(
+    block: Block<X>,
+    source: Source<X>,
+    m: usize,
+    s: &Shape,
+    panels: &[X],
+    out: &mut [f32],
+) {
     let (k, op) = (s.taps * s.cin, Out(out.as_mut_ptr()));
     let blocks = s.n.div_ceil(PANEL);
     let threads = super::parallel::share(2 * m * k * s.n, blocks * m.div_ceil(ROW_CHUNK), super::parallel::threads());
@@ -297,11 +436,11 @@ unsafe fn columns(block: Block, source: Source, m: usize, s: &Shape, panels: &[f
 /// # Safety
 /// `S`'s features must be enabled; the rows, the block's columns and its panel exist.
 #[inline(always)]
-pub(super) unsafe fn block<S: Simd>(
-    source: Source,
+pub(super) unsafe fn block<S: Simd, D: Dot>(
+    source: Source<D::X>,
     range: std::ops::Range<usize>,
     s: &Shape,
-    panels: &[f32],
+    panels: &[D::X],
     op: Out,
     j: usize,
     k: usize,
@@ -311,8 +450,8 @@ pub(super) unsafe fn block<S: Simd>(
     // SAFETY (all below): as the caller guarantees.
     unsafe {
         match source {
-            Source::Dense(d) => columns_block::<S, _>(d, range.clone(), &tiles, panels, op.0, j, k),
-            Source::Table(t) => columns_block::<S, _>(t, range.clone(), &tiles, panels, op.0, j, k),
+            Source::Dense(d) => columns_block::<S, D, _>(d, range.clone(), &tiles, panels, op.0, j, k),
+            Source::Table(t) => columns_block::<S, D, _>(t, range.clone(), &tiles, panels, op.0, j, k),
         }
         if gelu {
             let width = (s.n - j).min(PANEL);
@@ -327,11 +466,11 @@ pub(super) unsafe fn block<S: Simd>(
 /// Rows `range` times the column block from `j` (of `k`-deep panels), in column tiles as
 /// wide as the instruction set's registers hold: the whole 64 on AVX-512, 16 on AVX2.
 #[inline(always)]
-unsafe fn columns_block<S: Simd, R: Rows>(
+unsafe fn columns_block<S: Simd, D: Dot, R: Rows<D::X>>(
     rows_of: R,
     range: std::ops::Range<usize>,
     s: &Shape,
-    panels: &[f32],
+    panels: &[D::X],
     op: *mut f32,
     j: usize,
     k: usize,
@@ -357,12 +496,12 @@ unsafe fn columns_block<S: Simd, R: Rows>(
             let wp = panels.as_ptr().add(j / PANEL * k * PANEL + sub);
             let jj = j + sub;
             match (wide, vectors) {
-                (true, 4) => rows::<S, R, 6, 4>(rows_of, range.clone(), wp, op, s, jj),
-                (true, 3) => rows::<S, R, 8, 3>(rows_of, range.clone(), wp, op, s, jj),
-                (false, 3 | 4) => rows::<S, R, 2, 4>(rows_of, range.clone(), wp, op, s, jj),
-                (_, 2) if wide => rows::<S, R, 12, 2>(rows_of, range.clone(), wp, op, s, jj),
-                (_, 2) => rows::<S, R, 6, 2>(rows_of, range.clone(), wp, op, s, jj),
-                _ => rows::<S, R, 12, 1>(rows_of, range.clone(), wp, op, s, jj),
+                (true, 4) => rows::<S, D, R, 6, 4>(rows_of, range.clone(), wp, op, s, jj),
+                (true, 3) => rows::<S, D, R, 8, 3>(rows_of, range.clone(), wp, op, s, jj),
+                (false, 3 | 4) => rows::<S, D, R, 2, 4>(rows_of, range.clone(), wp, op, s, jj),
+                (_, 2) if wide => rows::<S, D, R, 12, 2>(rows_of, range.clone(), wp, op, s, jj),
+                (_, 2) => rows::<S, D, R, 6, 2>(rows_of, range.clone(), wp, op, s, jj),
+                _ => rows::<S, D, R, 12, 1>(rows_of, range.clone(), wp, op, s, jj),
             }
         }
         sub += step;
@@ -372,10 +511,10 @@ unsafe fn columns_block<S: Simd, R: Rows>(
 /// Rows `range` times `V` vectors of the panel at `wp` (columns from `j`): tiles of `T`
 /// rows, then the remainder in tiles of 4 (where `T` is taller), 2 and 1.
 #[inline(always)]
-unsafe fn rows<S: Simd, R: Rows, const T: usize, const V: usize>(
+unsafe fn rows<S: Simd, D: Dot, R: Rows<D::X>, const T: usize, const V: usize>(
     rows_of: R,
     range: std::ops::Range<usize>,
-    wp: *const f32,
+    wp: *const D::X,
     op: *mut f32,
     s: &Shape,
     j: usize,
@@ -384,20 +523,20 @@ unsafe fn rows<S: Simd, R: Rows, const T: usize, const V: usize>(
     // SAFETY (all below): rows [i, i + tile) and their outputs exist (see the callers).
     unsafe {
         while i + T <= m {
-            tile::<S, R, T, V>(rows_of, i, wp, op.add(i * s.n), s, j);
+            tile::<S, D, R, T, V>(rows_of, i, wp, op.add(i * s.n), s, j);
             i += T;
         }
         // Tiles of 4 only where the main tile is taller (a shorter one would spill).
         while T > 4 && i + 4 <= m {
-            tile::<S, R, 4, V>(rows_of, i, wp, op.add(i * s.n), s, j);
+            tile::<S, D, R, 4, V>(rows_of, i, wp, op.add(i * s.n), s, j);
             i += 4;
         }
         if i + 2 <= m {
-            tile::<S, R, 2, V>(rows_of, i, wp, op.add(i * s.n), s, j);
+            tile::<S, D, R, 2, V>(rows_of, i, wp, op.add(i * s.n), s, j);
             i += 2;
         }
         if i < m {
-            tile::<S, R, 1, V>(rows_of, i, wp, op.add(i * s.n), s, j);
+            tile::<S, D, R, 1, V>(rows_of, i, wp, op.add(i * s.n), s, j);
         }
     }
 }
@@ -407,41 +546,40 @@ unsafe fn rows<S: Simd, R: Rows, const T: usize, const V: usize>(
 /// accumulators held in registers across all the rows' taps and values, each weight
 /// vector loaded once per value.
 #[inline(always)]
-unsafe fn tile<S: Simd, R: Rows, const T: usize, const V: usize>(
+unsafe fn tile<S: Simd, D: Dot, R: Rows<D::X>, const T: usize, const V: usize>(
     rows_of: R,
     i: usize,
-    panel: *const f32,
+    panel: *const D::X,
     out: *mut f32,
     s: &Shape,
     j: usize,
 ) {
-    // SAFETY (all below): T rows with `taps` runs of `cin` values; the panel holds `taps *
-    // cin` rows of 64; masked lanes past `n` are neither read nor written.
+    // SAFETY (all below): T rows with `taps` runs of `cin` elements; the panel holds `taps *
+    // cin` rows of 64; the bias and scales (where given) hold `n` values; masked lanes past
+    // `n` are neither read nor written.
     unsafe {
         let masks: [S::M; V] = std::array::from_fn(|v| S::first(s.n.saturating_sub(j + v * S::LANES)));
-        let mut acc = [[S::zero(); V]; T];
-        if !s.bias.is_null() {
-            for v in 0..V {
-                let b = S::load_masked(masks[v], s.bias.add(j + v * S::LANES));
-                acc.iter_mut().for_each(|row| row[v] = b);
-            }
-        }
+        let per_column = |p: *const f32| -> [Option<S::V>; V] {
+            std::array::from_fn(|v| (!p.is_null()).then(|| S::load_masked(masks[v], p.add(j + v * S::LANES))))
+        };
+        let (bias, scale) = (per_column(s.bias), per_column(s.scale));
+        let mut acc: [[D::Acc<S>; V]; T] = [std::array::from_fn(|v| D::start::<S>(bias[v])); T];
         for t in 0..s.taps {
-            let rows: [*const f32; T] = std::array::from_fn(|r| rows_of.at(i + r, t));
+            let rows: [*const D::X; T] = std::array::from_fn(|r| rows_of.at(i + r, t));
             let wt = panel.add(t * s.cin * PANEL);
             for c in 0..s.cin {
-                let w: [S::V; V] = std::array::from_fn(|v| S::load(wt.add(c * PANEL + v * S::LANES)));
+                let w: [D::Acc<S>; V] = std::array::from_fn(|v| D::load::<S>(wt.add(c * PANEL + v * S::LANES)));
                 for (r, row) in acc.iter_mut().enumerate() {
-                    let a = S::splat(*rows[r].add(c));
+                    let a = D::splat::<S>(*rows[r].add(c));
                     for v in 0..V {
-                        row[v] = S::fma(a, w[v], row[v]);
+                        row[v] = D::madd::<S>(row[v], a, w[v]);
                     }
                 }
             }
         }
         for (r, row) in acc.iter().enumerate() {
             for v in 0..V {
-                let mut y = row[v];
+                let mut y = D::finish::<S>(row[v], scale[v], bias[v]);
                 if !s.residual.is_null() {
                     let at = s.residual.add((i + r) * s.n + j + v * S::LANES);
                     y = S::add(y, S::load_masked(masks[v], at));

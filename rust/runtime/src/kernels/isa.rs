@@ -12,7 +12,7 @@ use super::{attention, conv, gemm, pool, simd, winograd};
 /// An instruction-set family of kwexport's kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
-    /// AVX-512F: 16 lanes, 32 registers.
+    /// AVX-512F and AVX-512BW (every AVX-512 server CPU has both): 16 lanes, 32 registers.
     Avx512,
     /// AVX2 and FMA: 8 lanes, 16 registers.
     Avx2,
@@ -39,7 +39,7 @@ impl Isa {
         {
             use std::arch::is_x86_feature_detected as has;
             match self {
-                Isa::Avx512 => has!("avx512f"),
+                Isa::Avx512 => has!("avx512f") && has!("avx512bw"),
                 Isa::Avx2 => has!("avx2") && has!("fma"),
                 Isa::Portable => true,
             }
@@ -99,7 +99,11 @@ pub struct Table {
     pub attention_max_keys: usize,
     pub(super) epilogue: unsafe fn(Epilogue, &mut [f32]),
     pub(super) gelu: unsafe fn(&[f32], bool, &mut [f32]),
-    pub(super) gemm_block: gemm::Block,
+    pub(super) gemm_block: gemm::Block<f32>,
+    /// The int8 GEMM's block (`super::int8`): the same driver on pairs of int16.
+    pub(super) gemm_pairs: gemm::Block<u32>,
+    /// The int8 GEMM's input quantizer (`super::int8::quantize`).
+    pub(super) quantize: unsafe fn(&[f32], usize, &super::int8::Levels, usize, &mut [i16]),
     pub(super) depthwise: conv::Rows<conv::Depthwise>,
     pub(super) direct: conv::Rows<conv::Conv2d>,
     pub(super) attention: unsafe fn(&attention::Operands<'_>, std::ops::Range<usize>) -> bool,
@@ -126,7 +130,7 @@ macro_rules! table {
         }
         $(#[target_feature(enable = $features)])?
         unsafe fn gemm_block(
-            source: gemm::Source,
+            source: gemm::Source<f32>,
             range: std::ops::Range<usize>,
             s: &gemm::Shape,
             panels: &[f32],
@@ -136,7 +140,27 @@ macro_rules! table {
         ) {
             // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
             // enables; the caller upholds the generic body\'s contract.
-            unsafe { gemm::block::<S>(source, range, s, panels, out, j, k) }
+            unsafe { gemm::block::<S, gemm::F32>(source, range, s, panels, out, j, k) }
+        }
+        $(#[target_feature(enable = $features)])?
+        unsafe fn gemm_pairs(
+            source: gemm::Source<u32>,
+            range: std::ops::Range<usize>,
+            s: &gemm::Shape,
+            panels: &[u32],
+            out: gemm::Out,
+            j: usize,
+            k: usize,
+        ) {
+            // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
+            // enables; the caller upholds the generic body\'s contract.
+            unsafe { gemm::block::<S, gemm::Pairs>(source, range, s, panels, out, j, k) }
+        }
+        $(#[target_feature(enable = $features)])?
+        unsafe fn quantize(x: &[f32], k: usize, q: &super::int8::Levels, width: usize, out: &mut [i16]) {
+            // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
+            // enables; the caller upholds the generic body\'s contract.
+            unsafe { super::int8::quantize::<S>(x, k, q, width, out) }
         }
         $(#[target_feature(enable = $features)])?
         unsafe fn depthwise(ops: &conv::Operands<conv::Depthwise>, range: std::ops::Range<usize>) {
@@ -174,6 +198,8 @@ macro_rules! table {
             epilogue,
             gelu,
             gemm_block,
+            gemm_pairs,
+            quantize,
             depthwise,
             direct,
             attention,
@@ -186,7 +212,7 @@ macro_rules! table {
 // SAFETY (the entries' features): `Isa::table` hands out a table only where
 // `Isa::supported` found its features.
 #[cfg(target_arch = "x86_64")]
-static AVX512: Table = table!(Isa::Avx512, simd::avx512::Avx512, 512, "avx512f");
+static AVX512: Table = table!(Isa::Avx512, simd::avx512::Avx512, 512, "avx512f,avx512bw");
 #[cfg(target_arch = "x86_64")]
 static AVX2: Table = table!(Isa::Avx2, simd::avx2::Avx2, 64, "avx2,fma");
 static PORTABLE: Table = table!(Isa::Portable, simd::portable::Portable, 64);

@@ -3,7 +3,7 @@
 //! one only at `optimize="fast"`, where a pass fused the chain, and runs torch's op for the
 //! node wherever the tensors don't qualify.
 //!
-//! Kernel families, one module each (`gemm`, `conv`, `winograd`, `attention`, `pool`,
+//! Kernel families, one module each (`gemm`, `int8`, `conv`, `winograd`, `attention`, `pool`,
 //! `activation`, `bf16`), are written once over [`simd::Simd`] and instantiated per
 //! instruction set (`simd::avx512`, `simd::avx2`, `simd::portable`); [`isa`] is the one place
 //! that picks which instantiation runs, and `parallel` splits each kernel's work on torch's
@@ -14,6 +14,7 @@ pub mod attention;
 pub mod bf16;
 pub mod conv;
 pub mod gemm;
+pub mod int8;
 pub mod isa;
 pub mod parallel;
 pub mod pool;

@@ -92,6 +92,37 @@ pub fn gemm(
     out
 }
 
+/// `epilogue(bias + dequantize(quantize(x)) @ (w * w_scale).T)` (`int8::linear`): `x`
+/// (`[m, k]`) quantized per tensor by `quantize_per_tensor`'s definition (`clamp(round(x *
+/// (1 / scale)) + zp, qmin, qmax)`, the product in float32 as torch takes it), dequantized
+/// (`(q - zp) * scale`), times the int8 `[n, k]` weight dequantized per output channel.
+pub fn linear_int8(
+    x: &[f32],
+    [m, k, n]: [usize; 3],
+    q: &super::int8::Quant,
+    w: &[i8],
+    w_scale: &[f32],
+    bias: Option<&[f32]>,
+    e: Epilogue,
+) -> Vec<f64> {
+    let inv = (1.0 / q.scale) as f32;
+    let quantized = |v: f32| {
+        let level = ((v * inv) as f64).round_ties_even() + q.zero_point as f64;
+        // A NaN, which torch's cast leaves undefined, to `qmin` (the kernel's choice).
+        let level = if level.is_nan() { q.qmin as f64 } else { level.clamp(q.qmin as f64, q.qmax as f64) };
+        (level - q.zero_point as f64) * q.scale
+    };
+    let xq: Vec<f64> = x.iter().map(|&v| quantized(v)).collect();
+    let mut out = vec![0.0; m * n];
+    for r in 0..m {
+        for j in 0..n {
+            let dot: f64 = (0..k).map(|t| xq[r * k + t] * (w[j * k + t] as f64 * w_scale[j] as f64)).sum();
+            out[r * n + j] = epilogue(e, dot + bias.map_or(0.0, |b| b[j] as f64));
+        }
+    }
+    out
+}
+
 /// A convolution of channels-last images `x` (`[batch, h, w, in]`) with a `[out, in, kh, kw]`
 /// weight, plus `bias` and `residual` (channels-last, as the output), then `e`: the output
 /// channels-last (`direct_f32`, `indirect_f32`, `winograd::conv`).

@@ -123,7 +123,7 @@ pub(super) struct Operands<'a> {
     add: (Option<&'a [f32]>, Option<&'a [f32]>),
     band: usize,
     /// The GEMM of the table the call runs on, for the 16 products.
-    gemm: super::gemm::Block,
+    gemm: super::gemm::Block<f32>,
     out: *mut f32,
 }
 

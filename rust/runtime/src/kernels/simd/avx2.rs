@@ -26,6 +26,7 @@ unsafe impl Simd for Avx2 {
     const REGISTERS: usize = 16;
     type V = __m256;
     type M = __m256;
+    type I = __m256i;
 
     #[inline(always)]
     unsafe fn zero() -> __m256 {
@@ -156,6 +157,35 @@ unsafe impl Simd for Avx2 {
             let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
             let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
             _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn izero() -> __m256i {
+        unsafe { _mm256_setzero_si256() }
+    }
+    #[inline(always)]
+    unsafe fn load_pairs(p: *const u32) -> __m256i {
+        unsafe { _mm256_loadu_si256(p.cast()) }
+    }
+    #[inline(always)]
+    unsafe fn splat_pair(pair: u32) -> __m256i {
+        unsafe { _mm256_set1_epi32(pair as i32) }
+    }
+    #[inline(always)]
+    unsafe fn dot_pairs(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        unsafe { _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)) }
+    }
+    #[inline(always)]
+    unsafe fn to_float(a: __m256i) -> __m256 {
+        unsafe { _mm256_cvtepi32_ps(a) }
+    }
+    #[inline(always)]
+    unsafe fn store_i16(p: *mut i16, a: __m256) {
+        unsafe {
+            // Pack to int16 within each 128-bit half, then gather the halves' low quarters.
+            let i = _mm256_cvtps_epi32(a);
+            let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packs_epi32(i, i));
+            _mm_storeu_si128(p.cast(), _mm256_castsi256_si128(packed))
         }
     }
 }

@@ -8,13 +8,14 @@ use super::Simd;
 #[derive(Clone, Copy)]
 pub struct Avx512;
 
-// SAFETY: every method below is one or two AVX-512F instructions on registers, or a load or
-// store of the lanes the trait's contract says are accessible; callers enable AVX-512F.
+// SAFETY: every method below is one or two AVX-512F or AVX-512BW instructions on registers, or
+// a load or store of the lanes the trait's contract says are accessible; callers enable both.
 unsafe impl Simd for Avx512 {
     const LANES: usize = 16;
     const REGISTERS: usize = 32;
     type V = __m512;
     type M = __mmask16;
+    type I = __m512i;
 
     #[inline(always)]
     unsafe fn zero() -> __m512 {
@@ -131,5 +132,30 @@ unsafe impl Simd for Avx512 {
     #[inline(always)]
     unsafe fn reduce_add(a: __m512) -> f32 {
         unsafe { _mm512_reduce_add_ps(a) }
+    }
+    #[inline(always)]
+    unsafe fn izero() -> __m512i {
+        unsafe { _mm512_setzero_si512() }
+    }
+    #[inline(always)]
+    unsafe fn load_pairs(p: *const u32) -> __m512i {
+        unsafe { _mm512_loadu_si512(p.cast()) }
+    }
+    #[inline(always)]
+    unsafe fn splat_pair(pair: u32) -> __m512i {
+        unsafe { _mm512_set1_epi32(pair as i32) }
+    }
+    #[inline(always)]
+    unsafe fn dot_pairs(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+        // `vpmaddwd` on 512 bits is AVX512-BW's, which the family requires (`super::super::isa`).
+        unsafe { _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)) }
+    }
+    #[inline(always)]
+    unsafe fn to_float(a: __m512i) -> __m512 {
+        unsafe { _mm512_cvtepi32_ps(a) }
+    }
+    #[inline(always)]
+    unsafe fn store_i16(p: *mut i16, a: __m512) {
+        unsafe { _mm256_storeu_si256(p.cast(), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(a))) }
     }
 }

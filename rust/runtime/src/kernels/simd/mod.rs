@@ -11,7 +11,8 @@ pub mod avx2;
 pub mod avx512;
 pub mod portable;
 
-/// A vector of `LANES` float32 lanes and the lane masks its comparisons give.
+/// A vector of `LANES` float32 lanes, the lane masks its comparisons give, and the vector of
+/// `LANES` int32 sums of 16-bit pairs that the int8 GEMM accumulates in (`super::int8`).
 ///
 /// # Safety
 /// Every method may use its instruction set's instructions: it may be called only from a
@@ -27,6 +28,9 @@ pub unsafe trait Simd: Copy + 'static {
     type V: Copy;
     /// A mask of lanes.
     type M: Copy;
+    /// `LANES` int32 lanes; as an operand of [`Simd::dot_pairs`], each lane a pair of int16
+    /// (low half first).
+    type I: Copy;
 
     /// # Safety
     /// See the trait.
@@ -148,4 +152,36 @@ pub unsafe trait Simd: Copy + 'static {
     /// # Safety
     /// See the trait.
     unsafe fn reduce_add(a: Self::V) -> f32;
+
+    /// # Safety
+    /// See the trait.
+    unsafe fn izero() -> Self::I;
+    /// `LANES` pairs of int16 from `p`, each pair one `u32` (low half first).
+    ///
+    /// # Safety
+    /// `LANES` values from `p` are readable; see the trait.
+    unsafe fn load_pairs(p: *const u32) -> Self::I;
+    /// `pair` in every lane.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn splat_pair(pair: u32) -> Self::I;
+    /// `acc + a.lo * b.lo + a.hi * b.hi` in each lane, the halves signed 16-bit: exact while
+    /// the sums fit int32 (`vpmaddwd`'s one saturating case, all four halves -32768, is no
+    /// value the int8 GEMM's operands take).
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn dot_pairs(acc: Self::I, a: Self::I, b: Self::I) -> Self::I;
+    /// Each int32 lane as float32 (rounded to nearest).
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn to_float(a: Self::I) -> Self::V;
+    /// Stores each lane, an integer within int16's range (as [`Simd::round`] leaves it), as
+    /// an int16 at `p`.
+    ///
+    /// # Safety
+    /// `LANES` int16s from `p` are writable; see the trait.
+    unsafe fn store_i16(p: *mut i16, a: Self::V);
 }

@@ -38,6 +38,7 @@ unsafe impl Simd for Portable {
     const REGISTERS: usize = 16;
     type V = [f32; L];
     type M = [bool; L];
+    type I = [i32; L];
 
     #[inline(always)]
     unsafe fn zero() -> [f32; L] {
@@ -167,5 +168,34 @@ unsafe impl Simd for Portable {
     #[inline(always)]
     unsafe fn reduce_add(a: [f32; L]) -> f32 {
         a.into_iter().sum()
+    }
+    #[inline(always)]
+    unsafe fn izero() -> [i32; L] {
+        [0; L]
+    }
+    #[inline(always)]
+    unsafe fn load_pairs(p: *const u32) -> [i32; L] {
+        // SAFETY: `L` values from `p` are readable (the caller's).
+        unsafe { p.cast::<[i32; L]>().read_unaligned() }
+    }
+    #[inline(always)]
+    unsafe fn splat_pair(pair: u32) -> [i32; L] {
+        [pair as i32; L]
+    }
+    #[inline(always)]
+    unsafe fn dot_pairs(acc: [i32; L], a: [i32; L], b: [i32; L]) -> [i32; L] {
+        let (lo, hi) = (|v: i32| v as i16 as i32, |v: i32| v >> 16);
+        std::array::from_fn(|i| {
+            acc[i].wrapping_add(lo(a[i]).wrapping_mul(lo(b[i])).wrapping_add(hi(a[i]).wrapping_mul(hi(b[i]))))
+        })
+    }
+    #[inline(always)]
+    unsafe fn to_float(a: [i32; L]) -> [f32; L] {
+        a.map(|v| v as f32)
+    }
+    #[inline(always)]
+    unsafe fn store_i16(p: *mut i16, a: [f32; L]) {
+        // SAFETY: `L` int16s from `p` are writable (the caller's).
+        unsafe { p.cast::<[i16; L]>().write_unaligned(a.map(|v| v as i16)) }
     }
 }
