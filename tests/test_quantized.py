@@ -1,8 +1,10 @@
 """Quantized programs: what torch's pt2e flow writes (torchao's ``prepare_pt2e`` /
 ``convert_pt2e`` with the x86 quantizer, static and dynamic) loads without flags and computes
 what the quantized reference graph computes: bit for bit at ``exact`` (the
-``quantized_decomposed`` ops run as the aten arithmetic torch defines them with), within
-float32 rounding at ``fast`` (the weights' dequantization folded at load)."""
+``quantized_decomposed`` ops run as the aten arithmetic torch defines them with); at ``fast``,
+a quantized linear runs on kwexport's int8 kernel (the same quantized values, the sums exact),
+within float32 rounding of the reference where every quantized input agrees, and the other
+weights' dequantization is folded at load."""
 
 import warnings
 
@@ -79,6 +81,80 @@ def test_a_pt2e_linear_program_loads_without_flags_and_gives_the_references_bits
         assert exact.dispatch["python"] == 0, exact.dispatch
         got = kwexport.load(path, optimize="fast")(inputs)
         assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+class OneLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(96, 40)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_fast_runs_quantized_linears_on_the_int8_kernel(tmp_path, dynamic):
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 96)
+    q = quantized(OneLinear(), x, dynamic)
+    path = saved(tmp_path, q, x)
+    exact, fast = kwexport.load(path), kwexport.load(path, optimize="fast")
+    overload = "dynamic" if dynamic else "default"
+    # One node: the quantize, dequantizes (and dynamic's choose_qparams) went into it.
+    assert [n["op"] for n in fast.profile(x) if "::" in n["op"]] == [f"kwexport::linear_int8.{overload}"]
+    with torch.profiler.profile() as prof:
+        fast(x)
+    assert not any("linear" in e.name for e in prof.events()), "torch ran the op, not kwexport's kernel"
+    for inputs in [x, torch.randn(2, 5, 96) * 4, torch.zeros(2, 5, 96)]:
+        want = q(inputs)
+        got = fast(inputs)
+        assert got.shape == want.shape
+        # The same quantized input and products: float32 rounding of the sums apart.
+        assert ((got - want).abs().max() / want.abs().max().clamp(min=1e-6)).item() < 1e-5
+        # Off the kernel (autograd, dispatch="python"), the op's Python form: the reference's
+        # ops, so its bits.
+        with torch.enable_grad():
+            assert torch.equal(fast(inputs.clone().requires_grad_()).detach(), exact(inputs))
+        assert torch.equal(kwexport.load(path, optimize="fast", dispatch="python")(inputs), exact(inputs))
+
+
+def test_an_int8_mlp_at_fast_is_within_a_quantization_step_of_the_reference(tmp_path):
+    """Through layers, a value within float32 rounding of a quantization boundary may land one
+    step away in the next layer's input: the documented tolerance (docs/optimize.md)."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 64)
+    for dynamic in (False, True):
+        q = quantized(MLP(), x, dynamic)
+        fast = kwexport.load(saved(tmp_path, q, x), optimize="fast")
+        ran = [n["op"] for n in fast.profile(x)]
+        assert sum(op.startswith("kwexport::linear_int8") for op in ran) == 3, ran
+        for inputs in [x, torch.randn(8, 64) * 3]:
+            want = q(inputs)
+            assert ((fast(inputs) - want).abs().max() / want.abs().max()).item() < 1e-2
+
+
+def test_the_int8_linears_python_form_is_the_ops_it_replaced():
+    """``kwexport::linear_int8`` through torch's dispatcher (its Python form) against the
+    quantize/dequantize ops it stands for, with a weight zero point the kernel doesn't take."""
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers the ops)
+
+    from kwexport import _passes
+
+    _passes.define_ops()
+    qd = torch.ops.quantized_decomposed
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 16), torch.randint(-128, 128, (8, 16), dtype=torch.int8)
+    w_scale, w_zp, bias = torch.rand(8) / 50, torch.randint(-3, 3, (8,)), torch.randn(8)
+    wd = qd.dequantize_per_channel(w, w_scale, w_zp, 0, -128, 127, torch.int8)
+    xd = qd.dequantize_per_tensor(qd.quantize_per_tensor(x, 0.03, 7, 0, 255, torch.uint8), 0.03, 7, 0, 255, torch.uint8)
+    got = torch.ops.kwexport.linear_int8(x, 0.03, 7, 0, 255, w, w_scale, w_zp, bias)
+    assert torch.equal(got, torch.nn.functional.linear(xd, wd, bias))
+    s, z = qd.choose_qparams.tensor(x, 0, 255, 1e-5, torch.uint8)
+    xd = qd.dequantize_per_tensor.tensor(
+        qd.quantize_per_tensor.tensor(x, s, z, 0, 255, torch.uint8), s, z, 0, 255, torch.uint8
+    )
+    got = torch.ops.kwexport.linear_int8.dynamic(x, 0, 255, 1e-5, torch.uint8, w, w_scale, w_zp, None)
+    assert torch.equal(got, torch.nn.functional.linear(xd, wd))
 
 
 def test_a_pt2e_conv_net_loads_without_flags_and_gives_the_references_bits(tmp_path):

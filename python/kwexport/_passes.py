@@ -3,6 +3,7 @@
 optimize`` writes one (in float64, rounded once to the weight's dtype); and the Python forms of
 the ops the load-time passes insert, for calls their C kernels can't take."""
 
+import functools
 from typing import Any
 
 
@@ -101,3 +102,88 @@ def _linear_pointwise(  # noqa: PLR0917 (the op's schema, positionally)
     import torch
 
     return _post_op(attr, scalars, algorithm)(torch.nn.functional.linear(x, w, b))
+
+
+def linear_int8(  # noqa: PLR0917 (the op's schema, positionally)
+    x: Any,
+    x_scale: float,
+    x_zero_point: int,
+    x_qmin: int,
+    x_qmax: int,
+    w: Any,
+    w_scale: Any,
+    w_zero_point: Any,
+    bias: Any,
+) -> Any:
+    """``kwexport::linear_int8`` off the runtime's int8 kernel (autograd, another dtype or
+    device, a weight zero point that isn't 0): the ops the pass replaced
+    (rust/core/src/passes/linear_int8.rs) as torch defines them
+    (``torch/ao/quantization/fx/_decomposed.py``), so the same bits: the input quantized per
+    tensor and dequantized, the int8 weight dequantized per output channel, then the linear.
+    The cast to the 8-bit dtype between is left out: the clamped values are its integers."""
+    import torch
+
+    q = torch.clamp(torch.round(x * (1.0 / x_scale)) + x_zero_point, x_qmin, x_qmax)
+    xd = (q - x_zero_point) * x_scale
+    wd = ((w - w_zero_point.unsqueeze(1)) * w_scale.unsqueeze(1)).to(torch.float32)
+    return torch.nn.functional.linear(xd, wd, bias)
+
+
+def linear_int8_tensor(  # noqa: PLR0917 (the op's schema, positionally)
+    x: Any,
+    x_scale: Any,
+    x_zero_point: Any,
+    x_qmin: int,
+    x_qmax: int,
+    w: Any,
+    w_scale: Any,
+    w_zero_point: Any,
+    bias: Any,
+) -> Any:
+    """``kwexport::linear_int8.tensor``: :func:`linear_int8` with the input's scale and zero
+    point as one-element tensors (dynamic quantization's), read as torch's ``.tensor``
+    quantize reads them (``.item()``)."""
+    return linear_int8(x, x_scale.item(), x_zero_point.item(), x_qmin, x_qmax, w, w_scale, w_zero_point, bias)
+
+
+def linear_int8_dynamic(  # noqa: PLR0917 (the op's schema, positionally)
+    x: Any,
+    x_qmin: int,
+    x_qmax: int,
+    eps: float,
+    x_dtype: Any,
+    w: Any,
+    w_scale: Any,
+    w_zero_point: Any,
+    bias: Any,
+) -> Any:
+    """``kwexport::linear_int8.dynamic``: :func:`linear_int8_tensor` with the input's scale and
+    zero point chosen from it by torch's ``choose_qparams.tensor`` (dynamic quantization)."""
+    import torch
+    import torch.ao.quantization.fx._decomposed  # noqa: F401 (registers quantized_decomposed)
+
+    scale, zero_point = torch.ops.quantized_decomposed.choose_qparams.tensor(x, x_qmin, x_qmax, eps, x_dtype)
+    return linear_int8_tensor(x, scale, zero_point, x_qmin, x_qmax, w, w_scale, w_zero_point, bias)
+
+
+@functools.cache
+def define_ops() -> Any:
+    """Defines kwexport's own ops in torch's registry (once per process), so that the runtime
+    resolves and dispatches them as it does torch's: ``kwexport::linear_int8``, which only the
+    ``linear_int8`` load-time pass writes. Each runs the Python form above through the
+    dispatcher; the runtime's kernels take the calls they can. Returns torch's library object,
+    which must live as long as the definitions (the cache holds it)."""
+    import torch
+
+    tail = "int x_qmin, int x_qmax, Tensor w, Tensor w_scale, Tensor w_zero_point, Tensor? bias) -> Tensor"
+    library = torch.library.Library("kwexport", "DEF")
+    library.define(f"linear_int8(Tensor x, float x_scale, int x_zero_point, {tail}")
+    library.define(f"linear_int8.tensor(Tensor x, Tensor x_scale, Tensor x_zero_point, {tail}")
+    library.impl("linear_int8", linear_int8, "CompositeExplicitAutograd")
+    library.define(
+        "linear_int8.dynamic(Tensor x, int x_qmin, int x_qmax, float eps, ScalarType x_dtype, Tensor w, "
+        "Tensor w_scale, Tensor w_zero_point, Tensor? bias) -> Tensor"
+    )
+    library.impl("linear_int8.tensor", linear_int8_tensor, "CompositeExplicitAutograd")
+    library.impl("linear_int8.dynamic", linear_int8_dynamic, "CompositeExplicitAutograd")
+    return library

@@ -67,14 +67,19 @@ pub const DEFAULTDICT_FACTORIES: &[&str] = &["list", "dict", "set", "tuple", "in
 /// Op namespaces a file may use without the caller's say-so.
 pub const DEFAULT_NAMESPACES: &[&str] = &["aten", "prims"];
 
-/// torch's ops outside those namespaces that a load-time pass may insert (a file may name
-/// them too: they are torch's own kernels): oneDNN's fused convolution
-/// (`passes::conv_pointwise`), linear (`passes::linear_pointwise`), and convolution with a
-/// residual add (`passes::conv_residual`).
+/// Ops outside those namespaces that a load-time pass may insert (a file may name them too:
+/// they are torch's own kernels, or kwexport's, defined by its Python package): oneDNN's fused
+/// convolution (`passes::conv_pointwise`), linear (`passes::linear_pointwise`), convolution
+/// with a residual add (`passes::conv_residual`), and kwexport's int8 linear
+/// (`passes::linear_int8`: the input's scale and zero point as literals, as tensors, or
+/// chosen from the input).
 pub const PASS_OPS: &[&str] = &[
     "mkldnn::_convolution_pointwise.default",
     "mkldnn::_linear_pointwise.default",
     "mkldnn::_convolution_pointwise.binary",
+    "kwexport::linear_int8.default",
+    "kwexport::linear_int8.tensor",
+    "kwexport::linear_int8.dynamic",
 ];
 
 /// torch's quantize and dequantize ops (`torch.ao.quantization.fx._decomposed`; torchao's pt2e

@@ -187,6 +187,10 @@ fn resolve_op(
         // registers (part of torch, not of the file).
         py.import("torch.ao.quantization.fx._decomposed")?;
     }
+    if op.is_pass_op() && op.namespace == "kwexport" {
+        // kwexport's own op (`passes::linear_int8`), which its Python package defines.
+        py.import("kwexport._passes")?.call_method0("define_ops")?;
+    }
     let found = torch
         .getattr("ops")?
         .getattr(op.namespace.as_str())

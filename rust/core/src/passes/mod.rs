@@ -18,6 +18,9 @@
 //!   post-ops (`fast`, at load, where `conv_pointwise` ran)
 //! - [`constant_fold`]      nodes that read only constants, run once at load; the rest of
 //!   the graph reads their values as weights (`fast`; the runtime splits the validated graph)
+//! - [`linear_int8`]        quantized linears (int8 weight, input quantized per tensor) onto
+//!   kwexport's int8 GEMM (`fast`, at load, with the runtime's kernels; before
+//!   `quantized_ops` writes their quantize and dequantize ops out)
 //! - [`linear_pointwise`]   linears (and the ReLU, SiLU or GELU after) onto oneDNN's fused
 //!   linear, whose activation the runtime's GEMM applies (`fast`, at load, with the runtime's
 //!   GEMM and oneDNN)
@@ -33,6 +36,7 @@ pub mod conv_residual;
 pub mod dead_code;
 pub mod gelu_tanh;
 pub mod inplace_state;
+pub mod linear_int8;
 pub mod linear_pointwise;
 pub mod pass;
 pub mod post_ops;
@@ -109,6 +113,10 @@ pub struct Target {
     pub gemm: bool,
 }
 
+/// The passes `fast` runs before every level's: those that read torch's quantize and
+/// dequantize ops, which `quantized_ops` writes out as aten arithmetic.
+const FAST_FIRST: &[&dyn Pass] = &[&linear_int8::LinearInt8];
+
 /// The passes every level runs, in the order a sweep runs them.
 const EXACT: &[&dyn Pass] = &[&quantized_ops::QuantizedOps, &dead_code::DeadCode, &inplace_state::InplaceState];
 
@@ -124,13 +132,13 @@ const FAST: &[&dyn Pass] = &[
     &linear_pointwise::LinearPointwise,
 ];
 
-/// The passes `level` runs, in order: its own after those of the levels below.
+/// The passes `level` runs, in order: its own after those of the levels below, except
+/// [`FAST_FIRST`]'s, before them.
 pub fn registered(level: Level) -> Vec<&'static dyn Pass> {
-    let mut passes = EXACT.to_vec();
-    if level == Level::Fast {
-        passes.extend_from_slice(FAST);
-    }
-    passes
+    let fast = level == Level::Fast;
+    let first = if fast { FAST_FIRST } else { &[] };
+    let last = if fast { FAST } else { &[] };
+    [first, EXACT, last].concat()
 }
 
 /// The most sweeps `apply` runs. Each pass rewrites only what it finds and finds nothing in

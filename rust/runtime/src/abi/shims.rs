@@ -302,6 +302,16 @@ impl Shims {
         (unsafe { f(t, &mut p) } == 0).then_some(p)
     }
 
+    /// Whether `t` is a CPU tensor (of any dtype).
+    ///
+    /// # Safety
+    /// `t` must be a live handle.
+    pub unsafe fn is_cpu(&self, t: Raw) -> bool {
+        let mut device = 0;
+        // SAFETY: a live handle and an out-pointer.
+        unsafe { (self.get_device_type)(t, &mut device) == 0 && device == self.cpu }
+    }
+
     /// Whether `t` is a float32 CPU tensor.
     ///
     /// # Safety

@@ -19,8 +19,9 @@ use crate::abi::encode::{build, decode, Enc, Native};
 use crate::abi::shims::{Family, ShimFn};
 use crate::abi::{self, Abi, CError, StableIValue, Ty};
 use crate::errors::{RtError, RtResult};
+use crate::operators::Quant;
 use crate::operators::{self, Operators};
-use crate::plan::{CStep, HopStep, OwnKernel, OwnOp, Plan, PyArg, PyOp, PyStep, Segment, ShimStep};
+use crate::plan::{CStep, HopStep, Int8Params, OwnKernel, OwnOp, Plan, PyArg, PyOp, PyStep, Segment, ShimStep};
 use crate::views::{self, ViewArg, ViewKind};
 
 /// What a call allows of shims that skip the dispatcher (see `Plan::direct_kernels_apply`).
@@ -323,7 +324,7 @@ impl CStep {
         if let Some(shim) = &self.shim {
             return self.call_shim(abi, shim, slots, consts, direct);
         }
-        if let (Some(own), true) = (self.own, direct.no_autograd) {
+        if let (Some(own), true) = (&self.own, direct.no_autograd) {
             if let Some(result) = self.run_own(abi, own, slots, consts) {
                 self.finish(slots, result?);
                 return Ok(());
@@ -532,7 +533,7 @@ impl CStep {
     fn run_own(
         &self,
         abi: &Abi,
-        own: OwnOp,
+        own: &OwnOp,
         slots: &[Option<Native>],
         consts: &[abi::Tensor],
     ) -> Option<Result<abi::Tensor, CError>> {
@@ -556,11 +557,35 @@ impl CStep {
             // SAFETY: live handles from slots and constants.
             OwnOp::GlobalAvgPool => unsafe { Operators(abi).global_avg_pool(tensor(0)??) },
             // SAFETY: as above.
-            OwnOp::MaxPool(pool) => unsafe { Operators(abi).max_pool(tensor(0)??, &pool) },
+            OwnOp::MaxPool(pool) => unsafe { Operators(abi).max_pool(tensor(0)??, pool) },
             OwnOp::Attention { causal, scale } => {
                 let qkv = [tensor(0)??, tensor(1)??, tensor(2)??];
                 // SAFETY: as above.
-                unsafe { Operators(abi).attention(qkv, tensor(3)?, causal, scale) }
+                unsafe { Operators(abi).attention(qkv, tensor(3)?, *causal, *scale) }
+            }
+            OwnOp::LinearInt8(l) => {
+                let ops = Operators(abi);
+                let [qmin, qmax] = l.range;
+                let quant = match l.params {
+                    Int8Params::Literal(scale, zero_point) => Some(Quant { scale, zero_point, qmin, qmax }),
+                    // SAFETY: as above.
+                    Int8Params::Tensors => unsafe {
+                        let (scale, zero_point) = (ops.scalar(tensor(1)??)?, ops.scalar(tensor(2)??)? as i64);
+                        Some(Quant { scale, zero_point, qmin, qmax })
+                    },
+                    Int8Params::Chosen(_) => None,
+                };
+                let eps = match l.params {
+                    Int8Params::Chosen(eps) => eps,
+                    _ => 0.0,
+                };
+                let input = match quant {
+                    Some(q) => crate::operators::Int8Input::Given(q),
+                    None => crate::operators::Int8Input::Chosen { qmin, qmax, eps },
+                };
+                let panels = l.panels.get(abi, consts)?;
+                // SAFETY: as above.
+                unsafe { ops.linear_int8(tensor(0)??, input, panels, [l.n, l.k], tensor(6)??, tensor(8)?) }
             }
         }
     }

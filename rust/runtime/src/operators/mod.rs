@@ -6,6 +6,7 @@
 
 mod conv;
 mod dense;
+mod int8;
 mod onednn;
 mod pool;
 
@@ -14,6 +15,8 @@ use std::sync::OnceLock;
 use crate::abi::{Abi, CError, Raw, StableIValue, Status, Tensor};
 use crate::kernels;
 
+pub use int8::{Int8Input, Int8Panels};
+pub use kernels::int8::Quant;
 pub use kernels::winograd::{takes as winograd_takes, MIN_PIXELS as WINOGRAD_MIN_PIXELS};
 pub use kernels::{Conv2d, Depthwise, Epilogue, MaxPool};
 

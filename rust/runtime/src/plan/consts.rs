@@ -297,6 +297,9 @@ pub(crate) trait KernelConsts: Consts {
     /// out]` tensor of taps (each tap's output channels contiguous: `kernels::depthwise_f32`,
     /// `kernels::direct_f32`), and the weight's shape; `None` for any other weight.
     fn conv_taps(&mut self, name: &str) -> Option<(usize, [i64; 4])>;
+    /// An int8 `[n, k]` weight and its zero points, to pack for the int8 GEMM on first use
+    /// (`operators::Int8Panels`), and `[n, k]`; `None` for a weight of another dtype or rank.
+    fn int8_panels(&mut self, weight: &str, zero_point: &str) -> Option<(crate::operators::Int8Panels, [i64; 2])>;
 }
 
 impl KernelConsts for ConstTable<'_, '_> {
@@ -327,6 +330,17 @@ impl KernelConsts for ConstTable<'_, '_> {
 
     fn bf16(&self) -> bool {
         self.bf16
+    }
+
+    fn int8_panels(&mut self, weight: &str, zero_point: &str) -> Option<(crate::operators::Int8Panels, [i64; 2])> {
+        let w = self.weights.get(weight)?.bind(self.py);
+        let is_int8 = w.getattr("dtype").ok()?.eq(self.torch.getattr("int8").ok()?).ok()?;
+        let [n, k]: [i64; 2] = w.getattr("shape").ok()?.extract::<Vec<i64>>().ok()?.try_into().ok()?;
+        if !is_int8 || self.abi.is_none() || !self.weights.contains_key(zero_point) {
+            return None;
+        }
+        let panels = crate::operators::Int8Panels::new(self.weight(weight), self.weight(zero_point));
+        Some((panels, [n, k]))
     }
 
     fn conv_taps(&mut self, name: &str) -> Option<(usize, [i64; 4])> {

@@ -138,7 +138,7 @@ pub struct CStep {
 }
 
 /// A kernel of kwexport's for a node that otherwise dispatches (`CStep::own`).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone)]
 pub enum OwnOp {
     /// `adaptive_avg_pool2d(x, [1, 1])` on a channels-last float32 CPU tensor: each channel's
     /// mean over its pixels (`kernels::mean_pixels_f32`; torch's op is a `mean` over the
@@ -152,6 +152,30 @@ pub enum OwnOp {
     /// (`kernels::max_pool_f32`; torch's channels-last kernel sets up per call and runs at a
     /// fifth of the speed on resnet18's stem pooling).
     MaxPool(crate::operators::MaxPool),
+    /// `kwexport::linear_int8` (`passes::linear_int8`) on a float32 CPU input and the
+    /// weight's panels (`kernels::int8`).
+    LinearInt8(std::sync::Arc<Int8Linear>),
+}
+
+/// What an int8 linear's kernel needs besides the node's tensors: where the input's scale
+/// and zero point come from, its range, and the weight's `[n, k]` and panels.
+#[derive(Debug)]
+pub struct Int8Linear {
+    pub(crate) params: Int8Params,
+    pub(crate) range: [i64; 2],
+    pub(crate) n: i64,
+    pub(crate) k: i64,
+    pub(crate) panels: crate::operators::Int8Panels,
+}
+
+/// An int8 linear's input scale and zero point: literals (`.default`), the tensors of
+/// arguments 1 and 2 (`.tensor`), or chosen from each call's input with this `eps`
+/// (`.dynamic`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Int8Params {
+    Literal(f64, i64),
+    Tensors,
+    Chosen(f64),
 }
 
 /// A node run through one of torch's per-op C shims (see `shims`).
@@ -522,7 +546,7 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
                         None => match CStep::compile(abi, schema, node, &bound, &is_tensor, &mut consts) {
                             Ok(mut step) => {
                                 if cx.fast && cx.on_cpu {
-                                    step.own = shims::own_op(schema, &bound);
+                                    step.own = shims::own_op(schema, &bound, &mut consts);
                                 }
                                 Ok(step)
                             }

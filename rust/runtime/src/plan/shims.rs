@@ -220,9 +220,37 @@ pub(super) fn compile(
 }
 
 /// At `fast`, the kernel of kwexport's a dispatched node runs where its tensors qualify.
-pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg]) -> Option<super::OwnOp> {
+pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg], consts: &mut dyn KernelConsts) -> Option<super::OwnOp> {
     let name = (op.c_name.0.to_str().ok()?, op.c_name.1.to_str().ok()?);
     match (name, bound) {
+        // Only a `fast` load with kwexport's kernels makes this node (`passes::linear_int8`):
+        // a weight of the file, its scales a weight too (read per call), and the input's
+        // parameters literals (`.default`) or tensors (`.tensor`).
+        // (`.dynamic` takes `eps` and a dtype where the others take the scale and zero point).
+        (
+            ("kwexport::linear_int8", overload @ ("" | "tensor" | "dynamic")),
+            [SlotArg::Value(_), a, b, c, d, SlotArg::Value(ValueRef::Weight(w)), SlotArg::Value(ValueRef::Weight(_)), SlotArg::Value(ValueRef::Weight(w_zp)), _],
+        ) => {
+            use super::Int8Params;
+            let int = |a: &SlotArg| match a {
+                SlotArg::Literal(Arg::Int(i)) => Some(*i),
+                _ => None,
+            };
+            let (params, range) = match (overload, a, b) {
+                ("", SlotArg::Literal(Arg::Float(s)), SlotArg::Literal(Arg::Int(z))) => {
+                    (Int8Params::Literal(s.0, *z), [int(c)?, int(d)?])
+                }
+                ("tensor", SlotArg::Value(_), SlotArg::Value(_)) => (Int8Params::Tensors, [int(c)?, int(d)?]),
+                ("dynamic", _, _) => match c {
+                    SlotArg::Literal(Arg::Float(eps)) => (Int8Params::Chosen(eps.0), [int(a)?, int(b)?]),
+                    _ => return None,
+                },
+                _ => return None,
+            };
+            let (panels, [n, k]) = consts.int8_panels(w, w_zp)?;
+            let linear = super::Int8Linear { params, range, n, k, panels };
+            Some(super::OwnOp::LinearInt8(std::sync::Arc::new(linear)))
+        }
         (("aten::adaptive_avg_pool2d", ""), [SlotArg::Value(_), SlotArg::List(size)])
             if matches!(size.as_slice(), [SlotArg::Literal(Arg::Int(1)), SlotArg::Literal(Arg::Int(1))]) =>
         {

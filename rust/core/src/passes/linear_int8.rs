@@ -1,0 +1,347 @@
+//! Quantized linears onto kwexport's int8 GEMM (`optimize="fast"`, at load, where the runtime
+//! has its kernels): what torch's pt2e flows write for a linear, static or dynamic,
+//!
+//! ```text
+//! q  = quantize_per_tensor(x, scale, zp, qmin, qmax, uint8|int8)      (.default or .tensor)
+//! xd = dequantize_per_tensor(q, scale, zp, qmin, qmax, same dtype)    (the same overload)
+//! wd = dequantize_per_channel(w_int8, w_scale, w_zp, 0, qmin', qmax', int8)
+//! y  = linear(xd, wd, bias?)
+//! ```
+//!
+//! becomes one `kwexport::linear_int8(x, scale, zp, qmin, qmax, w_int8, w_scale, w_zp, bias)`
+//! (`.tensor` where the scale and zero point are tensors), or, where they are
+//! `choose_qparams.tensor(x, qmin, qmax, eps, dtype)` of the same input (dynamic
+//! quantization), `kwexport::linear_int8.dynamic(x, qmin, qmax, eps, dtype, w_int8, w_scale,
+//! w_zp, bias)`, which chooses them itself. Its C path quantizes the input and sums int8 products exactly
+//! (`kernels::int8`), and whose Python form (`kwexport._passes.linear_int8`) is the ops it
+//! replaced. The quantize and dequantize nodes stay where anything else reads them, and go
+//! otherwise: the float32 copy of the weight the dequantize would make never exists.
+//!
+//! It runs before `quantized_ops` writes those ops out as aten arithmetic, so it is
+//! registered ahead of every level's passes (`super::registered`). Like `linear_pointwise`, it
+//! runs at load only: a file written by `kwexport optimize` keeps torch's ops.
+
+use std::collections::HashMap;
+
+use super::pass::{Ctx, Pass};
+use super::readers::{one, readers, weight_inputs};
+use super::{Level, Target};
+use crate::schema::{Arg, Method, Node, Weights};
+
+/// The fused op, with float and int parameters (a static scale).
+pub const FUSED: &str = crate::tables::PASS_OPS[3];
+/// The fused op, with tensor parameters.
+pub const FUSED_TENSOR: &str = crate::tables::PASS_OPS[4];
+/// The fused op, choosing the parameters from its input (dynamic quantization).
+pub const FUSED_DYNAMIC: &str = crate::tables::PASS_OPS[5];
+
+/// The pass (`fast`, on a loader's CPU with the runtime's kernels).
+pub struct LinearInt8;
+
+impl Pass for LinearInt8 {
+    fn name(&self) -> &'static str {
+        "linear_int8"
+    }
+
+    fn level(&self) -> Level {
+        Level::Fast
+    }
+
+    fn runs_for(&self, target: Target) -> bool {
+        target.gemm
+    }
+
+    fn apply(&self, cx: &mut Ctx<'_>) -> usize {
+        cx.each_method(|_, m, _, weights| apply(m, weights))
+    }
+}
+
+/// Fuses each quantized linear of the method's top-level graph; returns how many.
+pub fn apply(m: &mut Method, weights: &Weights) -> usize {
+    let found = find(m, weights);
+    let mut replaced: Vec<usize> = Vec::new();
+    for f in &found {
+        let op = super::op_index(&mut m.ops, f.op);
+        m.graph.nodes[f.linear] = Node { op, ..f.node.clone() };
+        replaced.extend(&f.replaced);
+    }
+    // The replaced nodes nothing reads any more, the dequantizes first (they read the rest).
+    loop {
+        let read = readers(&m.graph);
+        let mut removed = vec![false; m.graph.nodes.len()];
+        for &i in &replaced {
+            removed[i] = m.graph.nodes[i].outputs.names().all(|o| !read.contains_key(o));
+        }
+        if !removed.contains(&true) {
+            break;
+        }
+        // Indices shift as nodes go: keep those of the nodes that stay.
+        let new_index: Vec<usize> = removed
+            .iter()
+            .scan(0, |next, &r| {
+                let at = *next;
+                *next += usize::from(!r);
+                Some(at)
+            })
+            .collect();
+        replaced = replaced.iter().filter(|&&i| !removed[i]).map(|&i| new_index[i]).collect();
+        super::remove_nodes(&mut m.graph.nodes, &removed);
+    }
+    found.len()
+}
+
+/// A quantized linear found: its index, the fused node (`op` left for the caller) and the
+/// overload it takes, and the nodes it stands for (quantize, dequantizes, `choose_qparams`).
+struct Found {
+    linear: usize,
+    node: Node,
+    op: &'static str,
+    replaced: Vec<usize>,
+}
+
+/// Each quantized linear of the method's top-level graph.
+fn find(m: &Method, weights: &Weights) -> Vec<Found> {
+    let g = &m.graph;
+    let op_of = |n: &Node| m.ops.get(n.op).map_or("", |o| o.name.as_str());
+    let maker: HashMap<&str, usize> = g.nodes.iter().enumerate().filter_map(|(i, n)| Some((one(n)?, i))).collect();
+    // The node of several outputs that makes each value, and which output it is.
+    let many: HashMap<&str, (usize, usize)> = (g.nodes.iter().enumerate())
+        .filter_map(|(i, n)| match &n.outputs {
+            crate::schema::Outputs::Many(outs) => {
+                Some(outs.iter().enumerate().filter_map(move |(j, o)| Some((o.as_deref()?, (i, j)))))
+            }
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    // The node of `op` that makes value `a`, and its index.
+    let made_by = |a: Option<&Arg>, op: &str| match a {
+        Some(Arg::Ref(v)) => maker.get(v.as_str()).map(|&i| (&g.nodes[i], i)).filter(|(n, _)| op_of(n) == op),
+        _ => None,
+    };
+    let weight_of = weight_inputs(g);
+    let tensor = |a: &Arg, dtypes: &[&str], rank: usize| match a {
+        Arg::Ref(v) => weight_of.get(v.as_str()).and_then(|w| weights.tensors.get(*w)).is_some_and(|t| {
+            dtypes.contains(&t.dtype.as_str()) && !t.mutable && t.shape.len() == rank && !t.shape.contains(&0)
+        }),
+        _ => false,
+    };
+    let mut found = Vec::new();
+    for (i, linear) in g.nodes.iter().enumerate() {
+        if op_of(linear) != "aten::linear.default" || !linear.kwargs.is_empty() || linear.args.len() > 3 {
+            continue;
+        }
+        let bias = match linear.args.get(2) {
+            None | Some(Arg::None(())) => Arg::None(()),
+            Some(b @ Arg::Ref(_)) => b.clone(),
+            Some(_) => continue,
+        };
+        // The input's quantize → dequantize, with the same parameters and an 8-bit dtype.
+        let ((dq, dqi), overload) =
+            match made_by(linear.args.first(), "quantized_decomposed::dequantize_per_tensor.default") {
+                Some(dq) => (dq, "default"),
+                None => match made_by(linear.args.first(), "quantized_decomposed::dequantize_per_tensor.tensor") {
+                    Some(dq) => (dq, "tensor"),
+                    None => continue,
+                },
+            };
+        let quantize = format!("quantized_decomposed::quantize_per_tensor.{overload}");
+        let Some((q, qi)) = made_by(dq.args.first(), &quantize) else { continue };
+        let [_, scale, zp, Arg::Int(qmin), Arg::Int(qmax), Arg::Dtype(dtype)] = &q.args[..] else { continue };
+        let in_range = match dtype.as_str() {
+            "uint8" => 0 <= *qmin && *qmax <= 255,
+            "int8" => -128 <= *qmin && *qmax <= 127,
+            _ => false,
+        };
+        let params_ok = match overload {
+            "default" => matches!((scale, zp), (Arg::Float(_), Arg::Int(_))),
+            _ => matches!((scale, zp), (Arg::Ref(_), Arg::Ref(_))),
+        };
+        if !(q.kwargs.is_empty() && dq.args[1..] == q.args[1..] && float32_out(dq) && in_range && params_ok) {
+            continue;
+        }
+        // The weight's per-channel dequantize along its output channels.
+        let Some((wd, wdi)) = made_by(linear.args.get(1), "quantized_decomposed::dequantize_per_channel.default")
+        else {
+            continue;
+        };
+        let [w, w_scale, w_zp, Arg::Int(0), _, _, Arg::Dtype(w_dtype)] = &wd.args[..] else { continue };
+        let weight_ok = w_dtype == "int8"
+            && tensor(w, &["int8"], 2)
+            && tensor(w_scale, &["float32"], 1)
+            && tensor(w_zp, &["int64", "int32"], 1);
+        if !(weight_ok && float32_out(wd)) {
+            continue;
+        }
+        let weight = [w.clone(), w_scale.clone(), w_zp.clone(), bias];
+        let x = &q.args[0];
+        let mut replaced = vec![dqi, qi, wdi];
+        // Dynamic quantization: the scale and zero point chosen from this input, for this range.
+        let chosen = match (scale, zp) {
+            (Arg::Ref(s), Arg::Ref(z)) => match (many.get(s.as_str()), many.get(z.as_str())) {
+                (Some(&(c, 0)), Some(&(c2, 1))) if c == c2 => Some(c),
+                _ => None,
+            },
+            _ => None,
+        };
+        let dynamic = chosen.and_then(|c| {
+            let n = &g.nodes[c];
+            let same = op_of(n) == "quantized_decomposed::choose_qparams.tensor" && n.kwargs.is_empty();
+            match &n.args[..] {
+                [cx, Arg::Int(lo), Arg::Int(hi), eps @ Arg::Float(_), d @ Arg::Dtype(_)]
+                    if same && cx == x && (lo, hi, d) == (qmin, qmax, &Arg::Dtype(dtype.clone())) =>
+                {
+                    Some((c, eps.clone(), d.clone()))
+                }
+                _ => None,
+            }
+        });
+        let (op, args) = match (overload, dynamic) {
+            ("tensor", Some((c, eps, d))) => {
+                replaced.push(c);
+                (FUSED_DYNAMIC, [vec![x.clone(), Arg::Int(*qmin), Arg::Int(*qmax), eps, d], weight.to_vec()].concat())
+            }
+            _ => {
+                let params = vec![x.clone(), scale.clone(), zp.clone(), Arg::Int(*qmin), Arg::Int(*qmax)];
+                (if overload == "tensor" { FUSED_TENSOR } else { FUSED }, [params, weight.to_vec()].concat())
+            }
+        };
+        let node = Node { op: 0, args, kwargs: Default::default(), outputs: linear.outputs.clone() };
+        found.push(Found { linear: i, node, op, replaced });
+    }
+    found
+}
+
+/// Whether a dequantize returns float32 (its `out_dtype` not given, `None` or float32).
+fn float32_out(dq: &Node) -> bool {
+    dq.kwargs
+        .iter()
+        .all(|(k, v)| k == "out_dtype" && (matches!(v, Arg::None(())) || matches!(v, Arg::Dtype(d) if d == "float32")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// The scale and zero point of a static (`tensor` false) or dynamic quantization.
+    fn params(tensor: bool) -> (serde_json::Value, serde_json::Value) {
+        match tensor {
+            true => (json!({"ref": "s"}), json!({"ref": "z"})),
+            false => (json!({"float": 0.02}), json!({"int": 131})),
+        }
+    }
+
+    /// A quantized linear as pt2e writes it, static or dynamic (`tensor`).
+    fn method(tensor: bool) -> Method {
+        let r = |v: &str| json!({"ref": v});
+        let overload = if tensor { "tensor" } else { "default" };
+        let (scale, zp) = params(tensor);
+        let q = json!([r("x"), scale, zp, {"int": 0}, {"int": 255}, {"dtype": "uint8"}]);
+        let mut dq = q.clone();
+        dq[0] = r("q");
+        let weight = |n: &str| json!({"name": n, "source": {"weight": n}});
+        serde_json::from_value(json!({
+            "signature": {"name": "f", "params": [{"name": "x", "kind": "positional_or_keyword"}]},
+            "inputs": {"spec": {"type": "leaf"}, "leaves": []},
+            "outputs": {"type": "leaf"},
+            "ops": [{"name": "quantized_decomposed::dequantize_per_channel.default", "schema": "s"},
+                    {"name": format!("quantized_decomposed::quantize_per_tensor.{overload}"), "schema": "s"},
+                    {"name": format!("quantized_decomposed::dequantize_per_tensor.{overload}"), "schema": "s"},
+                    {"name": "aten::linear.default", "schema": "s"}],
+            "graph": {
+                "inputs": [{"name": "x", "source": {"user": 0}}, {"name": "s", "source": {"user": 1}},
+                           {"name": "z", "source": {"user": 2}},
+                           weight("w"), weight("ws"), weight("wz"), weight("b")],
+                "nodes": [
+                    {"op": 0, "args": [r("w"), r("ws"), r("wz"), {"int": 0}, {"int": -128}, {"int": 127},
+                                       {"dtype": "int8"}], "outputs": {"one": "wd"}},
+                    {"op": 1, "args": q, "outputs": {"one": "q"}},
+                    {"op": 2, "args": dq, "outputs": {"one": "xd"}},
+                    {"op": 3, "args": [r("xd"), r("wd"), r("b")], "outputs": {"one": "y"}}],
+                "outputs": [r("y")]}
+        }))
+        .unwrap()
+    }
+
+    fn weights() -> Weights {
+        let t = |dtype: &str, shape: &[i64]| json!({"dtype": dtype, "shape": shape, "strides": [], "storage": 0});
+        serde_json::from_value(json!({
+            "storages": [],
+            "tensors": {"w": t("int8", &[8, 16]), "ws": t("float32", &[8]), "wz": t("int64", &[8]),
+                        "b": t("float32", &[8])}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn fuses_static_and_dynamic_quantized_linears() {
+        for (tensor, fused) in [(false, FUSED), (true, FUSED_TENSOR)] {
+            let mut m = method(tensor);
+            assert_eq!(apply(&mut m, &weights()), 1);
+            let y = &m.graph.nodes[0];
+            assert_eq!(m.ops[y.op].name, fused);
+            let (scale, zp) = params(tensor);
+            let r = |v: &str| json!({"ref": v});
+            let want = json!([r("x"), scale, zp, {"int": 0}, {"int": 255}, r("w"), r("ws"), r("wz"), r("b")]);
+            assert_eq!(serde_json::to_value(&y.args).unwrap(), want);
+            // The quantize and dequantize nodes, now unread, went.
+            assert_eq!(m.graph.nodes.len(), 1);
+            // Nothing left to fuse: the next sweep changes nothing.
+            assert_eq!(apply(&mut m, &weights()), 0);
+        }
+    }
+
+    /// Dynamic quantization: the scale and zero point `choose_qparams` picks from the input.
+    fn dynamic(eps_input: &str, qmax: i64) -> Method {
+        let mut m = serde_json::to_value(method(true)).unwrap();
+        m["ops"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"name": "quantized_decomposed::choose_qparams.tensor", "schema": "s"}));
+        let choose = json!({"op": 4, "args": [{"ref": eps_input}, {"int": 0}, {"int": qmax}, {"float": 1e-5},
+                                              {"dtype": "uint8"}], "outputs": {"many": ["s", "z"]}});
+        m["graph"]["nodes"].as_array_mut().unwrap().insert(0, choose);
+        m["graph"]["inputs"].as_array_mut().unwrap().retain(|i| !["s", "z"].contains(&i["name"].as_str().unwrap()));
+        serde_json::from_value(m).unwrap()
+    }
+
+    #[test]
+    fn a_dynamic_linear_chooses_its_parameters_itself() {
+        let mut m = dynamic("x", 255);
+        assert_eq!(apply(&mut m, &weights()), 1);
+        assert_eq!(m.graph.nodes.len(), 1, "choose_qparams went with the rest");
+        let y = &m.graph.nodes[0];
+        assert_eq!(m.ops[y.op].name, FUSED_DYNAMIC);
+        let r = |v: &str| json!({"ref": v});
+        let want = json!([r("x"), {"int": 0}, {"int": 255}, {"float": 1e-5}, {"dtype": "uint8"}, r("w"), r("ws"),
+                          r("wz"), r("b")]);
+        assert_eq!(serde_json::to_value(&y.args).unwrap(), want);
+        // Parameters chosen for another range, or from another value, are the `.tensor` form's.
+        for mut m in [dynamic("x", 127), dynamic("b", 255)] {
+            assert_eq!(apply(&mut m, &weights()), 1);
+            let y = m.graph.nodes.iter().find(|n| n.outputs.names().any(|o| o == "y")).unwrap();
+            assert_eq!(m.ops[y.op].name, FUSED_TENSOR);
+        }
+    }
+
+    #[test]
+    fn leaves_near_misses_alone() {
+        type Mutate = fn(&mut Method, &mut Weights);
+        let cases: [(&str, Mutate); 6] = [
+            ("the dequantize's parameters differ", |m, _| m.graph.nodes[2].args[2] = Arg::Int(130)),
+            ("a 16-bit range", |m, _| m.graph.nodes[1].args[4] = Arg::Int(65535)),
+            ("a float32 weight", |_, w| w.tensors.get_mut("w").unwrap().dtype = "float32".into()),
+            ("a state weight", |_, w| w.tensors.get_mut("w").unwrap().mutable = true),
+            ("per channel along the inputs", |m, _| m.graph.nodes[0].args[3] = Arg::Int(1)),
+            ("a float64 dequantize", |m, _| {
+                m.graph.nodes[2].kwargs.insert("out_dtype".into(), Arg::Dtype("float64".into()));
+            }),
+        ];
+        for (why, mutate) in cases {
+            let (mut m, mut w) = (method(false), weights());
+            mutate(&mut m, &mut w);
+            assert_eq!(apply(&mut m, &w), 0, "{why}");
+        }
+    }
+}

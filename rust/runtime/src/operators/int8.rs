@@ -1,0 +1,163 @@
+//! The int8 linear (`kwexport::linear_int8`, `passes::linear_int8`) on `kernels::int8`: its
+//! weight packed on the node's first call, its input quantized and multiplied per call.
+
+use std::sync::OnceLock;
+
+use super::Operators;
+use crate::abi::{Abi, CError, Raw, Tensor};
+use crate::kernels::{self, int8::Quant};
+
+/// How an int8 linear's input is quantized: by the scale and zero point given, or by those
+/// `Quant::choose` picks for it (dynamic quantization).
+#[derive(Debug, Clone, Copy)]
+pub enum Int8Input {
+    Given(Quant),
+    Chosen { qmin: i64, qmax: i64, eps: f64 },
+}
+
+/// An int8 linear's weight packed for the kernel on its first call (as [`super::Panels`]):
+/// the int8 `[n, k]` weight and its zero points, as constants of the plan.
+#[derive(Debug)]
+pub struct Int8Panels {
+    weight: usize,
+    zero_point: usize,
+    packed: OnceLock<Option<Tensor>>,
+}
+
+impl Int8Panels {
+    pub fn new(weight: usize, zero_point: usize) -> Int8Panels {
+        Int8Panels { weight, zero_point, packed: OnceLock::new() }
+    }
+
+    /// The packed panels, packed now if no call did yet; `None` where the weight isn't one
+    /// the kernel takes (then every call runs the op's Python form).
+    pub fn get(&self, abi: &Abi, consts: &[Tensor]) -> Option<Raw> {
+        let packed = self.packed.get_or_init(|| {
+            Operators(abi).pack_int8_panels(consts.get(self.weight)?.raw(), consts.get(self.zero_point)?.raw())
+        });
+        packed.as_ref().map(Tensor::raw)
+    }
+}
+
+impl Operators<'_> {
+    /// An int8 CPU `[n, k]` weight (any strides) as `kernels::int8`'s panels, held in a
+    /// float32 tensor's bytes; `None` unless its zero points (a CPU `[n]` int64 or int32
+    /// tensor) are all 0, the kernel's symmetric weights.
+    fn pack_int8_panels(&self, weight: Raw, zero_point: Raw) -> Option<Tensor> {
+        let shims = self.0.shims.as_ref()?;
+        let (int8, int64, int32) = (self.0.dtype_code("int8")?, self.0.dtype_code("int64"), self.0.dtype_code("int32"));
+        // SAFETY: live handles (the plan's constants).
+        let ((sizes, strides), zp_sizes) =
+            unsafe { (self.0.sizes_strides(weight)?, self.0.contiguous_sizes(zero_point)?) };
+        let (&[n, k], &[s0, s1]) = (sizes.as_slice(), strides.as_slice()) else { return None };
+        // SAFETY: live handles.
+        let on_cpu = |t: Raw| unsafe { shims.is_cpu(t) };
+        let zp_dtype = shims.dtype(zero_point);
+        let zp_int = zp_dtype.is_some() && (zp_dtype == int64 || zp_dtype == int32);
+        if shims.dtype(weight) != Some(int8) || !on_cpu(weight) || !on_cpu(zero_point) || !zp_int || zp_sizes != [n] {
+            return None;
+        }
+        let [n, k, s0, s1] = [n, k, s0, s1].map(|v| usize::try_from(v).ok());
+        let ([n, k], [s0, s1]) = ([n?, k?], [s0?, s1?]);
+        if n == 0 || k == 0 || k > kernels::int8::MAX_K {
+            return None;
+        }
+        // SAFETY: the zero points are `n` contiguous integers of the dtype just checked.
+        let zeros = unsafe {
+            let p = shims.data_ptr(zero_point)?;
+            match zp_dtype == int64 {
+                true => std::slice::from_raw_parts(p as *const i64, n).iter().all(|&z| z == 0),
+                false => std::slice::from_raw_parts(p as *const i32, n).iter().all(|&z| z == 0),
+            }
+        };
+        if !zeros {
+            return None;
+        }
+        let sizes = kernels::int8::pack_size([n, k]);
+        let out = self.owned(shims.empty_f32(&sizes.map(|s| s as i64))).ok()?;
+        let span = 1 + (n - 1) * s0 + (k - 1) * s1;
+        // SAFETY: an int8 CPU tensor spanning `span` elements from its first at these strides
+        // (checked above), and the fresh output, which aliases nothing, as 4-byte words.
+        unsafe {
+            let src = std::slice::from_raw_parts(shims.data_ptr(weight)? as *const i8, span);
+            let dst = std::slice::from_raw_parts_mut(shims.data_ptr(out.raw())? as *mut u32, sizes.iter().product());
+            kernels::int8::pack_panels(src, [n, k], [s0, s1], dst);
+        }
+        Some(out)
+    }
+
+    /// The value of a one-element CPU tensor of float32, float64, int64 or int32 (a dynamic
+    /// quantization's scale or zero point), as a double.
+    ///
+    /// # Safety
+    /// `t` must be a live handle.
+    pub unsafe fn scalar(&self, t: Raw) -> Option<f64> {
+        let shims = self.0.shims.as_ref()?;
+        // SAFETY: a live handle.
+        let sizes = unsafe { self.0.sizes_strides(t) }?.0;
+        // SAFETY: a live handle.
+        if sizes.iter().product::<i64>() != 1 || !unsafe { shims.is_cpu(t) } {
+            return None;
+        }
+        let (dtype, code) = (shims.dtype(t)?, |name| self.0.dtype_code(name));
+        // SAFETY: one element of the dtype just read, at the tensor's first element.
+        unsafe {
+            let p = shims.data_ptr(t)?;
+            Some(match Some(dtype) {
+                d if d == code("float32") => *(p as *const f32) as f64,
+                d if d == code("float64") => *(p as *const f64),
+                d if d == code("int64") => *(p as *const i64) as f64,
+                d if d == code("int32") => *(p as *const i32) as f64,
+                _ => return None,
+            })
+        }
+    }
+
+    /// kwexport's int8 linear of `x` (contiguous float32 on the CPU, `[..., k]`), quantized as
+    /// `input` says, with the weight's `panels` (`Int8Panels`), its float32 `[n]` scales and `bias`:
+    /// a new `[..., n]` tensor, or `None` where the tensors or `quant` don't qualify (the
+    /// caller runs the op's Python form).
+    ///
+    /// # Safety
+    /// Every handle must be live.
+    pub unsafe fn linear_int8(
+        &self,
+        x: Raw,
+        input: Int8Input,
+        panels: Raw,
+        [n, k]: [i64; 2],
+        w_scale: Raw,
+        bias: Option<Raw>,
+    ) -> Option<Result<Tensor, CError>> {
+        let shims = self.0.shims.as_ref()?;
+        // SAFETY: live handles.
+        let (xs, ws, bias, mut sizes) = unsafe {
+            let sizes = self.0.contiguous_sizes(x)?;
+            if *sizes.last()? != k || !shims.is_cpu_f32(x) {
+                return None;
+            }
+            let len = usize::try_from(sizes.iter().product::<i64>()).ok()?;
+            let n = usize::try_from(n).ok()?;
+            (self.floats(x, len)?, self.contiguous_f32(w_scale, &[n as i64])?, self.bias_f32(bias, n)?, sizes)
+        };
+        let ([n, k], m) = ([n as usize, k as usize], xs.len() / k as usize);
+        let quant = match input {
+            Int8Input::Given(q) => q,
+            Int8Input::Chosen { qmin, qmax, eps } => Quant::choose(xs, qmin, qmax, eps)?,
+        };
+        *sizes.last_mut()? = n as i64;
+        let mut out = match self.owned(shims.empty_f32(&sizes)) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        // SAFETY: the panels are `pack_size([n, k])` words (`pack_int8_panels` made them), and
+        // the new output has `m * n` floats, which nothing else holds.
+        let ran = unsafe {
+            let len = kernels::int8::pack_size([n, k]).iter().product();
+            let pairs = std::slice::from_raw_parts(shims.data_ptr(panels)? as *const u32, len);
+            let os = self.floats_mut(&mut out, m * n)?;
+            kernels::int8::linear(xs, [m, k, n], &quant, pairs, ws, bias, kernels::Epilogue::None, os)
+        };
+        ran.ok().map(|()| Ok(out))
+    }
+}
