@@ -1,9 +1,9 @@
 //! kwexport's GEMM: linears, 1×1 convolutions (rows are pixels) and, reading each row's taps
 //! through a table of pointers, every other convolution (`indirect_f32`). The driver
 //! (threads, column blocks, register tiles) is written once, generic over the element type
-//! ([`Dot`]: float32 values, or the int8 GEMM's pairs of int16, `super::int8`) and over
-//! [`Simd`], and instantiated per instruction set by `super::isa`, whose table the driver
-//! calls per block.
+//! ([`Dot`]: float32 values, bfloat16 pairs for `super::bf16`, the int8 GEMM's int16 pairs
+//! for `super::int8`) and over [`Simd`], and instantiated per instruction set by
+//! `super::isa`, whose table the driver calls per block.
 
 use super::activation::{apply, epilogue_slice, Epilogue};
 use super::conv::Conv2d;
@@ -188,27 +188,30 @@ pub fn pack_conv_panels(w: &[f32], shape: [usize; 4], strides: [usize; 4], panel
     }
 }
 
-/// What a GEMM multiplies and how its tiles sum it: one implementation per element type,
-/// over any instruction set's vectors, so that the driver below is written once.
+/// What a GEMM multiplies and how its tiles sum it on `S`'s vectors: the micro-kernel of
+/// one element type (and, where an instruction set has its own, of that set), so that the
+/// driver below is written once.
 ///
 /// # Safety
 /// The methods may use `S`'s instructions (see [`Simd`]); the pointer one reads `S::LANES`
 /// elements.
-pub(super) unsafe trait Dot: Copy + 'static {
+pub(super) unsafe trait Dot<S: Simd>: Copy + 'static {
     /// An element of a row or of a panel row: a value, or a pair.
-    type X: Copy + 'static;
-    /// `S::LANES` sums, a vector of panel elements, or one row element in every lane.
-    type Acc<S: Simd>: Copy;
+    type X: Copy + Sync + 'static;
+    /// `S::LANES` sums.
+    type Acc: Copy;
+    /// `S::LANES` elements of a panel row, or one row element in every lane.
+    type W: Copy;
     /// The sums a tile starts from, given its columns' bias (if any).
-    unsafe fn start<S: Simd>(bias: Option<S::V>) -> Self::Acc<S>;
+    unsafe fn start(bias: Option<S::V>) -> Self::Acc;
     /// `S::LANES` elements of a panel row.
-    unsafe fn load<S: Simd>(p: *const Self::X) -> Self::Acc<S>;
+    unsafe fn load(p: *const Self::X) -> Self::W;
     /// One element of a row, in every lane.
-    unsafe fn splat<S: Simd>(x: Self::X) -> Self::Acc<S>;
-    /// `acc + a * w`, per lane.
-    unsafe fn madd<S: Simd>(acc: Self::Acc<S>, a: Self::Acc<S>, w: Self::Acc<S>) -> Self::Acc<S>;
+    unsafe fn splat(x: Self::X) -> Self::W;
+    /// `acc + a * w`, per lane (a pair's two products where elements are pairs).
+    unsafe fn madd(acc: Self::Acc, a: Self::W, w: Self::W) -> Self::Acc;
     /// The sums as float32 results, given the columns' scales and bias (if any).
-    unsafe fn finish<S: Simd>(acc: Self::Acc<S>, scale: Option<S::V>, bias: Option<S::V>) -> S::V;
+    unsafe fn finish(acc: Self::Acc, scale: Option<S::V>, bias: Option<S::V>) -> S::V;
 }
 
 /// Float32 values, fused-multiply-added from the bias on (the float32 GEMM).
@@ -216,31 +219,70 @@ pub(super) unsafe trait Dot: Copy + 'static {
 pub(super) struct F32;
 
 // SAFETY: each method is `S`'s operation of the same name.
-unsafe impl Dot for F32 {
+unsafe impl<S: Simd> Dot<S> for F32 {
     type X = f32;
-    type Acc<S: Simd> = S::V;
+    type Acc = S::V;
+    type W = S::V;
     #[inline(always)]
-    unsafe fn start<S: Simd>(bias: Option<S::V>) -> S::V {
+    unsafe fn start(bias: Option<S::V>) -> S::V {
         // SAFETY: the trait's contract.
         bias.unwrap_or_else(|| unsafe { S::zero() })
     }
     #[inline(always)]
-    unsafe fn load<S: Simd>(p: *const f32) -> S::V {
+    unsafe fn load(p: *const f32) -> S::V {
         // SAFETY: the trait's contract.
         unsafe { S::load(p) }
     }
     #[inline(always)]
-    unsafe fn splat<S: Simd>(x: f32) -> S::V {
+    unsafe fn splat(x: f32) -> S::V {
         // SAFETY: the trait's contract.
         unsafe { S::splat(x) }
     }
     #[inline(always)]
-    unsafe fn madd<S: Simd>(acc: S::V, a: S::V, w: S::V) -> S::V {
+    unsafe fn madd(acc: S::V, a: S::V, w: S::V) -> S::V {
         // SAFETY: the trait's contract.
         unsafe { S::fma(a, w, acc) }
     }
     #[inline(always)]
-    unsafe fn finish<S: Simd>(acc: S::V, _: Option<S::V>, _: Option<S::V>) -> S::V {
+    unsafe fn finish(acc: S::V, _: Option<S::V>, _: Option<S::V>) -> S::V {
+        acc
+    }
+}
+
+/// Pairs of bfloat16, their products summed in float32 from the bias on (the bfloat16 GEMM,
+/// `super::bf16`): on any instruction set, each half widened exactly to float32 and
+/// fused-multiply-added ([`Simd::dot_bf16`]); AVX512-BF16's `vdpbf16ps` is
+/// `super::bf16::Native`.
+#[derive(Clone, Copy)]
+pub(super) struct Bf16;
+
+// SAFETY: each method is `S`'s operations on pairs and float32 vectors.
+unsafe impl<S: Simd> Dot<S> for Bf16 {
+    type X = u32;
+    type Acc = S::V;
+    type W = S::I;
+    #[inline(always)]
+    unsafe fn start(bias: Option<S::V>) -> S::V {
+        // SAFETY: the trait's contract.
+        bias.unwrap_or_else(|| unsafe { S::zero() })
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const u32) -> S::I {
+        // SAFETY: the trait's contract.
+        unsafe { S::load_pairs(p) }
+    }
+    #[inline(always)]
+    unsafe fn splat(x: u32) -> S::I {
+        // SAFETY: the trait's contract.
+        unsafe { S::splat_pair(x) }
+    }
+    #[inline(always)]
+    unsafe fn madd(acc: S::V, a: S::I, w: S::I) -> S::V {
+        // SAFETY: the trait's contract.
+        unsafe { S::dot_bf16(acc, a, w) }
+    }
+    #[inline(always)]
+    unsafe fn finish(acc: S::V, _: Option<S::V>, _: Option<S::V>) -> S::V {
         acc
     }
 }
@@ -251,31 +293,32 @@ unsafe impl Dot for F32 {
 pub(super) struct Pairs;
 
 // SAFETY: each method is `S`'s integer operations on pairs, then float32 arithmetic.
-unsafe impl Dot for Pairs {
+unsafe impl<S: Simd> Dot<S> for Pairs {
     type X = u32;
-    type Acc<S: Simd> = S::I;
+    type Acc = S::I;
+    type W = S::I;
     #[inline(always)]
-    unsafe fn start<S: Simd>(_: Option<S::V>) -> S::I {
+    unsafe fn start(_: Option<S::V>) -> S::I {
         // SAFETY: the trait's contract.
         unsafe { S::izero() }
     }
     #[inline(always)]
-    unsafe fn load<S: Simd>(p: *const u32) -> S::I {
+    unsafe fn load(p: *const u32) -> S::I {
         // SAFETY: the trait's contract.
         unsafe { S::load_pairs(p) }
     }
     #[inline(always)]
-    unsafe fn splat<S: Simd>(x: u32) -> S::I {
+    unsafe fn splat(x: u32) -> S::I {
         // SAFETY: the trait's contract.
         unsafe { S::splat_pair(x) }
     }
     #[inline(always)]
-    unsafe fn madd<S: Simd>(acc: S::I, a: S::I, w: S::I) -> S::I {
+    unsafe fn madd(acc: S::I, a: S::I, w: S::I) -> S::I {
         // SAFETY: the trait's contract.
         unsafe { S::dot_pairs(acc, a, w) }
     }
     #[inline(always)]
-    unsafe fn finish<S: Simd>(acc: S::I, scale: Option<S::V>, bias: Option<S::V>) -> S::V {
+    unsafe fn finish(acc: S::I, scale: Option<S::V>, bias: Option<S::V>) -> S::V {
         // SAFETY (all below): the trait's contract.
         unsafe {
             let sums = S::to_float(acc);
@@ -436,7 +479,7 @@ pub(super) unsafe fn columns<X: Sync>(
 /// # Safety
 /// `S`'s features must be enabled; the rows, the block's columns and its panel exist.
 #[inline(always)]
-pub(super) unsafe fn block<S: Simd, D: Dot>(
+pub(super) unsafe fn block<S: Simd, D: Dot<S>>(
     source: Source<D::X>,
     range: std::ops::Range<usize>,
     s: &Shape,
@@ -466,7 +509,7 @@ pub(super) unsafe fn block<S: Simd, D: Dot>(
 /// Rows `range` times the column block from `j` (of `k`-deep panels), in column tiles as
 /// wide as the instruction set's registers hold: the whole 64 on AVX-512, 16 on AVX2.
 #[inline(always)]
-unsafe fn columns_block<S: Simd, D: Dot, R: Rows<D::X>>(
+unsafe fn columns_block<S: Simd, D: Dot<S>, R: Rows<D::X>>(
     rows_of: R,
     range: std::ops::Range<usize>,
     s: &Shape,
@@ -511,7 +554,7 @@ unsafe fn columns_block<S: Simd, D: Dot, R: Rows<D::X>>(
 /// Rows `range` times `V` vectors of the panel at `wp` (columns from `j`): tiles of `T`
 /// rows, then the remainder in tiles of 4 (where `T` is taller), 2 and 1.
 #[inline(always)]
-unsafe fn rows<S: Simd, D: Dot, R: Rows<D::X>, const T: usize, const V: usize>(
+unsafe fn rows<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const V: usize>(
     rows_of: R,
     range: std::ops::Range<usize>,
     wp: *const D::X,
@@ -546,7 +589,7 @@ unsafe fn rows<S: Simd, D: Dot, R: Rows<D::X>, const T: usize, const V: usize>(
 /// accumulators held in registers across all the rows' taps and values, each weight
 /// vector loaded once per value.
 #[inline(always)]
-unsafe fn tile<S: Simd, D: Dot, R: Rows<D::X>, const T: usize, const V: usize>(
+unsafe fn tile<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const V: usize>(
     rows_of: R,
     i: usize,
     panel: *const D::X,
@@ -563,23 +606,23 @@ unsafe fn tile<S: Simd, D: Dot, R: Rows<D::X>, const T: usize, const V: usize>(
             std::array::from_fn(|v| (!p.is_null()).then(|| S::load_masked(masks[v], p.add(j + v * S::LANES))))
         };
         let (bias, scale) = (per_column(s.bias), per_column(s.scale));
-        let mut acc: [[D::Acc<S>; V]; T] = [std::array::from_fn(|v| D::start::<S>(bias[v])); T];
+        let mut acc: [[D::Acc; V]; T] = [std::array::from_fn(|v| D::start(bias[v])); T];
         for t in 0..s.taps {
             let rows: [*const D::X; T] = std::array::from_fn(|r| rows_of.at(i + r, t));
             let wt = panel.add(t * s.cin * PANEL);
             for c in 0..s.cin {
-                let w: [D::Acc<S>; V] = std::array::from_fn(|v| D::load::<S>(wt.add(c * PANEL + v * S::LANES)));
+                let w: [D::W; V] = std::array::from_fn(|v| D::load(wt.add(c * PANEL + v * S::LANES)));
                 for (r, row) in acc.iter_mut().enumerate() {
-                    let a = D::splat::<S>(*rows[r].add(c));
+                    let a = D::splat(*rows[r].add(c));
                     for v in 0..V {
-                        row[v] = D::madd::<S>(row[v], a, w[v]);
+                        row[v] = D::madd(row[v], a, w[v]);
                     }
                 }
             }
         }
         for (r, row) in acc.iter().enumerate() {
             for v in 0..V {
-                let mut y = D::finish::<S>(row[v], scale[v], bias[v]);
+                let mut y = D::finish(row[v], scale[v], bias[v]);
                 if !s.residual.is_null() {
                     let at = s.residual.add((i + r) * s.n + j + v * S::LANES);
                     y = S::add(y, S::load_masked(masks[v], at));

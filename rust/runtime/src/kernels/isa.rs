@@ -102,6 +102,9 @@ pub struct Table {
     pub(super) gemm_block: gemm::Block<f32>,
     /// The int8 GEMM's block (`super::int8`): the same driver on pairs of int16.
     pub(super) gemm_pairs: gemm::Block<u32>,
+    /// The bfloat16 GEMM's block (`super::bf16`), each pair as two FMAs; AVX512-BF16's is
+    /// [`bf16_block`]'s.
+    pub(super) gemm_bf16: gemm::Block<u32>,
     /// The int8 GEMM's input quantizer (`super::int8::quantize`).
     pub(super) quantize: unsafe fn(&[f32], usize, &super::int8::Levels, usize, &mut [i16]),
     pub(super) depthwise: conv::Rows<conv::Depthwise>,
@@ -157,6 +160,20 @@ macro_rules! table {
             unsafe { gemm::block::<S, gemm::Pairs>(source, range, s, panels, out, j, k) }
         }
         $(#[target_feature(enable = $features)])?
+        unsafe fn gemm_bf16(
+            source: gemm::Source<u32>,
+            range: std::ops::Range<usize>,
+            s: &gemm::Shape,
+            panels: &[u32],
+            out: gemm::Out,
+            j: usize,
+            k: usize,
+        ) {
+            // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
+            // enables; the caller upholds the generic body\'s contract.
+            unsafe { gemm::block::<S, gemm::Bf16>(source, range, s, panels, out, j, k) }
+        }
+        $(#[target_feature(enable = $features)])?
         unsafe fn quantize(x: &[f32], k: usize, q: &super::int8::Levels, width: usize, out: &mut [i16]) {
             // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
             // enables; the caller upholds the generic body\'s contract.
@@ -199,6 +216,7 @@ macro_rules! table {
             gelu,
             gemm_block,
             gemm_pairs,
+            gemm_bf16,
             quantize,
             depthwise,
             direct,
@@ -216,6 +234,36 @@ static AVX512: Table = table!(Isa::Avx512, simd::avx512::Avx512, 512, "avx512f,a
 #[cfg(target_arch = "x86_64")]
 static AVX2: Table = table!(Isa::Avx2, simd::avx2::Avx2, 64, "avx2,fma");
 static PORTABLE: Table = table!(Isa::Portable, simd::portable::Portable, 64);
+
+/// The bfloat16 GEMM's block for a table's family, and whether it is AVX512-BF16's
+/// `vdpbf16ps` (`bf16::Native`, on the AVX-512 family where the CPU has it) rather than the
+/// family's two FMAs per pair.
+pub(super) fn bf16_block(t: &Table) -> (gemm::Block<u32>, bool) {
+    #[cfg(target_arch = "x86_64")]
+    if t.isa == Isa::Avx512 && has_avx512_bf16() {
+        return (avx512_bf16_block, true);
+    }
+    (t.gemm_bf16, false)
+}
+
+/// AVX512-BF16's bfloat16 GEMM block.
+///
+/// # Safety
+/// As [`gemm::block`]'s; [`bf16_block`] hands it out only where the CPU has AVX512-BF16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn avx512_bf16_block(
+    source: gemm::Source<u32>,
+    range: std::ops::Range<usize>,
+    s: &gemm::Shape,
+    panels: &[u32],
+    out: gemm::Out,
+    j: usize,
+    k: usize,
+) {
+    // SAFETY: the caller's, with the features enabled above.
+    unsafe { gemm::block::<simd::avx512::Avx512, super::bf16::Native>(source, range, s, panels, out, j, k) }
+}
 
 /// The family this process runs and why: the best this CPU has, or `KWEXPORT_ISA`'s.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

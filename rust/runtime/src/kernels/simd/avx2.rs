@@ -188,4 +188,13 @@ unsafe impl Simd for Avx2 {
             _mm_storeu_si128(p.cast(), _mm256_castsi256_si128(packed))
         }
     }
+    #[inline(always)]
+    unsafe fn dot_bf16(acc: __m256, a: __m256i, b: __m256i) -> __m256 {
+        unsafe {
+            let high = _mm256_set1_epi32(0xFFFF_0000_u32 as i32);
+            let lo = |x: __m256i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(x));
+            let hi = |x: __m256i| _mm256_castsi256_ps(_mm256_and_si256(x, high));
+            _mm256_fmadd_ps(hi(a), hi(b), _mm256_fmadd_ps(lo(a), lo(b), acc))
+        }
+    }
 }

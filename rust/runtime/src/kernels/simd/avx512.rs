@@ -158,4 +158,13 @@ unsafe impl Simd for Avx512 {
     unsafe fn store_i16(p: *mut i16, a: __m512) {
         unsafe { _mm256_storeu_si256(p.cast(), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(a))) }
     }
+    #[inline(always)]
+    unsafe fn dot_bf16(acc: __m512, a: __m512i, b: __m512i) -> __m512 {
+        unsafe {
+            let high = _mm512_set1_epi32(0xFFFF_0000_u32 as i32);
+            let lo = |x: __m512i| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(x));
+            let hi = |x: __m512i| _mm512_castsi512_ps(_mm512_and_si512(x, high));
+            _mm512_fmadd_ps(hi(a), hi(b), _mm512_fmadd_ps(lo(a), lo(b), acc))
+        }
+    }
 }

@@ -184,4 +184,10 @@ pub unsafe trait Simd: Copy + 'static {
     /// # Safety
     /// `LANES` int16s from `p` are writable; see the trait.
     unsafe fn store_i16(p: *mut i16, a: Self::V);
+    /// `acc + a.lo * b.lo + a.hi * b.hi` in each lane, the halves of each pair bfloat16 (each
+    /// widened exactly to float32; two fused multiply-adds, the low half first).
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn dot_bf16(acc: Self::V, a: Self::I, b: Self::I) -> Self::V;
 }

@@ -198,4 +198,10 @@ unsafe impl Simd for Portable {
         // SAFETY: `L` int16s from `p` are writable (the caller's).
         unsafe { p.cast::<[i16; L]>().write_unaligned(a.map(|v| v as i16)) }
     }
+    #[inline(always)]
+    unsafe fn dot_bf16(acc: [f32; L], a: [i32; L], b: [i32; L]) -> [f32; L] {
+        let (lo, hi) = (|v: i32| f32::from_bits((v as u32) << 16), |v: i32| f32::from_bits(v as u32 & 0xFFFF_0000));
+        // Unfused, as `fma` is here.
+        std::array::from_fn(|i| hi(a[i]) * hi(b[i]) + (lo(a[i]) * lo(b[i]) + acc[i]))
+    }
 }
