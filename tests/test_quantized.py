@@ -6,6 +6,8 @@ a quantized linear runs on kwexport's int8 kernel (the same quantized values, th
 within float32 rounding of the reference where every quantized input agrees, and the other
 weights' dequantization is folded at load."""
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -239,3 +241,47 @@ def test_quantize_keeps_dynamic_shapes(tmp_path):
 def test_quantize_names_the_activation_modes():
     with pytest.raises(ValueError, match="activations must be 'static' or 'dynamic', not 'int4'"):
         kwexport.quantize(Keywords().eval(), (torch.randn(2, 32),), activations="int4")
+
+
+TORCHAO_CONFIGS = ["Int8DynamicActivationInt8WeightConfig", "Int8WeightOnlyConfig"]
+
+
+@pytest.mark.parametrize("config", TORCHAO_CONFIGS)
+def test_a_torchao_int8_model_saves_as_plain_tensors_and_aten_ops(tmp_path, config):
+    """torchao's ``quantize_`` keeps each weight as a tensor subclass and calls torchao's
+    ops; the file holds the subclass's inner tensors and the ops' aten arithmetic."""
+    from torchao import quantization
+
+    torch.manual_seed(0)
+    model = MLP().eval()
+    quantization.quantize_(model, getattr(quantization, config)())
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        want = model(x)
+    path = tmp_path / "torchao.kwx"
+    ex = kwexport.export(model, (x,))
+    kwexport.save(ex, path)
+    assert not [op for op in ops_of(ex.exported_program.graph_module) if op.startswith("torchao.")]
+    assert "layers.0.parametrizations.weight.original0" in ex.exported_program.state_dict
+    assert torch.equal(kwexport.load(path)(x), want), "the subclass's own computation, bit for bit"
+    assert torch.allclose(kwexport.load(path, optimize="fast")(x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_torchao_int8_file_loads_and_runs_in_a_process_without_torchao(tmp_path):
+    from torchao import quantization
+
+    torch.manual_seed(0)
+    model = MLP().eval()
+    quantization.quantize_(model, quantization.Int8DynamicActivationInt8WeightConfig())
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        torch.save({"x": x, "want": model(x)}, tmp_path / "io.pt")
+    kwexport.save(kwexport.export(model, (x,)), tmp_path / "torchao.kwx")
+    code = (
+        "import sys, torch, kwexport;"
+        f"io = torch.load({str(tmp_path / 'io.pt')!r});"
+        f"prog = kwexport.load({str(tmp_path / 'torchao.kwx')!r});"
+        "assert torch.equal(prog(io['x']), io['want']);"
+        "assert 'torchao' not in sys.modules, 'loading imported torchao'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

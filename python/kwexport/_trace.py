@@ -14,6 +14,7 @@ import warnings
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from kwexport._graph import header_json
 from kwexport._rt import ArtifactError, SignatureError
@@ -183,6 +184,7 @@ def _encode(
     tensor_defaults: dict | None = None,
 ) -> Exported:
     """The header and weights of a traced program whose user inputs are ``leaves``."""
+    ep = _plain(ep)
     # torch.export's graph runs as-is when its in-place ops only touch the call's own fresh
     # intermediates. Otherwise functionalize: writes to buffers and inputs become outputs
     # that the runtime copies back after each call (the program's state). Not by default: functionalizing also turns every
@@ -197,6 +199,23 @@ def _encode(
     for name, weight in weights.items():
         check_weight(name, weight)  # at export, not first at save
     return Exported(ep, method, weights, mutable, tensor_defaults)
+
+
+def _plain(ep):
+    """``ep`` with plain tensors for weights and no torchao op. torchao's int8 configs
+    (``quantize_(model, Int8DynamicActivationInt8WeightConfig())``, weight-only) keep each
+    weight as a tensor subclass and call torchao's ops, which a file can't hold and a process
+    without torchao can't run. ``run_decompositions`` flattens each subclass weight into its
+    inner tensors (``<module>.parametrizations.weight.original0``, ...) and, with torchao's
+    own decompositions, rewrites its ops as aten's; every other op stays as traced."""
+    weights = [*ep.state_dict.values(), *ep.constants.values()]
+    ops = {n.target for n in ep.graph.nodes if isinstance(n.target, torch._ops.OpOverload)}
+    if not any(is_traceable_wrapper_subclass(w) for w in weights) and not any(o.namespace == "torchao" for o in ops):
+        return ep
+    table = {op: fn for op, fn in torch.export.default_decompositions().items() if op.namespace == "torchao"}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")  # torch-internal
+        return ep.run_decompositions(table)
 
 
 def from_exported_program(ep) -> Exported:
