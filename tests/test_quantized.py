@@ -127,12 +127,17 @@ def test_an_int8_mlp_at_fast_is_within_a_quantization_step_of_the_reference(tmp_
     x = torch.randn(8, 64)
     for dynamic in (False, True):
         q = quantized(MLP(), x, dynamic)
-        fast = kwexport.load(saved(tmp_path, q, x), optimize="fast")
-        ran = [n["op"] for n in fast.profile(x)]
-        assert sum(op.startswith("kwexport::linear_int8") for op in ran) == 3, ran
+        path = saved(tmp_path, q, x)
+        exact, fast = kwexport.load(path), kwexport.load(path, optimize="fast")
+        ran = [n["op"] for n in fast.profile(x) if "::" in n["op"]]
+        # Each GELU went into its linear, applied as the int8 GEMM stores its results.
+        assert ran == [f"kwexport::linear_int8.{'dynamic' if dynamic else 'default'}"] * 3, ran
         for inputs in [x, torch.randn(8, 64) * 3]:
             want = q(inputs)
             assert ((fast(inputs) - want).abs().max() / want.abs().max()).item() < 1e-2
+            # Off the kernel, the fused ops' Python forms (GELU included): the reference's bits.
+            with torch.enable_grad():
+                assert torch.equal(fast(inputs.clone().requires_grad_()).detach(), exact(inputs))
 
 
 def test_the_int8_linears_python_form_is_the_ops_it_replaced():
@@ -149,14 +154,17 @@ def test_the_int8_linears_python_form_is_the_ops_it_replaced():
     w_scale, w_zp, bias = torch.rand(8) / 50, torch.randint(-3, 3, (8,)), torch.randn(8)
     wd = qd.dequantize_per_channel(w, w_scale, w_zp, 0, -128, 127, torch.int8)
     xd = qd.dequantize_per_tensor(qd.quantize_per_tensor(x, 0.03, 7, 0, 255, torch.uint8), 0.03, 7, 0, 255, torch.uint8)
-    got = torch.ops.kwexport.linear_int8(x, 0.03, 7, 0, 255, w, w_scale, w_zp, bias)
+    got = torch.ops.kwexport.linear_int8(x, 0.03, 7, 0, 255, w, w_scale, w_zp, bias, "none", None)
     assert torch.equal(got, torch.nn.functional.linear(xd, wd, bias))
     s, z = qd.choose_qparams.tensor(x, 0, 255, 1e-5, torch.uint8)
     xd = qd.dequantize_per_tensor.tensor(
         qd.quantize_per_tensor.tensor(x, s, z, 0, 255, torch.uint8), s, z, 0, 255, torch.uint8
     )
-    got = torch.ops.kwexport.linear_int8.dynamic(x, 0, 255, 1e-5, torch.uint8, w, w_scale, w_zp, None)
+    got = torch.ops.kwexport.linear_int8.dynamic(x, 0, 255, 1e-5, torch.uint8, w, w_scale, w_zp, None, "none", None)
     assert torch.equal(got, torch.nn.functional.linear(xd, wd))
+    # With the activation fused into it, as oneDNN's fused linear names it.
+    got = torch.ops.kwexport.linear_int8.dynamic(x, 0, 255, 1e-5, torch.uint8, w, w_scale, w_zp, None, "gelu", "tanh")
+    assert torch.equal(got, torch.nn.functional.gelu(torch.nn.functional.linear(xd, wd), approximate="tanh"))
 
 
 def test_a_pt2e_conv_net_loads_without_flags_and_gives_the_references_bits(tmp_path):
@@ -285,3 +293,4 @@ def test_a_torchao_int8_file_loads_and_runs_in_a_process_without_torchao(tmp_pat
         "assert 'torchao' not in sys.modules, 'loading imported torchao'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+

@@ -114,19 +114,23 @@ def linear_int8(  # noqa: PLR0917 (the op's schema, positionally)
     w_scale: Any,
     w_zero_point: Any,
     bias: Any,
+    attr: str,
+    algorithm: str | None,
 ) -> Any:
     """``kwexport::linear_int8`` off the runtime's int8 kernel (autograd, another dtype or
     device, a weight zero point that isn't 0): the ops the pass replaced
     (rust/core/src/passes/linear_int8.rs) as torch defines them
     (``torch/ao/quantization/fx/_decomposed.py``), so the same bits: the input quantized per
-    tensor and dequantized, the int8 weight dequantized per output channel, then the linear.
+    tensor and dequantized, the int8 weight dequantized per output channel, then the linear
+    and the activation fused with it (``attr`` and ``algorithm``, as ``mkldnn::_linear_pointwise``
+    names them).
     The cast to the 8-bit dtype between is left out: the clamped values are its integers."""
     import torch
 
     q = torch.clamp(torch.round(x * (1.0 / x_scale)) + x_zero_point, x_qmin, x_qmax)
     xd = (q - x_zero_point) * x_scale
     wd = ((w - w_zero_point.unsqueeze(1)) * w_scale.unsqueeze(1)).to(torch.float32)
-    return torch.nn.functional.linear(xd, wd, bias)
+    return _post_op(attr, None, algorithm)(torch.nn.functional.linear(xd, wd, bias))
 
 
 def linear_int8_tensor(  # noqa: PLR0917 (the op's schema, positionally)
@@ -139,11 +143,14 @@ def linear_int8_tensor(  # noqa: PLR0917 (the op's schema, positionally)
     w_scale: Any,
     w_zero_point: Any,
     bias: Any,
+    attr: str,
+    algorithm: str | None,
 ) -> Any:
     """``kwexport::linear_int8.tensor``: :func:`linear_int8` with the input's scale and zero
     point as one-element tensors (dynamic quantization's), read as torch's ``.tensor``
     quantize reads them (``.item()``)."""
-    return linear_int8(x, x_scale.item(), x_zero_point.item(), x_qmin, x_qmax, w, w_scale, w_zero_point, bias)
+    args = (x_qmin, x_qmax, w, w_scale, w_zero_point, bias, attr, algorithm)
+    return linear_int8(x, x_scale.item(), x_zero_point.item(), *args)
 
 
 def linear_int8_dynamic(  # noqa: PLR0917 (the op's schema, positionally)
@@ -156,6 +163,8 @@ def linear_int8_dynamic(  # noqa: PLR0917 (the op's schema, positionally)
     w_scale: Any,
     w_zero_point: Any,
     bias: Any,
+    attr: str,
+    algorithm: str | None,
 ) -> Any:
     """``kwexport::linear_int8.dynamic``: :func:`linear_int8_tensor` with the input's scale and
     zero point chosen from it by torch's ``choose_qparams.tensor`` (dynamic quantization)."""
@@ -163,7 +172,8 @@ def linear_int8_dynamic(  # noqa: PLR0917 (the op's schema, positionally)
     import torch.ao.quantization.fx._decomposed  # noqa: F401 (registers quantized_decomposed)
 
     scale, zero_point = torch.ops.quantized_decomposed.choose_qparams.tensor(x, x_qmin, x_qmax, eps, x_dtype)
-    return linear_int8_tensor(x, scale, zero_point, x_qmin, x_qmax, w, w_scale, w_zero_point, bias)
+    args = (x_qmin, x_qmax, w, w_scale, w_zero_point, bias, attr, algorithm)
+    return linear_int8_tensor(x, scale, zero_point, *args)
 
 
 @functools.cache
@@ -175,15 +185,15 @@ def define_ops() -> Any:
     which must live as long as the definitions (the cache holds it)."""
     import torch
 
-    tail = "int x_qmin, int x_qmax, Tensor w, Tensor w_scale, Tensor w_zero_point, Tensor? bias) -> Tensor"
+    # The weight, then the activation fused with the linear as `mkldnn::_linear_pointwise` names it
+    # (one without scalars: ReLU, SiLU, GELU).
+    weight = "Tensor w, Tensor w_scale, Tensor w_zero_point, Tensor? bias, str attr, str? algorithm) -> Tensor"
+    tail = f"int x_qmin, int x_qmax, {weight}"
     library = torch.library.Library("kwexport", "DEF")
     library.define(f"linear_int8(Tensor x, float x_scale, int x_zero_point, {tail}")
     library.define(f"linear_int8.tensor(Tensor x, Tensor x_scale, Tensor x_zero_point, {tail}")
     library.impl("linear_int8", linear_int8, "CompositeExplicitAutograd")
-    library.define(
-        "linear_int8.dynamic(Tensor x, int x_qmin, int x_qmax, float eps, ScalarType x_dtype, Tensor w, "
-        "Tensor w_scale, Tensor w_zero_point, Tensor? bias) -> Tensor"
-    )
+    library.define(f"linear_int8.dynamic(Tensor x, int x_qmin, int x_qmax, float eps, ScalarType x_dtype, {weight}")
     library.impl("linear_int8.tensor", linear_int8_tensor, "CompositeExplicitAutograd")
     library.impl("linear_int8.dynamic", linear_int8_dynamic, "CompositeExplicitAutograd")
     return library

@@ -12,7 +12,10 @@
 //! (`.tensor` where the scale and zero point are tensors), or, where they are
 //! `choose_qparams.tensor(x, qmin, qmax, eps, dtype)` of the same input (dynamic
 //! quantization), `kwexport::linear_int8.dynamic(x, qmin, qmax, eps, dtype, w_int8, w_scale,
-//! w_zp, bias)`, which chooses them itself. Its C path quantizes the input and sums int8 products exactly
+//! w_zp, bias)`, which chooses them itself. Each ends in the `attr, algorithm` of oneDNN's
+//! fused linear (`mkldnn::_linear_pointwise`, whose post-ops without scalars it takes): an
+//! activation that alone reads the linear (ReLU, SiLU, GELU: `linear_pointwise::ACTIVATIONS`)
+//! goes into the node, applied as the GEMM stores each result; `"none", None` where none does. Its C path quantizes the input and sums int8 products exactly
 //! (`kernels::int8`), and whose Python form (`kwexport._passes.linear_int8`) is the ops it
 //! replaced. The quantize and dequantize nodes stay where anything else reads them, and go
 //! otherwise: the float32 copy of the weight the dequantize would make never exists.
@@ -24,7 +27,7 @@
 use std::collections::HashMap;
 
 use super::pass::{Ctx, Pass};
-use super::readers::{one, readers, weight_inputs};
+use super::readers::{one, readers, sole_reader, weight_inputs};
 use super::{Level, Target};
 use crate::schema::{Arg, Method, Node, Weights};
 
@@ -90,8 +93,9 @@ pub fn apply(m: &mut Method, weights: &Weights) -> usize {
     found.len()
 }
 
-/// A quantized linear found: its index, the fused node (`op` left for the caller) and the
-/// overload it takes, and the nodes it stands for (quantize, dequantizes, `choose_qparams`).
+/// A quantized linear found: the index its fused node takes (the linear's, or that of the
+/// activation fused with it), the fused node (`op` left for the caller) and the overload it
+/// takes, and the nodes it stands for (quantize, dequantizes, `choose_qparams`, the linear).
 struct Found {
     linear: usize,
     node: Node,
@@ -120,6 +124,7 @@ fn find(m: &Method, weights: &Weights) -> Vec<Found> {
         _ => None,
     };
     let weight_of = weight_inputs(g);
+    let read = readers(g);
     let tensor = |a: &Arg, dtypes: &[&str], rank: usize| match a {
         Arg::Ref(v) => weight_of.get(v.as_str()).and_then(|w| weights.tensors.get(*w)).is_some_and(|t| {
             dtypes.contains(&t.dtype.as_str()) && !t.mutable && t.shape.len() == rank && !t.shape.contains(&0)
@@ -206,8 +211,23 @@ fn find(m: &Method, weights: &Weights) -> Vec<Found> {
                 (if overload == "tensor" { FUSED_TENSOR } else { FUSED }, [params, weight.to_vec()].concat())
             }
         };
-        let node = Node { op: 0, args, kwargs: Default::default(), outputs: linear.outputs.clone() };
-        found.push(Found { linear: i, node, op, replaced });
+        // The activation that alone reads the linear, as the GEMM's epilogue (as
+        // `linear_pointwise` fuses a float32 linear's): the fused node takes its place.
+        let activation = sole_reader(&read, linear).and_then(|ai| {
+            let a = &g.nodes[ai];
+            let attr = super::post_ops::attr_of_op(Some(op_of(a)), super::linear_pointwise::ACTIVATIONS)?;
+            Some((ai, attr, super::post_ops::algorithm(attr, a)?))
+        });
+        let (at, attr, algorithm, outputs) = match activation {
+            Some((ai, attr, algorithm)) => {
+                replaced.push(i);
+                (ai, attr, algorithm, g.nodes[ai].outputs.clone())
+            }
+            None => (i, "none", Arg::None(()), linear.outputs.clone()),
+        };
+        let args = [args, vec![Arg::Str(attr.to_owned()), algorithm]].concat();
+        let node = Node { op: 0, args, kwargs: Default::default(), outputs };
+        found.push(Found { linear: at, node, op, replaced });
     }
     found
 }
@@ -283,7 +303,8 @@ mod tests {
             assert_eq!(m.ops[y.op].name, fused);
             let (scale, zp) = params(tensor);
             let r = |v: &str| json!({"ref": v});
-            let want = json!([r("x"), scale, zp, {"int": 0}, {"int": 255}, r("w"), r("ws"), r("wz"), r("b")]);
+            let want = json!([r("x"), scale, zp, {"int": 0}, {"int": 255}, r("w"), r("ws"), r("wz"), r("b"),
+                              {"str": "none"}, {"none": null}]);
             assert_eq!(serde_json::to_value(&y.args).unwrap(), want);
             // The quantize and dequantize nodes, now unread, went.
             assert_eq!(m.graph.nodes.len(), 1);
@@ -315,13 +336,53 @@ mod tests {
         assert_eq!(m.ops[y.op].name, FUSED_DYNAMIC);
         let r = |v: &str| json!({"ref": v});
         let want = json!([r("x"), {"int": 0}, {"int": 255}, {"float": 1e-5}, {"dtype": "uint8"}, r("w"), r("ws"),
-                          r("wz"), r("b")]);
+                          r("wz"), r("b"), {"str": "none"}, {"none": null}]);
         assert_eq!(serde_json::to_value(&y.args).unwrap(), want);
         // Parameters chosen for another range, or from another value, are the `.tensor` form's.
         for mut m in [dynamic("x", 127), dynamic("b", 255)] {
             assert_eq!(apply(&mut m, &weights()), 1);
             let y = m.graph.nodes.iter().find(|n| n.outputs.names().any(|o| o == "y")).unwrap();
             assert_eq!(m.ops[y.op].name, FUSED_TENSOR);
+        }
+    }
+
+    /// The static method with `activation(y, *args)` after the linear, the graph's output.
+    fn with_activation(activation: &str, args: serde_json::Value) -> Method {
+        let mut m = serde_json::to_value(method(false)).unwrap();
+        m["ops"].as_array_mut().unwrap().push(json!({"name": activation, "schema": "s"}));
+        let args = [vec![json!({"ref": "y"})], args.as_array().unwrap().clone()].concat();
+        m["graph"]["nodes"].as_array_mut().unwrap().push(json!({"op": 4, "args": args, "outputs": {"one": "a"}}));
+        m["graph"]["outputs"] = json!([{"ref": "a"}]);
+        serde_json::from_value(m).unwrap()
+    }
+
+    #[test]
+    fn fuses_the_activation_that_alone_reads_the_linear() {
+        for (op, args, attr, algorithm) in [
+            ("aten::gelu.default", json!([]), "gelu", json!({"str": "none"})),
+            ("aten::gelu.default", json!([{"str": "tanh"}]), "gelu", json!({"str": "tanh"})),
+            ("aten::relu.default", json!([]), "relu", json!(null)),
+            ("aten::silu_.default", json!([]), "swish", json!(null)),
+        ] {
+            let mut m = with_activation(op, args);
+            assert_eq!(apply(&mut m, &weights()), 1);
+            assert_eq!(m.graph.nodes.len(), 1, "{op}: the linear and the activation are one node");
+            let y = &m.graph.nodes[0];
+            assert_eq!(m.ops[y.op].name, FUSED);
+            assert_eq!(y.outputs.names().collect::<Vec<_>>(), ["a"]);
+            let tail = serde_json::to_value(&y.args[9..]).unwrap();
+            let algorithm = if algorithm.is_null() { json!({"none": null}) } else { algorithm };
+            assert_eq!(tail, json!([{"str": attr}, algorithm]), "{op}");
+        }
+        // Another reader of the linear's output, or an activation the GEMM doesn't apply
+        // here: the linear fuses alone.
+        let mut m = with_activation("aten::gelu.default", json!([]));
+        m.graph.outputs.push(Arg::Ref("y".into()));
+        let mut sigmoid = with_activation("aten::sigmoid.default", json!([]));
+        for m in [&mut m, &mut sigmoid] {
+            assert_eq!(apply(m, &weights()), 1);
+            assert_eq!(m.graph.nodes.len(), 2);
+            assert_eq!(m.graph.nodes[0].args[9], Arg::Str("none".into()));
         }
     }
 

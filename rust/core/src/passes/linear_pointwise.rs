@@ -18,8 +18,8 @@ use crate::schema::{Arg, Document, Method, Node};
 pub const FUSED: &str = crate::tables::PASS_OPS[1];
 
 /// The post-ops (`post_ops::POST_OPS`) a fused linear takes: those kwexport's GEMM applies
-/// where transformers and MLPs use them.
-const ACTIVATIONS: &[&str] = &["relu", "swish", "gelu"];
+/// where transformers and MLPs use them (`linear_int8` fuses the same).
+pub(super) const ACTIVATIONS: &[&str] = &["relu", "swish", "gelu"];
 
 /// Fuses every linear of each method's top-level graph whose float32 weight isn't state and
 /// whose output only an activation reads; returns how many.
@@ -90,7 +90,7 @@ fn find(m: &Method, readers: &Readers, is_weight: impl Fn(&str) -> bool) -> Vec<
         let Some(ai) = sole_reader(readers, linear) else { continue };
         let a = &g.nodes[ai];
         let Some(attr) = super::post_ops::attr_of_op(op_of(a), ACTIVATIONS) else { continue };
-        let Some(algorithm) = algorithm(attr, a) else { continue };
+        let Some(algorithm) = super::post_ops::algorithm(attr, a) else { continue };
         let node = Node {
             op: 0,
             args: vec![
@@ -107,22 +107,6 @@ fn find(m: &Method, readers: &Readers, is_weight: impl Fn(&str) -> bool) -> Vec<
         found.push((li, ai, node));
     }
     found
-}
-
-/// The fused op's `algorithm` for an activation node: GELU's `approximate` (`"none"` or
-/// `"tanh"`), `None` for the others, which take only their input. `None` (no fusion) for
-/// anything else.
-fn algorithm(attr: &str, a: &Node) -> Option<Arg> {
-    if attr != "gelu" {
-        return (a.args.len() == 1 && a.kwargs.is_empty()).then_some(Arg::None(()));
-    }
-    let approximate = match (a.args.as_slice(), a.kwargs.get("approximate")) {
-        ([_], None) => "none",
-        ([_], Some(Arg::Str(s))) if a.kwargs.len() == 1 => s.as_str(),
-        ([_, Arg::Str(s)], None) if a.kwargs.is_empty() => s.as_str(),
-        _ => return None,
-    };
-    matches!(approximate, "none" | "tanh").then(|| Arg::Str(approximate.to_owned()))
 }
 
 #[cfg(test)]

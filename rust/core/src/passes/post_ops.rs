@@ -3,7 +3,7 @@
 //! runtime maps each [`Activation`] to its kernels' epilogue; Python reads it (`_rt.POST_OPS`)
 //! for the fused ops' Python forms, which run each post-op as its aten op.
 
-use crate::schema::{Arg, Float};
+use crate::schema::{Arg, Float, Node};
 
 /// An activation a fused op may apply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -105,6 +105,22 @@ pub fn scalars(attr: &str, args: &[Arg]) -> Option<Vec<Arg>> {
         (_, [_]) => Some(Vec::new()),
         _ => None,
     }
+}
+
+/// A fused op's `algorithm` for an activation node: GELU's `approximate` (`"none"` or
+/// `"tanh"`), `None` for the others, which take only their input. `None` (no fusion) for
+/// anything else.
+pub fn algorithm(attr: &str, a: &Node) -> Option<Arg> {
+    if attr != "gelu" {
+        return (a.args.len() == 1 && a.kwargs.is_empty()).then_some(Arg::None(()));
+    }
+    let approximate = match (a.args.as_slice(), a.kwargs.get("approximate")) {
+        ([_], None) => "none",
+        ([_], Some(Arg::Str(s))) if a.kwargs.len() == 1 => s.as_str(),
+        ([_, Arg::Str(s)], None) if a.kwargs.is_empty() => s.as_str(),
+        _ => return None,
+    };
+    matches!(approximate, "none" | "tanh").then(|| Arg::Str(approximate.to_owned()))
 }
 
 #[cfg(test)]

@@ -585,7 +585,11 @@ impl CStep {
                 };
                 let panels = l.panels.get(abi, consts)?;
                 // SAFETY: as above.
-                unsafe { ops.linear_int8(tensor(0)??, input, panels, [l.n, l.k], tensor(6)??, tensor(8)?) }
+                unsafe {
+                    let weight =
+                        crate::operators::Int8Weight { panels, n: l.n, k: l.k, scale: tensor(6)??, bias: tensor(8)? };
+                    ops.linear_int8(tensor(0)??, input, weight, l.epilogue)
+                }
             }
         }
     }

@@ -15,6 +15,17 @@ pub enum Int8Input {
     Chosen { qmin: i64, qmax: i64, eps: f64 },
 }
 
+/// An int8 linear's weight as a call hands it to the kernel: its panels (`Int8Panels`), its
+/// `[n, k]`, its float32 `[n]` scales and its bias.
+#[derive(Debug, Clone, Copy)]
+pub struct Int8Weight {
+    pub panels: Raw,
+    pub n: i64,
+    pub k: i64,
+    pub scale: Raw,
+    pub bias: Option<Raw>,
+}
+
 /// An int8 linear's weight packed for the kernel on its first call (as [`super::Panels`]):
 /// the int8 `[n, k]` weight and its zero points, as constants of the plan.
 #[derive(Debug)]
@@ -114,9 +125,9 @@ impl Operators<'_> {
     }
 
     /// kwexport's int8 linear of `x` (contiguous float32 on the CPU, `[..., k]`), quantized as
-    /// `input` says, with the weight's `panels` (`Int8Panels`), its float32 `[n]` scales and `bias`:
-    /// a new `[..., n]` tensor, or `None` where the tensors or `quant` don't qualify (the
-    /// caller runs the op's Python form).
+    /// `input` says, with `weight`, then `epilogue` (the activation fused with it): a new
+    /// `[..., n]` tensor, or `None` where the tensors or `quant` don't qualify (the caller runs
+    /// the op's Python form).
     ///
     /// # Safety
     /// Every handle must be live.
@@ -124,11 +135,10 @@ impl Operators<'_> {
         &self,
         x: Raw,
         input: Int8Input,
-        panels: Raw,
-        [n, k]: [i64; 2],
-        w_scale: Raw,
-        bias: Option<Raw>,
+        weight: Int8Weight,
+        epilogue: kernels::Epilogue,
     ) -> Option<Result<Tensor, CError>> {
+        let Int8Weight { panels, n, k, scale: w_scale, bias } = weight;
         let shims = self.0.shims.as_ref()?;
         // SAFETY: live handles.
         let (xs, ws, bias, mut sizes) = unsafe {
@@ -156,7 +166,7 @@ impl Operators<'_> {
             let len = kernels::int8::pack_size([n, k]).iter().product();
             let pairs = std::slice::from_raw_parts(shims.data_ptr(panels)? as *const u32, len);
             let os = self.floats_mut(&mut out, m * n)?;
-            kernels::int8::linear(xs, [m, k, n], &quant, pairs, ws, bias, kernels::Epilogue::None, os)
+            kernels::int8::linear(xs, [m, k, n], &quant, pairs, ws, bias, epilogue, os)
         };
         ran.ok().map(|()| Ok(out))
     }

@@ -15,7 +15,7 @@ use std::sync::OnceLock;
 use crate::abi::{Abi, CError, Raw, StableIValue, Status, Tensor};
 use crate::kernels;
 
-pub use int8::{Int8Input, Int8Panels};
+pub use int8::{Int8Input, Int8Panels, Int8Weight};
 pub use kernels::int8::Quant;
 pub use kernels::winograd::{takes as winograd_takes, MIN_PIXELS as WINOGRAD_MIN_PIXELS};
 pub use kernels::{Conv2d, Depthwise, Epilogue, MaxPool};

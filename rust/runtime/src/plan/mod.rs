@@ -158,13 +158,15 @@ pub enum OwnOp {
 }
 
 /// What an int8 linear's kernel needs besides the node's tensors: where the input's scale
-/// and zero point come from, its range, and the weight's `[n, k]` and panels.
+/// and zero point come from, its range, the weight's `[n, k]`, the activation fused with it,
+/// and the weight's panels.
 #[derive(Debug)]
 pub struct Int8Linear {
     pub(crate) params: Int8Params,
     pub(crate) range: [i64; 2],
     pub(crate) n: i64,
     pub(crate) k: i64,
+    pub(crate) epilogue: crate::operators::Epilogue,
     pub(crate) panels: crate::operators::Int8Panels,
 }
 

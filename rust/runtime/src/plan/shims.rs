@@ -226,10 +226,11 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg], consts: &mut dyn KernelC
         // Only a `fast` load with kwexport's kernels makes this node (`passes::linear_int8`):
         // a weight of the file, its scales a weight too (read per call), and the input's
         // parameters literals (`.default`) or tensors (`.tensor`).
-        // (`.dynamic` takes `eps` and a dtype where the others take the scale and zero point).
+        // (`.dynamic` takes `eps` and a dtype where the others take the scale and zero point),
+        // then the activation fused with it.
         (
             ("kwexport::linear_int8", overload @ ("" | "tensor" | "dynamic")),
-            [SlotArg::Value(_), a, b, c, d, SlotArg::Value(ValueRef::Weight(w)), SlotArg::Value(ValueRef::Weight(_)), SlotArg::Value(ValueRef::Weight(w_zp)), _],
+            [SlotArg::Value(_), a, b, c, d, SlotArg::Value(ValueRef::Weight(w)), SlotArg::Value(ValueRef::Weight(_)), SlotArg::Value(ValueRef::Weight(w_zp)), _, post @ ..],
         ) => {
             use super::Int8Params;
             let int = |a: &SlotArg| match a {
@@ -247,8 +248,16 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg], consts: &mut dyn KernelC
                 },
                 _ => return None,
             };
+            // The activation fused with it, as `mkldnn::_linear_pointwise` names it.
+            let [SlotArg::Literal(Arg::Str(attr)), algorithm] = post else { return None };
+            let algorithm = match algorithm {
+                SlotArg::Literal(Arg::Str(a)) => Some(a.as_str()),
+                SlotArg::Literal(Arg::None(())) => None,
+                _ => return None,
+            };
+            let epilogue = crate::operators::epilogue_of(attr, algorithm)?;
             let (panels, [n, k]) = consts.int8_panels(w, w_zp)?;
-            let linear = super::Int8Linear { params, range, n, k, panels };
+            let linear = super::Int8Linear { params, range, n, k, epilogue, panels };
             Some(super::OwnOp::LinearInt8(std::sync::Arc::new(linear)))
         }
         (("aten::adaptive_avg_pool2d", ""), [SlotArg::Value(_), SlotArg::List(size)])
