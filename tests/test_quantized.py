@@ -294,3 +294,29 @@ def test_a_torchao_int8_file_loads_and_runs_in_a_process_without_torchao(tmp_pat
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
+
+def test_quantize_a_pt2_from_the_command_line(tmp_path):
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(4, 64)
+    pt2, calls = tmp_path / "m.pt2", tmp_path / "calls.pt"
+    torch.export.save(torch.export.export(model, (x,)), pt2)
+    torch.save([((torch.randn(4, 64),), {}) for _ in range(3)], calls)
+
+    def cli(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "kwexport", "quantize", *map(str, args)], capture_output=True, text=True
+        )
+
+    with torch.no_grad():
+        want = model(x)
+    for activations, extra, overload in [("dynamic", [], "dynamic"), ("static", ["--calibrate", calls], "default")]:
+        kwx = tmp_path / f"{activations}.kwx"
+        out = cli(pt2, kwx, "--activations", activations, *extra)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip().startswith(f"{kwx}: forward(x), int8 ({activations} activations)")
+        prog = kwexport.load(kwx, optimize="fast")
+        assert [n["op"] for n in prog.profile(x) if "::" in n["op"]] == [f"kwexport::linear_int8.{overload}"] * 3
+        assert ((prog(x) - want).abs().max() / want.abs().max()).item() < 0.05
+    out = cli(pt2, tmp_path / "other.kwx", "--activations", "static")
+    assert out.returncode == 1
+    assert "static activations need calibration calls: pass --calibrate CALLS.pt" in out.stderr

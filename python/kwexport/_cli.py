@@ -4,6 +4,8 @@ and validates a file without torch; only ``convert`` imports torch (to read the 
     kwexport inspect PATH [--json]     what a file holds, validated, without running it
     kwexport upgrade OLD NEW [--force] rewrite a file at the current format version
     kwexport convert MODEL.pt2 NEW.kwx a torch.export file as a kwexport file (imports torch)
+    kwexport quantize MODEL.pt2 NEW.kwx [--activations dynamic|static] [--calibrate CALLS.pt]
+                                       the same, quantized to int8 by torch's pt2e flow (torchao)
     kwexport optimize OLD NEW [--level fast] [--force]
                                        the graphs rewritten at a level, written once (imports torch)
     kwexport bench PATH [--dim N=V] [--shape PATH=2x3] [--optimize exact,fast,bf16] [--json]
@@ -124,6 +126,35 @@ def convert(pt2: str, new: str, *, force: bool = False) -> dict[str, Any]:
     return describe(new)
 
 
+def quantize(
+    pt2: str, new: str, *, activations: str = "dynamic", calibrate: str | None = None, force: bool = False
+) -> dict[str, Any]:
+    """Reads a ``.pt2`` written by ``torch.export.save`` and saves it quantized to int8 by
+    :func:`kwexport.quantize`, traced on the program's example inputs. Static activations
+    need calibration calls: ``calibrate`` names a file ``torch.save`` wrote holding a list of
+    ``(args, kwargs)``, read with ``weights_only=True`` (tensors and containers, no code)."""
+    if os.path.exists(new) and not force:
+        raise FileExistsError(f"{new} exists; pass --force to overwrite it")
+    if activations == "static" and calibrate is None:
+        raise ValueError("static activations need calibration calls: pass --calibrate CALLS.pt")
+    import torch
+
+    from kwexport._quantize import quantize as _quantize
+    from kwexport._write import save
+
+    ep = torch.export.load(pt2)
+    if ep.example_inputs is None:
+        raise ValueError(f"{pt2} keeps no example inputs to trace the program on")
+    calls = None
+    if calibrate is not None:
+        calls = torch.load(calibrate, weights_only=True)
+        if not isinstance(calls, list) or not all(isinstance(c, tuple) and len(c) == 2 for c in calls):
+            raise ValueError(f"{calibrate}: expected a list of (args, kwargs) pairs")
+    args, kwargs = ep.example_inputs
+    save(_quantize(ep.module(), args, kwargs, calibration=calls, activations=activations), new)
+    return describe(new)
+
+
 def _pair(arg: str, flag: str) -> tuple[str, str]:
     key, sep, value = arg.partition("=")
     if not sep or not key:
@@ -145,6 +176,17 @@ def main(argv: list[str] | None = None) -> int:
     p_convert.add_argument("pt2")
     p_convert.add_argument("new")
     p_convert.add_argument("--force", action="store_true", help="overwrite NEW")
+    p_quantize = sub.add_parser("quantize", help="convert a .pt2 file quantized to int8 (imports torch, torchao)")
+    p_quantize.add_argument("pt2")
+    p_quantize.add_argument("new")
+    p_quantize.add_argument(
+        "--activations",
+        choices=["dynamic", "static"],
+        default="dynamic",
+        help="their scales per call (default) or calibrated",
+    )
+    p_quantize.add_argument("--calibrate", metavar="CALLS.pt", help="calibration calls: a list of (args, kwargs)")
+    p_quantize.add_argument("--force", action="store_true", help="overwrite NEW")
     p_optimize = sub.add_parser("optimize", help="write a file's graphs rewritten at a level (imports torch)")
     p_optimize.add_argument("old")
     p_optimize.add_argument("new")
@@ -191,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
         elif opts.command == "optimize":
             r = optimize(opts.old, opts.new, level=opts.level, force=opts.force)
             print(f"{opts.new}: optimized {r['from']} -> {r['to']}")
+        elif opts.command == "quantize":
+            info = quantize(
+                opts.pt2, opts.new, activations=opts.activations, calibrate=opts.calibrate, force=opts.force
+            )
+            m = info["methods"]["forward"]
+            print(f"{opts.new}: {m['signature']}, int8 ({opts.activations} activations), {m['nodes']} nodes")
         elif opts.command == "convert":
             info = convert(opts.pt2, opts.new, force=opts.force)
             m = info["methods"]["forward"]
@@ -199,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             r = upgrade(opts.old, opts.new, force=opts.force)
             steps = ", ".join(r["upgraders"]) or "nothing to do"
             print(f"{opts.new}: format {'.'.join(map(str, r['from']))} -> {'.'.join(map(str, r['to']))} ({steps})")
-    except (KwexportError, OSError, ValueError) as e:
+    except (KwexportError, OSError, ValueError, ImportError) as e:
         print(f"kwexport: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 0

@@ -107,7 +107,8 @@ def trace(f, args, kwargs=None, *, dynamic_shapes=None, dynamic: bool = False) -
     kwargs = dict(kwargs or {})
     if isinstance(f, torch.nn.Module):
         module, target = f, f.forward
-        name = f"{type(f).__qualname__}.forward"
+        # A GraphModule's class is made per instance (`GraphModule.__new__.<locals>...`).
+        name = "forward" if isinstance(f, torch.fx.GraphModule) else f"{type(f).__qualname__}.forward"
     elif inspect.ismethod(f) and isinstance(f.__self__, torch.nn.Module):
         # A module's other method (`model.encode`): traced over the module, so its parameters
         # and buffers are the module's weights and state, as they are for `forward`.
