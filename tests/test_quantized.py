@@ -320,3 +320,33 @@ def test_quantize_a_pt2_from_the_command_line(tmp_path):
     out = cli(pt2, tmp_path / "other.kwx", "--activations", "static")
     assert out.returncode == 1
     assert "static activations need calibration calls: pass --calibrate CALLS.pt" in out.stderr
+
+
+class Conv1DNet(nn.Module):
+    """transformers' ``Conv1D`` (GPT-2's attention and MLP): ``addmm`` with a ``[k, n]`` weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(64, 32) / 8), nn.Parameter(torch.randn(32))
+
+    def forward(self, x):
+        return torch.relu(torch.addmm(self.b, x.view(-1, 64), self.w)).view(*x.shape[:-1], 32)
+
+
+def test_quantize_takes_gpt2s_addmm_linears(tmp_path):
+    torch.manual_seed(0)
+    model, x = Conv1DNet().eval(), torch.randn(2, 5, 64)
+    ex = kwexport.quantize(model, (x,), activations="dynamic")
+    assert "quantized_decomposed.dequantize_per_channel.default" in ops_of(ex.exported_program.graph_module)
+    path = tmp_path / "int8.kwx"
+    kwexport.save(ex, path)
+    fast = kwexport.load(path, optimize="fast")
+    ran = [n["op"] for n in fast.profile(x) if "::" in n["op"]]
+    # The product and its ReLU: one int8 node between the reshapes.
+    assert [op for op in ran if "reshape" not in op] == ["kwexport::linear_int8.dynamic"], ran
+    want = ex.exported_program.module()(x)
+    assert torch.equal(kwexport.load(path)(x), want)
+    assert ((fast(x) - want).abs().max() / want.abs().max()).item() < 1e-5
+    with torch.no_grad():
+        ref = model(x)
+    assert ((fast(x) - ref).abs().max() / ref.abs().max()).item() < 0.05

@@ -39,10 +39,45 @@ def quantize(
     quantizer.set_global(xiq.get_default_x86_inductor_quantization_config(is_dynamic=activations == "dynamic"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torchao's deprecation notes about torch internals
-        prepared = prepare_pt2e(traced.exported_program.module(), quantizer)
+        prepared = prepare_pt2e(_addmm_as_linear(traced.exported_program.module()), quantizer)
         with torch.no_grad():
             for leaves in calls:
                 prepared(*leaves)
         converted = convert_pt2e(prepared)
         ep = torch.export.export(converted, tuple(traced.leaves), dynamic_shapes=traced.dynamic_shapes())
     return traced.encode(ep)
+
+
+def _addmm_as_linear(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``addmm(bias, x, w)`` with a ``[k, n]`` parameter ``w`` (transformers' ``Conv1D``:
+    GPT-2's attention and MLP) as ``linear(x, w_t, bias)`` over the transposed parameter, the
+    same product, which the x86 quantizer annotates and ``addmm`` it does not: without this, a
+    GPT-2 quantizes only its head. The weights are int8 copies after ``convert_pt2e`` anyway."""
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target != aten.addmm.default or node.kwargs or len(node.args) != 3:
+            continue  # beta or alpha given: another product
+        bias, x, w = node.args
+        if not (isinstance(w, torch.fx.Node) and w.op == "get_attr"):
+            continue
+        try:
+            weight = gm.get_parameter(w.target)
+        except AttributeError:
+            continue  # a buffer or a constant, not a parameter
+        if weight.ndim != 2:
+            continue
+        owner, _, name = w.target.rpartition(".")
+        transposed = torch.nn.Parameter(weight.detach().t().contiguous(), requires_grad=False)
+        gm.get_submodule(owner).register_parameter(f"{name}_t", transposed)
+        with gm.graph.inserting_before(node):
+            w_t = gm.graph.get_attr(f"{w.target}_t")
+            linear = gm.graph.call_function(aten.linear.default, (x, w_t, bias))
+        w_t.meta["val"] = transposed
+        # The quantizer finds linears by where they came from (`source_fn_stack`).
+        linear.meta = {**node.meta, "source_fn_stack": [(linear.name, torch.nn.functional.linear)]}
+        node.replace_all_uses_with(linear)
+        gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
