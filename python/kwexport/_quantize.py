@@ -37,6 +37,10 @@ def quantize(
     calls = [traced.leaves] + [traced.leaves_of(a, k) for a, k in (calibration or [])]
     quantizer = xiq.X86InductorQuantizer()
     quantizer.set_global(xiq.get_default_x86_inductor_quantization_config(is_dynamic=activations == "dynamic"))
+    # The quantizer would also quantize the inputs of elementwise `mul`s (inside GPT-2's tanh
+    # GELU, for one): no kernel here takes int8 there, so that is only quantize/dequantize
+    # arithmetic and error, and it keeps the GELU from fusing.
+    quantizer.set_function_type_qconfig(torch.mul, None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torchao's deprecation notes about torch internals
         prepared = prepare_pt2e(_addmm_as_linear(traced.exported_program.module()), quantizer)

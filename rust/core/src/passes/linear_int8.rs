@@ -15,7 +15,8 @@
 //! w_zp, bias)`, which chooses them itself. Each ends in the `attr, algorithm` of oneDNN's
 //! fused linear (`mkldnn::_linear_pointwise`, whose post-ops without scalars it takes): an
 //! activation that alone reads the linear (ReLU, SiLU, GELU: `linear_pointwise::ACTIVATIONS`)
-//! goes into the node, applied as the GEMM stores each result; `"none", None` where none does. Its C path quantizes the input and sums int8 products exactly
+//! goes into the node, applied as the GEMM stores each result; `"none", None` where none does
+//! (yet: a GELU that `gelu_tanh` assembles goes in at the next sweep). Its C path quantizes the input and sums int8 products exactly
 //! (`kernels::int8`), and whose Python form (`kwexport._passes.linear_int8`) is the ops it
 //! replaced. The quantize and dequantize nodes stay where anything else reads them, and go
 //! otherwise: the float32 copy of the weight the dequantize would make never exists.
@@ -90,12 +91,45 @@ pub fn apply(m: &mut Method, weights: &Weights) -> usize {
         replaced = replaced.iter().filter(|&&i| !removed[i]).map(|&i| new_index[i]).collect();
         super::remove_nodes(&mut m.graph.nodes, &removed);
     }
-    found.len()
+    found.len() + absorb_activations(m)
 }
 
-/// A quantized linear found: the index its fused node takes (the linear's, or that of the
-/// activation fused with it), the fused node (`op` left for the caller) and the overload it
-/// takes, and the nodes it stands for (quantize, dequantizes, `choose_qparams`, the linear).
+/// Takes into each fused node without an activation the activation that alone reads it
+/// (ReLU, SiLU, GELU, as `linear_pointwise` takes them), which then runs as the GEMM's
+/// epilogue: the one after the linear in the file, or one a later pass made (`gelu_tanh`'s
+/// GELU, in a later sweep). The fused node takes the activation's place. Returns how many.
+fn absorb_activations(m: &mut Method) -> usize {
+    let read = readers(&m.graph);
+    let name = |m: &Method, n: &Node| m.ops.get(n.op).map_or(String::new(), |o| o.name.clone());
+    let mut removed = vec![false; m.graph.nodes.len()];
+    for i in 0..m.graph.nodes.len() {
+        let node = &m.graph.nodes[i];
+        let fused = [FUSED, FUSED_TENSOR, FUSED_DYNAMIC].contains(&name(m, node).as_str());
+        let len = node.args.len();
+        if !fused || len < 2 || node.args[len - 2] != Arg::Str("none".into()) {
+            continue;
+        }
+        let Some(ai) = sole_reader(&read, node) else { continue };
+        let a = &m.graph.nodes[ai];
+        let Some(attr) = super::post_ops::attr_of_op(Some(&name(m, a)), super::linear_pointwise::ACTIVATIONS) else {
+            continue;
+        };
+        let Some(algorithm) = super::post_ops::algorithm(attr, a) else { continue };
+        let mut node = node.clone();
+        node.args[len - 2] = Arg::Str(attr.to_owned());
+        node.args[len - 1] = algorithm;
+        node.outputs = a.outputs.clone();
+        // At the activation's place: everything the linear read is defined by then.
+        m.graph.nodes[ai] = node;
+        removed[i] = true;
+    }
+    let absorbed = removed.iter().filter(|&&r| r).count();
+    super::remove_nodes(&mut m.graph.nodes, &removed);
+    absorbed
+}
+
+/// A quantized linear found: its index, the fused node (`op` left for the caller) and the
+/// overload it takes, and the nodes it stands for (quantize, dequantizes, `choose_qparams`).
 struct Found {
     linear: usize,
     node: Node,
@@ -124,7 +158,6 @@ fn find(m: &Method, weights: &Weights) -> Vec<Found> {
         _ => None,
     };
     let weight_of = weight_inputs(g);
-    let read = readers(g);
     let tensor = |a: &Arg, dtypes: &[&str], rank: usize| match a {
         Arg::Ref(v) => weight_of.get(v.as_str()).and_then(|w| weights.tensors.get(*w)).is_some_and(|t| {
             dtypes.contains(&t.dtype.as_str()) && !t.mutable && t.shape.len() == rank && !t.shape.contains(&0)
@@ -211,23 +244,10 @@ fn find(m: &Method, weights: &Weights) -> Vec<Found> {
                 (if overload == "tensor" { FUSED_TENSOR } else { FUSED }, [params, weight.to_vec()].concat())
             }
         };
-        // The activation that alone reads the linear, as the GEMM's epilogue (as
-        // `linear_pointwise` fuses a float32 linear's): the fused node takes its place.
-        let activation = sole_reader(&read, linear).and_then(|ai| {
-            let a = &g.nodes[ai];
-            let attr = super::post_ops::attr_of_op(Some(op_of(a)), super::linear_pointwise::ACTIVATIONS)?;
-            Some((ai, attr, super::post_ops::algorithm(attr, a)?))
-        });
-        let (at, attr, algorithm, outputs) = match activation {
-            Some((ai, attr, algorithm)) => {
-                replaced.push(i);
-                (ai, attr, algorithm, g.nodes[ai].outputs.clone())
-            }
-            None => (i, "none", Arg::None(()), linear.outputs.clone()),
-        };
-        let args = [args, vec![Arg::Str(attr.to_owned()), algorithm]].concat();
-        let node = Node { op: 0, args, kwargs: Default::default(), outputs };
-        found.push(Found { linear: at, node, op, replaced });
+        // No activation yet: `absorb_activations` takes the one after it, if any.
+        let args = [args, vec![Arg::Str("none".into()), Arg::None(())]].concat();
+        let node = Node { op: 0, args, kwargs: Default::default(), outputs: linear.outputs.clone() };
+        found.push(Found { linear: i, node, op, replaced });
     }
     found
 }
@@ -365,7 +385,7 @@ mod tests {
             ("aten::silu_.default", json!([]), "swish", json!(null)),
         ] {
             let mut m = with_activation(op, args);
-            assert_eq!(apply(&mut m, &weights()), 1);
+            assert_eq!(apply(&mut m, &weights()), 2, "the linear, then its activation");
             assert_eq!(m.graph.nodes.len(), 1, "{op}: the linear and the activation are one node");
             let y = &m.graph.nodes[0];
             assert_eq!(m.ops[y.op].name, FUSED);
@@ -384,6 +404,21 @@ mod tests {
             assert_eq!(m.graph.nodes.len(), 2);
             assert_eq!(m.graph.nodes[0].args[9], Arg::Str("none".into()));
         }
+    }
+
+    #[test]
+    fn absorbs_an_activation_a_later_pass_makes() {
+        // A fused node of an earlier sweep, then the GELU `gelu_tanh` assembled after it.
+        let mut m = with_activation("aten::gelu.default", json!([{"str": "tanh"}]));
+        m.graph.outputs = vec![Arg::Ref("y".into())];
+        assert_eq!(apply(&mut m, &weights()), 1);
+        assert_eq!(m.graph.nodes.len(), 2, "the GELU was no reader then");
+        m.graph.outputs = vec![Arg::Ref("a".into())];
+        assert_eq!(apply(&mut m, &weights()), 1);
+        assert_eq!(m.graph.nodes.len(), 1);
+        let tail = serde_json::to_value(&m.graph.nodes[0].args[9..]).unwrap();
+        assert_eq!(tail, json!([{"str": "gelu"}, {"str": "tanh"}]));
+        assert_eq!(apply(&mut m, &weights()), 0, "nothing left to take");
     }
 
     #[test]
