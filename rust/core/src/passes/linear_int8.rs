@@ -100,32 +100,34 @@ pub fn apply(m: &mut Method, weights: &Weights) -> usize {
 /// GELU, in a later sweep). The fused node takes the activation's place. Returns how many.
 fn absorb_activations(m: &mut Method) -> usize {
     let read = readers(&m.graph);
-    let name = |m: &Method, n: &Node| m.ops.get(n.op).map_or(String::new(), |o| o.name.clone());
+    let name = |n: &Node| m.ops.get(n.op).map_or("", |o| o.name.as_str());
+    let g = &m.graph;
+    // Each fused node to absorb an activation: its index, the activation's, and the result.
+    let absorbed: Vec<(usize, usize, Node)> = (g.nodes.iter().enumerate())
+        .filter_map(|(i, node)| {
+            let len = node.args.len();
+            let fused = [FUSED, FUSED_TENSOR, FUSED_DYNAMIC].contains(&name(node));
+            if !fused || len < 2 || node.args[len - 2] != Arg::Str("none".into()) {
+                return None;
+            }
+            let ai = sole_reader(&read, node)?;
+            let a = &g.nodes[ai];
+            let attr = super::post_ops::attr_of_op(Some(name(a)), super::linear_pointwise::ACTIVATIONS)?;
+            let mut node = node.clone();
+            node.args[len - 1] = super::post_ops::algorithm(attr, a)?;
+            node.args[len - 2] = Arg::Str(attr.to_owned());
+            node.outputs = a.outputs.clone();
+            Some((i, ai, node))
+        })
+        .collect();
     let mut removed = vec![false; m.graph.nodes.len()];
-    for i in 0..m.graph.nodes.len() {
-        let node = &m.graph.nodes[i];
-        let fused = [FUSED, FUSED_TENSOR, FUSED_DYNAMIC].contains(&name(m, node).as_str());
-        let len = node.args.len();
-        if !fused || len < 2 || node.args[len - 2] != Arg::Str("none".into()) {
-            continue;
-        }
-        let Some(ai) = sole_reader(&read, node) else { continue };
-        let a = &m.graph.nodes[ai];
-        let Some(attr) = super::post_ops::attr_of_op(Some(&name(m, a)), super::linear_pointwise::ACTIVATIONS) else {
-            continue;
-        };
-        let Some(algorithm) = super::post_ops::algorithm(attr, a) else { continue };
-        let mut node = node.clone();
-        node.args[len - 2] = Arg::Str(attr.to_owned());
-        node.args[len - 1] = algorithm;
-        node.outputs = a.outputs.clone();
+    for (i, ai, node) in &absorbed {
         // At the activation's place: everything the linear read is defined by then.
-        m.graph.nodes[ai] = node;
-        removed[i] = true;
+        m.graph.nodes[*ai] = node.clone();
+        removed[*i] = true;
     }
-    let absorbed = removed.iter().filter(|&&r| r).count();
     super::remove_nodes(&mut m.graph.nodes, &removed);
-    absorbed
+    absorbed.len()
 }
 
 /// A quantized linear found: its index, the fused node (`op` left for the caller) and the
