@@ -16,8 +16,8 @@
 //! fused linear (`mkldnn::_linear_pointwise`, whose post-ops without scalars it takes): an
 //! activation that alone reads the linear (ReLU, SiLU, GELU: `linear_pointwise::ACTIVATIONS`)
 //! goes into the node, applied as the GEMM stores each result; `"none", None` where none does
-//! (yet: a GELU that `gelu_tanh` assembles goes in at the next sweep). Its C path quantizes the input and sums int8 products exactly
-//! (`kernels::int8`), and whose Python form (`kwexport._passes.linear_int8`) is the ops it
+//! (yet: a GELU that `gelu_tanh` assembles goes in at the next sweep). Its C path quantizes
+//! the input and sums int8 products exactly (`kernels::int8`), and whose Python form (`kwexport._passes.linear_int8`) is the ops it
 //! replaced. The quantize and dequantize nodes stay where anything else reads them, and go
 //! otherwise: the float32 copy of the weight the dequantize would make never exists.
 //!
@@ -120,14 +120,14 @@ fn absorb_activations(m: &mut Method) -> usize {
             Some((i, ai, node))
         })
         .collect();
-    let mut removed = vec![false; m.graph.nodes.len()];
-    for (i, ai, node) in &absorbed {
+    let (count, mut removed) = (absorbed.len(), vec![false; m.graph.nodes.len()]);
+    for (i, ai, node) in absorbed {
         // At the activation's place: everything the linear read is defined by then.
-        m.graph.nodes[*ai] = node.clone();
-        removed[*i] = true;
+        m.graph.nodes[ai] = node;
+        removed[i] = true;
     }
     super::remove_nodes(&mut m.graph.nodes, &removed);
-    absorbed.len()
+    count
 }
 
 /// A quantized linear found: its index, the fused node (`op` left for the caller) and the

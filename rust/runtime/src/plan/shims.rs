@@ -202,21 +202,26 @@ pub(super) fn compile(
         // Only a `fast` load on a CPU with oneDNN and kwexport's GEMM makes this node
         // (`passes::linear_pointwise`): a linear, then its activation applied by kwexport.
         ("mkldnn::_linear_pointwise", "") => {
-            let algorithm = match bound.get(5)? {
-                SlotArg::Literal(Arg::Str(a)) => Some(a.as_str()),
-                SlotArg::Literal(Arg::None(())) => None,
-                _ => return None,
-            };
-            let (SlotArg::Literal(Arg::Str(attr)), SlotArg::List(scalars)) = (bound.get(3)?, bound.get(4)?) else {
-                return None;
-            };
-            let epilogue = crate::operators::epilogue_of(attr, algorithm).filter(|_| scalars.is_empty())?;
+            let SlotArg::List(scalars) = bound.get(4)? else { return None };
+            let epilogue = fused_epilogue(bound.get(3)?, bound.get(5)?).filter(|_| scalars.is_empty())?;
             ShimUse { epilogue, ..linear(true) }
         }
         ("aten::linear", "") => linear(fast),
         _ => return None,
     };
     shim_step(abi, op, node, bound, is_tensor, consts, uses)
+}
+
+/// The epilogue a fused linear's literal `attr` and `algorithm` (oneDNN's names for a post-op
+/// and GELU's approximation) ask for; `None` where they aren't literals kwexport applies.
+fn fused_epilogue(attr: &SlotArg, algorithm: &SlotArg) -> Option<crate::operators::Epilogue> {
+    let algorithm = match algorithm {
+        SlotArg::Literal(Arg::Str(a)) => Some(a.as_str()),
+        SlotArg::Literal(Arg::None(())) => None,
+        _ => return None,
+    };
+    let SlotArg::Literal(Arg::Str(attr)) = attr else { return None };
+    crate::operators::epilogue_of(attr, algorithm)
 }
 
 /// At `fast`, the kernel of kwexport's a dispatched node runs where its tensors qualify.
@@ -249,13 +254,8 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg], consts: &mut dyn KernelC
                 _ => return None,
             };
             // The activation fused with it, as `mkldnn::_linear_pointwise` names it.
-            let [SlotArg::Literal(Arg::Str(attr)), algorithm] = post else { return None };
-            let algorithm = match algorithm {
-                SlotArg::Literal(Arg::Str(a)) => Some(a.as_str()),
-                SlotArg::Literal(Arg::None(())) => None,
-                _ => return None,
-            };
-            let epilogue = crate::operators::epilogue_of(attr, algorithm)?;
+            let [attr, algorithm] = post else { return None };
+            let epilogue = fused_epilogue(attr, algorithm)?;
             let (panels, [n, k]) = consts.int8_panels(w, w_zp)?;
             let linear = super::Int8Linear { params, range, n, k, epilogue, panels };
             Some(super::OwnOp::LinearInt8(std::sync::Arc::new(linear)))
