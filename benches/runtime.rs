@@ -160,7 +160,9 @@ fn kernels(c: &mut Criterion) {
             b.iter(|| gemm_f32(&x, m, k, &wt, n, Some(&bias), None, Epilogue::Hardswish, &mut out))
         });
     }
-    for (ch, k, s, size) in [(72, 3, 2, 56), (240, 5, 1, 14), (576, 5, 1, 7)] {
+    for (ch, k, s, size) in
+        [(72, 3, 2, 56), (240, 5, 1, 14), (576, 5, 1, 7), (96, 3, 2, 112), (144, 3, 1, 56), (384, 3, 1, 14)]
+    {
         let g = Depthwise::new([ch as i64, k as i64, k as i64], [s as i64; 2], [(k / 2) as i64; 2]).unwrap();
         let [ho, wo] = g.output(size, size).unwrap();
         let (x, taps, bias, mut out) = (data(size * size * ch), data(k * k * ch), data(ch), vec![0.0; ho * wo * ch]);

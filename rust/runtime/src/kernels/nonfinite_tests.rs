@@ -133,9 +133,12 @@ fn winograd_declines_a_non_finite_input_and_takes_a_finite_one() {
 #[test]
 fn depthwise_gives_the_references_nan_and_inf() {
     super::tests::each_isa(|| {
-        for (c, k, s, p, h, w) in
-            [(16usize, 3usize, 2usize, 1usize, 9usize, 9usize), (24, 5, 1, 2, 7, 6), (20, 7, 1, 3, 9, 8)]
-        {
+        for (c, k, s, p, h, w) in [
+            (16usize, 3usize, 2usize, 1usize, 9usize, 9usize),
+            (24, 5, 1, 2, 7, 6),
+            (20, 7, 1, 3, 9, 8),
+            (48, 3, 1, 1, 12, 12),
+        ] {
             let g = Depthwise::new([c as i64, k as i64, k as i64], [s as i64; 2], [p as i64; 2]).unwrap();
             let [ho, wo] = g.output(h, w).unwrap();
             let x = with_specials(2 * h * w * c, 41, (c * k) as u64);

@@ -192,8 +192,14 @@ fn gemm_epilogues_match_torchs_definitions() {
 fn depthwise_matches_the_reference() {
     each_isa(|| {
         // (c, kernel, stride, padding, h, w): mobilenet's shapes, odd sizes, a kernel larger
-        // than the image with padding, channels that aren't a multiple of 16, 7×7 (ConvNeXt's).
+        // than the image with padding, channels that aren't a multiple of 16, 7×7 (ConvNeXt's),
+        // rows wide enough for quads of pixels with every tap inside (two whole vectors at a
+        // time, then the channels left).
         for (c, k, s, p, h, w) in [
+            (48, 3, 1, 1, 12, 12),
+            (40, 5, 2, 2, 20, 19),
+            (32, 3, 2, 1, 17, 16),
+            (24, 5, 1, 2, 13, 11),
             (16, 3, 2, 1, 9, 9),
             (24, 5, 1, 2, 7, 6),
             (5, 3, 1, 1, 4, 5),
