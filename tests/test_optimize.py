@@ -565,6 +565,43 @@ def test_fast_fuses_relu6_into_convolutions(tmp_path):
     assert rel_err(got.detach(), want) < 1e-5 and rel_err(xg.grad, xe.grad) < 1e-5
 
 
+class GeluConvs(nn.Module):
+    """ConvNeXt's pointwise MLP (1×1 convolution, GELU, 1×1 convolution) with the tanh GELU
+    after a 3×3 convolution in front."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 16, 3, padding=1)
+        self.fc1, self.fc2 = nn.Conv2d(16, 64, 1), nn.Conv2d(64, 16, 1)
+
+    def forward(self, x):
+        y = nn.functional.gelu(self.conv(x), approximate="tanh")
+        return self.fc2(nn.functional.gelu(self.fc1(y)))
+
+
+def test_fast_fuses_gelu_into_convolutions(tmp_path):
+    """GELU (either approximation) after a convolution becomes its post-op: on kwexport's
+    GEMM or oneDNN's 1×1 convolution (each forced), and oneDNN's 3×3 one, within tolerance."""
+    torch.manual_seed(0)
+    model = GeluConvs().eval()
+    x = (torch.randn(2, 8, 14, 14) * 3).contiguous(memory_format=torch.channels_last)
+    path = tmp_path / "gelu.kwx"
+    kwexport.save(kwexport.export(model, (x,)), path)
+    torch.save(x, tmp_path / "x.pt")
+    script = f"""
+import sys, torch, kwexport
+fast = kwexport.load({str(path)!r}, optimize="fast")
+x = torch.load({str(tmp_path / "x.pt")!r})
+torch.save((fast(x), [n["op"] for n in fast.profile(x)]), sys.argv[1])
+"""
+    with torch.no_grad():
+        want = model(x)
+    for kernel, (got, ran) in with_each_kernel(tmp_path, script).items():
+        assert rel_err(got, want) < 1e-5, kernel
+        if torch.backends.mkldnn.is_available():
+            assert "aten::gelu.default" not in ran, (kernel, ran)
+
+
 class MaskedAttention(nn.Module):
     """What transformers build from the traced sizes on every call: a causal mask from
     `arange`s and a rotary table in a no-grad region, read by the layer."""

@@ -25,7 +25,7 @@ use crate::schema::{Arg, Document, Method, Node, WeightTensor};
 pub const FUSED: &str = crate::tables::PASS_OPS[0];
 
 /// The post-ops (`post_ops::POST_OPS`) a lowered convolution takes, each of its input only.
-const ACTIVATIONS: &[&str] = &["relu", "hardswish", "hardsigmoid", "swish", "sigmoid", "tanh", "hardtanh"];
+const ACTIVATIONS: &[&str] = &["relu", "hardswish", "hardsigmoid", "swish", "sigmoid", "tanh", "hardtanh", "gelu"];
 
 /// Lowers every qualifying 2-D convolution of each method's top-level graph (1×1 ones with
 /// stride 1, no padding and one group only with `gemm`); returns how many.
@@ -104,8 +104,12 @@ fn find(
         let activation = sole_reader(readers, conv).and_then(|ai| {
             let a = &g.nodes[ai];
             let attr = super::post_ops::attr_of_op(op_of(a), ACTIVATIONS)?;
+            // GELU's approximation is its `algorithm`; the others take scalars (ReLU6's bounds).
+            if attr == "gelu" {
+                return Some((ai, attr, Vec::new(), super::post_ops::algorithm(attr, a)?));
+            }
             let scalars = super::post_ops::scalars(attr, &a.args).filter(|_| a.kwargs.is_empty())?;
-            Some((ai, attr, scalars))
+            Some((ai, attr, scalars, Arg::None(())))
         });
         let (x, bias) = (conv.args[0].clone(), conv.args.get(2).cloned().unwrap_or(Arg::None(())));
         let node = Node {
@@ -118,14 +122,14 @@ fn find(
                 stride,
                 dilation,
                 groups,
-                Arg::Str(activation.as_ref().map_or("none", |(_, attr, _)| attr).to_owned()),
-                Arg::List(activation.as_ref().map_or_else(Vec::new, |(_, _, scalars)| scalars.clone())),
-                Arg::None(()),
+                Arg::Str(activation.as_ref().map_or("none", |(_, attr, _, _)| attr).to_owned()),
+                Arg::List(activation.as_ref().map_or_else(Vec::new, |(_, _, scalars, _)| scalars.clone())),
+                activation.as_ref().map_or(Arg::None(()), |(_, _, _, algorithm)| algorithm.clone()),
             ],
             kwargs: Default::default(),
-            outputs: activation.as_ref().map_or(&conv.outputs, |(ai, _, _)| &g.nodes[*ai].outputs).clone(),
+            outputs: activation.as_ref().map_or(&conv.outputs, |(ai, _, _, _)| &g.nodes[*ai].outputs).clone(),
         };
-        found.push((ci, activation.map(|(ai, _, _)| ai), node));
+        found.push((ci, activation.map(|(ai, _, _, _)| ai), node));
     }
     found
 }
@@ -235,6 +239,33 @@ mod tests {
         assert_eq!(n.args, expected);
         assert_eq!(n.outputs, crate::schema::Outputs::One("y".into()));
         assert_eq!(apply(&mut d, false), 0, "idempotent");
+    }
+
+    #[test]
+    fn takes_gelu_with_its_approximation_as_the_algorithm() {
+        // (the GELU node's arguments after its input, the fused node's algorithm): ConvNeXt's
+        // 1×1 convolution then GELU; an approximation oneDNN lacks stays a node.
+        for (extra, algorithm) in
+            [(json!([]), Some("none")), (json!([{"str": "tanh"}]), Some("tanh")), (json!([{"str": "sigmoid"}]), None)]
+        {
+            let mut d = doc(|h| {
+                let m = &mut h["methods"]["forward"];
+                m["ops"][1]["name"] = json!("aten::gelu.default");
+                m["graph"]["nodes"][1]["args"]
+                    .as_array_mut()
+                    .unwrap()
+                    .extend(extra.as_array().unwrap().iter().cloned());
+            });
+            assert_eq!(apply(&mut d, false), 1);
+            let nodes = &d.methods["forward"].graph.nodes;
+            match algorithm {
+                Some(a) => {
+                    assert_eq!(nodes.len(), 1);
+                    assert_eq!(nodes[0].args[7..], [Arg::Str("gelu".into()), Arg::List(vec![]), Arg::Str(a.into())]);
+                }
+                None => assert_eq!((nodes.len(), &nodes[0].args[7]), (2, &Arg::Str("none".into()))),
+            }
+        }
     }
 
     #[test]

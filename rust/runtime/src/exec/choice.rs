@@ -50,8 +50,10 @@ impl CStep {
             let b = if conv.bias { &mut b as *mut abi::Raw } else { std::ptr::null_mut() };
             let mut out: abi::Raw = std::ptr::null_mut();
             let geometry = (conv.padding.as_ptr(), conv.stride.as_ptr(), conv.dilation.as_ptr());
-            // SAFETY: live handles (the bias a pointer to one, or null); pairs of two ints; no
-            // scalars and no algorithm, as compiled; the attributes C strings of the plan.
+            // GELU's approximation, as the optional C string the shim takes.
+            let algorithm = conv.algorithm.as_ref().filter(|_| post).map(|a| a.as_ptr());
+            // SAFETY: live handles (the bias a pointer to one, or null); pairs of two ints; the
+            // scalars and algorithm as compiled; the attributes C strings of the plan.
             let status = unsafe {
                 match (shim.f, residual, &conv.residual) {
                     (ShimFn::ConvPointwiseBinary(f), Some(r), Some(unary)) => {
@@ -91,7 +93,7 @@ impl CStep {
                         if post { conv.attr.as_ptr() } else { c"none".as_ptr() },
                         if post { scalars.as_ptr() } else { std::ptr::null() },
                         if post { scalars.len() as i64 } else { 0 },
-                        std::ptr::null(),
+                        algorithm.as_ref().map_or(std::ptr::null(), |p| p as *const _),
                         &mut out,
                     ),
                     _ => return Err(CError::Internal("a convolution's shim and residual disagree".into())),

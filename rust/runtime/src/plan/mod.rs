@@ -226,6 +226,8 @@ pub struct Conv {
     pub(crate) attr: std::ffi::CString,
     /// The post-op's scalars: ReLU6's bounds for `hardtanh`, else none.
     pub(crate) scalars: Vec<f64>,
+    /// The post-op's algorithm: GELU's approximation (`none` or `tanh`), else none.
+    pub(crate) algorithm: Option<std::ffi::CString>,
     /// Whether the step's third tensor is a bias.
     pub(crate) bias: bool,
     /// For `_convolution_pointwise.binary` (`passes::conv_residual`): the residual add, whose

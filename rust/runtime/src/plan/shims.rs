@@ -328,12 +328,15 @@ fn conv_step(
     // The post-op, and for the binary overload the residual tensor and the add's own post-op.
     let (f, x, w, bias, [padding, stride, dilation, groups], attr, residual) = match bound {
         [x, SlotArg::Value(ValueRef::Weight(w)), bias, p, s, d, g, attr, scalars, algorithm]
-            if none(algorithm)
-                && match str_of(attr).as_deref() {
-                    // ReLU6, the one `hardtanh` the pass fuses (`passes::RELU6`).
-                    Some("hardtanh") => floats(scalars).as_deref() == Some(&kwexport_core::passes::RELU6[..]),
-                    _ => empty(scalars),
-                } =>
+            if match str_of(attr).as_deref() {
+                // ReLU6, the one `hardtanh` the pass fuses (`passes::RELU6`).
+                Some("hardtanh") => {
+                    none(algorithm) && floats(scalars).as_deref() == Some(&kwexport_core::passes::RELU6[..])
+                }
+                // GELU's approximation is its algorithm.
+                Some("gelu") => empty(scalars) && matches!(str_of(algorithm).as_deref(), Some("none" | "tanh")),
+                _ => none(algorithm) && empty(scalars),
+            } =>
         {
             (shims.conv_pointwise?, *x, w, *bias, [*p, *s, *d, *g], str_of(attr)?, None)
         }
@@ -354,34 +357,46 @@ fn conv_step(
     let (padding, stride, dilation) = (pair(padding)?, pair(stride)?, pair(dilation)?);
     let weight = consts.weight(w);
     let shape: [i64; 4] = consts.f32_shape(w)?.try_into().ok()?;
-    let own = crate::operators::epilogue_of(&attr, None).filter(|_| dilation == [1, 1]).and_then(|epilogue| {
-        use crate::operators::Conv2d;
-        let [out, inputs, kh, kw] = shape;
-        let geometry = Conv2d::new(shape, stride, padding)?;
-        let pointwise = [kh, kw] == [1, 1] && stride == [1, 1] && padding == [0, 0];
-        // `weight_panels` packs a `[n, k, 1, 1]` weight of a small enough size at load.
-        let gemm = (pointwise && *groups == 1).then(|| consts.weight_panels(w, true)).flatten();
-        let kernel = match (*groups, gemm) {
-            (1, Some((panels, n))) => super::OwnKernel::Gemm { panels, n },
-            (1, None) if geometry.in_channels <= Conv2d::MAX_DIRECT_IN_CHANNELS && !pointwise => {
-                super::OwnKernel::Direct { taps: consts.conv_taps(w)?.0, geometry }
+    let algorithm = match bound.last() {
+        Some(a) if residual.is_none() => str_of(a),
+        _ => None,
+    };
+    let own = crate::operators::epilogue_of(&attr, algorithm.as_deref()).filter(|_| dilation == [1, 1]).and_then(
+        |epilogue| {
+            use crate::operators::Conv2d;
+            let [out, inputs, kh, kw] = shape;
+            let geometry = Conv2d::new(shape, stride, padding)?;
+            let pointwise = [kh, kw] == [1, 1] && stride == [1, 1] && padding == [0, 0];
+            // `weight_panels` packs a `[n, k, 1, 1]` weight of a small enough size at load.
+            let gemm = (pointwise && *groups == 1).then(|| consts.weight_panels(w, true)).flatten();
+            let kernel = match (*groups, gemm) {
+                (1, Some((panels, n))) => super::OwnKernel::Gemm { panels, n },
+                (1, None) if geometry.in_channels <= Conv2d::MAX_DIRECT_IN_CHANNELS && !pointwise => {
+                    super::OwnKernel::Direct { taps: consts.conv_taps(w)?.0, geometry }
+                }
+                (1, None) => {
+                    let (panels, bf16) = (std::sync::OnceLock::new(), consts.bf16());
+                    let winograd = (!bf16 && crate::operators::winograd_takes(&geometry)).then(|| super::Winograd {
+                        panels: std::sync::OnceLock::new(),
+                        min_pixels: crate::operators::WINOGRAD_MIN_PIXELS as i64,
+                    });
+                    super::OwnKernel::Indirect { weight, geometry, panels, bf16, winograd }
+                }
+                (g, _) if g == out && inputs == 1 => {
+                    let geometry = crate::operators::Depthwise::new([out, kh, kw], stride, padding)?;
+                    super::OwnKernel::Depthwise { taps: consts.conv_taps(w)?.0, geometry }
+                }
+                (_, _) => return None,
+            };
+            // Only the GEMM's blocks apply GELU (a pass over each block's results); the other
+            // kernels' epilogues don't, so oneDNN's post-op runs it there.
+            let gelu = matches!(epilogue, Epilogue::Gelu | Epilogue::GeluTanh);
+            if gelu && !matches!(kernel, super::OwnKernel::Gemm { .. }) {
+                return None;
             }
-            (1, None) => {
-                let (panels, bf16) = (std::sync::OnceLock::new(), consts.bf16());
-                let winograd = (!bf16 && crate::operators::winograd_takes(&geometry)).then(|| super::Winograd {
-                    panels: std::sync::OnceLock::new(),
-                    min_pixels: crate::operators::WINOGRAD_MIN_PIXELS as i64,
-                });
-                super::OwnKernel::Indirect { weight, geometry, panels, bf16, winograd }
-            }
-            (g, _) if g == out && inputs == 1 => {
-                let geometry = crate::operators::Depthwise::new([out, kh, kw], stride, padding)?;
-                super::OwnKernel::Depthwise { taps: consts.conv_taps(w)?.0, geometry }
-            }
-            (_, _) => return None,
-        };
-        Some(Box::new(super::OwnConv { kernel, epilogue, choices: Default::default() }))
-    });
+            Some(Box::new(super::OwnConv { kernel, epilogue, choices: Default::default() }))
+        },
+    );
     let mut args = vec![
         (Ty::Tensor, encode::encode(abi, &Ty::Tensor, false, x, is_tensor, consts)?),
         (Ty::Tensor, Enc::Const(weight)),
@@ -401,6 +416,10 @@ fn conv_step(
         groups: *groups,
         attr: CString::new(attr.as_str()).ok()?,
         scalars: if attr == "hardtanh" { kwexport_core::passes::RELU6.to_vec() } else { Vec::new() },
+        algorithm: match algorithm {
+            Some(a) => Some(CString::new(a).ok()?),
+            None => None,
+        },
         bias: has_bias,
         residual: match residual {
             Some((_, Some(unary))) => Some(Some(CString::new(unary).ok()?)),
