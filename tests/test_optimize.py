@@ -362,7 +362,9 @@ class MobileBlocks(nn.Module):
     each post-op they absorb and none, depthwise 3×3 and 5×5 ones with strides 1 and 2 on
     channel counts that aren't multiples of 16, a squeeze-excite block (1×1 convolutions on a
     pooled 1×1 image), a strided 1×1 convolution and a 3×3 one (gathered into the GEMM), a
-    7×7 stem over three channels, and a dilated convolution (oneDNN's)."""
+    7×7 stem over three channels, grouped convolutions (RegNet's with more outputs than
+    inputs per group and a stride; ResNeXt's groups of 4 with a residual add), and a dilated
+    convolution (oneDNN's)."""
 
     def __init__(self):
         super().__init__()
@@ -378,7 +380,9 @@ class MobileBlocks(nn.Module):
         self.down = nn.Conv2d(20, 36, 1, stride=2)
         self.full = nn.Sequential(nn.Conv2d(36, 70, 3, padding=1), nn.SiLU())
         self.stem7 = nn.Sequential(nn.Conv2d(3, 20, 7, stride=2, padding=3), nn.ReLU())
-        self.dilated = nn.Conv2d(70, 8, 3, padding=2, dilation=2)
+        self.grouped = nn.Sequential(nn.Conv2d(70, 140, 3, stride=2, padding=1, groups=7), nn.ReLU())
+        self.resnext = nn.Conv2d(140, 140, 3, padding=1, groups=35)
+        self.dilated = nn.Conv2d(140, 8, 3, padding=2, dilation=2)
 
     def forward(self, x):
         h = self.stem(x) + nn.functional.interpolate(self.stem7(x), size=x.shape[-2:])
@@ -386,7 +390,8 @@ class MobileBlocks(nn.Module):
             h = block(h) + h
         h = self.dw3s2(self.dw5(self.dw3(h)))
         h = h * self.se(h)
-        return self.dilated(self.full(self.down(h)))
+        h = self.grouped(self.full(self.down(h)))
+        return self.dilated(self.resnext(h) + h)
 
 
 def test_fast_runs_convolutions_on_kwexports_kernels(tmp_path):
@@ -419,8 +424,8 @@ def test_fast_runs_convolutions_on_kwexports_kernels(tmp_path):
     if torch.backends.mkldnn.is_available() and own_kernels():
         # Every convolution is lowered, with its activation absorbed, and the two without one
         # that an add reads (the stem's, the Identity block's) with the add.
-        assert ran.count("mkldnn::_convolution_pointwise.default") == 14, ran
-        assert ran.count("mkldnn::_convolution_pointwise.binary") == 2, ran
+        assert ran.count("mkldnn::_convolution_pointwise.default") == 15, ran
+        assert ran.count("mkldnn::_convolution_pointwise.binary") == 3, ran
         assert ran.count("aten::conv2d.default") == 0, ran
         assert not {"aten::relu.default", "aten::hardsigmoid.default", "aten::silu.default"} & set(ran), ran
         assert not torch.equal(outs["kwexport"][0], outs["torch"][0])  # kwexport's kernels ran

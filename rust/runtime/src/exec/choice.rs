@@ -138,7 +138,8 @@ impl CStep {
                         Operators(abi).winograd_conv(t[0], panels.as_ref()?.raw(), geometry, adds, own.epilogue)
                     }
                     OwnKernel::Indirect { weight, geometry, panels, bf16, .. } => {
-                        let panels = panels.get_or_init(|| Operators(abi).pack_conv_panels(&consts[*weight], *bf16));
+                        let panels = panels
+                            .get_or_init(|| Operators(abi).pack_conv_panels(&consts[*weight], geometry.groups, *bf16));
                         Operators(abi).indirect_conv(t[0], panels.as_ref()?.raw(), geometry, adds, own.epilogue, *bf16)
                     }
                     _ => None,

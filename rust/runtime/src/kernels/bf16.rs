@@ -105,7 +105,7 @@ pub fn indirect(
     out: &mut [f32],
 ) -> Ran {
     let (cin, n, taps) = (g.in_channels, g.out_channels, g.kernel[0] * g.kernel[1]);
-    let Some([ho, wo]) = g.output(h, w) else { return Err(Declined::Shapes) };
+    let Some([ho, wo]) = g.output(h, w).filter(|_| g.groups == 1) else { return Err(Declined::Shapes) };
     let (m, pairs) = (batch * ho * wo, cin.div_ceil(2));
     let fits = x.len() >= batch * h * w * cin
         && panels.len() >= pack_size([n, cin, g.kernel[0], g.kernel[1]]).iter().product()
@@ -122,7 +122,9 @@ pub fn indirect(
     // SAFETY: the block runs on this CPU; every pointer of the table starts `pairs` readable
     // pairs (of `xb`, or of `zeros`, alive until the end of this function), and the other
     // slices hold what the shapes say (checked).
-    unsafe { gemm::columns(block, Source::Table(Table { table: table.as_ptr(), taps }), m, &shape, panels, out) };
+    unsafe {
+        gemm::columns(block, Source::Table(Table { table: table.as_ptr(), taps, offset: 0 }), m, &shape, panels, out)
+    };
     Ok(())
 }
 
@@ -136,7 +138,7 @@ fn shape(
     epilogue: Epilogue,
 ) -> Shape {
     let at = |s: Option<&[f32]>| s.map_or(std::ptr::null(), |s| s.as_ptr());
-    Shape { taps, cin: pairs, n, bias: at(bias), scale: std::ptr::null(), residual: at(residual), epilogue }
+    Shape { taps, cin: pairs, n, ldo: n, bias: at(bias), scale: std::ptr::null(), residual: at(residual), epilogue }
 }
 
 /// Rows of `k` floats as rows of `ceil(k / 2)` pairs of bfloat16 (low half first; the last

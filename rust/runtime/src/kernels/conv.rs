@@ -61,7 +61,9 @@ impl Depthwise {
     }
 }
 
-/// A convolution's geometry (one group, no dilation), checked once when the plan is made.
+/// A convolution's geometry (no dilation), checked once when the plan is made. The
+/// channels are the input's and the output's, all groups together; only the GEMM's indirect
+/// convolution takes more than one group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Conv2d {
     pub in_channels: usize,
@@ -69,6 +71,7 @@ pub struct Conv2d {
     pub kernel: [usize; 2],
     pub stride: [usize; 2],
     pub padding: [usize; 2],
+    pub groups: usize,
 }
 
 impl Conv2d {
@@ -87,12 +90,21 @@ impl Conv2d {
             kernel: [positive(shape[2])?, positive(shape[3])?],
             stride: [positive(stride[0])?, positive(stride[1])?],
             padding: [usize::try_from(padding[0]).ok()?, usize::try_from(padding[1]).ok()?],
+            groups: 1,
         })
     }
 
-    /// Input channels × kernel taps: the length of one output's dot product.
+    /// [`Conv2d::new`] for a convolution of `groups` groups (the weight's `[out, in / groups,
+    /// kh, kw]`): `None` also where the groups don't divide the output channels.
+    pub fn grouped(shape: [i64; 4], stride: [i64; 2], padding: [i64; 2], groups: i64) -> Option<Conv2d> {
+        let groups = usize::try_from(groups).ok().filter(|&g| g > 0)?;
+        let one = Conv2d::new(shape, stride, padding)?;
+        (one.out_channels % groups == 0).then_some(Conv2d { in_channels: one.in_channels * groups, groups, ..one })
+    }
+
+    /// A group's input channels × kernel taps: the length of one output's dot product.
     pub fn taps(&self) -> usize {
-        self.in_channels * self.kernel[0] * self.kernel[1]
+        self.in_channels / self.groups * self.kernel[0] * self.kernel[1]
     }
 
     /// The output's height and width for an input's, `None` where the kernel doesn't fit.
@@ -192,7 +204,7 @@ pub fn direct_f32(
     epilogue: Epilogue,
     out: &mut [f32],
 ) -> Ran {
-    let Some([ho, wo]) = g.output(h, w) else { return Err(Declined::Shapes) };
+    let Some([ho, wo]) = g.output(h, w).filter(|_| g.groups == 1) else { return Err(Declined::Shapes) };
     let last = [batch, g.in_channels, h, w].iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>();
     let fits = batch > 0
         && x.len() > last

@@ -21,6 +21,13 @@ pub fn pack_size([n, cin, kh, kw]: [usize; 4]) -> [usize; 3] {
     [n.div_ceil(PANEL), cin * kh * kw, PANEL]
 }
 
+/// The panels [`pack_conv_panels`] makes of a `[n, cin, kh, kw]` weight of `groups` groups
+/// (`cin` per group): each group's [`pack_size`] panels, one group after another.
+pub fn grouped_pack_size([n, cin, kh, kw]: [usize; 4], groups: usize) -> [usize; 3] {
+    let [panels, k, width] = pack_size([n / groups.max(1), cin, kh, kw]);
+    [panels * groups, k, width]
+}
+
 /// Whether a GEMM's `m × n` result fits `out`, with `n` biases and an `m × n` residual where
 /// given: what every GEMM-shaped kernel checks besides its input and panels.
 pub(super) fn results_fit(m: usize, n: usize, bias: Option<&[f32]>, residual: Option<&[f32]>, out: usize) -> bool {
@@ -72,7 +79,7 @@ pub fn gemm_f32(
     let fits = x.len() >= m * k && panels.len() >= panels_len(k, n) && results_fit(m, n, bias, residual, out.len());
     let t = super::table_if(fits)?;
     let (bias, residual) = addends((bias, residual));
-    let shape = Shape { taps: 1, cin: k, n, bias, scale: std::ptr::null(), residual, epilogue };
+    let shape = Shape { taps: 1, cin: k, n, ldo: n, bias, scale: std::ptr::null(), residual, epilogue };
     // SAFETY: the table's functions run on this CPU; every slice holds what the shapes say
     // (checked).
     unsafe { columns(t.gemm_block, Source::Dense(Dense { x: x.as_ptr(), k }), m, &shape, panels, out) };
@@ -95,7 +102,7 @@ pub(super) unsafe fn product(
     out: &mut [f32],
 ) {
     let null = std::ptr::null();
-    let shape = Shape { taps: 1, cin: k, n, bias: null, scale: null, residual: null, epilogue: Epilogue::None };
+    let shape = Shape { taps: 1, cin: k, n, ldo: n, bias: null, scale: null, residual: null, epilogue: Epilogue::None };
     // SAFETY: as the caller guarantees.
     unsafe { columns(block, Source::Dense(Dense { x: x.as_ptr(), k }), m, &shape, panels, out) }
 }
@@ -148,11 +155,12 @@ pub fn indirect_f32(
     epilogue: Epilogue,
     out: &mut [f32],
 ) -> Ran {
-    let (cin, n, k) = (g.in_channels, g.out_channels, g.taps());
+    let (cin, n, k, groups) = (g.in_channels, g.out_channels, g.taps(), g.groups);
     let Some([ho, wo]) = g.output(h, w) else { return Err(Declined::Shapes) };
     let m = batch * ho * wo;
+    let packed = grouped_pack_size([n, cin / groups, g.kernel[0], g.kernel[1]], groups);
     let fits = x.len() >= batch * h * w * cin
-        && panels.len() >= panels_len(k, n)
+        && panels.len() >= packed.iter().product()
         && results_fit(m, n, bias, residual, out.len());
     let t = super::table_if(fits)?;
     let taps = g.kernel[0] * g.kernel[1];
@@ -162,11 +170,36 @@ pub fn indirect_f32(
         None => zeros.as_ptr(),
     });
     let (bias, residual) = addends((bias, residual));
-    let shape = Shape { taps, cin, n, bias, scale: std::ptr::null(), residual, epilogue };
-    // SAFETY: the table's functions run on this CPU; every pointer of the table starts `cin`
-    // readable floats (of `x`, or of `zeros`, alive until the end of this function), and the
-    // other slices hold what the shapes say (checked).
-    unsafe { columns(t.gemm_block, Source::Table(Table { table: table.as_ptr(), taps }), m, &shape, panels, out) };
+    let (per_in, per_out) = (cin / groups, n / groups);
+    let shape = Shape { taps, cin: per_in, n: per_out, ldo: n, bias, scale: std::ptr::null(), residual, epilogue };
+    let table = Table { table: table.as_ptr(), taps, offset: 0 };
+    if groups == 1 {
+        // SAFETY: the table's functions run on this CPU; every pointer of the table starts
+        // `cin` readable floats (of `x`, or of `zeros`, alive until the end of this
+        // function), and the other slices hold what the shapes say (checked).
+        unsafe { columns(t.gemm_block, Source::Table(table), m, &shape, panels, out) };
+        return Ok(());
+    }
+    // One GEMM per group, over the group's channels of each pixel, into the group's output
+    // columns (rows `n` apart); the threads take whole groups.
+    let (op, group_panels, source) = (Out(out.as_mut_ptr()), panels_len(k, per_out), Source::Table(table));
+    let threads = super::parallel::share(2 * m * k * n, groups, super::parallel::threads());
+    super::parallel::for_each(groups, threads, &|begin, end| {
+        // Whole values, not their fields (raw pointers), cross to the threads.
+        let (Out(out), Source::Table(table), shape) = (op, source, shape) else { return };
+        for group in begin..end {
+            let at = |p: *const f32| if p.is_null() { p } else { p.wrapping_add(group * per_out) };
+            let s = Shape { bias: at(shape.bias), residual: at(shape.residual), ..shape };
+            let rows = Source::Table(Table { offset: group * per_in, ..table });
+            let ps = &panels[group * group_panels..][..group_panels];
+            for j in (0..per_out).step_by(PANEL) {
+                // SAFETY: as for one group, with the table's pointers moved to the group's
+                // channels (`offset`, inside each pixel's `cin`), the bias, the residual and
+                // the output to its columns, and its own panels; no other group writes them.
+                unsafe { (t.gemm_block)(rows, 0..m, &s, ps, Out(out.add(group * per_out)), j, k) };
+            }
+        }
+    });
     Ok(())
 }
 
@@ -185,6 +218,23 @@ pub fn pack_conv_panels(w: &[f32], shape: [usize; 4], strides: [usize; 4], panel
                 *v = if o < n { w[o * strides[0] + c * strides[1] + i * strides[2] + j * strides[3]] } else { 0.0 };
             }
         }
+    }
+}
+
+/// [`pack_conv_panels`] for a weight of `groups` groups (`[n, cin, kh, kw]`, `cin` per group):
+/// each group's `n / groups` outputs as a weight of their own, packed one group after
+/// another ([`grouped_pack_size`]), as [`indirect_f32`] reads them.
+pub fn pack_grouped_panels(
+    w: &[f32],
+    [n, cin, kh, kw]: [usize; 4],
+    strides: [usize; 4],
+    groups: usize,
+    panels: &mut [f32],
+) {
+    let per_out = n / groups;
+    let size: usize = pack_size([per_out, cin, kh, kw]).iter().product();
+    for (group, dst) in panels.chunks_exact_mut(size).take(groups).enumerate() {
+        pack_conv_panels(&w[group * per_out * strides[0]..], [per_out, cin, kh, kw], strides, dst);
     }
 }
 
@@ -365,10 +415,12 @@ impl<X> Rows<X> for Dense<X> {
     }
 }
 
-/// Rows read through a table of pointers, `taps` per row ([`indirect_f32`]).
+/// Rows read through a table of pointers, `taps` per row, each `offset` elements on (a
+/// group's first channel; [`indirect_f32`]).
 pub(super) struct Table<X> {
     pub(super) table: *const *const X,
     pub(super) taps: usize,
+    pub(super) offset: usize,
 }
 
 impl<X> Clone for Table<X> {
@@ -381,8 +433,8 @@ impl<X> Copy for Table<X> {}
 impl<X> Rows<X> for Table<X> {
     #[inline(always)]
     unsafe fn at(self, r: usize, t: usize) -> *const X {
-        // SAFETY: entry `(r, t)` exists (the caller's).
-        unsafe { *self.table.add(r * self.taps + t) }
+        // SAFETY: entry `(r, t)` exists, and its run from `offset` (the caller's).
+        unsafe { (*self.table.add(r * self.taps + t)).add(self.offset) }
     }
 }
 
@@ -407,6 +459,9 @@ pub(super) struct Shape {
     pub(super) taps: usize,
     pub(super) cin: usize,
     pub(super) n: usize,
+    /// The elements from one row of the output (and of the residual) to the next: `n`, or
+    /// all groups' columns where the GEMM is one group's.
+    pub(super) ldo: usize,
     pub(super) bias: *const f32,
     /// `n` values the sums are multiplied by before the bias (the int8 GEMM's), or null.
     pub(super) scale: *const f32,
@@ -500,7 +555,7 @@ pub(super) unsafe fn block<S: Simd, D: Dot<S>>(
             let width = (s.n - j).min(PANEL);
             for r in range {
                 // This row's part of the block, written above and by no other thread.
-                epilogue_slice::<S>(s.epilogue, std::slice::from_raw_parts_mut(op.0.add(r * s.n + j), width));
+                epilogue_slice::<S>(s.epilogue, std::slice::from_raw_parts_mut(op.0.add(r * s.ldo + j), width));
             }
         }
     }
@@ -566,20 +621,20 @@ unsafe fn rows<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const V: usize
     // SAFETY (all below): rows [i, i + tile) and their outputs exist (see the callers).
     unsafe {
         while i + T <= m {
-            tile::<S, D, R, T, V>(rows_of, i, wp, op.add(i * s.n), s, j);
+            tile::<S, D, R, T, V>(rows_of, i, wp, op.add(i * s.ldo), s, j);
             i += T;
         }
         // Tiles of 4 only where the main tile is taller (a shorter one would spill).
         while T > 4 && i + 4 <= m {
-            tile::<S, D, R, 4, V>(rows_of, i, wp, op.add(i * s.n), s, j);
+            tile::<S, D, R, 4, V>(rows_of, i, wp, op.add(i * s.ldo), s, j);
             i += 4;
         }
         if i + 2 <= m {
-            tile::<S, D, R, 2, V>(rows_of, i, wp, op.add(i * s.n), s, j);
+            tile::<S, D, R, 2, V>(rows_of, i, wp, op.add(i * s.ldo), s, j);
             i += 2;
         }
         if i < m {
-            tile::<S, D, R, 1, V>(rows_of, i, wp, op.add(i * s.n), s, j);
+            tile::<S, D, R, 1, V>(rows_of, i, wp, op.add(i * s.ldo), s, j);
         }
     }
 }
@@ -624,10 +679,10 @@ unsafe fn tile<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const V: usize
             for v in 0..V {
                 let mut y = D::finish(row[v], scale[v], bias[v]);
                 if !s.residual.is_null() {
-                    let at = s.residual.add((i + r) * s.n + j + v * S::LANES);
+                    let at = s.residual.add((i + r) * s.ldo + j + v * S::LANES);
                     y = S::add(y, S::load_masked(masks[v], at));
                 }
-                S::store_masked(out.add(r * s.n + j + v * S::LANES), masks[v], apply::<S>(s.epilogue, y));
+                S::store_masked(out.add(r * s.ldo + j + v * S::LANES), masks[v], apply::<S>(s.epilogue, y));
             }
         }
     }

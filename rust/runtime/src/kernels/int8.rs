@@ -187,6 +187,7 @@ pub fn linear(
         taps: 1,
         cin: k.div_ceil(2),
         n,
+        ldo: n,
         bias: bias.map_or(std::ptr::null(), |b| b.as_ptr()),
         scale: scale.as_ptr(),
         residual: std::ptr::null(),

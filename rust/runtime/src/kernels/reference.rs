@@ -135,17 +135,19 @@ pub fn conv2d(
     e: Epilogue,
 ) -> Vec<f64> {
     let (ci, co, [kh, kw]) = (g.in_channels, g.out_channels, g.kernel);
+    // Each output channel reads its group's input channels.
+    let (per_in, per_out) = (ci / g.groups, co / g.groups);
     let [ho, wo] = g.output(h, w).expect("a valid geometry");
     let mut out = vec![0.0; batch * ho * wo * co];
     for (b, oy, ox) in (0..batch).flat_map(|b| (0..ho).flat_map(move |y| (0..wo).map(move |x| (b, y, x)))) {
         for o in 0..co {
             let mut acc = bias.map_or(0.0, |b| b[o] as f64);
-            for (c, i, j) in (0..ci).flat_map(|c| (0..kh).flat_map(move |i| (0..kw).map(move |j| (c, i, j)))) {
+            for (c, i, j) in (0..per_in).flat_map(|c| (0..kh).flat_map(move |i| (0..kw).map(move |j| (c, i, j)))) {
                 let y = (oy * g.stride[0] + i) as isize - g.padding[0] as isize;
                 let xx = (ox * g.stride[1] + j) as isize - g.padding[1] as isize;
                 if (0..h as isize).contains(&y) && (0..w as isize).contains(&xx) {
-                    let v = x[((b * h + y as usize) * w + xx as usize) * ci + c] as f64;
-                    acc += v * weight[((o * ci + c) * kh + i) * kw + j] as f64;
+                    let v = x[((b * h + y as usize) * w + xx as usize) * ci + o / per_out * per_in + c] as f64;
+                    acc += v * weight[((o * per_in + c) * kh + i) * kw + j] as f64;
                 }
             }
             let at = ((b * ho + oy) * wo + ox) * co + o;

@@ -284,6 +284,47 @@ fn direct_and_indirect_match_a_reference_convolution() {
 }
 
 #[test]
+fn grouped_convolutions_match_the_reference() {
+    each_isa(|| {
+        // (groups, channels per group in and out, kernel, stride, padding, h, w): RegNet's
+        // groups of 8 at strides 1 and 2, ResNeXt's 4 in, more outputs than inputs over a
+        // masked tile, groups wider than a panel, with a residual and ReLU.
+        let cases = [
+            (19, 8, 8, 3, 1, 1, 7, 6),
+            (7, 8, 8, 3, 2, 1, 9, 9),
+            (4, 4, 12, 3, 1, 1, 5, 5),
+            (3, 5, 6, 1, 1, 0, 4, 3),
+            (2, 3, 70, 3, 1, 1, 4, 4),
+        ];
+        for (groups, per_in, per_out, k, s, p, h, w) in cases {
+            let (ci, co) = (groups * per_in, groups * per_out);
+            let shape = [co as i64, per_in as i64, k as i64, k as i64];
+            let g = Conv2d::grouped(shape, [s as i64; 2], [p as i64; 2], groups as i64).unwrap();
+            assert_eq!((g.in_channels, g.out_channels, g.taps()), (ci, co, per_in * k * k));
+            let [ho, wo] = g.output(h, w).unwrap();
+            let x: Vec<f32> = (0..2 * h * w * ci).map(|i| (i as f32 * 0.31).sin()).collect();
+            let wts: Vec<f32> = (0..co * per_in * k * k).map(|i| (i as f32 * 0.05).cos()).collect();
+            let size: usize = gemm::grouped_pack_size([co, per_in, k, k], groups).iter().product();
+            let mut panels = vec![f32::NAN; size];
+            gemm::pack_grouped_panels(&wts, [co, per_in, k, k], [per_in * k * k, k * k, k, 1], groups, &mut panels);
+            let bias: Vec<f32> = (0..co).map(|i| i as f32 * 0.1 - 1.0).collect();
+            let residual: Vec<f32> = (0..2 * ho * wo * co).map(|i| (i as f32 * 0.13).cos()).collect();
+            let mut out = vec![f32::NAN; 2 * ho * wo * co];
+            let ran = indirect_f32(&x, [2, h, w], &panels, &g, Some(&bias), Some(&residual), Epilogue::Relu, &mut out);
+            assert_eq!(ran, Ok(()));
+            let want = reference::conv2d(&x, [2, h, w], &wts, &g, (Some(&bias), Some(&residual)), Epilogue::Relu);
+            for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
+                assert!(
+                    (got as f64 - want).abs() < 1e-6 * g.taps() as f64,
+                    "groups {groups} k{k} s{s} [{i}]: {got} {want}"
+                );
+            }
+        }
+        assert_eq!(Conv2d::grouped([10, 2, 3, 3], [1, 1], [1, 1], 4), None, "4 groups don't divide 10 outputs");
+    });
+}
+
+#[test]
 fn gelu_matches_a_double_precision_reference() {
     each_isa(|| {
         let x: Vec<f32> = (0..301).map(|i| (i as f32 - 150.0) * 0.07).chain([-90.0, 90.0, 0.0]).collect();

@@ -58,7 +58,7 @@ pub const MIN_PIXELS: usize = 16;
 /// Whether a convolution is one this kernel computes: 3×3, stride 1, one group (no dilation
 /// is the caller's).
 pub fn takes(g: &Conv2d) -> bool {
-    g.kernel == [3, 3] && g.stride == [1, 1] && g.padding[0] <= 2 && g.padding[1] <= 2
+    g.kernel == [3, 3] && g.stride == [1, 1] && g.padding[0] <= 2 && g.padding[1] <= 2 && g.groups == 1
 }
 
 /// The convolution of channels-last images `x` (`[batch, h, w, cin]`) with the weight's

@@ -154,8 +154,9 @@ impl Operators<'_> {
         if bf16 && !kernels::bf16::available() {
             return None;
         }
-        let shape = [g.out_channels, g.in_channels, g.kernel[0], g.kernel[1]];
-        let sizes = if bf16 { kernels::bf16::pack_size(shape) } else { kernels::gemm::pack_size(shape) };
+        let shape = [g.out_channels, g.in_channels / g.groups, g.kernel[0], g.kernel[1]];
+        let sizes =
+            if bf16 { kernels::bf16::pack_size(shape) } else { kernels::gemm::grouped_pack_size(shape, g.groups) };
         // SAFETY: the caller's live handles.
         unsafe {
             self.conv_channels_last(x, (panels, sizes), g, adds, |xs, dims, ps, bs, rs, os| {
@@ -242,14 +243,24 @@ impl Operators<'_> {
 
     /// A float32 CPU convolution weight (`[out, in, kh, kw]`, any strides) packed for
     /// [`Operators::indirect_conv`] (`kernels::pack_conv_panels`): a new `[ceil(out / 64), in * kh *
-    /// kw, 64]` tensor (with `bf16`, `pack_bf16_panels_of`'s), or `None` for another tensor.
-    pub fn pack_conv_panels(&self, weight: &Tensor, bf16: bool) -> Option<Tensor> {
+    /// kw, 64]` tensor (with `bf16`, `pack_bf16_panels_of`'s; of `groups` groups,
+    /// `kernels::gemm::grouped_pack_size`'s), or `None` for another tensor or bfloat16
+    /// groups.
+    pub fn pack_conv_panels(&self, weight: &Tensor, groups: usize, bf16: bool) -> Option<Tensor> {
         // SAFETY: a live handle.
         let (sizes, strides) = unsafe { self.0.sizes_strides(weight.raw()) }?;
-        if bf16 {
-            return self.pack_bf16_panels_of(weight.raw(), four(&sizes)?, four(&strides)?);
+        let (shape, strides) = (four(&sizes)?, four(&strides)?);
+        match (bf16, groups) {
+            (true, 1) => self.pack_bf16_panels_of(weight.raw(), shape, strides),
+            (false, 1) => self.pack_panels_of(weight.raw(), shape, strides),
+            (true, _) => None,
+            (false, _) => {
+                let sizes = kernels::gemm::grouped_pack_size(shape, groups);
+                self.packed(weight.raw(), shape, strides, sizes, |src, dst| {
+                    kernels::gemm::pack_grouped_panels(src, shape, strides, groups, dst)
+                })
+            }
         }
-        self.pack_panels_of(weight.raw(), four(&sizes)?, four(&strides)?)
     }
 
     /// `kernels::bf16::pack_panels` of a float32 CPU `[n, cin, kh, kw]` weight at `strides`:

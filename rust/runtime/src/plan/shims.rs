@@ -386,6 +386,12 @@ fn conv_step(
                     let geometry = crate::operators::Depthwise::new([out, kh, kw], stride, padding)?;
                     super::OwnKernel::Depthwise { taps: consts.conv_taps(w)?.0, geometry }
                 }
+                // Grouped (RegNet's, ResNeXt's): a GEMM per group, in float32 only.
+                (g, _) if !consts.bf16() => {
+                    let geometry = Conv2d::grouped(shape, stride, padding, g)?;
+                    let panels = std::sync::OnceLock::new();
+                    super::OwnKernel::Indirect { weight, geometry, panels, bf16: false, winograd: None }
+                }
                 (_, _) => return None,
             };
             // Only the GEMM's blocks apply GELU (a pass over each block's results); the other
