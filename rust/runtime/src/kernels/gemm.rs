@@ -231,8 +231,11 @@ pub fn pack_grouped_panels(
     groups: usize,
     panels: &mut [f32],
 ) {
-    let per_out = n / groups;
+    let per_out = n / groups.max(1);
     let size: usize = pack_size([per_out, cin, kh, kw]).iter().product();
+    if size == 0 {
+        return;
+    }
     for (group, dst) in panels.chunks_exact_mut(size).take(groups).enumerate() {
         pack_conv_panels(&w[group * per_out * strides[0]..], [per_out, cin, kh, kw], strides, dst);
     }

@@ -46,6 +46,15 @@ fn pack_size_is_what_each_packer_writes() {
         assert!(panels[..len].iter().all(|v| !v.is_nan()), "f32 {shape:?}: an element left unwritten");
         assert!(panels[len..].iter().all(|v| v.is_nan()), "f32 {shape:?}: written past pack_size");
 
+        // The same weight as `groups` groups (of `n / groups` outputs each).
+        let groups = draw(4).min(n);
+        let grouped = [n - n % groups, cin, kh, kw];
+        let len: usize = gemm::grouped_pack_size(grouped, groups).iter().product();
+        let mut panels = vec![f32::NAN; len + EXTRA];
+        gemm::pack_grouped_panels(&w, grouped, strides, groups, &mut panels);
+        assert!(panels[..len].iter().all(|v| !v.is_nan()), "grouped {grouped:?}/{groups}: an element left unwritten");
+        assert!(panels[len..].iter().all(|v| v.is_nan()), "grouped {grouped:?}/{groups}: written past its size");
+
         let len: usize = bf16::pack_size(shape).iter().product();
         let mut pairs = vec![u32::MAX; len + EXTRA];
         bf16::pack_panels(&w, shape, strides, &mut pairs);
