@@ -597,12 +597,12 @@ unsafe fn columns_block<S: Simd, D: Dot<S>, R: Rows<D::X>>(
             let wp = panels.as_ptr().add(j / PANEL * k * PANEL + sub);
             let jj = j + sub;
             match (wide, vectors) {
-                (true, 4) => rows::<S, D, R, 6, 4>(rows_of, range.clone(), wp, op, s, jj),
-                (true, 3) => rows::<S, D, R, 8, 3>(rows_of, range.clone(), wp, op, s, jj),
-                (false, 3 | 4) => rows::<S, D, R, 2, 4>(rows_of, range.clone(), wp, op, s, jj),
-                (_, 2) if wide => rows::<S, D, R, 12, 2>(rows_of, range.clone(), wp, op, s, jj),
-                (_, 2) => rows::<S, D, R, 6, 2>(rows_of, range.clone(), wp, op, s, jj),
-                _ => rows::<S, D, R, 12, 1>(rows_of, range.clone(), wp, op, s, jj),
+                (true, 4) => rows::<S, D, R, 6, 5, 4>(rows_of, range.clone(), wp, op, s, jj),
+                (true, 3) => rows::<S, D, R, 8, 7, 3>(rows_of, range.clone(), wp, op, s, jj),
+                (false, 3 | 4) => rows::<S, D, R, 2, 1, 4>(rows_of, range.clone(), wp, op, s, jj),
+                (_, 2) if wide => rows::<S, D, R, 12, 11, 2>(rows_of, range.clone(), wp, op, s, jj),
+                (_, 2) => rows::<S, D, R, 6, 5, 2>(rows_of, range.clone(), wp, op, s, jj),
+                _ => rows::<S, D, R, 12, 11, 1>(rows_of, range.clone(), wp, op, s, jj),
             }
         }
         sub += step;
@@ -610,9 +610,12 @@ unsafe fn columns_block<S: Simd, D: Dot<S>, R: Rows<D::X>>(
 }
 
 /// Rows `range` times `V` vectors of the panel at `wp` (columns from `j`): tiles of `T`
-/// rows, then the remainder in tiles of 4 (where `T` is taller), 2 and 1.
+/// rows, then the remainder in tiles of 4 (where `T` is taller), 2 and 1. A remainder of 1
+/// to 3 rows would run on tiles of too few sums to hide the FMAs' latency (a 1-row tile at
+/// a quarter of the speed), so where every tile can be `T` or `U` (`T - 1`) rows the tiles
+/// are balanced instead: a 7×7 image's 49 pixels as 5 × 5 + 4 × 6, not 8 × 6 + 1.
 #[inline(always)]
-unsafe fn rows<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const V: usize>(
+unsafe fn rows<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const U: usize, const V: usize>(
     rows_of: R,
     range: std::ops::Range<usize>,
     wp: *const D::X,
@@ -621,8 +624,16 @@ unsafe fn rows<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const V: usize
     j: usize,
 ) {
     let (mut i, m) = (range.start, range.end);
+    let (len, tiles) = (m - i, (m - i).div_ceil(T));
     // SAFETY (all below): rows [i, i + tile) and their outputs exist (see the callers).
     unsafe {
+        if T > 4 && (1..4).contains(&(len % T)) && tiles * U <= len {
+            // `tiles * T - len` tiles of `U`, then the others of `T` end exactly at `m`.
+            for _ in 0..tiles * T - len {
+                tile::<S, D, R, U, V>(rows_of, i, wp, op.add(i * s.ldo), s, j);
+                i += U;
+            }
+        }
         while i + T <= m {
             tile::<S, D, R, T, V>(rows_of, i, wp, op.add(i * s.ldo), s, j);
             i += T;
