@@ -347,7 +347,7 @@ struct Slide {
 }
 
 /// Up to four neighbouring output pixels × one vector of channels from `c0` (masked past
-/// `c`), for a kernel `KW` wide at stride `ST`: per kernel row inside the image, the `3 ST +
+/// `c`: the channels [`dw_pair`] leaves), for a kernel `KW` wide at stride `ST`: per kernel row inside the image, the `3 ST +
 /// KW` input vectors the four pixels read are loaded once (zeros where they fall in the
 /// padding), with the row's `KW` weight vectors, for `4 KW` FMAs.
 #[inline(always)]
@@ -405,8 +405,8 @@ unsafe fn dw_pair<S: Simd, const KW: usize, const ST: usize, const CHECK: bool>(
     epilogue: Epilogue,
 ) {
     // SAFETY (all below): rows inside the image (`d.rows`), columns inside it (`inside`, or
-    // all of them without `CHECK`: the caller's test), channels `c0 .. c0 + 2 LANES` within `c` (the caller's); outputs for `row.pixels`
-    // pixels.
+    // all of them without `CHECK`: the caller's test), channels `c0 .. c0 + 2 LANES` within
+    // `c` (the caller's); outputs for `row.pixels` pixels.
     unsafe {
         let start = |v: usize| if bias.is_null() { S::zero() } else { S::load(bias.add(c0 + v * S::LANES)) };
         let mut acc = [[start(0), start(1)]; 4];

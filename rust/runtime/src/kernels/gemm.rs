@@ -182,11 +182,11 @@ pub fn indirect_f32(
     }
     // One GEMM per group, over the group's channels of each pixel, into the group's output
     // columns (rows `n` apart); the threads take whole groups.
-    let (op, group_panels, source) = (Out(out.as_mut_ptr()), panels_len(k, per_out), Source::Table(table));
+    let (op, group_panels) = (Out(out.as_mut_ptr()), panels_len(k, per_out));
     let threads = super::parallel::share(2 * m * k * n, groups, super::parallel::threads());
     super::parallel::for_each(groups, threads, &|begin, end| {
         // Whole values, not their fields (raw pointers), cross to the threads.
-        let (Out(out), Source::Table(table), shape) = (op, source, shape) else { return };
+        let (Out(out), table, shape) = (op, table, shape);
         for group in begin..end {
             let at = |p: *const f32| if p.is_null() { p } else { p.wrapping_add(group * per_out) };
             let s = Shape { bias: at(shape.bias), residual: at(shape.residual), ..shape };
@@ -490,6 +490,8 @@ unsafe impl Sync for Out {}
 // SAFETY: the tables and shapes point at memory the caller keeps alive and unwritten for
 // the whole call; the threads only read through them.
 unsafe impl<X> Sync for Source<X> {}
+// SAFETY: as for `Source`.
+unsafe impl<X> Sync for Table<X> {}
 // SAFETY: as for `Source`.
 unsafe impl Sync for Shape {}
 
