@@ -36,12 +36,14 @@ if TYPE_CHECKING:
 
     import torch
 
+    from kwexport._cuda_graphs import CudaGraphs
     from kwexport._trace import Exported
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArtifactError",
+    "CudaGraphs",
     "Exported",
     "FORMAT_VERSION",
     "InputError",
@@ -69,6 +71,7 @@ def load(
     mmap: bool = True,
     optimize: str = "exact",
     precision: str = "float32",
+    cuda_graphs: bool | CudaGraphs = False,
 ) -> Program:
     """Load a kwexport file. Parses and validates everything before returning; never
     unpickles, evaluates or imports anything named in the file.
@@ -101,7 +104,22 @@ def load(
     in bfloat16, on torch's kernels (oneDNN's; fast where the CPU has AVX512-BF16 or AMX),
     with weights cast once at load and everything else in float32, as torch's CPU autocast
     does; it implies ``optimize="fast"``. The file's weights stay float32.
+
+    ``cuda_graphs=True`` (a CUDA ``device`` only) captures each method's calls in a CUDA graph,
+    once per input signature (shapes, dtypes, non-tensor values) after a first call that runs
+    as usual, and replays it: one launch instead of one per node. Inputs are copied into the
+    graph's buffers and outputs handed out as copies; the state is updated in place.
+    ``kwexport.CudaGraphs(max_graphs=, warmup=, reuse_outputs=)`` sets how many graphs a
+    program keeps (least recently used dropped), the calls before a capture, and whether
+    outputs are the graph's own buffers (valid until the program's next call). A method that
+    can't be captured (it reads a tensor's value on the host, say) runs as usual;
+    ``Program.dispatch["cuda_graphs"]`` says why.
     """
+    graphs = None
+    if cuda_graphs is not False:
+        from kwexport._cuda_graphs import options
+
+        graphs = options(cuda_graphs)
     return _load(
         os.fspath(path),
         allow_ops=list(allow_ops),
@@ -110,6 +128,7 @@ def load(
         mmap=mmap,
         optimize=optimize,
         precision=precision,
+        cuda_graphs=graphs,
     )
 
 
@@ -196,4 +215,8 @@ def __getattr__(name: str) -> Any:
         from kwexport._trace import Exported
 
         return Exported
+    if name == "CudaGraphs":
+        from kwexport._cuda_graphs import CudaGraphs
+
+        return CudaGraphs
     raise AttributeError(f"module 'kwexport' has no attribute {name!r}")

@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from kwexport import _rt
+from kwexport._cuda_graphs import why_not
 from kwexport._rt import FORMAT_VERSION, KwexportError
 from kwexport._write import write_atomic
 
@@ -59,6 +60,9 @@ def _print_text(info: dict[str, Any]) -> None:
         print(f"{indent}graph:        {m['nodes']} nodes, {len(m['ops'])} ops")
         for op, n in sorted(m["ops"].items(), key=lambda kv: -kv[1]):
             print(f"{indent}  {n:5}  {op}")
+        why = why_not(m["ops"])
+        graphs = f"node by node: {why}" if why else "capturable (no op reads a value on the host)"
+        print(f"{indent}cuda graphs:  {graphs}")
     w = info["weights"]
     print(f"weights:      {w['tensors']} tensors, {w['bytes']:,} bytes")
     extras = ", ".join(f"{k} ({n} bytes)" for k, n in info["extra_files"].items()) or "none"

@@ -133,7 +133,8 @@ pub struct Generation {
     ids: usize,
     pos: usize,
     /// CPU addresses of the one-token `ids` and `pos` tensors' data, where they are on the
-    /// CPU (else each step fills them through torch).
+    /// CPU (`None` on a device: each step fills them through torch, and greedy steps choose
+    /// there).
     ids_ptr: Option<usize>,
     pos_ptr: Option<usize>,
     /// Tokens the step must see before it chooses: the prompt, then each chosen token.
@@ -267,7 +268,12 @@ impl Generation {
                 }
             }
         };
-        let token = self.sampling.choose(&last_row(py, &logits)?) as i64;
+        // Greedy on a device: the argmax runs there and only the token comes back. Sampling
+        // reads the row on the CPU, for the same seeded draws wherever the program runs.
+        let token = match (self.sampling.do_sample, self.ids_ptr) {
+            (false, None) => device_argmax(py, &logits)?,
+            _ => self.sampling.choose(&last_row(py, &logits)?) as i64,
+        };
         self.tokens.push(token);
         self.new_tokens += 1;
         self.pending.push_back(token);
@@ -312,7 +318,7 @@ impl Generation {
     }
 
     fn logits<'py>(&self, py: Python<'py>, leaves: &[Bound<'py, PyAny>]) -> RtResult<Bound<'py, PyAny>> {
-        let outputs = self.step.get().run_leaves(py, leaves)?;
+        let outputs = Method::run_leaves(self.step.bind(py), leaves)?;
         outputs.into_iter().next().ok_or_else(|| RtError::Internal("the step returned nothing".into()))
     }
 
@@ -341,6 +347,17 @@ fn last_row(py: Python<'_>, logits: &Bound<'_, PyAny>) -> RtResult<Vec<f32>> {
     let values = unsafe { std::slice::from_raw_parts(address as *const f32, n) }.to_vec();
     drop(row);
     Ok(values)
+}
+
+/// The index of the last position's largest logit, computed where the logits are (torch's
+/// `argmax` takes the first of equals and counts NaN largest, as [`argmax`] does).
+fn device_argmax(py: Python<'_>, logits: &Bound<'_, PyAny>) -> RtResult<i64> {
+    let shape: Vec<i64> = logits.getattr(pyo3::intern!(py, "shape"))?.extract()?;
+    let Some(&vocab) = shape.last() else {
+        return Err(PyValueError::new_err("generate(): the step returned a scalar, not logits").into());
+    };
+    let row = logits.call_method1(pyo3::intern!(py, "reshape"), (-1, vocab))?.get_item(-1)?;
+    Ok(row.call_method0(pyo3::intern!(py, "argmax"))?.call_method0(pyo3::intern!(py, "item"))?.extract()?)
 }
 
 /// The tokens of a `[1, n]` LongTensor (or a list of ints).

@@ -59,7 +59,7 @@ use crate::errors::{IntoPyErr, RtError, RtResult};
 /// program (a torch device string or `torch.device`); by default it runs where it was
 /// exported.
 #[pyfunction]
-#[pyo3(signature = (path, *, allow_ops = Vec::new(), dispatch = "auto", device = None, mmap = true, optimize = "exact", precision = "float32"))]
+#[pyo3(signature = (path, *, allow_ops = Vec::new(), dispatch = "auto", device = None, mmap = true, optimize = "exact", precision = "float32", cuda_graphs = None))]
 #[allow(clippy::too_many_arguments)]
 fn load(
     py: Python<'_>,
@@ -70,6 +70,7 @@ fn load(
     mmap: bool,
     optimize: &str,
     precision: &str,
+    cuda_graphs: Option<program::GraphOptions>,
 ) -> PyResult<program::Program> {
     let path = path.to_str().ok_or_else(|| PyValueError::new_err("path is not valid UTF-8"))?;
     let dispatch = plan::Dispatch::parse(dispatch).ok_or_else(|| {
@@ -83,8 +84,9 @@ fn load(
         "bf16" => true,
         _ => return Err(PyValueError::new_err(format!("precision must be 'float32' or 'bf16', not '{precision}'"))),
     };
-    let options =
+    let mut options =
         program::LoadOptions::new(allow_ops, dispatch, device, mmap, optimize, bf16).map_err(PyValueError::new_err)?;
+    options.cuda_graphs = cuda_graphs;
     Ok(program::load(py, path, &options)?)
 }
 
@@ -123,7 +125,7 @@ fn stable_abi_available(py: Python<'_>) -> bool {
 
 /// Unpickles a `Program`: loads `path` and checks that its content hash is `digest`.
 #[pyfunction]
-#[pyo3(signature = (path, digest, allow_ops, dispatch, device = None, mmap = true, optimize = "exact", precision = "float32"))]
+#[pyo3(signature = (path, digest, allow_ops, dispatch, device = None, mmap = true, optimize = "exact", precision = "float32", cuda_graphs = None))]
 #[allow(clippy::too_many_arguments)]
 fn _load_verified(
     py: Python<'_>,
@@ -135,8 +137,9 @@ fn _load_verified(
     mmap: bool,
     optimize: &str,
     precision: &str,
+    cuda_graphs: Option<program::GraphOptions>,
 ) -> PyResult<program::Program> {
-    let prog = load(py, path.clone(), allow_ops, dispatch, device, mmap, optimize, precision)?;
+    let prog = load(py, path.clone(), allow_ops, dispatch, device, mmap, optimize, precision, cuda_graphs)?;
     if prog.digest(py) != digest {
         let found = prog.digest(py).to_owned();
         let path = path.display().to_string();
@@ -146,14 +149,34 @@ fn _load_verified(
 }
 
 /// `_load_verified`'s arguments as a pickled method carries them (`program::PickledArgs`).
-type PickledFile<'py> =
-    (std::path::PathBuf, String, Vec<String>, String, Option<Bound<'py, PyAny>>, bool, String, String);
+type PickledFile<'py> = (
+    std::path::PathBuf,
+    String,
+    Vec<String>,
+    String,
+    Option<Bound<'py, PyAny>>,
+    bool,
+    String,
+    String,
+    Option<program::GraphOptions>,
+);
 
 /// Unpickles a `Method`: loads its file as `_load_verified` does and returns the method.
 #[pyfunction]
 fn _load_method<'py>(py: Python<'py>, name: &str, file: PickledFile<'py>) -> PyResult<Bound<'py, method::Method>> {
-    let (path, digest, allow_ops, dispatch, device, mmap, optimize, precision) = file;
-    let prog = _load_verified(py, path, &digest, allow_ops, &dispatch, device.as_ref(), mmap, &optimize, &precision)?;
+    let (path, digest, allow_ops, dispatch, device, mmap, optimize, precision, cuda_graphs) = file;
+    let prog = _load_verified(
+        py,
+        path,
+        &digest,
+        allow_ops,
+        &dispatch,
+        device.as_ref(),
+        mmap,
+        &optimize,
+        &precision,
+        cuda_graphs,
+    )?;
     prog.method(py, name)
 }
 

@@ -201,6 +201,12 @@ impl Method {
                 LeafSpec::Constant(_) => None,
             })
             .collect();
+        if let Some(graphs) = &file.graphs {
+            let ops: Vec<String> = kwexport_core::graph::op_names(&doc.ops)?.iter().map(|o| o.to_string()).collect();
+            let mutated: Vec<usize> =
+                writes.iter().filter_map(|w| if let Write::Input(leaf) = w { Some(*leaf) } else { None }).collect();
+            graphs.bind(py).call_method1("register", (name, mutated, ops))?;
+        }
         Ok(Method {
             leaf_sizes,
             name: name.to_owned(),
@@ -248,12 +254,43 @@ impl Method {
         self.leaf_sizes.get(leaf)?.as_deref()
     }
 
-    /// One call on leaves made by the caller, in leaf order: checked, run, state written
-    /// back. The caller holds the state lock where the method writes state. Returns the
-    /// user outputs, flat.
-    pub fn run_leaves<'py>(&self, py: Python<'py>, leaves: &[Bound<'py, PyAny>]) -> RtResult<Vec<Bound<'py, PyAny>>> {
-        let checked = self.check(leaves)?;
-        let mut flat = self.run(py, leaves, checked, &mut None)?;
+    /// One call on leaves made by the caller, in leaf order: checked, run (replayed, where
+    /// the program's CUDA graphs take it), state written back. The caller holds the state
+    /// lock where the method writes state. Returns the user outputs, flat.
+    pub fn run_leaves<'py>(slf: &Bound<'py, Self>, leaves: &[Bound<'py, PyAny>]) -> RtResult<Vec<Bound<'py, PyAny>>> {
+        let checked = slf.get().check(leaves)?;
+        Self::run_checked(slf, leaves, checked, &mut None)
+    }
+
+    /// Runs checked leaves and writes the state back; returns the user outputs, flat. With
+    /// CUDA graphs the program's cache replays the call where it takes it (not while
+    /// profiling, which times nodes one by one).
+    fn run_checked<'py>(
+        slf: &Bound<'py, Self>,
+        leaves: &[Bound<'py, PyAny>],
+        checked: (bool, LeafHandles),
+        profile: &mut Option<Vec<NodeTime>>,
+    ) -> RtResult<Vec<Bound<'py, PyAny>>> {
+        let (this, py) = (slf.get(), slf.py());
+        if let (Some(graphs), None) = (&this.file.graphs, &profile) {
+            let run = slf.getattr(pyo3::intern!(py, "_run_leaves"))?;
+            let replayed = graphs.bind(py).call1((&this.name, run, PyList::new(py, leaves)?))?;
+            if !replayed.is_none() {
+                return Ok(replayed.extract()?);
+            }
+        }
+        this.run_plain(py, leaves, checked, profile)
+    }
+
+    /// Runs checked leaves on the plan and writes the state back.
+    fn run_plain<'py>(
+        &self,
+        py: Python<'py>,
+        leaves: &[Bound<'py, PyAny>],
+        checked: (bool, LeafHandles),
+        profile: &mut Option<Vec<NodeTime>>,
+    ) -> RtResult<Vec<Bound<'py, PyAny>>> {
+        let mut flat = self.run(py, leaves, checked, profile)?;
         let new_values = flat.split_off(flat.len() - self.writes.len());
         self.write_back(py, leaves, new_values)?;
         Ok(flat)
@@ -378,24 +415,21 @@ impl Method {
     /// A call: binds, checks, runs (timing each node into `profile` where it is `Some`),
     /// writes the state back and rebuilds the outputs.
     fn call<'py>(
-        &self,
+        slf: &Bound<'py, Self>,
         args: &Bound<'py, PyTuple>,
         kwargs: Option<&Bound<'py, PyDict>>,
         profile: &mut Option<Vec<NodeTime>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let py = args.py();
-        let leaves = self.flatten(args, kwargs)?;
-        let checked = self.check(&leaves).map_err(RtError::from)?;
-        if self.writes.is_empty() {
-            let flat = self.run(py, &leaves, checked, profile)?;
-            return Ok(self.outputs.unflatten(py, &mut flat.into_iter())?);
-        }
+        let (this, py) = (slf.get(), args.py());
+        let leaves = this.flatten(args, kwargs)?;
+        let checked = this.check(&leaves).map_err(RtError::from)?;
         // One call at a time reads and writes the state.
-        let _guard = self.file.state.as_ref().map(|(_, lock)| lock.lock(py));
-        let mut flat = self.run(py, &leaves, checked, profile)?;
-        let new_values = flat.split_off(flat.len() - self.writes.len());
-        self.write_back(py, &leaves, new_values)?;
-        Ok(self.outputs.unflatten(py, &mut flat.into_iter())?)
+        let _guard = match this.writes.is_empty() {
+            true => None,
+            false => this.file.state.as_ref().map(|(_, lock)| lock.lock(py)),
+        };
+        let flat = Self::run_checked(slf, &leaves, checked, profile)?;
+        Ok(this.outputs.unflatten(py, &mut flat.into_iter())?)
     }
 
     /// Checks a call's leaves; says whether any is a tensor subclass, and hands back the
@@ -441,11 +475,11 @@ impl Method {
 impl Method {
     #[pyo3(signature = (*args, **kwargs))]
     pub(crate) fn __call__<'py>(
-        &self,
+        slf: &Bound<'py, Self>,
         args: &Bound<'py, PyTuple>,
         kwargs: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        self.call(args, kwargs, &mut None)
+        Self::call(slf, args, kwargs, &mut None)
     }
 
     /// Runs one call (as `prog(*args, **kwargs)` does, state writes included) and returns
@@ -456,13 +490,13 @@ impl Method {
     /// little above a plain call's.
     #[pyo3(signature = (*args, **kwargs))]
     pub(crate) fn profile<'py>(
-        &self,
+        slf: &Bound<'py, Self>,
         args: &Bound<'py, PyTuple>,
         kwargs: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Bound<'py, PyList>> {
         let py = args.py();
         let mut times = Some(Vec::new());
-        self.call(args, kwargs, &mut times)?;
+        Self::call(slf, args, kwargs, &mut times)?;
         let out = PyList::empty(py);
         for t in times.unwrap_or_default() {
             let d = PyDict::new(py);
@@ -486,6 +520,20 @@ impl Method {
             return Err(pyo3::exceptions::PyValueError::new_err(format!("expected {} leaves", self.leaf_checks.len())));
         }
         Ok(self.plan.run(py, &leaves)?)
+    }
+
+    /// One call on flat leaves, checked, run on the plan (never replayed) and written back:
+    /// what the program's CUDA graphs capture. The caller holds the state lock where the
+    /// method writes state.
+    pub fn _run_leaves<'py>(&self, leaves: Vec<Bound<'py, PyAny>>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let Some(py) = leaves.first().map(|l| l.py()) else {
+            return Err(pyo3::exceptions::PyValueError::new_err("no leaves"));
+        };
+        if leaves.len() != self.leaf_checks.len() {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!("expected {} leaves", self.leaf_checks.len())));
+        }
+        let checked = self.check(&leaves).map_err(RtError::from)?;
+        Ok(self.run_plain(py, &leaves, checked, &mut None)?)
     }
 
     /// Binds and flattens a call to its leaves, checked, without running the graph.
@@ -561,6 +609,9 @@ impl Method {
         d.set_item("stable_abi", self.plan.n_c)?;
         d.set_item("python", self.plan.on_python.len())?;
         d.set_item("on_python", on_python)?;
+        if let Some(graphs) = &self.file.graphs {
+            d.set_item("cuda_graphs", graphs.bind(py).call_method1("describe", (&self.name,))?)?;
+        }
         Ok(d)
     }
 

@@ -28,8 +28,12 @@ use crate::plan::Dispatch;
 use crate::weights::{self, MappedData, State};
 
 /// What `_load_verified` takes to unpickle a program: path, digest, allow_ops, dispatch,
-/// device, mmap, optimize, precision.
-pub type PickledArgs = (String, String, Vec<String>, &'static str, Option<String>, bool, &'static str, &'static str);
+/// device, mmap, optimize, precision, cuda_graphs.
+pub type PickledArgs =
+    (String, String, Vec<String>, &'static str, Option<String>, bool, &'static str, &'static str, Option<GraphOptions>);
+
+/// `kwexport.CudaGraphs` as `kwexport.load` passes it: max_graphs, warmup, reuse_outputs.
+pub type GraphOptions = (usize, usize, bool);
 
 /// What a file's methods share: the mapped file, how it was loaded, and its state.
 pub struct FileParts {
@@ -43,6 +47,9 @@ pub struct FileParts {
     /// The weights the methods write, if any, and the lock that serializes calls that
     /// write them.
     pub state: Option<(State, CallLock)>,
+    /// The program's CUDA graphs (`kwexport._cuda_graphs.GraphCache`), where loaded with
+    /// `cuda_graphs`.
+    pub graphs: Option<Py<PyAny>>,
 }
 
 impl FileParts {
@@ -63,6 +70,7 @@ impl FileParts {
             o.mmap,
             o.optimize.name(),
             o.precision(),
+            o.cuda_graphs,
         )
     }
 }
@@ -102,6 +110,8 @@ pub struct LoadOptions {
     /// kwexport's GEMM and convolutions on weights packed in bfloat16 (`precision="bf16"`,
     /// which runs at `fast`).
     pub bf16: bool,
+    /// Capture calls in CUDA graphs, and how (`None`: launch every node).
+    pub cuda_graphs: Option<GraphOptions>,
 }
 
 impl LoadOptions {
@@ -115,7 +125,8 @@ impl LoadOptions {
         bf16: bool,
     ) -> Result<Self, String> {
         let optimize = if bf16 { optimize.max(Level::Fast) } else { optimize };
-        Ok(LoadOptions { allow: AllowOps::parse(&allow_ops)?, allow_ops, dispatch, device, mmap, optimize, bf16 })
+        let allow = AllowOps::parse(&allow_ops)?;
+        Ok(LoadOptions { allow, allow_ops, dispatch, device, mmap, optimize, bf16, cuda_graphs: None })
     }
 
     /// The precision `kwexport.load` was given: `"float32"` or `"bf16"`.
@@ -166,6 +177,10 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
     if options.bf16 && placement.target != "cpu" {
         // Rather than a program that says bf16 and computes float32.
         let why = format!("precision='bf16' runs kwexport's CPU kernels; this program runs on {}", placement.target);
+        return Err(pyo3::exceptions::PyValueError::new_err(why).into());
+    }
+    if options.cuda_graphs.is_some() && !placement.target.starts_with("cuda") {
+        let why = format!("cuda_graphs=True needs a CUDA device; this program runs on {}", placement.target);
         return Err(pyo3::exceptions::PyValueError::new_err(why).into());
     }
     // The level's passes (dead code at every level, the state written in place, and a
@@ -236,6 +251,13 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
     producer.set_item("torch", &doc.producer.torch)?;
     producer.set_item("python", &doc.producer.python)?;
 
+    let graphs = match options.cuda_graphs {
+        Some((max_graphs, warmup, reuse)) => {
+            let cache = py.import("kwexport._cuda_graphs")?.getattr("GraphCache")?;
+            Some(cache.call1((max_graphs, warmup, reuse, &placement.target))?.unbind())
+        }
+        None => None,
+    };
     let mut options = options.clone();
     options.optimize = a.document.optimized; // the level applied: the file's own may be higher
     let file = Arc::new(FileParts {
@@ -246,6 +268,7 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
         types: TensorTypes::new(&torch)?,
         digest: PyOnceLock::new(),
         state: (!state.names.is_empty()).then(|| (state, CallLock::new())),
+        graphs,
     });
     let checked = std::mem::take(&mut a.methods);
     let mut methods = Vec::with_capacity(checked.len());
@@ -412,7 +435,7 @@ impl Program {
         args: &Bound<'py, PyTuple>,
         kwargs: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        self.default_method(args.py())?.get().__call__(args, kwargs)
+        Method::__call__(&self.default_method(args.py())?, args, kwargs)
     }
 
     /// `Method.profile` of the method `program(...)` calls.
@@ -422,7 +445,7 @@ impl Program {
         args: &Bound<'py, PyTuple>,
         kwargs: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Bound<'py, PyList>> {
-        self.default_method(args.py())?.get().profile(args, kwargs)
+        Method::profile(&self.default_method(args.py())?, args, kwargs)
     }
 
     /// Generates tokens after `input_ids` (a `[1, n]` LongTensor), as transformers'

@@ -1,0 +1,247 @@
+"""CUDA graphs (`kwexport.load(..., cuda_graphs=True)`): calls captured per input signature
+and replayed give what the program gives without them, after input, shape and state changes,
+on other streams and from two threads; what can't be captured runs as usual and says why.
+The options are checked everywhere; the rest needs CUDA."""
+
+import pickle
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import kwexport
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA is not available")
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 8)
+
+    def forward(self, x, *, scale: float = 1.0):
+        h = torch.nn.functional.gelu(self.a(x))
+        return {"y": self.b(h) * scale, "n": h.norm(dim=-1)}
+
+
+class Counter(nn.Module):
+    """State written every call, and an input mutated in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x, seen):
+        self.total.add_(x.sum(0))
+        seen.add_(1)
+        return self.total * 2
+
+
+def saved(tmp_path, m, args, name="m.kwx", **export_kwargs):
+    torch.manual_seed(0)
+    path = tmp_path / name
+    f = m.eval() if isinstance(m, nn.Module) else m
+    kwexport.save(kwexport.export(f, args, **export_kwargs), path)
+    return path
+
+
+def block(tmp_path):
+    torch.manual_seed(0)
+    m = Block()
+    batch = torch.export.Dim("batch", min=1, max=64)
+    return m, saved(tmp_path, m, (torch.randn(4, 16),), dynamic_shapes={"x": {0: batch}, "scale": None})
+
+
+def test_options_are_checked(tmp_path):
+    path = saved(tmp_path, Block(), (torch.randn(4, 16),))
+    with pytest.raises(ValueError, match="^cuda_graphs=True needs a CUDA device; this program runs on cpu$"):
+        kwexport.load(path, cuda_graphs=True)
+    with pytest.raises(TypeError, match="^cuda_graphs must be a bool or a kwexport.CudaGraphs, not str$"):
+        kwexport.load(path, cuda_graphs="yes")
+    with pytest.raises(ValueError, match=r"^CudaGraphs.max_graphs must be an int of at least 1, not 0$"):
+        kwexport.CudaGraphs(max_graphs=0)
+    with pytest.raises(ValueError, match=r"^CudaGraphs.warmup must be an int of at least 1, not 0$"):
+        kwexport.CudaGraphs(warmup=0)
+    # Off is the default, and a CPU program's dispatch has no graphs entry.
+    assert "cuda_graphs" not in kwexport.load(path, cuda_graphs=False).dispatch
+
+
+def test_inspect_says_whether_calls_can_be_captured(tmp_path):
+    def nonzero(x):
+        return torch.nonzero(x).float().sum() + x.sum()
+
+    paths = [saved(tmp_path, Block(), (torch.randn(4, 16),)), saved(tmp_path, nonzero, (torch.randn(8),), "nz.kwx")]
+    lines = [
+        next(line for line in out.splitlines() if line.startswith("cuda graphs:"))
+        for out in (
+            subprocess.run([sys.executable, "-m", "kwexport", "inspect", str(p)], capture_output=True, text=True).stdout
+            for p in paths
+        )
+    ]
+    assert lines == [
+        "cuda graphs:  capturable (no op reads a value on the host)",
+        "cuda graphs:  node by node: aten::nonzero.default reads a tensor's value on the host",
+    ]
+
+
+def same(a, b):
+    la, lb = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
+    return len(la) == len(lb) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb)
+    )
+
+
+@needs_cuda
+@pytest.mark.parametrize("optimize", ["exact", "fast"])
+def test_replays_match_the_plain_program_as_inputs_and_shapes_change(tmp_path, optimize):
+    _, path = block(tmp_path)
+    plain = kwexport.load(path, device="cuda", optimize=optimize)
+    graphed = kwexport.load(path, device="cuda", optimize=optimize, cuda_graphs=kwexport.CudaGraphs(max_graphs=2))
+    outs = []
+    for batch in [4, 4, 4, 5, 5, 7, 7, 4, 1]:
+        x = torch.randn(batch, 16, device="cuda")
+        got = graphed(x)
+        assert same(got, plain(x)), batch
+        outs.append((got, plain(x)))
+    # Outputs are copies: a later replay doesn't overwrite what an earlier call returned.
+    assert all(same(got, want) for got, want in outs)
+    info = graphed.dispatch["cuda_graphs"]
+    # Batches 4, 5 and 7 each seen twice: three captures, two graphs kept (4 dropped first).
+    assert info == {"graphs": 2, "captures": 3, "why_not": None}
+
+
+@needs_cuda
+def test_reused_outputs_are_the_graphs_own(tmp_path):
+    _, path = block(tmp_path)
+    prog = kwexport.load(path, device="cuda", cuda_graphs=kwexport.CudaGraphs(reuse_outputs=True))
+    x1, x2 = torch.randn(4, 16, device="cuda"), torch.randn(4, 16, device="cuda")
+    prog(x1)
+    a = prog(x1)
+    b = prog(x2)
+    assert a["y"].data_ptr() == b["y"].data_ptr() and torch.equal(a["y"], b["y"])
+
+
+@needs_cuda
+def test_state_and_mutated_inputs_update_in_place(tmp_path):
+    path = saved(tmp_path, Counter(), (torch.randn(3, 4), torch.zeros(2)))
+    prog = kwexport.load(path, device="cuda", cuda_graphs=True)
+    eager = Counter().cuda()
+    seen, eager_seen = torch.zeros(2, device="cuda"), torch.zeros(2, device="cuda")
+    for _ in range(6):
+        x = torch.randn(3, 4, device="cuda")
+        assert torch.equal(prog(x, seen), eager(x, eager_seen))
+        assert torch.equal(seen, eager_seen)
+    assert torch.equal(prog.state["total"], eager.total)
+    assert prog.dispatch["cuda_graphs"]["captures"] == 1, prog.dispatch["cuda_graphs"]
+    prog.reset()
+    assert torch.equal(prog(torch.ones(3, 4, device="cuda"), seen), torch.full((4,), 6.0, device="cuda"))
+
+
+@needs_cuda
+def test_other_streams_and_two_threads_see_their_own_results(tmp_path):
+    m, path = block(tmp_path)
+    m = m.cuda()
+    prog = kwexport.load(path, device="cuda", cuda_graphs=True)
+    failures = []
+
+    def worker(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(40):
+                x = torch.randn(4, 16, device="cuda", generator=g)
+                got, want = prog(x)["y"], m(x)["y"]
+                if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+                    failures.append(seed)
+        stream.synchronize()
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    info = prog.dispatch["cuda_graphs"]
+    assert info["captures"] == 1, info
+
+
+@needs_cuda
+def test_what_cant_be_captured_runs_as_usual_and_says_why(tmp_path):
+    def masked(x):
+        return x[x > 0].sum() + x.mean()
+
+    path = saved(tmp_path, masked, (torch.randn(8),))
+    plain = kwexport.load(path, device="cuda")
+    prog = kwexport.load(path, device="cuda", cuda_graphs=True)
+    for _ in range(4):
+        x = torch.randn(8, device="cuda")
+        assert torch.equal(prog(x), plain(x))
+    why = prog.dispatch["cuda_graphs"]["why_not"]
+    assert why is not None and (why.startswith("capturing a call failed: ") or "reads a tensor's value" in why), why
+    # The failed capture left the default generator usable, and the program too.
+    torch.randn(3, device="cuda")
+    assert torch.equal(prog(x), plain(x))
+
+    def nonzero(x):
+        return torch.nonzero(x).float().sum() + x.sum()
+
+    path = saved(tmp_path, nonzero, (torch.randn(8),), name="nz.kwx")
+    prog = kwexport.load(path, device="cuda", cuda_graphs=True)
+    x = torch.randn(8, device="cuda")
+    assert prog(x) == prog(x) == kwexport.load(path, device="cuda")(x)
+    assert prog.dispatch["cuda_graphs"] == {
+        "graphs": 0,
+        "captures": 0,
+        "why_not": "aten::nonzero.default reads a tensor's value on the host",
+    }
+
+
+@needs_cuda
+def test_graph_options_travel_with_pickles(tmp_path):
+    _, path = block(tmp_path)
+    prog = kwexport.load(path, device="cuda", cuda_graphs=kwexport.CudaGraphs(max_graphs=3))
+    again = pickle.loads(pickle.dumps(prog))
+    x = torch.randn(4, 16, device="cuda")
+    for _ in range(3):
+        assert same(again(x), prog(x))
+    assert again.dispatch["cuda_graphs"]["captures"] == 1, again.dispatch["cuda_graphs"]
+
+
+@needs_cuda
+def test_greedy_generation_replays_its_decode_step(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    executorch = pytest.importorskip("transformers.integrations.executorch")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.generation_config.cache_implementation = "static"
+    wrapper = executorch.TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=48)
+    ep = wrapper.export(input_ids=torch.tensor([[1]]), cache_position=torch.tensor([0]))
+    path = tmp_path / "llama.kwx"
+    kwexport.save(ep, path)
+    prompt = torch.tensor([[5, 17, 42, 8, 99, 3]], device="cuda")
+    with torch.no_grad():
+        want = model.cuda().generate(prompt, max_new_tokens=24, do_sample=False, max_length=None, disable_compile=True)
+    plain = kwexport.load(path, device="cuda")
+    prog = kwexport.load(path, device="cuda", cuda_graphs=True)
+    got = prog.generate(prompt, max_new_tokens=24)
+    assert got.tolist() == plain.generate(prompt, max_new_tokens=24).tolist() == want.tolist()
+    assert prog.dispatch["cuda_graphs"]["captures"] == 1, prog.dispatch["cuda_graphs"]
+    # Again from position 0 (the cache rewritten in place, the graph replayed), and sampled
+    # with a seed as without graphs.
+    assert prog.generate(prompt, max_new_tokens=24).tolist() == want.tolist()
+    sampled = dict(do_sample=True, top_k=20, seed=3)
+    assert prog.generate(prompt, 16, **sampled).tolist() == plain.generate(prompt, 16, **sampled).tolist()
