@@ -1019,3 +1019,40 @@ def test_fast_runs_3x3_convolutions_by_winograd(padding, tmp_path):
         assert rel_err(got, want) < 1e-5, kernel
     if torch.backends.mkldnn.is_available() and own_kernels():
         assert not torch.equal(outs["kwexport"], outs["torch"])
+
+
+class ArangeMaskAttention(nn.Module):
+    """Attention over a mask built from `arange` alone (as vision transformers' is): all
+    true where `keep` is None, else true below `keep` keys."""
+
+    def __init__(self, keep=None, additive=False):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.keep, self.additive = keep, additive
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(1, -1, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        n = x.shape[1]
+        mask = torch.arange(n) < (n if self.keep is None else self.keep)
+        mask = mask[None, None, None, :].expand(1, 1, n, n)
+        if self.additive:
+            mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("keep, additive", [(None, False), (None, True), (6, False), (6, True)])
+def test_fast_drops_attention_masks_that_mask_nothing(tmp_path, keep, additive):
+    torch.manual_seed(0)
+    m, x = ArangeMaskAttention(keep, additive).eval(), torch.randn(1, 10, 16)
+    path = tmp_path / "a.kwx"
+    kwexport.save(kwexport.export(m, (x,)), path)
+    masks = {}
+    for level in ("exact", "fast"):
+        prog = kwexport.load(path, optimize=level, dispatch="python")
+        with torch.profiler.profile(record_shapes=True) as prof:
+            out = prog(x)
+        torch.testing.assert_close(out, m(x), rtol=0, atol=1e-6)
+        masks[level] = [e.input_shapes[3] for e in prof.events() if e.name == "aten::scaled_dot_product_attention"]
+    assert masks["exact"] == [[1, 1, 10, 10]]
+    # Dropped where it masks nothing; a mask that hides keys stays.
+    assert masks["fast"] == ([[]] if keep is None else [[1, 1, 10, 10]])

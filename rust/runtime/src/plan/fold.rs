@@ -4,9 +4,9 @@
 
 use std::collections::BTreeMap;
 
-use kwexport_core::graph::SlotGraph;
+use kwexport_core::graph::{SlotArg, SlotGraph, ValueRef};
 use kwexport_core::passes::constant_fold;
-use kwexport_core::schema::OpEntry;
+use kwexport_core::schema::{Arg, OpEntry};
 use pyo3::prelude::*;
 
 use super::{build, Context};
@@ -43,5 +43,41 @@ pub fn constants(
     let mut weights: BTreeMap<String, Py<PyAny>> =
         cx.weights.iter().map(|(k, v)| (k.clone(), v.clone_ref(py))).collect();
     weights.extend(split.names.into_iter().zip(values.into_iter().map(Bound::unbind)));
-    Ok(Some((split.rest, weights)))
+    let mut rest = split.rest;
+    drop_empty_masks(py, &mut rest, &weights)?;
+    Ok(Some((rest, weights)))
+}
+
+/// Attention masks that mask nothing, folded from literals alone (a vision transformer's
+/// all-true mask, built from `arange`): dropped, so that attention runs unmasked, on the
+/// kernels a mask rules out (flash attention on CUDA). A boolean mask that is all true, or a
+/// float one that is all zero, adds nothing to any score. Returns how many were dropped.
+fn drop_empty_masks(py: Python<'_>, graph: &mut SlotGraph, weights: &BTreeMap<String, Py<PyAny>>) -> RtResult<usize> {
+    let mut dropped = 0;
+    for node in &mut graph.nodes {
+        let op = &node.op_name;
+        if op.namespace != "aten" || op.name != "scaled_dot_product_attention" {
+            continue;
+        }
+        let mask = match node.kwargs.iter_mut().find(|(k, _)| k == "attn_mask") {
+            Some((_, arg)) => Some(arg),
+            None => node.args.get_mut(3),
+        };
+        let Some(mask) = mask else { continue };
+        let SlotArg::Value(ValueRef::Weight(name)) = &*mask else { continue };
+        if !name.starts_with("<constant ") {
+            continue;
+        }
+        let Some(t) = weights.get(name).map(|t| t.bind(py)) else { continue };
+        let empty = if t.getattr("dtype")?.str()?.to_str()? == "torch.bool" {
+            t.call_method0("all")?.is_truthy()?
+        } else {
+            t.call_method0("is_floating_point")?.is_truthy()? && !t.call_method0("any")?.is_truthy()?
+        };
+        if empty {
+            *mask = SlotArg::Literal(Arg::None(()));
+            dropped += 1;
+        }
+    }
+    Ok(dropped)
 }
