@@ -222,9 +222,11 @@ fn number_key(lit: &Arg) -> Option<(u8, u64)> {
     }
 }
 
-/// The largest weight (in elements: 4 MiB of float32) that `fast` copies transposed for
-/// kwexport's linear kernel.
-const MAX_PACKED_ELEMENTS: i64 = 1 << 20;
+/// The largest weight (in elements: 32 MiB of float32, BERT-base's 768×3072 and a 2048×4096
+/// fit) that `fast` copies transposed for kwexport's linear kernel, on the node's first call.
+/// The copy is the process's own memory, where the file's weights are shared pages of the
+/// mapped file: as ONNX Runtime's prepacked weights, up to the model's float32 size again.
+const MAX_PACKED_ELEMENTS: i64 = 1 << 23;
 
 /// The same for `precision="bf16"`, whose copy takes half the weight's memory and is what
 /// makes its products fast (torch's bfloat16 products would need casts around each): any
@@ -317,8 +319,8 @@ impl KernelConsts for ConstTable<'_, '_> {
         };
         let is_f32 = w.getattr("dtype").ok()?.eq(self.torch.getattr("float32").ok()?).ok()?;
         let elements: i64 = shape.iter().product();
-        // The copy costs the weight's memory again: only for the small matrices the kernel is
-        // for, where it stays a small share of a model's weights.
+        // The copy costs the weight's memory again: not for the largest matrices (a language
+        // model's vocabulary projection), where torch's kernel reads the mapped file.
         let most = if self.bf16 { MAX_BF16_PACKED_ELEMENTS } else { MAX_PACKED_ELEMENTS };
         if !is_f32 || elements > most || elements == 0 || self.abi.is_none() {
             return None;

@@ -333,7 +333,7 @@ pub struct Choices {
     /// Each `rows * 2 + (1 if kwexport's kernel won)`, or -1 for a free slot: atomics read
     /// with plain loads, so threads calling one program share them without contending (a
     /// lock here would bounce between cores on every node).
-    slots: [std::sync::atomic::AtomicI64; 8],
+    slots: [std::sync::atomic::AtomicI64; 16],
 }
 
 impl Default for Choices {
