@@ -214,34 +214,34 @@ class GraphCache:
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
                 outputs = run(inputs)
-            except Exception as e:  # noqa: BLE001 - any failure means: run as usual
+            except BaseException as e:  # noqa: BLE001 - any failure means: run as usual
                 error = e
             try:
                 graph.capture_end()
             except Exception as e:  # noqa: BLE001
                 error = error or e
         current.wait_stream(self._stream)
-        if error is None:
-            elsewhere = next(
-                (o.device for o in outputs if isinstance(o, torch.Tensor) and o.device != self._device), None
-            )
-            if elsewhere is not None:
-                m.why_not = f"an output is on {elsewhere}, which a CUDA graph doesn't compute"
-                return None
-            m.captures += 1
-            entry = _Graph(graph, inputs, outputs)
-            self._graphs[key] = entry
-            while len(self._graphs) > self._max_graphs:
-                self._graphs.popitem(last=False)
-            return entry
-        # A capture that ended in an error leaves the device's default generator in capture
-        # mode (torch runs its epilogue only after a good capture): put a copy of its state,
-        # which is not capturing, in its place.
-        generator = torch.cuda.default_generators[self._device.index or 0]
-        generator.graphsafe_set_state(generator.clone_state())
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        m.why_not = f"capturing a call failed: {first}"
-        return None
+        if error is not None:
+            # A capture that ended in an error leaves the device's default generator in
+            # capture mode (torch runs its epilogue only after a good capture): put a copy of
+            # its state, which is not capturing, in its place.
+            generator = torch.cuda.default_generators[self._device.index or 0]
+            generator.graphsafe_set_state(generator.clone_state())
+            if not isinstance(error, Exception):
+                raise error  # KeyboardInterrupt and the like, once the capture is undone
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            m.why_not = f"capturing a call failed: {first}"
+            return None
+        elsewhere = next((o.device for o in outputs if isinstance(o, torch.Tensor) and o.device != self._device), None)
+        if elsewhere is not None:
+            m.why_not = f"an output is on {elsewhere}, which a CUDA graph doesn't compute"
+            return None
+        m.captures += 1
+        entry = _Graph(graph, inputs, outputs)
+        self._graphs[key] = entry
+        while len(self._graphs) > self._max_graphs:
+            self._graphs.popitem(last=False)
+        return entry
 
     def _replay(self, m: _Method, entry: _Graph, leaves: list[Any]) -> list[Any]:
         """Copies the call's tensors in, replays, and hands out the outputs (copies unless
