@@ -499,13 +499,15 @@ unsafe impl Sync for Shape {}
 /// column block from `j` (of `k`-deep panels), into the output.
 pub(super) type Block<X> = unsafe fn(Source<X>, std::ops::Range<usize>, &Shape, &[X], Out, usize, usize);
 
-/// The rows per chunk, a multiple of every tile's height, where a GEMM splits its rows.
+/// A multiple of every tile's height, to which a thread's share of the rows is rounded where
+/// it is large.
 const ROW_CHUNK: usize = 24;
 
 /// The GEMM's column blocks, outermost: a block's `k x 64` panel of the weight stays in
 /// cache while every group of rows reads it, so the weight streams from memory once per
 /// call. On several threads (`super::parallel`), each takes whole column blocks (its own
-/// share of the weight), and where there are fewer blocks than threads, chunks of rows too.
+/// share of the weight) where the blocks share out evenly; otherwise each takes an equal
+/// share of the rows over every block.
 ///
 /// # Safety
 /// `block` runs on this CPU; the rows, panels and output hold what the shape says.
@@ -520,8 +522,15 @@ pub(super) unsafe fn columns<X: Sync>(
     let (k, op) = (s.taps * s.cin, Out(out.as_mut_ptr()));
     let blocks = s.n.div_ceil(PANEL);
     let threads = super::parallel::share(2 * m * k * s.n, blocks * m.div_ceil(ROW_CHUNK), super::parallel::threads());
-    // Rows are split only where there are fewer column blocks than threads.
-    let per = m.div_ceil(threads.div_ceil(blocks)).next_multiple_of(ROW_CHUNK);
+    // Each thread takes whole column blocks (its own panels, which matters for a large
+    // weight) where they share out evenly: as many full blocks per thread, or so many blocks
+    // that one more or less is little. Otherwise each thread takes a share of the rows over
+    // every block: 3 blocks on 2 threads (144 columns, a MobileNet's 1×1) had left one thread
+    // 16 columns to the other's 128. A share is rounded to whole chunks of tiles only where
+    // that moves little work.
+    let by_blocks = (blocks.is_multiple_of(threads) && s.n.is_multiple_of(PANEL)) || blocks >= 8 * threads;
+    let share = m.div_ceil(if by_blocks { 1 } else { threads });
+    let per = if share >= 8 * ROW_CHUNK { share.next_multiple_of(ROW_CHUNK) } else { share };
     let chunks = m.div_ceil(per.max(1));
     super::parallel::for_each(blocks * chunks, threads, &|begin, end| {
         for item in begin..end {
