@@ -1056,3 +1056,40 @@ def test_fast_drops_attention_masks_that_mask_nothing(tmp_path, keep, additive):
     assert masks["exact"] == [[1, 1, 10, 10]]
     # Dropped where it masks nothing; a mask that hides keys stays.
     assert masks["fast"] == ([[]] if keep is None else [[1, 1, 10, 10]])
+
+
+class Shuffled(nn.Module):
+    """ShuffleNet's channel shuffle (torchvision's function) between convolutions."""
+
+    def __init__(self, groups):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 12, 3, padding=1), nn.Conv2d(12, 12, 1)
+        self.groups = groups
+
+    def forward(self, x):
+        from torchvision.models.shufflenetv2 import channel_shuffle
+
+        s = channel_shuffle(self.a(x), self.groups)
+        return s, self.b(s)
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+def test_fast_shuffles_channels_without_leaving_channels_last(tmp_path, groups):
+    pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    m, x = Shuffled(groups).eval(), torch.randn(2, 3, 10, 10)
+    path = tmp_path / "s.kwx"
+    kwexport.save(kwexport.export(m, (x,)), path)
+    with torch.no_grad():
+        want = m(x)
+    exact, fast = kwexport.load(path), kwexport.load(path, optimize="fast")
+    got = fast(x)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-5
+    # The shuffle's values exactly as exported, in the convolution's channels-last layout.
+    assert torch.equal(got[0], fast(x)[0]) and got[0].is_contiguous(memory_format=torch.channels_last)
+    assert exact(x)[0].is_contiguous()
+    # Plain aten ops: autograd runs through them.
+    xg = x.clone().requires_grad_()
+    fast(xg)[1].sum().backward()
+    assert xg.grad is not None and xg.grad.shape == x.shape

@@ -10,6 +10,8 @@
 //! - [`rms_norm`]           RMS normalization's six ops as one `rms_norm` node (`fast`)
 //! - [`gelu_tanh`]          GELU's tanh form written out in eight ops as one `gelu` node
 //!   (`fast`)
+//! - [`channel_shuffle`]    a channel shuffle written out in four ops (ShuffleNet's) as one
+//!   `channel_shuffle` node, which keeps channels-last tensors so (`fast`)
 //! - [`batch_norm`]         eval-mode batch norms folded into the convolution before them
 //!   (`fast`; the new weights are computed where the tensors are)
 //! - [`conv_pointwise`]     convolutions (and the activation after) onto oneDNN's fused
@@ -28,6 +30,7 @@
 //!   (every level: the values are the same)
 
 pub mod batch_norm;
+pub mod channel_shuffle;
 pub mod channels_last;
 pub mod constant_fold;
 pub mod conv;
@@ -127,6 +130,7 @@ const FAST: &[&dyn Pass] = &[
     &views_as_reshapes::ViewsAsReshapes,
     &rms_norm::RmsNorm,
     &gelu_tanh::GeluTanh,
+    &channel_shuffle::ChannelShuffle,
     &conv_pointwise::ConvPointwise,
     &conv_residual::ConvResidual,
     &linear_pointwise::LinearPointwise,
