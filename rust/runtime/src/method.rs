@@ -525,15 +525,16 @@ impl Method {
     /// One call on flat leaves, checked, run on the plan (never replayed) and written back:
     /// what the program's CUDA graphs capture. The caller holds the state lock where the
     /// method writes state.
-    pub fn _run_leaves<'py>(&self, leaves: Vec<Bound<'py, PyAny>>) -> PyResult<Vec<Bound<'py, PyAny>>> {
-        let Some(py) = leaves.first().map(|l| l.py()) else {
-            return Err(pyo3::exceptions::PyValueError::new_err("no leaves"));
-        };
-        if leaves.len() != self.leaf_checks.len() {
-            return Err(pyo3::exceptions::PyValueError::new_err(format!("expected {} leaves", self.leaf_checks.len())));
+    pub fn _run_leaves<'py>(
+        slf: &Bound<'py, Self>,
+        leaves: Vec<Bound<'py, PyAny>>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let this = slf.get();
+        if leaves.len() != this.leaf_checks.len() {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!("expected {} leaves", this.leaf_checks.len())));
         }
-        let checked = self.check(&leaves).map_err(RtError::from)?;
-        Ok(self.run_plain(py, &leaves, checked, &mut None)?)
+        let checked = this.check(&leaves).map_err(RtError::from)?;
+        Ok(this.run_plain(slf.py(), &leaves, checked, &mut None)?)
     }
 
     /// Binds and flattens a call to its leaves, checked, without running the graph.
