@@ -21,6 +21,9 @@
 //! `native_channel_shuffle` keeps channels-last in one pass too, but has no derivative, and
 //! `channel_shuffle` returns channels-first.)
 
+use std::collections::HashMap;
+
+use super::emit::{value_names, Emit};
 use super::pass::{Ctx, Pass};
 use super::readers::{one, readers, sole_reader, Readers};
 use super::Level;
@@ -38,45 +41,29 @@ fn rewrite(m: &mut Method, readers: &Readers) -> usize {
     if found.is_empty() {
         return 0;
     }
-    let [reshape, permute, transpose, contiguous] =
-        ["aten::reshape.default", "aten::permute.default", "aten::transpose.int", "aten::contiguous.default"]
-            .map(|name| super::op_index(&mut m.ops, name));
     let ints = |v: &[i64]| Arg::List(v.iter().map(|&i| Arg::Int(i)).collect());
+    let mut names = value_names(&m.graph);
     let mut removed = vec![false; m.graph.nodes.len()];
-    let mut inserted: Vec<(usize, Vec<Node>)> = Vec::new();
-    for (k, p) in found.iter().enumerate() {
-        let [b, c, h, w] = p.sizes;
-        // Fresh names for the new values: a pass's own prefix and the pattern's number.
-        let name = |s: &str| format!("channel_shuffle_{k}_{s}_{}", p.v);
-        let node = |op: usize, args: Vec<Arg>, out: String| Node {
-            op,
-            args,
-            kwargs: Default::default(),
-            outputs: crate::schema::Outputs::One(out),
-        };
-        let y_out = m.graph.nodes[p.nodes[3]].outputs.clone();
-        let mut nodes = vec![
-            node(reshape, vec![Arg::Ref(p.x.clone()), ints(&p.sizes)], name("s")),
-            node(permute, vec![Arg::Ref(name("s")), ints(&[0, 2, 3, 1])], name("p")),
-            node(reshape, vec![Arg::Ref(name("p")), ints(&[b, h, w, p.groups, c / p.groups])], name("r")),
-            node(transpose, vec![Arg::Ref(name("r")), Arg::Int(3), Arg::Int(4)], name("t")),
-            node(contiguous, vec![Arg::Ref(name("t"))], name("u")),
-            node(reshape, vec![Arg::Ref(name("u")), ints(&[b, h, w, c])], name("q")),
-        ];
-        let mut y = node(permute, vec![Arg::Ref(name("q")), ints(&[0, 3, 1, 2])], String::new());
-        y.outputs = y_out;
-        nodes.push(y);
+    // The nodes that stand where each pattern's last did (after every node its input needs).
+    let mut replacing: HashMap<usize, Vec<Node>> = HashMap::new();
+    for p in &found {
+        let ([b, c, h, w], [_, _, _, yi]) = (p.sizes, p.nodes);
+        let y = m.graph.nodes[yi].outputs.clone();
+        let mut e = Emit::new(&mut m.ops, &mut names, format!("{}_shuffle", p.v));
+        let s = e.call("aten::reshape.default", vec![Arg::Ref(p.x.clone()), ints(&p.sizes)], &[]);
+        let q = e.call("aten::permute.default", vec![s, ints(&[0, 2, 3, 1])], &[]);
+        let r = e.call("aten::reshape.default", vec![q, ints(&[b, h, w, p.groups, c / p.groups])], &[]);
+        let t = e.call("aten::transpose.int", vec![r, Arg::Int(3), Arg::Int(4)], &[]);
+        let u = e.call("aten::contiguous.default", vec![t], &[]);
+        let q = e.call("aten::reshape.default", vec![u, ints(&[b, h, w, c])], &[]);
+        e.bind("aten::permute.default", vec![q, ints(&[0, 3, 1, 2])], &[], y);
         p.nodes.iter().for_each(|&i| removed[i] = true);
-        inserted.push((p.nodes[3], nodes));
+        replacing.insert(yi, e.nodes);
     }
-    // The new nodes where the pattern's last stood (after every node its input needs).
-    inserted.sort_by_key(|(at, _)| *at);
-    let mut out = Vec::with_capacity(m.graph.nodes.len() + 3 * found.len());
-    let mut inserted = inserted.into_iter().peekable();
-    for (i, n) in std::mem::take(&mut m.graph.nodes).into_iter().enumerate() {
-        if inserted.peek().is_some_and(|(at, _)| *at == i) {
-            out.extend(inserted.next().expect("peeked").1);
-        }
+    let nodes = std::mem::take(&mut m.graph.nodes);
+    let mut out = Vec::with_capacity(nodes.len() + 3 * found.len());
+    for (i, n) in nodes.into_iter().enumerate() {
+        out.extend(replacing.remove(&i).into_iter().flatten());
         if !removed[i] {
             out.push(n);
         }
@@ -85,8 +72,8 @@ fn rewrite(m: &mut Method, readers: &Readers) -> usize {
     found.len()
 }
 
-/// One pattern: its nodes `[v, t, u, y]`, the shuffled value `x`, `v`'s output name, the
-/// sizes `[b, c, h, w]` and the groups.
+/// One pattern: its nodes `[v, t, u, y]`, the shuffled value `x`, `v`'s output name (which
+/// the new values' names start from), the sizes `[b, c, h, w]` and the groups.
 struct Found {
     nodes: [usize; 4],
     x: String,

@@ -37,6 +37,7 @@ pub mod conv;
 pub mod conv_pointwise;
 pub mod conv_residual;
 pub mod dead_code;
+mod emit;
 pub mod gelu_tanh;
 pub mod inplace_state;
 pub mod linear_int8;

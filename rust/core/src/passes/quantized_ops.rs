@@ -18,9 +18,10 @@
 
 use std::collections::HashSet;
 
+use super::emit::{value_names, Emit};
 use super::pass::{Ctx, Pass};
 use super::Level;
-use crate::schema::{Arg, Float, Method, Node, OpEntry, Outputs, Weights};
+use crate::schema::{Arg, Float, Method, Node, Outputs, Weights};
 
 /// The namespace of torch's quantize and dequantize ops.
 pub const NAMESPACE: &str = "quantized_decomposed";
@@ -54,14 +55,13 @@ pub fn apply(m: &mut Method, weights: &Weights) -> usize {
         Arg::Ref(v) => weight_of.get(v).and_then(|w| weights.tensors.get(w)).map(|t| t.shape.len()),
         _ => None,
     };
-    let mut names: HashSet<String> = m.graph.inputs.iter().map(|i| i.name.clone()).collect();
-    names.extend(m.graph.nodes.iter().flat_map(|n| n.outputs.names().map(str::to_owned)));
+    let mut names = value_names(&m.graph);
     let nodes = std::mem::take(&mut m.graph.nodes);
     let mut out = Vec::with_capacity(nodes.len());
     let mut written = 0;
     for node in nodes {
         let op = m.ops.get(node.op).map(|o| o.name.clone()).unwrap_or_default();
-        let mut e = Emit { ops: &mut m.ops, names: &mut names, nodes: Vec::new(), base: first_output(&node) };
+        let mut e = Emit::new(&mut m.ops, &mut names, format!("{}_q", first_output(&node)));
         if write_out(&mut e, &op, &node, &rank).is_some() {
             out.append(&mut e.nodes);
             written += 1;
@@ -105,37 +105,6 @@ fn drop_unread_ops(m: &mut Method) {
 /// The node's first output name, which the new values' names start from.
 fn first_output(n: &Node) -> String {
     n.outputs.names().next().unwrap_or("q").to_owned()
-}
-
-/// The nodes that replace one, and the op table and names they draw on.
-struct Emit<'a> {
-    ops: &'a mut Vec<OpEntry>,
-    names: &'a mut HashSet<String>,
-    nodes: Vec<Node>,
-    base: String,
-}
-
-impl Emit<'_> {
-    /// A node of `op` binding `outputs`.
-    fn bind(&mut self, op: &str, args: Vec<Arg>, kwargs: &[(&str, Arg)], outputs: Outputs) {
-        let op = super::op_index(self.ops, op);
-        let kwargs = kwargs.iter().map(|(k, v)| ((*k).to_owned(), v.clone())).collect();
-        self.nodes.push(Node { op, args, kwargs, outputs });
-    }
-
-    /// A node of `op` with a new value: a reference to it.
-    fn call(&mut self, op: &str, args: Vec<Arg>, kwargs: &[(&str, Arg)]) -> Arg {
-        let mut i = self.nodes.len();
-        let name = loop {
-            let name = format!("{}_q{i}", self.base);
-            if self.names.insert(name.clone()) {
-                break name;
-            }
-            i += 1;
-        };
-        self.bind(op, args, kwargs, Outputs::One(name.clone()));
-        Arg::Ref(name)
-    }
 }
 
 fn float(v: f64) -> Arg {
