@@ -51,9 +51,8 @@ pub fn constants(
 /// Attention masks that mask nothing, folded from literals alone (a vision transformer's
 /// all-true mask, built from `arange`): dropped, so that attention runs unmasked, on the
 /// kernels a mask rules out (flash attention on CUDA). A boolean mask that is all true, or a
-/// float one that is all zero, adds nothing to any score. Returns how many were dropped.
-fn drop_empty_masks(py: Python<'_>, graph: &mut SlotGraph, weights: &BTreeMap<String, Py<PyAny>>) -> RtResult<usize> {
-    let mut dropped = 0;
+/// float one that is all zero, adds nothing to any score.
+fn drop_empty_masks(py: Python<'_>, graph: &mut SlotGraph, weights: &BTreeMap<String, Py<PyAny>>) -> RtResult<()> {
     for node in &mut graph.nodes {
         let op = &node.op_name;
         if op.namespace != "aten" || op.name != "scaled_dot_product_attention" {
@@ -76,8 +75,7 @@ fn drop_empty_masks(py: Python<'_>, graph: &mut SlotGraph, weights: &BTreeMap<St
         };
         if empty {
             *mask = SlotArg::Literal(Arg::None(()));
-            dropped += 1;
         }
     }
-    Ok(dropped)
+    Ok(())
 }
