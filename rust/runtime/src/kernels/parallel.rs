@@ -114,15 +114,24 @@ pub(crate) mod tests {
     }
 
     /// The GEMM (dense, with every epilogue kind of pass, and indirect) on three threads, at
-    /// shapes that split by column blocks, by rows, and both, against a double-precision
-    /// reference: each thread writes only its own blocks and rows, and writes all of them.
+    /// shapes that split by column blocks (three full blocks; 25 blocks, the last partial),
+    /// by rows, and both, against a double-precision reference: each thread writes only its
+    /// own blocks and rows, and writes all of them.
     #[test]
     fn threaded_gemm_matches_the_reference() {
         use super::super::{gemm_f32, pack_conv_panels, Epilogue, PANEL};
         install_test_pool();
         assert_eq!(threads(), THREADS);
         super::super::tests::each_isa(|| {
-            for (m, k, n) in [(4usize, 256usize, 640usize), (300, 64, 40), (97, 130, 200), (1, 512, 512)] {
+            let shapes = [
+                (4usize, 256usize, 640usize),
+                (300, 64, 40),
+                (97, 130, 200),
+                (1, 512, 512),
+                (50, 64, 192),
+                (4, 64, 1580),
+            ];
+            for (m, k, n) in shapes {
                 let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.017).sin()).collect();
                 let wt: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.013).cos()).collect();
                 let mut panels = vec![0.0; k * n.div_ceil(PANEL) * PANEL];
