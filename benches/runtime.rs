@@ -109,7 +109,7 @@ fn per_node_dispatch(c: &mut Criterion) {
 
 /// kwexport's own kernels on plain slices, at the shapes `optimize="fast"` gives them: GELU
 /// over an MLP's activations, the small-batch linear at a decode step and at 32 tokens (in
-/// float32 and bfloat16), and
+/// float32, bfloat16 and int8), and
 /// the convolutions of mobilenet_v3_small at 224×224 (1×1 as a GEMM over pixels, depthwise,
 /// and the RGB stem), resnet18's max pooling and a small transformer's attention.
 fn kernels(c: &mut Criterion) {
@@ -143,6 +143,23 @@ fn kernels(c: &mut Criterion) {
         group.bench_function(format!("linear_bf16/{m}x{k}x{n}"), |b| {
             b.iter(|| bf16::gemm(&x, m, k, &panels, n, Some(&bias), None, Epilogue::None, &mut out))
         });
+    }
+    // The same linears and a BERT-base one on the int8 GEMM (pt2e's static activation
+    // scale), in the layout this CPU's kernel reads; quantizing the rows included.
+    if let Some(layout) = kwexport_runtime::kernels::int8::Layout::current() {
+        use kwexport_runtime::kernels::int8::{linear, Packed, Quant};
+        let quant = Quant { scale: 0.02, zero_point: 128, qmin: 0, qmax: 255 };
+        for (m, k, n) in [(1, 256, 256), (4, 256, 256), (32, 256, 1024), (32, 1024, 256), (128, 768, 768)] {
+            let (x, bias, scale, mut out) = (data(m * k), data(n), vec![0.01; n], vec![0.0; m * n]);
+            let w: Vec<i8> = (0..n * k).map(|i| (i * 37 % 255) as u8 as i8).collect();
+            let mut words = vec![0u32; layout.packed_len([n, k])];
+            layout.pack(&w, [n, k], [k, 1], &mut words);
+            let weight = Packed { words: &words, layout };
+            group.throughput(Throughput::Elements((2 * m * k * n) as u64));
+            group.bench_function(format!("linear_int8_{layout:?}/{m}x{k}x{n}").to_lowercase(), |b| {
+                b.iter(|| linear(&x, [m, k, n], &quant, weight, &scale, Some(&bias), Epilogue::None, &mut out))
+            });
+        }
     }
     // A fused linear's activation, as the GEMM stores (BERT's and Llama's MLPs).
     let (m, k, n) = (32, 256, 1024);

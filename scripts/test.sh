@@ -13,5 +13,5 @@ PYO3_PYTHON="$PWD/.venv/bin/python" cargo test --locked -p kwexport-runtime
 others=$(.venv/bin/python -c "import kwexport; i = kwexport.kernel_info(); print(*(f for f in i['supported'] if f != i['isa']))")
 for isa in $others; do
     echo "== KWEXPORT_ISA=$isa"
-    KWEXPORT_ISA=$isa .venv/bin/python -m pytest -q tests/test_optimize.py tests/test_nonfinite.py tests/test_zoo.py
+    KWEXPORT_ISA=$isa .venv/bin/python -m pytest -q tests/test_optimize.py tests/test_nonfinite.py tests/test_zoo.py tests/test_quantized.py
 done

@@ -9,6 +9,7 @@ weights' dequantization is folded at load."""
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -350,3 +351,15 @@ def test_quantize_takes_gpt2s_addmm_linears(tmp_path):
     with torch.no_grad():
         ref = model(x)
     assert ((fast(x) - ref).abs().max() / ref.abs().max()).item() < 0.05
+
+
+def test_kernel_info_names_the_int8_gemms_layout():
+    """AVX512-VNNI's byte quads where the AVX-512 family runs on a CPU with VNNI, int16 pairs
+    on every other family (`KWEXPORT_ISA=avx2` and `portable` force them)."""
+    info = kwexport.kernel_info()
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("needs /proc/cpuinfo to know the CPU's features")
+    vnni = " avx512_vnni" in cpuinfo.read_text()
+    want = None if info["isa"] is None else "quads" if info["isa"] == "avx512" and vnni else "pairs"
+    assert info["int8"] == want, info

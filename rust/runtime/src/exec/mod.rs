@@ -583,11 +583,11 @@ impl CStep {
                     Some(q) => crate::operators::Int8Input::Given(q),
                     None => crate::operators::Int8Input::Chosen { qmin, qmax, eps },
                 };
-                let panels = l.panels.get(abi, consts)?;
+                let (panels, layout) = l.panels.get(abi, consts)?;
                 // SAFETY: as above.
                 unsafe {
-                    let weight =
-                        crate::operators::Int8Weight { panels, n: l.n, k: l.k, scale: tensor(6)??, bias: tensor(8)? };
+                    let (n, k, scale, bias) = (l.n, l.k, tensor(6)??, tensor(8)?);
+                    let weight = crate::operators::Int8Weight { panels, layout, n, k, scale, bias };
                     ops.linear_int8(tensor(0)??, input, weight, l.epilogue)
                 }
             }

@@ -138,7 +138,8 @@ fn shape(
     epilogue: Epilogue,
 ) -> Shape {
     let at = |s: Option<&[f32]>| s.map_or(std::ptr::null(), |s| s.as_ptr());
-    Shape { taps, cin: pairs, n, ldo: n, bias: at(bias), scale: std::ptr::null(), residual: at(residual), epilogue }
+    let (scale, sums) = (std::ptr::null(), std::ptr::null());
+    Shape { taps, cin: pairs, n, ldo: n, bias: at(bias), scale, sums, residual: at(residual), epilogue }
 }
 
 /// Rows of `k` floats as rows of `ceil(k / 2)` pairs of bfloat16 (low half first; the last
@@ -183,7 +184,7 @@ mod avx512bf16 {
         type Acc = __m512;
         type W = __m512i;
         #[inline(always)]
-        unsafe fn start(bias: Option<__m512>) -> __m512 {
+        unsafe fn start(bias: Option<__m512>, _: Option<__m512>) -> __m512 {
             // SAFETY: the trait's contract.
             bias.unwrap_or_else(|| unsafe { Avx512::zero() })
         }

@@ -79,7 +79,8 @@ pub fn gemm_f32(
     let fits = x.len() >= m * k && panels.len() >= panels_len(k, n) && results_fit(m, n, bias, residual, out.len());
     let t = super::table_if(fits)?;
     let (bias, residual) = addends((bias, residual));
-    let shape = Shape { taps: 1, cin: k, n, ldo: n, bias, scale: std::ptr::null(), residual, epilogue };
+    let (scale, sums) = (std::ptr::null(), std::ptr::null());
+    let shape = Shape { taps: 1, cin: k, n, ldo: n, bias, scale, sums, residual, epilogue };
     // SAFETY: the table's functions run on this CPU; every slice holds what the shapes say
     // (checked).
     unsafe { columns(t.gemm_block, Source::Dense(Dense { x: x.as_ptr(), k }), m, &shape, panels, out) };
@@ -102,7 +103,17 @@ pub(super) unsafe fn product(
     out: &mut [f32],
 ) {
     let null = std::ptr::null();
-    let shape = Shape { taps: 1, cin: k, n, ldo: n, bias: null, scale: null, residual: null, epilogue: Epilogue::None };
+    let shape = Shape {
+        taps: 1,
+        cin: k,
+        n,
+        ldo: n,
+        bias: null,
+        scale: null,
+        sums: std::ptr::null(),
+        residual: null,
+        epilogue: Epilogue::None,
+    };
     // SAFETY: as the caller guarantees.
     unsafe { columns(block, Source::Dense(Dense { x: x.as_ptr(), k }), m, &shape, panels, out) }
 }
@@ -171,7 +182,8 @@ pub fn indirect_f32(
     });
     let (bias, residual) = addends((bias, residual));
     let (per_in, per_out) = (cin / groups, n / groups);
-    let shape = Shape { taps, cin: per_in, n: per_out, ldo: n, bias, scale: std::ptr::null(), residual, epilogue };
+    let (scale, sums) = (std::ptr::null(), std::ptr::null());
+    let shape = Shape { taps, cin: per_in, n: per_out, ldo: n, bias, scale, sums, residual, epilogue };
     let table = Table { table: table.as_ptr(), taps, offset: 0 };
     if groups == 1 {
         // SAFETY: the table's functions run on this CPU; every pointer of the table starts
@@ -255,8 +267,9 @@ pub(super) unsafe trait Dot<S: Simd>: Copy + 'static {
     type Acc: Copy;
     /// `S::LANES` elements of a panel row, or one row element in every lane.
     type W: Copy;
-    /// The sums a tile starts from, given its columns' bias (if any).
-    unsafe fn start(bias: Option<S::V>) -> Self::Acc;
+    /// The sums a tile starts from, given its columns' bias and integer starting sums (the
+    /// bits of int32 lanes, [`Shape::sums`]), where given.
+    unsafe fn start(bias: Option<S::V>, sums: Option<S::V>) -> Self::Acc;
     /// `S::LANES` elements of a panel row.
     unsafe fn load(p: *const Self::X) -> Self::W;
     /// One element of a row, in every lane.
@@ -277,7 +290,7 @@ unsafe impl<S: Simd> Dot<S> for F32 {
     type Acc = S::V;
     type W = S::V;
     #[inline(always)]
-    unsafe fn start(bias: Option<S::V>) -> S::V {
+    unsafe fn start(bias: Option<S::V>, _: Option<S::V>) -> S::V {
         // SAFETY: the trait's contract.
         bias.unwrap_or_else(|| unsafe { S::zero() })
     }
@@ -315,7 +328,7 @@ unsafe impl<S: Simd> Dot<S> for Bf16 {
     type Acc = S::V;
     type W = S::I;
     #[inline(always)]
-    unsafe fn start(bias: Option<S::V>) -> S::V {
+    unsafe fn start(bias: Option<S::V>, _: Option<S::V>) -> S::V {
         // SAFETY: the trait's contract.
         bias.unwrap_or_else(|| unsafe { S::zero() })
     }
@@ -351,7 +364,7 @@ unsafe impl<S: Simd> Dot<S> for Pairs {
     type Acc = S::I;
     type W = S::I;
     #[inline(always)]
-    unsafe fn start(_: Option<S::V>) -> S::I {
+    unsafe fn start(_: Option<S::V>, _: Option<S::V>) -> S::I {
         // SAFETY: the trait's contract.
         unsafe { S::izero() }
     }
@@ -468,6 +481,9 @@ pub(super) struct Shape {
     pub(super) bias: *const f32,
     /// `n` values the sums are multiplied by before the bias (the int8 GEMM's), or null.
     pub(super) scale: *const f32,
+    /// `n` int32 sums each column's starts from (the int8 GEMM's zero-point correction,
+    /// `super::int8`), or null.
+    pub(super) sums: *const i32,
     /// `m * n` values added to the results before the epilogue, or null.
     pub(super) residual: *const f32,
     pub(super) epilogue: Epilogue,
@@ -685,8 +701,8 @@ unsafe fn tile<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const V: usize
         let per_column = |p: *const f32| -> [Option<S::V>; V] {
             std::array::from_fn(|v| (!p.is_null()).then(|| S::load_masked(masks[v], p.add(j + v * S::LANES))))
         };
-        let (bias, scale) = (per_column(s.bias), per_column(s.scale));
-        let mut acc: [[D::Acc; V]; T] = [std::array::from_fn(|v| D::start(bias[v])); T];
+        let (bias, scale, sums) = (per_column(s.bias), per_column(s.scale), per_column(s.sums.cast()));
+        let mut acc: [[D::Acc; V]; T] = [std::array::from_fn(|v| D::start(bias[v], sums[v])); T];
         for t in 0..s.taps {
             let rows: [*const D::X; T] = std::array::from_fn(|r| rows_of.at(i + r, t));
             let wt = panel.add(t * s.cin * PANEL);

@@ -3,12 +3,17 @@
 //! 0, what `dequantize → linear` computes in a program quantized with torch's flows
 //! (`passes::linear_int8`).
 //!
-//! Each input row is quantized as torch's `quantize_per_tensor` does it, its zero point taken
-//! out, and held as pairs of int16; the weight is packed once as pairs of int16 too. The sums
-//! of products are exact in int32 (`vpmaddwd`, two products per lane per instruction, on
-//! AVX2 and AVX-512), then scaled per column and biased in float32: the products of the
-//! quantized graph with none of its float32 rounding along `k`, on the driver the float32
-//! GEMM runs on (`gemm::Dot`). Half the bytes of a float32 weight stream per call.
+//! Each input row is quantized as torch's `quantize_per_tensor` does it; the sums of
+//! products are exact in int32, then scaled per column and biased in float32: the products of
+//! the quantized graph with none of its float32 rounding along `k`, on the driver the float32
+//! GEMM runs on (`gemm::Dot`). Two [`Layout`]s, the weight packed once in the one the CPU's
+//! kernel reads:
+//! - [`Layout::Quads`] (AVX512-VNNI's `vpdpbusd`: four byte products per lane per
+//!   instruction): the input's levels as unsigned bytes (`q - qmin`), the weight's as signed
+//!   bytes, a quarter of a float32 weight's bytes per call; each column's sums start from
+//!   `-(zero_point - qmin) * sum(w)`, so that they equal the sums of `(q - zero_point) * w`.
+//! - [`Layout::Pairs`] (every family: `vpmaddwd` on AVX2 and AVX-512, two products per lane):
+//!   the input's levels less the zero point and the weight both as pairs of int16.
 
 use super::activation::Epilogue;
 use super::gemm::{self, Dense, Shape, Source};
@@ -119,27 +124,139 @@ pub(super) unsafe fn quantize<S: Simd>(x: &[f32], k: usize, q: &Levels, width: u
     }
 }
 
-/// The panels [`pack_panels`] makes of an `[n, k]` weight: `ceil(n / 64)` panels of
-/// `[ceil(k / 2), 64]` pairs. The one place the int8 panels' size is computed.
-pub fn pack_size([n, k]: [usize; 2]) -> [usize; 3] {
-    [n.div_ceil(PANEL), k.div_ceil(2), PANEL]
+/// How an int8 weight is packed, which fixes the kernel that multiplies it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// Pairs of int16 per 32-bit word: every family's kernel.
+    Pairs,
+    /// Four bytes per 32-bit word, then each column's sum of weights: AVX512-VNNI's kernel.
+    Quads,
 }
 
-/// An int8 `[n, k]` weight (at element `strides`) as the kernel's panels: per 64 output
-/// columns, for each pair of input channels `(2q, 2q + 1)`, a row of 64 pairs of int16 (low
-/// half first; zero past `k` and `n`). `panels` holds [`pack_size`]'s pairs.
-pub fn pack_panels(w: &[i8], [n, k]: [usize; 2], strides: [usize; 2], panels: &mut [u32]) {
-    let at =
-        |o: usize, c: usize| if o < n && c < k { w[o * strides[0] + c * strides[1]] as i16 as u16 as u32 } else { 0 };
-    let pairs = k.div_ceil(2);
-    for (p, panel) in panels.chunks_exact_mut(pairs * PANEL).take(n.div_ceil(PANEL)).enumerate() {
-        for (q, row) in panel.chunks_exact_mut(PANEL).enumerate() {
-            for (col, v) in row.iter_mut().enumerate() {
-                let o = p * PANEL + col;
-                *v = at(o, 2 * q) | (at(o, 2 * q + 1) << 16);
+impl Layout {
+    /// The layout the kernels that run now read (`super::isa`), `None` where kwexport's
+    /// kernels don't run here.
+    pub fn current() -> Option<Layout> {
+        super::isa::kernels().map(|t| super::isa::int8_block(t).1)
+    }
+
+    /// Input channels per 32-bit word.
+    fn per_word(self) -> usize {
+        match self {
+            Layout::Pairs => 2,
+            Layout::Quads => 4,
+        }
+    }
+
+    /// The words of a packed `[n, k]` weight: `ceil(n / 64)` panels of `[ceil(k / per word),
+    /// 64]` words, then (quads) `64 * ceil(n / 64)` column sums. The one place the int8
+    /// panels' size is computed.
+    pub fn packed_len(self, [n, k]: [usize; 2]) -> usize {
+        let panels = n.div_ceil(PANEL) * k.div_ceil(self.per_word()) * PANEL;
+        match self {
+            Layout::Pairs => panels,
+            Layout::Quads => panels + n.div_ceil(PANEL) * PANEL,
+        }
+    }
+
+    /// An int8 `[n, k]` weight (at element `strides`) as the kernel's panels: per 64 output
+    /// columns, for each group of input channels (2 or 4, the first in the low bits), a row of
+    /// 64 words (zero past `k` and `n`); then, for quads, each column's sum of weights (an
+    /// int32). `packed` holds [`Layout::packed_len`]'s words.
+    pub fn pack(self, w: &[i8], [n, k]: [usize; 2], strides: [usize; 2], packed: &mut [u32]) {
+        let at = |o: usize, c: usize| if o < n && c < k { w[o * strides[0] + c * strides[1]] } else { 0 };
+        let (per, bits) = (self.per_word(), 32 / self.per_word());
+        let (groups, mask) = (k.div_ceil(per), u32::MAX >> (32 - bits));
+        let (panels, sums) = packed.split_at_mut(n.div_ceil(PANEL) * groups * PANEL);
+        for (p, panel) in panels.chunks_exact_mut(groups * PANEL).enumerate() {
+            for (q, row) in panel.chunks_exact_mut(PANEL).enumerate() {
+                for (col, v) in row.iter_mut().enumerate() {
+                    let word = |i: usize| (at(p * PANEL + col, per * q + i) as i32 as u32 & mask) << (bits * i);
+                    *v = (0..per).map(word).fold(0, |a, b| a | b);
+                }
+            }
+        }
+        if self == Layout::Quads {
+            for (o, sum) in sums.iter_mut().take(n.div_ceil(PANEL) * PANEL).enumerate() {
+                *sum = (0..k).map(|c| at(o, c) as i32).sum::<i32>() as u32;
             }
         }
     }
+}
+
+/// An int8 weight as [`Layout::pack`] packed it.
+#[derive(Debug, Clone, Copy)]
+pub struct Packed<'a> {
+    pub words: &'a [u32],
+    pub layout: Layout,
+}
+
+/// `out[m, n] = epilogue(bias[n] + dequantize(quantize(x)) @ (w * w_scale[n]).T)`, `x` being
+/// `m` rows of `k` floats quantized by `quant` and `weight` the int8 `[n, k]` weight packed by
+/// [`Layout::pack`] (zero point 0). Declines (writing nothing) where the slices don't fit the
+/// shapes, `quant` isn't one the kernel takes ([`Quant::fits`]; for quads also a range of at
+/// most 256 levels), or the weight's layout isn't the one the kernels that run here read.
+#[allow(clippy::too_many_arguments)]
+pub fn linear(
+    x: &[f32],
+    [m, k, n]: [usize; 3],
+    quant: &Quant,
+    weight: Packed<'_>,
+    w_scale: &[f32],
+    bias: Option<&[f32]>,
+    epilogue: Epilogue,
+    out: &mut [f32],
+) -> Ran {
+    let quads = weight.layout == Layout::Quads;
+    if !quant.fits() || k > MAX_K || (quads && quant.qmax - quant.qmin > 255) {
+        return Err(Declined::Values);
+    }
+    let fits = x.len() >= m * k
+        && weight.words.len() >= weight.layout.packed_len([n, k])
+        && w_scale.len() >= n
+        && gemm::results_fit(m, n, bias, None, out.len());
+    let t = super::table_if(fits)?;
+    let (block, layout) = super::isa::int8_block(t);
+    if layout != weight.layout {
+        return Err(Declined::Values);
+    }
+    let words = k.div_ceil(layout.per_word());
+    let rows = match layout {
+        Layout::Pairs => quantize_rows(t, x, m, k, quant),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `int8_block` gives quads only where the CPU has AVX512-VNNI; `x` holds `m`
+        // rows of `k`.
+        Layout::Quads => unsafe { avx512vnni::bytes_of_rows(&x[..m * k], k, &quant.levels()) },
+        #[cfg(not(target_arch = "x86_64"))]
+        Layout::Quads => return Err(Declined::Values),
+    };
+    // The input's scale as the dequantize applies it (a float32 operand), times each column's.
+    let scale: Vec<f32> = w_scale[..n].iter().map(|&s| quant.scale as f32 * s).collect();
+    // Quads sum `(q - qmin) * w`: each column starts from `-(zero_point - qmin) * sum(w)`
+    // (within int32 for `k <= MAX_K`: `255 * 128 * k < 2^31`).
+    let offset = (quant.zero_point - quant.qmin) as i32;
+    let panels_len = n.div_ceil(PANEL) * words * PANEL;
+    let sums: Vec<i32> = match layout {
+        Layout::Pairs => Vec::new(),
+        Layout::Quads => weight.words[panels_len..][..n].iter().map(|&s| (s as i32).wrapping_mul(-offset)).collect(),
+    };
+    let shape = Shape {
+        taps: 1,
+        cin: words,
+        n,
+        ldo: n,
+        bias: bias.map_or(std::ptr::null(), |b| b.as_ptr()),
+        scale: scale.as_ptr(),
+        sums: if quads { sums.as_ptr() } else { std::ptr::null() },
+        residual: std::ptr::null(),
+        epilogue,
+    };
+    let source = Source::Dense(Dense { x: rows.as_ptr(), k: words });
+    // SAFETY: the block runs on this CPU and reads this layout; `rows` holds `m` rows of
+    // `words` words, the weight its panels, `scale`, the sums and the bias `n` values, `out`
+    // `m * n` (checked).
+    unsafe { gemm::columns(block, source, m, &shape, &weight.words[..panels_len], out) };
+    Ok(())
 }
 
 /// `m` rows of `k` floats quantized by `quant` (less its zero point) on `table`'s kernel, as
@@ -156,48 +273,86 @@ fn quantize_rows(table: &super::isa::Table, x: &[f32], m: usize, k: usize, quant
     rows
 }
 
-/// `out[m, n] = epilogue(bias[n] + dequantize(quantize(x)) @ (w * w_scale[n]).T)`, `x` being
-/// `m` rows of `k` floats quantized by `quant` and `panels` the int8 `[n, k]` weight packed by
-/// [`pack_panels`] (zero point 0). Declines (writing nothing) where the slices don't fit the
-/// shapes, `quant` isn't one the kernel takes ([`Quant::fits`]), or kwexport's kernels
-/// don't run on this CPU.
-#[allow(clippy::too_many_arguments)]
-pub fn linear(
-    x: &[f32],
-    [m, k, n]: [usize; 3],
-    quant: &Quant,
-    panels: &[u32],
-    w_scale: &[f32],
-    bias: Option<&[f32]>,
-    epilogue: Epilogue,
-    out: &mut [f32],
-) -> Ran {
-    if !quant.fits() || k > MAX_K {
-        return Err(Declined::Values);
+/// AVX512-VNNI's byte products (`vpdpbusd`) as the GEMM driver's micro-kernel.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub(super) struct Vnni;
+
+#[cfg(target_arch = "x86_64")]
+mod avx512vnni {
+    use std::arch::x86_64::*;
+
+    use super::super::gemm::Dot;
+    use super::super::simd::avx512::Avx512;
+    use super::super::simd::Simd;
+    use super::{Levels, Vnni};
+
+    // SAFETY: each method is an AVX-512F or AVX512-VNNI instruction; `super::super::isa` runs
+    // this micro-kernel only in a block compiled with both enabled, where the CPU has them.
+    unsafe impl Dot<Avx512> for Vnni {
+        type X = u32;
+        type Acc = __m512i;
+        type W = __m512i;
+        #[inline(always)]
+        unsafe fn start(_: Option<__m512>, sums: Option<__m512>) -> __m512i {
+            // SAFETY: register operations (the trait's contract); `sums` holds int32 bits.
+            unsafe { sums.map_or_else(|| _mm512_setzero_si512(), |s| _mm512_castps_si512(s)) }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const u32) -> __m512i {
+            // SAFETY: the trait's contract.
+            unsafe { _mm512_loadu_si512(p.cast()) }
+        }
+        #[inline(always)]
+        unsafe fn splat(x: u32) -> __m512i {
+            // SAFETY: the trait's contract.
+            unsafe { _mm512_set1_epi32(x as i32) }
+        }
+        #[inline(always)]
+        unsafe fn madd(acc: __m512i, a: __m512i, w: __m512i) -> __m512i {
+            // SAFETY: register arithmetic (the trait's contract): the row's four unsigned
+            // bytes times the column's four signed bytes, summed into each lane, unsaturated.
+            unsafe { _mm512_dpbusd_epi32(acc, a, w) }
+        }
+        #[inline(always)]
+        unsafe fn finish(acc: __m512i, scale: Option<__m512>, bias: Option<__m512>) -> __m512 {
+            // SAFETY: the trait's contract.
+            unsafe { <super::super::gemm::Pairs as Dot<Avx512>>::finish(acc, scale, bias) }
+        }
     }
-    let fits = x.len() >= m * k
-        && panels.len() >= pack_size([n, k]).iter().product()
-        && w_scale.len() >= n
-        && gemm::results_fit(m, n, bias, None, out.len());
-    let t = super::table_if(fits)?;
-    let rows = quantize_rows(t, x, m, k, quant);
-    // The input's scale as the dequantize applies it (a float32 operand), times each column's.
-    let scale: Vec<f32> = w_scale[..n].iter().map(|&s| quant.scale as f32 * s).collect();
-    let shape = Shape {
-        taps: 1,
-        cin: k.div_ceil(2),
-        n,
-        ldo: n,
-        bias: bias.map_or(std::ptr::null(), |b| b.as_ptr()),
-        scale: scale.as_ptr(),
-        residual: std::ptr::null(),
-        epilogue,
-    };
-    let source = Source::Dense(Dense { x: rows.as_ptr(), k: shape.cin });
-    // SAFETY: the table's functions run on this CPU; `rows` holds `m` rows of `cin` pairs,
-    // `panels` the weight's, `scale` and the bias `n` values, `out` `m * n` (checked).
-    unsafe { gemm::columns(t.gemm_pairs, source, m, &shape, panels, out) };
-    Ok(())
+
+    /// Rows of `k` floats quantized as torch's `quantize_per_tensor` computes it (see
+    /// [`super::quantize`]; a NaN to `qmin`), less `qmin`: rows of `ceil(k / 4)` words of
+    /// four unsigned bytes (zero past `k`).
+    ///
+    /// # Safety
+    /// AVX-512F and AVX-512BW must be present; `x` must hold whole rows of `k` floats, and the
+    /// levels span at most 256 values.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn bytes_of_rows(x: &[f32], k: usize, q: &Levels) -> Vec<u32> {
+        let words = k.div_ceil(4);
+        let mut out = vec![0u32; x.len() / k * words];
+        // SAFETY (all below): rows of `k` floats in `x` and `words` words (`4 * words >= k`
+        // bytes) in `out`; masked lanes past `k` are neither read nor written.
+        unsafe {
+            let (inv, zp) = (Avx512::splat(q.inv), Avx512::splat(q.zero_point));
+            let (lo, hi) = (Avx512::splat(q.qmin), Avx512::splat(q.qmax));
+            for (row, dst) in x.chunks_exact(k).zip(out.chunks_exact_mut(words)) {
+                let dst = dst.as_mut_ptr().cast::<i8>();
+                let mut c = 0;
+                while c < k {
+                    let lanes = Avx512::first(k - c);
+                    let v = Avx512::load_masked(lanes, row.as_ptr().add(c));
+                    // `max` gives its second operand for a NaN: `qmin`.
+                    let level = Avx512::min(Avx512::max(Avx512::add(Avx512::round(Avx512::mul(v, inv)), zp), lo), hi);
+                    let byte = _mm512_cvtps_epi32(Avx512::sub(level, lo));
+                    _mm512_mask_cvtepi32_storeu_epi8(dst.add(c), lanes, byte);
+                    c += 16;
+                }
+            }
+        }
+        out
+    }
 }
 
 #[cfg(test)]
@@ -219,32 +374,72 @@ mod tests {
         .into_iter()
     }
 
+    /// The layout each supported family's kernel reads (pairs everywhere, quads where the
+    /// AVX-512 family runs on a CPU with AVX512-VNNI).
+    fn layout_of(isa: isa::Isa) -> Layout {
+        isa::int8_block(isa.table().unwrap()).1
+    }
+
+    fn packed(w: &[i8], [n, k]: [usize; 2], layout: Layout) -> Vec<u32> {
+        let mut words = vec![0u32; layout.packed_len([n, k])];
+        layout.pack(w, [n, k], [k, 1], &mut words);
+        words
+    }
+
     /// Each family against the quantized graph's definition in double precision: the same
     /// quantized values (the kernel's sums are exact), float32 rounding apart.
     #[test]
     fn each_family_computes_the_quantized_linear() {
         for isa in isa::supported() {
+            let layout = layout_of(isa);
             for ([m, k, n], quant) in cases() {
                 let x: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0).collect();
                 let w: Vec<i8> = (0..n * k).map(|i| ((i * 53 % 256) as i32 - 128) as i8).collect();
                 let w_scale: Vec<f32> = (0..n).map(|i| 0.001 + i as f32 / 7000.0).collect();
                 let bias: Vec<f32> = (0..n).map(|i| i as f32 / 7.0 - 1.0).collect();
-                let mut panels = vec![0u32; pack_size([n, k]).iter().product()];
-                pack_panels(&w, [n, k], [k, 1], &mut panels);
+                let words = packed(&w, [n, k], layout);
+                let weight = Packed { words: &words, layout };
                 for (epilogue, bias) in [(Epilogue::None, Some(&bias[..])), (Epilogue::Gelu, None)] {
                     let mut out = vec![f32::NAN; m * n];
                     let ran =
-                        isa::with(isa, || linear(&x, [m, k, n], &quant, &panels, &w_scale, bias, epilogue, &mut out));
+                        isa::with(isa, || linear(&x, [m, k, n], &quant, weight, &w_scale, bias, epilogue, &mut out));
                     assert_eq!(ran, Ok(()), "{isa:?}");
                     let want = reference::linear_int8(&x, [m, k, n], &quant, &w, &w_scale, bias, epilogue);
                     for (i, (got, want)) in out.iter().zip(&want).enumerate() {
                         let (got, want) = (*got as f64, *want);
                         assert!(
                             (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                            "{isa:?} {m}x{k}x{n} {epilogue:?} [{i}]: {got} vs {want}"
+                            "{isa:?} {layout:?} {m}x{k}x{n} {epilogue:?} [{i}]: {got} vs {want}"
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// The largest sums the kernels take, exact: `k = MAX_K`, every input's level at the end
+    /// of its range farthest from the zero point and every weight -128 or 127, against int64
+    /// sums.
+    #[test]
+    fn each_family_sums_exactly_at_the_deepest_k() {
+        let k = MAX_K;
+        for isa in isa::supported() {
+            let layout = layout_of(isa);
+            // With scale 1, `x` quantizes to `clamp(x + zero_point, qmin, qmax)`.
+            for (quant, level, w) in [
+                (Quant { scale: 1.0, zero_point: 0, qmin: 0, qmax: 255 }, 255i64, -128i8),
+                (Quant { scale: 1.0, zero_point: 255, qmin: 0, qmax: 255 }, 0, -128),
+                (Quant { scale: 1.0, zero_point: 127, qmin: -128, qmax: 127 }, -128, 127),
+            ] {
+                let x = vec![(level - quant.zero_point) as f32; 2 * k];
+                let words = packed(&vec![w; k], [1, k], layout);
+                let mut out = [f32::NAN; 2];
+                let weight = Packed { words: &words, layout };
+                let ran =
+                    isa::with(isa, || linear(&x, [2, k, 1], &quant, weight, &[1.0], None, Epilogue::None, &mut out));
+                assert_eq!(ran, Ok(()), "{isa:?}");
+                let want = (level - quant.zero_point) * w as i64 * k as i64;
+                assert_eq!(out, [want as f32; 2], "{isa:?} {layout:?} {quant:?}");
             }
         }
     }
@@ -277,6 +472,32 @@ mod tests {
         }
     }
 
+    /// The quads' input bytes: the same levels as torch's, less `qmin` (not the zero point).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn quads_quantize_as_torch_does() {
+        if !isa::has_avx512_vnni() {
+            return;
+        }
+        let q = Quant { scale: 0.1, zero_point: 3, qmin: 1, qmax: 255 };
+        let cases = [(0.25, 5), (0.37, 7), (-1.0, 1), (1e9, 255), (f32::NEG_INFINITY, 1), (f32::NAN, 1), (0.0, 3)];
+        for k in [1, 3, 37] {
+            for at in 0..k {
+                for (x, level) in cases {
+                    let mut row = vec![0.0f32; k];
+                    row[at] = x;
+                    // SAFETY: the CPU has AVX-512 (checked above); one row of `k`.
+                    let words = unsafe { avx512vnni::bytes_of_rows(&row, k, &q.levels()) };
+                    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+                    let mut want = vec![0u8; 4 * k.div_ceil(4)];
+                    want[..k].fill((q.zero_point - q.qmin) as u8);
+                    want[at] = (level - q.qmin) as u8;
+                    assert_eq!(bytes, want, "k={k} at={at} x={x}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn chooses_parameters_as_torch_does() {
         // The range always holds 0; the zero point is where 0 falls in it.
@@ -294,9 +515,11 @@ mod tests {
     #[test]
     fn declines_what_it_cannot_sum_exactly() {
         let out = &mut [0f32; 4];
-        let panels = vec![0u32; pack_size([2, 2]).iter().product()];
+        let layout = Layout::current().unwrap_or(Layout::Pairs);
+        let words = vec![0u32; layout.packed_len([2, 2])];
+        let weight = Packed { words: &words, layout };
         let run =
-            |q: Quant, out: &mut [f32]| linear(&[0.0; 4], [2, 2, 2], &q, &panels, &[1.0; 2], None, Epilogue::None, out);
+            |q: Quant, out: &mut [f32]| linear(&[0.0; 4], [2, 2, 2], &q, weight, &[1.0; 2], None, Epilogue::None, out);
         let good = Quant { scale: 0.1, zero_point: 0, qmin: -128, qmax: 127 };
         for bad in [
             Quant { scale: 0.0, ..good },
@@ -312,13 +535,29 @@ mod tests {
     }
 
     #[test]
-    fn pack_size_is_what_the_packer_writes() {
-        for (n, k) in [(1usize, 1usize), (64, 2), (65, 3), (130, 257)] {
-            let w: Vec<i8> = (0..n * k).map(|i| (i % 200) as i8).collect();
-            let mut panels = vec![0xDEAD_BEEF_u32; pack_size([n, k]).iter().product::<usize>() + 1];
-            pack_panels(&w, [n, k], [k, 1], &mut panels);
-            assert!(panels[..panels.len() - 1].iter().all(|&p| p != 0xDEAD_BEEF), "{n}x{k}");
-            assert_eq!(*panels.last().unwrap(), 0xDEAD_BEEF, "{n}x{k}: wrote past the size");
+    fn packed_len_is_what_the_packer_writes() {
+        for layout in [Layout::Pairs, Layout::Quads] {
+            for (n, k) in [(1usize, 1usize), (64, 2), (65, 3), (130, 257)] {
+                let w: Vec<i8> = (0..n * k).map(|i| (i % 200) as i8).collect();
+                // Every word is written: a sum of weights or a word with a nonzero weight.
+                let mut words = vec![0xDEAD_BEEF_u32; layout.packed_len([n, k]) + 1];
+                layout.pack(&w, [n, k], [k, 1], &mut words);
+                let written = &words[..words.len() - 1];
+                assert!(written.iter().all(|&p| p != 0xDEAD_BEEF), "{layout:?} {n}x{k}");
+                assert_eq!(*words.last().unwrap(), 0xDEAD_BEEF, "{layout:?} {n}x{k}: wrote past the size");
+            }
         }
+    }
+
+    /// Quads hold each weight as a signed byte, four channels per word, and each column's sum.
+    #[test]
+    fn quads_hold_bytes_and_column_sums() {
+        let w: Vec<i8> = vec![1, -2, 3, -128, 127, 5, /* column 1 */ -1, 0, 0, 0, 0, 2];
+        let words = packed(&w, [2, 6], Layout::Quads);
+        assert_eq!(words[0], u32::from_le_bytes([1, (-2i8) as u8, 3, 0x80]));
+        assert_eq!(words[1], u32::from_le_bytes([0xFF, 0, 0, 0]));
+        assert_eq!(words[PANEL], u32::from_le_bytes([127, 5, 0, 0]));
+        assert_eq!(words[PANEL + 1], u32::from_le_bytes([0, 2, 0, 0]));
+        assert_eq!((words[2 * PANEL] as i32, words[2 * PANEL + 1] as i32), (6, 1));
     }
 }

@@ -77,6 +77,18 @@ pub fn has_avx512_bf16() -> bool {
     }
 }
 
+/// Whether this CPU has AVX512-VNNI (`super::int8`'s `vpdpbusd`), beside AVX-512F and BW.
+pub fn has_avx512_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        Isa::Avx512.supported() && std::arch::is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Whether torch's own vectorized CPU kernels run their AVX-512 variants in this process:
 /// `ATEN_CPU_CAPABILITY` where set, else whether the CPU has AVX-512F (torch's default). Its
 /// GELU differs at +inf between its variants (NaN on AVX-512, +inf on AVX2), and kwexport's
@@ -100,7 +112,8 @@ pub struct Table {
     pub(super) epilogue: unsafe fn(Epilogue, &mut [f32]),
     pub(super) gelu: unsafe fn(&[f32], bool, &mut [f32]),
     pub(super) gemm_block: gemm::Block<f32>,
-    /// The int8 GEMM's block (`super::int8`): the same driver on pairs of int16.
+    /// The int8 GEMM's block on pairs of int16 (`super::int8`); AVX512-VNNI's on quads is
+    /// [`int8_block`]'s.
     pub(super) gemm_pairs: gemm::Block<u32>,
     /// The bfloat16 GEMM's block (`super::bf16`), each pair as two FMAs; AVX512-BF16's is
     /// [`bf16_block`]'s.
@@ -263,6 +276,36 @@ unsafe fn avx512_bf16_block(
 ) {
     // SAFETY: the caller's, with the features enabled above.
     unsafe { gemm::block::<simd::avx512::Avx512, super::bf16::Native>(source, range, s, panels, out, j, k) }
+}
+
+/// The int8 GEMM's block for a table's family and the weight layout it reads: AVX512-VNNI's
+/// byte quads (`int8::Vnni`, on the AVX-512 family where the CPU has it), else the family's
+/// int16 pairs.
+pub(super) fn int8_block(t: &Table) -> (gemm::Block<u32>, super::int8::Layout) {
+    #[cfg(target_arch = "x86_64")]
+    if t.isa == Isa::Avx512 && has_avx512_vnni() {
+        return (avx512_vnni_block, super::int8::Layout::Quads);
+    }
+    (t.gemm_pairs, super::int8::Layout::Pairs)
+}
+
+/// AVX512-VNNI's int8 GEMM block.
+///
+/// # Safety
+/// As [`gemm::block`]'s; [`int8_block`] hands it out only where the CPU has AVX512-VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn avx512_vnni_block(
+    source: gemm::Source<u32>,
+    range: std::ops::Range<usize>,
+    s: &gemm::Shape,
+    panels: &[u32],
+    out: gemm::Out,
+    j: usize,
+    k: usize,
+) {
+    // SAFETY: the caller's, with the features enabled above.
+    unsafe { gemm::block::<simd::avx512::Avx512, super::int8::Vnni>(source, range, s, panels, out, j, k) }
 }
 
 /// The family this process runs and why: the best this CPU has, or `KWEXPORT_ISA`'s.

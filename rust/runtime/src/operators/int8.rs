@@ -5,7 +5,10 @@ use std::sync::OnceLock;
 
 use super::Operators;
 use crate::abi::{Abi, CError, Raw, Tensor};
-use crate::kernels::{self, int8::Quant};
+use crate::kernels::{
+    self,
+    int8::{Layout, Packed, Quant},
+};
 
 /// How an int8 linear's input is quantized: by the scale and zero point given, or by those
 /// `Quant::choose` picks for it (dynamic quantization).
@@ -15,11 +18,12 @@ pub enum Int8Input {
     Chosen { qmin: i64, qmax: i64, eps: f64 },
 }
 
-/// An int8 linear's weight as a call hands it to the kernel: its panels (`Int8Panels`), its
-/// `[n, k]`, its float32 `[n]` scales and its bias.
+/// An int8 linear's weight as a call hands it to the kernel: its panels (`Int8Panels`) and
+/// their layout, its `[n, k]`, its float32 `[n]` scales and its bias.
 #[derive(Debug, Clone, Copy)]
 pub struct Int8Weight {
     pub panels: Raw,
+    pub layout: Layout,
     pub n: i64,
     pub k: i64,
     pub scale: Raw,
@@ -32,7 +36,7 @@ pub struct Int8Weight {
 pub struct Int8Panels {
     weight: usize,
     zero_point: usize,
-    packed: OnceLock<Option<Tensor>>,
+    packed: OnceLock<Option<(Tensor, Layout)>>,
 }
 
 impl Int8Panels {
@@ -40,21 +44,24 @@ impl Int8Panels {
         Int8Panels { weight, zero_point, packed: OnceLock::new() }
     }
 
-    /// The packed panels, packed now if no call did yet; `None` where the weight isn't one
-    /// the kernel takes (then every call runs the op's Python form).
-    pub fn get(&self, abi: &Abi, consts: &[Tensor]) -> Option<Raw> {
+    /// The packed panels and their layout (the one the kernels that run here read), packed now
+    /// if no call did yet; `None` where the weight isn't one the kernel takes or kwexport's
+    /// kernels don't run here (then every call runs the op's Python form).
+    pub fn get(&self, abi: &Abi, consts: &[Tensor]) -> Option<(Raw, Layout)> {
         let packed = self.packed.get_or_init(|| {
-            Operators(abi).pack_int8_panels(consts.get(self.weight)?.raw(), consts.get(self.zero_point)?.raw())
+            let layout = Layout::current()?;
+            let (weight, zero_point) = (consts.get(self.weight)?.raw(), consts.get(self.zero_point)?.raw());
+            Some((Operators(abi).pack_int8_panels(weight, zero_point, layout)?, layout))
         });
-        packed.as_ref().map(Tensor::raw)
+        packed.as_ref().map(|(t, layout)| (t.raw(), *layout))
     }
 }
 
 impl Operators<'_> {
-    /// An int8 CPU `[n, k]` weight (any strides) as `kernels::int8`'s panels, held in a
-    /// float32 tensor's bytes; `None` unless its zero points (a CPU `[n]` int64 or int32
+    /// An int8 CPU `[n, k]` weight (any strides) as `kernels::int8`'s panels in `layout`, held
+    /// in a float32 tensor's bytes; `None` unless its zero points (a CPU `[n]` int64 or int32
     /// tensor) are all 0, the kernel's symmetric weights.
-    fn pack_int8_panels(&self, weight: Raw, zero_point: Raw) -> Option<Tensor> {
+    fn pack_int8_panels(&self, weight: Raw, zero_point: Raw, layout: Layout) -> Option<Tensor> {
         let shims = self.0.shims.as_ref()?;
         let (int8, int64, int32) = (self.0.dtype_code("int8")?, self.0.dtype_code("int64"), self.0.dtype_code("int32"));
         // SAFETY: live handles (the plan's constants).
@@ -84,15 +91,15 @@ impl Operators<'_> {
         if !zeros {
             return None;
         }
-        let sizes = kernels::int8::pack_size([n, k]);
-        let out = self.owned(shims.empty_f32(&sizes.map(|s| s as i64))).ok()?;
+        let len = layout.packed_len([n, k]);
+        let out = self.owned(shims.empty_f32(&[i64::try_from(len).ok()?])).ok()?;
         let span = 1 + (n - 1) * s0 + (k - 1) * s1;
         // SAFETY: an int8 CPU tensor spanning `span` elements from its first at these strides
         // (checked above), and the fresh output, which aliases nothing, as 4-byte words.
         unsafe {
             let src = std::slice::from_raw_parts(shims.data_ptr(weight)? as *const i8, span);
-            let dst = std::slice::from_raw_parts_mut(shims.data_ptr(out.raw())? as *mut u32, sizes.iter().product());
-            kernels::int8::pack_panels(src, [n, k], [s0, s1], dst);
+            let dst = std::slice::from_raw_parts_mut(shims.data_ptr(out.raw())? as *mut u32, len);
+            layout.pack(src, [n, k], [s0, s1], dst);
         }
         Some(out)
     }
@@ -138,7 +145,7 @@ impl Operators<'_> {
         weight: Int8Weight,
         epilogue: kernels::Epilogue,
     ) -> Option<Result<Tensor, CError>> {
-        let Int8Weight { panels, n, k, scale: w_scale, bias } = weight;
+        let Int8Weight { panels, layout, n, k, scale: w_scale, bias } = weight;
         let shims = self.0.shims.as_ref()?;
         // SAFETY: live handles.
         let (xs, ws, bias, mut sizes) = unsafe {
@@ -160,13 +167,13 @@ impl Operators<'_> {
             Ok(out) => out,
             Err(e) => return Some(Err(e)),
         };
-        // SAFETY: the panels are `pack_size([n, k])` words (`pack_int8_panels` made them), and
-        // the new output has `m * n` floats, which nothing else holds.
+        // SAFETY: the panels are `layout.packed_len([n, k])` words (`pack_int8_panels` made
+        // them), and the new output has `m * n` floats, which nothing else holds.
         let ran = unsafe {
-            let len = kernels::int8::pack_size([n, k]).iter().product();
-            let pairs = std::slice::from_raw_parts(shims.data_ptr(panels)? as *const u32, len);
+            let len = layout.packed_len([n, k]);
+            let words = std::slice::from_raw_parts(shims.data_ptr(panels)? as *const u32, len);
             let os = self.floats_mut(&mut out, m * n)?;
-            kernels::int8::linear(xs, [m, k, n], &quant, pairs, ws, bias, epilogue, os)
+            kernels::int8::linear(xs, [m, k, n], &quant, Packed { words, layout }, ws, bias, epilogue, os)
         };
         ran.ok().map(|()| Ok(out))
     }
