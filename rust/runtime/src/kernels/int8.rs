@@ -89,37 +89,80 @@ pub(super) struct Levels {
     qmax: f32,
 }
 
+/// An input level as a row of the int8 GEMM holds it: an int16 less the zero point (pairs)
+/// or an unsigned byte less `qmin` (quads).
+pub(super) trait Level: Copy + Default + 'static {
+    /// Stores `S::LANES` levels (integers in the type's range, as floats).
+    ///
+    /// # Safety
+    /// `S`'s features must be enabled; `S::LANES` values from `p` are writable.
+    unsafe fn store<S: Simd>(p: *mut Self, v: S::V);
+    /// What each level is less: the zero point or `qmin`.
+    fn base(q: &Levels) -> f32;
+}
+
+impl Level for i16 {
+    #[inline(always)]
+    unsafe fn store<S: Simd>(p: *mut i16, v: S::V) {
+        // SAFETY: the caller's.
+        unsafe { S::store_i16(p, v) }
+    }
+    fn base(q: &Levels) -> f32 {
+        q.zero_point
+    }
+}
+
+impl Level for u8 {
+    #[inline(always)]
+    unsafe fn store<S: Simd>(p: *mut u8, v: S::V) {
+        // SAFETY: the caller's.
+        unsafe { S::store_u8(p, v) }
+    }
+    fn base(q: &Levels) -> f32 {
+        q.qmin
+    }
+}
+
+/// A quantizer of the int8 GEMM's rows: `x`'s rows of `k` floats as rows of words, the
+/// kernel table's `quantize_pairs` and `quantize_quads` ([`quantize`]).
+pub(super) type Quantize = unsafe fn(&[f32], usize, &Levels, &mut [u32]);
+
 /// Each of `x`'s rows of `k` floats quantized as torch's `quantize_per_tensor` computes it
-/// (`clamp(round(x * (1.0 / scale)) + zero_point, qmin, qmax)`, in float32), less the zero
-/// point, into `out`'s rows of `width` int16s (zero past `k`). A NaN, which torch's cast to
-/// 8 bits leaves undefined, is quantized to `qmin`. The kernel table's `quantize`.
+/// (`clamp(round(x * (1.0 / scale)) + zero_point, qmin, qmax)`, in float32), less
+/// [`Level::base`], into `out`'s rows of `ceil(k / per word)` words (`L`s in order,
+/// little-endian; zero past `k`). A NaN, which torch's cast to 8 bits leaves undefined, is
+/// quantized to `qmin`.
 ///
 /// # Safety
-/// `S`'s features must be enabled; `x` holds whole rows of `k`, `out` as many of `width`,
-/// and `width >= k`.
+/// `S`'s features must be enabled; `x` holds whole rows of `k`, `out` as many rows of words,
+/// and the levels less the base fit `L`.
 #[inline(always)]
-pub(super) unsafe fn quantize<S: Simd>(x: &[f32], k: usize, q: &Levels, width: usize, out: &mut [i16]) {
-    // SAFETY (all below): row `r`'s `k` floats and `width` int16s exist (the caller's); a
+pub(super) unsafe fn quantize<S: Simd, L: Level>(x: &[f32], k: usize, q: &Levels, out: &mut [u32]) {
+    let width = k.div_ceil(4 / size_of::<L>()) * (4 / size_of::<L>());
+    // SAFETY: the same memory as `width` `L`s per row, which `u32`'s alignment covers.
+    let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<L>(), out.len() * 4 / size_of::<L>()) };
+    // SAFETY (all below): row `r`'s `k` floats and `width` levels exist (the caller's); a
     // partial vector's lanes past `k` are neither read nor, from the buffer, copied.
     unsafe {
         let (inv, zp, lo, hi) = (S::splat(q.inv), S::splat(q.zero_point), S::splat(q.qmin), S::splat(q.qmax));
+        let base = S::splat(L::base(q));
         for (row, dst) in x.chunks_exact(k).zip(out.chunks_exact_mut(width)) {
             let mut c = 0;
             while c < k {
                 let v = S::load_masked(S::first(k - c), row.as_ptr().add(c));
                 // `max` gives its second operand for a NaN: `qmin`.
                 let level = S::min(S::max(S::add(S::round(S::mul(v, inv)), zp), lo), hi);
-                let level = S::sub(level, zp);
+                let level = S::sub(level, base);
                 if c + S::LANES <= k {
-                    S::store_i16(dst.as_mut_ptr().add(c), level);
+                    L::store::<S>(dst.as_mut_ptr().add(c), level);
                 } else {
-                    let mut tail = [0i16; 16];
-                    S::store_i16(tail.as_mut_ptr(), level);
+                    let mut tail = [L::default(); 16];
+                    L::store::<S>(tail.as_mut_ptr(), level);
                     dst[c..k].copy_from_slice(&tail[..k - c]);
                 }
                 c += S::LANES;
             }
-            dst[k..].fill(0);
+            dst[k..].fill(L::default());
         }
     }
 }
@@ -137,7 +180,7 @@ impl Layout {
     /// The layout the kernels that run now read (`super::isa`), `None` where kwexport's
     /// kernels don't run here.
     pub fn current() -> Option<Layout> {
-        super::isa::kernels().map(|t| super::isa::int8_block(t).1)
+        super::isa::kernels().map(|t| super::isa::int8(t).layout)
     }
 
     /// Input channels per 32-bit word.
@@ -208,6 +251,7 @@ pub fn linear(
     out: &mut [f32],
 ) -> Ran {
     let quads = weight.layout == Layout::Quads;
+    // Levels less `qmin` fit a byte for a range of 256 levels at most.
     if !quant.fits() || k > MAX_K || (quads && quant.qmax - quant.qmin > 255) {
         return Err(Declined::Values);
     }
@@ -215,21 +259,32 @@ pub fn linear(
         && weight.words.len() >= weight.layout.packed_len([n, k])
         && w_scale.len() >= n
         && gemm::results_fit(m, n, bias, None, out.len());
-    let t = super::table_if(fits)?;
-    let (block, layout) = super::isa::int8_block(t);
+    let kernel = super::isa::int8(super::table_if(fits)?);
+    linear_on(kernel, &x[..m * k], [m, k, n], quant, weight, w_scale, bias, epilogue, out)
+}
+
+/// [`linear`] on `kernel` (checked, and its layout the weight's).
+#[allow(clippy::too_many_arguments)]
+fn linear_on(
+    kernel: super::isa::Int8,
+    x: &[f32],
+    [m, k, n]: [usize; 3],
+    quant: &Quant,
+    weight: Packed<'_>,
+    w_scale: &[f32],
+    bias: Option<&[f32]>,
+    epilogue: Epilogue,
+    out: &mut [f32],
+) -> Ran {
+    let layout = kernel.layout;
     if layout != weight.layout {
         return Err(Declined::Values);
     }
     let words = k.div_ceil(layout.per_word());
-    let rows = match layout {
-        Layout::Pairs => quantize_rows(t, x, m, k, quant),
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `int8_block` gives quads only where the CPU has AVX512-VNNI; `x` holds `m`
-        // rows of `k`.
-        Layout::Quads => unsafe { avx512vnni::bytes_of_rows(&x[..m * k], k, &quant.levels()) },
-        #[cfg(not(target_arch = "x86_64"))]
-        Layout::Quads => return Err(Declined::Values),
-    };
+    let mut rows = vec![0u32; m * words];
+    // SAFETY: the kernel's quantizer runs on this CPU; `x` holds `m` rows of `k`, `rows` as
+    // many of `words`; quads are used only for a range of 256 levels at most (checked).
+    unsafe { (kernel.quantize)(x, k, &quant.levels(), &mut rows) };
     // The input's scale as the dequantize applies it (a float32 operand), times each column's.
     let scale: Vec<f32> = w_scale[..n].iter().map(|&s| quant.scale as f32 * s).collect();
     // Quads sum `(q - qmin) * w`: each column starts from `-(zero_point - qmin) * sum(w)`
@@ -247,7 +302,7 @@ pub fn linear(
         ldo: n,
         bias: bias.map_or(std::ptr::null(), |b| b.as_ptr()),
         scale: scale.as_ptr(),
-        sums: if quads { sums.as_ptr() } else { std::ptr::null() },
+        sums: if layout == Layout::Quads { sums.as_ptr() } else { std::ptr::null() },
         residual: std::ptr::null(),
         epilogue,
     };
@@ -255,37 +310,23 @@ pub fn linear(
     // SAFETY: the block runs on this CPU and reads this layout; `rows` holds `m` rows of
     // `words` words, the weight its panels, `scale`, the sums and the bias `n` values, `out`
     // `m * n` (checked).
-    unsafe { gemm::columns(block, source, m, &shape, &weight.words[..panels_len], out) };
+    unsafe { gemm::columns(kernel.block, source, m, &shape, &weight.words[..panels_len], out) };
     Ok(())
 }
 
-/// `m` rows of `k` floats quantized by `quant` (less its zero point) on `table`'s kernel, as
-/// rows of `ceil(k / 2)` pairs of int16 (low half first: the int16s in order, little-endian),
-/// the last pair's high half zero for an odd `k`.
-fn quantize_rows(table: &super::isa::Table, x: &[f32], m: usize, k: usize, quant: &Quant) -> Vec<u32> {
-    let pairs = k.div_ceil(2);
-    let mut rows = vec![0u32; m * pairs];
-    // SAFETY: the same memory as `2 * pairs` int16s per row, which `u32`'s alignment covers.
-    let levels = unsafe { std::slice::from_raw_parts_mut(rows.as_mut_ptr().cast::<i16>(), 2 * m * pairs) };
-    // SAFETY: the table's kernel runs on this CPU; `x` holds `m` rows of `k`, `levels` as
-    // many of `2 * pairs >= k`.
-    unsafe { (table.quantize)(&x[..m * k], k, &quant.levels(), 2 * pairs, levels) };
-    rows
-}
-
-/// AVX512-VNNI's byte products (`vpdpbusd`) as the GEMM driver's micro-kernel.
+/// VNNI's byte products (`vpdpbusd`: AVX512-VNNI on 512 bits, AVX-VNNI on 256) as the GEMM
+/// driver's micro-kernel.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 pub(super) struct Vnni;
 
 #[cfg(target_arch = "x86_64")]
-mod avx512vnni {
+mod vnni {
     use std::arch::x86_64::*;
 
-    use super::super::gemm::Dot;
-    use super::super::simd::avx512::Avx512;
-    use super::super::simd::Simd;
-    use super::{Levels, Vnni};
+    use super::super::gemm::{Dot, Pairs};
+    use super::super::simd::{avx2::Avx2, avx512::Avx512};
+    use super::Vnni;
 
     // SAFETY: each method is an AVX-512F or AVX512-VNNI instruction; `super::super::isa` runs
     // this micro-kernel only in a block compiled with both enabled, where the CPU has them.
@@ -317,41 +358,41 @@ mod avx512vnni {
         #[inline(always)]
         unsafe fn finish(acc: __m512i, scale: Option<__m512>, bias: Option<__m512>) -> __m512 {
             // SAFETY: the trait's contract.
-            unsafe { <super::super::gemm::Pairs as Dot<Avx512>>::finish(acc, scale, bias) }
+            unsafe { <Pairs as Dot<Avx512>>::finish(acc, scale, bias) }
         }
     }
 
-    /// Rows of `k` floats quantized as torch's `quantize_per_tensor` computes it (see
-    /// [`super::quantize`]; a NaN to `qmin`), less `qmin`: rows of `ceil(k / 4)` words of
-    /// four unsigned bytes (zero past `k`).
-    ///
-    /// # Safety
-    /// AVX-512F and AVX-512BW must be present; `x` must hold whole rows of `k` floats, and the
-    /// levels span at most 256 values.
-    #[target_feature(enable = "avx512f,avx512bw")]
-    pub unsafe fn bytes_of_rows(x: &[f32], k: usize, q: &Levels) -> Vec<u32> {
-        let words = k.div_ceil(4);
-        let mut out = vec![0u32; x.len() / k * words];
-        // SAFETY (all below): rows of `k` floats in `x` and `words` words (`4 * words >= k`
-        // bytes) in `out`; masked lanes past `k` are neither read nor written.
-        unsafe {
-            let (inv, zp) = (Avx512::splat(q.inv), Avx512::splat(q.zero_point));
-            let (lo, hi) = (Avx512::splat(q.qmin), Avx512::splat(q.qmax));
-            for (row, dst) in x.chunks_exact(k).zip(out.chunks_exact_mut(words)) {
-                let dst = dst.as_mut_ptr().cast::<i8>();
-                let mut c = 0;
-                while c < k {
-                    let lanes = Avx512::first(k - c);
-                    let v = Avx512::load_masked(lanes, row.as_ptr().add(c));
-                    // `max` gives its second operand for a NaN: `qmin`.
-                    let level = Avx512::min(Avx512::max(Avx512::add(Avx512::round(Avx512::mul(v, inv)), zp), lo), hi);
-                    let byte = _mm512_cvtps_epi32(Avx512::sub(level, lo));
-                    _mm512_mask_cvtepi32_storeu_epi8(dst.add(c), lanes, byte);
-                    c += 16;
-                }
-            }
+    // SAFETY: each method is an AVX2 or AVX-VNNI instruction; `super::super::isa` runs this
+    // micro-kernel only in a block compiled with both enabled, where the CPU has them.
+    unsafe impl Dot<Avx2> for Vnni {
+        type X = u32;
+        type Acc = __m256i;
+        type W = __m256i;
+        #[inline(always)]
+        unsafe fn start(_: Option<__m256>, sums: Option<__m256>) -> __m256i {
+            // SAFETY: register operations (the trait's contract); `sums` holds int32 bits.
+            unsafe { sums.map_or_else(|| _mm256_setzero_si256(), |s| _mm256_castps_si256(s)) }
         }
-        out
+        #[inline(always)]
+        unsafe fn load(p: *const u32) -> __m256i {
+            // SAFETY: the trait's contract.
+            unsafe { _mm256_loadu_si256(p.cast()) }
+        }
+        #[inline(always)]
+        unsafe fn splat(x: u32) -> __m256i {
+            // SAFETY: the trait's contract.
+            unsafe { _mm256_set1_epi32(x as i32) }
+        }
+        #[inline(always)]
+        unsafe fn madd(acc: __m256i, a: __m256i, w: __m256i) -> __m256i {
+            // SAFETY: register arithmetic (the trait's contract), as AVX512-VNNI's above.
+            unsafe { _mm256_dpbusd_avx_epi32(acc, a, w) }
+        }
+        #[inline(always)]
+        unsafe fn finish(acc: __m256i, scale: Option<__m256>, bias: Option<__m256>) -> __m256 {
+            // SAFETY: the trait's contract.
+            unsafe { <Pairs as Dot<Avx2>>::finish(acc, scale, bias) }
+        }
     }
 }
 
@@ -374,10 +415,11 @@ mod tests {
         .into_iter()
     }
 
-    /// The layout each supported family's kernel reads (pairs everywhere, quads where the
-    /// AVX-512 family runs on a CPU with AVX512-VNNI).
-    fn layout_of(isa: isa::Isa) -> Layout {
-        isa::int8_block(isa.table().unwrap()).1
+    /// Every int8 GEMM of every family this CPU runs: int16 pairs on each, and VNNI's quads
+    /// on AVX-512 and AVX2 where the CPU has AVX512-VNNI or AVX-VNNI.
+    fn variants() -> Vec<(isa::Isa, isa::Int8)> {
+        let each = |i: isa::Isa| isa::int8_variants(i.table().unwrap()).into_iter().map(move |v| (i, v));
+        isa::supported().into_iter().flat_map(each).collect()
     }
 
     fn packed(w: &[i8], [n, k]: [usize; 2], layout: Layout) -> Vec<u32> {
@@ -390,8 +432,8 @@ mod tests {
     /// quantized values (the kernel's sums are exact), float32 rounding apart.
     #[test]
     fn each_family_computes_the_quantized_linear() {
-        for isa in isa::supported() {
-            let layout = layout_of(isa);
+        for (isa, kernel) in variants() {
+            let layout = kernel.layout;
             for ([m, k, n], quant) in cases() {
                 let x: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0).collect();
                 let w: Vec<i8> = (0..n * k).map(|i| ((i * 53 % 256) as i32 - 128) as i8).collect();
@@ -401,8 +443,7 @@ mod tests {
                 let weight = Packed { words: &words, layout };
                 for (epilogue, bias) in [(Epilogue::None, Some(&bias[..])), (Epilogue::Gelu, None)] {
                     let mut out = vec![f32::NAN; m * n];
-                    let ran =
-                        isa::with(isa, || linear(&x, [m, k, n], &quant, weight, &w_scale, bias, epilogue, &mut out));
+                    let ran = linear_on(kernel, &x, [m, k, n], &quant, weight, &w_scale, bias, epilogue, &mut out);
                     assert_eq!(ran, Ok(()), "{isa:?}");
                     let want = reference::linear_int8(&x, [m, k, n], &quant, &w, &w_scale, bias, epilogue);
                     for (i, (got, want)) in out.iter().zip(&want).enumerate() {
@@ -423,8 +464,8 @@ mod tests {
     #[test]
     fn each_family_sums_exactly_at_the_deepest_k() {
         let k = MAX_K;
-        for isa in isa::supported() {
-            let layout = layout_of(isa);
+        for (isa, kernel) in variants() {
+            let layout = kernel.layout;
             // With scale 1, `x` quantizes to `clamp(x + zero_point, qmin, qmax)`.
             for (quant, level, w) in [
                 (Quant { scale: 1.0, zero_point: 0, qmin: 0, qmax: 255 }, 255i64, -128i8),
@@ -435,8 +476,7 @@ mod tests {
                 let words = packed(&vec![w; k], [1, k], layout);
                 let mut out = [f32::NAN; 2];
                 let weight = Packed { words: &words, layout };
-                let ran =
-                    isa::with(isa, || linear(&x, [2, k, 1], &quant, weight, &[1.0], None, Epilogue::None, &mut out));
+                let ran = linear_on(kernel, &x, [2, k, 1], &quant, weight, &[1.0], None, Epilogue::None, &mut out);
                 assert_eq!(ran, Ok(()), "{isa:?}");
                 let want = (level - quant.zero_point) * w as i64 * k as i64;
                 assert_eq!(out, [want as f32; 2], "{isa:?} {layout:?} {quant:?}");
@@ -444,55 +484,44 @@ mod tests {
         }
     }
 
+    /// Each family's two quantizers, every case at every position of rows shorter and longer
+    /// than two vectors: torch's levels (ties to even, clamped to the range, NaN to `qmin`),
+    /// less the zero point as int16 pairs, less `qmin` as bytes.
     #[test]
     fn each_family_quantizes_as_torch_does() {
         let q = Quant { scale: 0.1, zero_point: 3, qmin: 1, qmax: 255 };
-        // Ties to even, clamped to the range, NaN to `qmin`; less the zero point.
-        let cases = [(0.25, 2), (0.37, 4), (-1.0, -2), (1e9, 252), (f32::NEG_INFINITY, -2), (f32::NAN, -2)];
+        let cases = [(0.25, 5), (0.37, 7), (-1.0, 1), (1e9, 255), (f32::NEG_INFINITY, 1), (f32::NAN, 1), (0.0, 3)];
         for isa in isa::supported() {
             let table = isa.table().unwrap();
-            // Each case at every position of a row longer than two vectors, and in a short one.
-            for k in [1, 3, 37] {
-                for at in 0..k {
-                    for (x, want) in cases {
-                        let mut row = vec![0.0f32; 2 * k];
-                        row[k + at] = x;
-                        let rows = quantize_rows(table, &row, 2, k, &q);
-                        let levels: Vec<i16> =
-                            rows.iter().flat_map(|p| [*p as u16 as i16, (*p >> 16) as u16 as i16]).collect();
-                        let pairs = k.div_ceil(2);
-                        // 0.0 quantizes to the zero point: level 0.
-                        let mut want_row = vec![0i16; 2 * pairs];
-                        want_row[at] = want;
-                        assert_eq!(&levels[..2 * pairs], &vec![0i16; 2 * pairs][..], "{isa:?} k={k} row 0");
-                        assert_eq!(&levels[2 * pairs..], &want_row[..], "{isa:?} k={k} at={at} x={x}");
+            for (layout, quantize) in [(Layout::Pairs, table.quantize_pairs), (Layout::Quads, table.quantize_quads)] {
+                let (per, base) = (layout.per_word(), if layout == Layout::Pairs { q.zero_point } else { q.qmin });
+                // The levels of a word, in order.
+                let levels = |w: u32| -> Vec<i64> {
+                    match layout {
+                        Layout::Pairs => vec![w as u16 as i16 as i64, (w >> 16) as u16 as i16 as i64],
+                        Layout::Quads => w.to_le_bytes().map(|b| b as i64).to_vec(),
                     }
-                }
-            }
-        }
-    }
-
-    /// The quads' input bytes: the same levels as torch's, less `qmin` (not the zero point).
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn quads_quantize_as_torch_does() {
-        if !isa::has_avx512_vnni() {
-            return;
-        }
-        let q = Quant { scale: 0.1, zero_point: 3, qmin: 1, qmax: 255 };
-        let cases = [(0.25, 5), (0.37, 7), (-1.0, 1), (1e9, 255), (f32::NEG_INFINITY, 1), (f32::NAN, 1), (0.0, 3)];
-        for k in [1, 3, 37] {
-            for at in 0..k {
-                for (x, level) in cases {
-                    let mut row = vec![0.0f32; k];
-                    row[at] = x;
-                    // SAFETY: the CPU has AVX-512 (checked above); one row of `k`.
-                    let words = unsafe { avx512vnni::bytes_of_rows(&row, k, &q.levels()) };
-                    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-                    let mut want = vec![0u8; 4 * k.div_ceil(4)];
-                    want[..k].fill((q.zero_point - q.qmin) as u8);
-                    want[at] = (level - q.qmin) as u8;
-                    assert_eq!(bytes, want, "k={k} at={at} x={x}");
+                };
+                for k in [1usize, 3, 37] {
+                    let words = k.div_ceil(per);
+                    for at in 0..k {
+                        for (x, level) in cases {
+                            // Row 0 all zeros (the zero point's level), row 1 the case at `at`.
+                            let mut rows = vec![0.0f32; 2 * k];
+                            rows[k + at] = x;
+                            let mut out = vec![0xDEAD_BEEF_u32; 2 * words];
+                            // SAFETY: the table's quantizer runs on this CPU; two rows of `k` into
+                            // two of `words`; 255 levels.
+                            unsafe { quantize(&rows, k, &q.levels(), &mut out) };
+                            let got: Vec<i64> = out.iter().flat_map(|&w| levels(w)).collect();
+                            // Zero past `k`.
+                            let mut want = vec![0; 2 * per * words];
+                            want[..k].fill(q.zero_point - base);
+                            want[per * words..][..k].fill(q.zero_point - base);
+                            want[per * words + at] = level - base;
+                            assert_eq!(got, want, "{isa:?} {layout:?} k={k} at={at} x={x}");
+                        }
+                    }
                 }
             }
         }

@@ -77,18 +77,6 @@ pub fn has_avx512_bf16() -> bool {
     }
 }
 
-/// Whether this CPU has AVX512-VNNI (`super::int8`'s `vpdpbusd`), beside AVX-512F and BW.
-pub fn has_avx512_vnni() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        Isa::Avx512.supported() && std::arch::is_x86_feature_detected!("avx512vnni")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
 /// Whether torch's own vectorized CPU kernels run their AVX-512 variants in this process:
 /// `ATEN_CPU_CAPABILITY` where set, else whether the CPU has AVX-512F (torch's default). Its
 /// GELU differs at +inf between its variants (NaN on AVX-512, +inf on AVX2), and kwexport's
@@ -112,14 +100,16 @@ pub struct Table {
     pub(super) epilogue: unsafe fn(Epilogue, &mut [f32]),
     pub(super) gelu: unsafe fn(&[f32], bool, &mut [f32]),
     pub(super) gemm_block: gemm::Block<f32>,
-    /// The int8 GEMM's block on pairs of int16 (`super::int8`); AVX512-VNNI's on quads is
-    /// [`int8_block`]'s.
+    /// The int8 GEMM's block on pairs of int16 (`super::int8`); VNNI's on quads is
+    /// [`int8`]'s.
     pub(super) gemm_pairs: gemm::Block<u32>,
     /// The bfloat16 GEMM's block (`super::bf16`), each pair as two FMAs; AVX512-BF16's is
     /// [`bf16_block`]'s.
     pub(super) gemm_bf16: gemm::Block<u32>,
-    /// The int8 GEMM's input quantizer (`super::int8::quantize`).
-    pub(super) quantize: unsafe fn(&[f32], usize, &super::int8::Levels, usize, &mut [i16]),
+    /// The int8 GEMM's input quantizers (`super::int8::quantize`): to int16 pairs and to
+    /// byte quads.
+    pub(super) quantize_pairs: super::int8::Quantize,
+    pub(super) quantize_quads: super::int8::Quantize,
     pub(super) depthwise: conv::Rows<conv::Depthwise>,
     pub(super) direct: conv::Rows<conv::Conv2d>,
     pub(super) attention: unsafe fn(&attention::Operands<'_>, std::ops::Range<usize>) -> bool,
@@ -187,10 +177,16 @@ macro_rules! table {
             unsafe { gemm::block::<S, gemm::Bf16>(source, range, s, panels, out, j, k) }
         }
         $(#[target_feature(enable = $features)])?
-        unsafe fn quantize(x: &[f32], k: usize, q: &super::int8::Levels, width: usize, out: &mut [i16]) {
+        unsafe fn quantize_pairs(x: &[f32], k: usize, q: &super::int8::Levels, out: &mut [u32]) {
             // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
             // enables; the caller upholds the generic body\'s contract.
-            unsafe { super::int8::quantize::<S>(x, k, q, width, out) }
+            unsafe { super::int8::quantize::<S, i16>(x, k, q, out) }
+        }
+        $(#[target_feature(enable = $features)])?
+        unsafe fn quantize_quads(x: &[f32], k: usize, q: &super::int8::Levels, out: &mut [u32]) {
+            // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
+            // enables; the caller upholds the generic body\'s contract.
+            unsafe { super::int8::quantize::<S, u8>(x, k, q, out) }
         }
         $(#[target_feature(enable = $features)])?
         unsafe fn depthwise(ops: &conv::Operands<conv::Depthwise>, range: std::ops::Range<usize>) {
@@ -230,7 +226,8 @@ macro_rules! table {
             gemm_block,
             gemm_pairs,
             gemm_bf16,
-            quantize,
+            quantize_pairs,
+            quantize_quads,
             depthwise,
             direct,
             attention,
@@ -278,21 +275,47 @@ unsafe fn avx512_bf16_block(
     unsafe { gemm::block::<simd::avx512::Avx512, super::bf16::Native>(source, range, s, panels, out, j, k) }
 }
 
-/// The int8 GEMM's block for a table's family and the weight layout it reads: AVX512-VNNI's
-/// byte quads (`int8::Vnni`, on the AVX-512 family where the CPU has it), else the family's
-/// int16 pairs.
-pub(super) fn int8_block(t: &Table) -> (gemm::Block<u32>, super::int8::Layout) {
+/// The int8 GEMM a family runs (`super::int8`): its block, the weight layout the block
+/// reads, and the quantizer of its input rows to that layout.
+#[derive(Clone, Copy)]
+pub(super) struct Int8 {
+    pub(super) block: gemm::Block<u32>,
+    pub(super) layout: super::int8::Layout,
+    pub(super) quantize: super::int8::Quantize,
+}
+
+/// The int8 GEMM for a table's family: VNNI's byte quads where the CPU has them for the
+/// family's vectors (AVX512-VNNI for the AVX-512 family, AVX-VNNI for AVX2), else the
+/// family's int16 pairs.
+pub(super) fn int8(t: &'static Table) -> Int8 {
+    int8_variants(t)[0]
+}
+
+/// Every int8 GEMM a table's family can run here, best first (tests check each).
+pub(super) fn int8_variants(t: &'static Table) -> Vec<Int8> {
+    use super::int8::Layout;
+    let pairs = Int8 { block: t.gemm_pairs, layout: Layout::Pairs, quantize: t.quantize_pairs };
     #[cfg(target_arch = "x86_64")]
-    if t.isa == Isa::Avx512 && has_avx512_vnni() {
-        return (avx512_vnni_block, super::int8::Layout::Quads);
+    {
+        let quads = |block| Int8 { block, layout: Layout::Quads, quantize: t.quantize_quads };
+        let has = |feature| t.isa.supported() && feature;
+        match t.isa {
+            Isa::Avx512 if has(std::arch::is_x86_feature_detected!("avx512vnni")) => {
+                return vec![quads(avx512_vnni_block), pairs]
+            }
+            Isa::Avx2 if has(std::arch::is_x86_feature_detected!("avxvnni")) => {
+                return vec![quads(avx2_vnni_block), pairs]
+            }
+            _ => {}
+        }
     }
-    (t.gemm_pairs, super::int8::Layout::Pairs)
+    vec![pairs]
 }
 
 /// AVX512-VNNI's int8 GEMM block.
 ///
 /// # Safety
-/// As [`gemm::block`]'s; [`int8_block`] hands it out only where the CPU has AVX512-VNNI.
+/// As [`gemm::block`]'s; [`int8_variants`] hands it out only where the CPU has AVX512-VNNI.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn avx512_vnni_block(
@@ -306,6 +329,25 @@ unsafe fn avx512_vnni_block(
 ) {
     // SAFETY: the caller's, with the features enabled above.
     unsafe { gemm::block::<simd::avx512::Avx512, super::int8::Vnni>(source, range, s, panels, out, j, k) }
+}
+
+/// AVX-VNNI's int8 GEMM block, on AVX2's vectors.
+///
+/// # Safety
+/// As [`gemm::block`]'s; [`int8_variants`] hands it out only where the CPU has AVX-VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avxvnni")]
+unsafe fn avx2_vnni_block(
+    source: gemm::Source<u32>,
+    range: std::ops::Range<usize>,
+    s: &gemm::Shape,
+    panels: &[u32],
+    out: gemm::Out,
+    j: usize,
+    k: usize,
+) {
+    // SAFETY: the caller's, with the features enabled above.
+    unsafe { gemm::block::<simd::avx2::Avx2, super::int8::Vnni>(source, range, s, panels, out, j, k) }
 }
 
 /// The family this process runs and why: the best this CPU has, or `KWEXPORT_ISA`'s.

@@ -204,6 +204,17 @@ unsafe impl Simd for Avx2 {
         }
     }
     #[inline(always)]
+    unsafe fn store_u8(p: *mut u8, a: __m256) {
+        unsafe {
+            // Pack to bytes within each 128-bit half (lanes 0-3 and 4-7 in each half's first
+            // four bytes), then join the halves' first words.
+            let i = _mm256_cvtps_epi32(a);
+            let bytes = _mm256_packus_epi16(_mm256_packus_epi32(i, i), _mm256_setzero_si256());
+            let both = _mm_unpacklo_epi32(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256::<1>(bytes));
+            _mm_storel_epi64(p.cast(), both)
+        }
+    }
+    #[inline(always)]
     unsafe fn dot_bf16(acc: __m256, a: __m256i, b: __m256i) -> __m256 {
         unsafe {
             let high = _mm256_set1_epi32(0xFFFF_0000_u32 as i32);

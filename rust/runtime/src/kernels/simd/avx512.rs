@@ -159,6 +159,10 @@ unsafe impl Simd for Avx512 {
         unsafe { _mm256_storeu_si256(p.cast(), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(a))) }
     }
     #[inline(always)]
+    unsafe fn store_u8(p: *mut u8, a: __m512) {
+        unsafe { _mm_storeu_si128(p.cast(), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(a))) }
+    }
+    #[inline(always)]
     unsafe fn dot_bf16(acc: __m512, a: __m512i, b: __m512i) -> __m512 {
         unsafe {
             let high = _mm512_set1_epi32(0xFFFF_0000_u32 as i32);

@@ -184,6 +184,12 @@ pub unsafe trait Simd: Copy + 'static {
     /// # Safety
     /// `LANES` int16s from `p` are writable; see the trait.
     unsafe fn store_i16(p: *mut i16, a: Self::V);
+    /// Stores each lane, an integer within `[0, 255]` (as [`Simd::round`] leaves it), as a
+    /// byte at `p`.
+    ///
+    /// # Safety
+    /// `LANES` bytes from `p` are writable; see the trait.
+    unsafe fn store_u8(p: *mut u8, a: Self::V);
     /// `acc + a.lo * b.lo + a.hi * b.hi` in each lane, the halves of each pair bfloat16 (each
     /// widened exactly to float32; two fused multiply-adds, the low half first).
     ///

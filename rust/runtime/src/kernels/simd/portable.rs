@@ -199,6 +199,11 @@ unsafe impl Simd for Portable {
         unsafe { p.cast::<[i16; L]>().write_unaligned(a.map(|v| v as i16)) }
     }
     #[inline(always)]
+    unsafe fn store_u8(p: *mut u8, a: [f32; L]) {
+        // SAFETY: `L` bytes from `p` are writable (the caller's).
+        unsafe { p.cast::<[u8; L]>().write_unaligned(a.map(|v| v as u8)) }
+    }
+    #[inline(always)]
     unsafe fn dot_bf16(acc: [f32; L], a: [i32; L], b: [i32; L]) -> [f32; L] {
         let (lo, hi) = (|v: i32| f32::from_bits((v as u32) << 16), |v: i32| f32::from_bits(v as u32 & 0xFFFF_0000));
         // Unfused, as `fma` is here.
