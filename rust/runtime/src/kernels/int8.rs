@@ -49,18 +49,14 @@ impl Quant {
     /// values. `None` for an empty `x` or one with a NaN or an infinity (torch's op then
     /// decides).
     pub fn choose(x: &[f32], qmin: i64, qmax: i64, eps: f64) -> Option<Quant> {
-        let (mut lo, mut hi) = (0f32, 0f32);
-        for &v in x {
-            // Every comparison with a NaN is false: a NaN reaches the check below.
-            lo = if v < lo { v } else { lo };
-            hi = if v > hi { v } else { hi };
-            if !v.is_finite() {
-                return None;
-            }
-        }
         if x.is_empty() || qmax <= qmin {
             return None;
         }
+        let (lo, hi) = match super::isa::kernels() {
+            // SAFETY: the table's kernel runs on this CPU.
+            Some(t) => unsafe { (t.range)(x) },
+            None => range_scalar(x),
+        }?;
         let scale = ((hi - lo) / (qmax - qmin) as f32).max(eps as f32);
         let steps = (lo / scale).round_ties_even() as i64;
         let zero_point = (qmin - steps).clamp(qmin, qmax);
@@ -76,6 +72,44 @@ impl Quant {
             qmin: f(self.qmin),
             qmax: f(self.qmax),
         }
+    }
+}
+
+/// The least and greatest of `x`'s values and 0, `None` where `x` holds a NaN or an
+/// infinity: one value at a time, where kwexport's kernels don't run.
+fn range_scalar(x: &[f32]) -> Option<(f32, f32)> {
+    let (mut lo, mut hi) = (0f32, 0f32);
+    for &v in x {
+        if !v.is_finite() {
+            return None;
+        }
+        (lo, hi) = (lo.min(v), hi.max(v));
+    }
+    Some((lo, hi))
+}
+
+/// [`range_scalar`] on `S`'s vectors (dynamic quantization reads every input of a linear
+/// once more for it): the kernel table's `range`.
+///
+/// # Safety
+/// `S`'s features must be enabled.
+#[inline(always)]
+pub(super) unsafe fn range<S: Simd>(x: &[f32]) -> Option<(f32, f32)> {
+    // SAFETY (all below): the lanes loaded lie in `x` (masked past its end, where they are
+    // 0, inside the range anyway).
+    unsafe {
+        // `v - v` is 0 for a finite `v` and NaN otherwise; a NaN stays in the sum.
+        let (mut lo, mut hi, mut finite) = (S::zero(), S::zero(), S::zero());
+        let mut c = 0;
+        while c < x.len() {
+            let v = S::load_masked(S::first(x.len() - c), x.as_ptr().add(c));
+            (lo, hi, finite) = (S::min(lo, v), S::max(hi, v), S::add(finite, S::sub(v, v)));
+            c += S::LANES;
+        }
+        if S::any(S::nan(finite)) {
+            return None;
+        }
+        Some((-S::reduce_max(S::sub(S::zero(), lo)), S::reduce_max(hi)))
     }
 }
 
@@ -521,6 +555,29 @@ mod tests {
                             want[per * words + at] = level - base;
                             assert_eq!(got, want, "{isa:?} {layout:?} k={k} at={at} x={x}");
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Each family's range against the scalar one, with a NaN or an infinity at every
+    /// position of rows shorter and longer than two vectors.
+    #[test]
+    fn each_family_finds_the_range_or_a_value_it_cannot_quantize() {
+        for isa in isa::supported() {
+            let table = isa.table().unwrap();
+            for len in [1usize, 5, 16, 37] {
+                let x: Vec<f32> = (0..len).map(|i| ((i * 37 % 101) as f32 - 30.0) / 7.0).collect();
+                // SAFETY: the table's kernel runs on this CPU.
+                let range = |x: &[f32]| unsafe { (table.range)(x) };
+                assert_eq!(range(&x), range_scalar(&x), "{isa:?} {len}");
+                assert_eq!(range(&vec![2.5; len]), Some((0.0, 2.5)), "{isa:?} {len}: the range holds 0");
+                for at in 0..len {
+                    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                        let mut y = x.clone();
+                        y[at] = bad;
+                        assert_eq!(range(&y), None, "{isa:?} {len} {at} {bad}");
                     }
                 }
             }

@@ -110,6 +110,8 @@ pub struct Table {
     /// byte quads.
     pub(super) quantize_pairs: super::int8::Quantize,
     pub(super) quantize_quads: super::int8::Quantize,
+    /// Dynamic quantization's range of an input (`super::int8::range`).
+    pub(super) range: unsafe fn(&[f32]) -> Option<(f32, f32)>,
     pub(super) depthwise: conv::Rows<conv::Depthwise>,
     pub(super) direct: conv::Rows<conv::Conv2d>,
     pub(super) attention: unsafe fn(&attention::Operands<'_>, std::ops::Range<usize>) -> bool,
@@ -189,6 +191,12 @@ macro_rules! table {
             unsafe { super::int8::quantize::<S, u8>(x, k, q, out) }
         }
         $(#[target_feature(enable = $features)])?
+        unsafe fn range(x: &[f32]) -> Option<(f32, f32)> {
+            // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
+            // enables; the caller upholds the generic body\'s contract.
+            unsafe { super::int8::range::<S>(x) }
+        }
+        $(#[target_feature(enable = $features)])?
         unsafe fn depthwise(ops: &conv::Operands<conv::Depthwise>, range: std::ops::Range<usize>) {
             // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
             // enables; the caller upholds the generic body\'s contract.
@@ -228,6 +236,7 @@ macro_rules! table {
             gemm_bf16,
             quantize_pairs,
             quantize_quads,
+            range,
             depthwise,
             direct,
             attention,
