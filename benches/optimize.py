@@ -183,12 +183,18 @@ def ort_session(model, kwargs, tmp: Path, threads: int = 1):
     return lambda **_kw: sess.run(None, feed)
 
 
-def openvino_model(model, kwargs, tmp: Path, precision: str = "f32", threads: int = 1):
+def openvino_model(model, kwargs, tmp: Path, precision: str = "f32", threads: int = 1, *, int8: bool = False):
     """OpenVINO from ``ov.convert_model(exported_program)``, compiled for the CPU with
     `threads` inference threads and the f32 precision hint (it would pick bf16 on a CPU with
-    AVX512-BF16; ``--bf16`` asks for that)."""
+    AVX512-BF16; ``--bf16`` asks for that). With `int8`, NNCF's post-training quantization
+    of that model first (``nncf.quantize``, its default preset: int8 weights and activations,
+    calibrated on the bench's input, as ``kwexport.quantize`` is; ``model_type=TRANSFORMER``,
+    as NNCF advises, for a model with attention modules)."""
     try:
         import openvino as ov
+
+        if int8:
+            import nncf
     except ImportError:
         return None
     try:
@@ -197,8 +203,14 @@ def openvino_model(model, kwargs, tmp: Path, precision: str = "f32", threads: in
         constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
         tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
         ep = torch.export.export(WithConstants(model, constants), (), tensors)
+        converted = ov.convert_model(ep)
+        if int8:
+            sample = {i.get_any_name(): tensors[i.get_any_name()].numpy() for i in converted.inputs}
+            attention = any("Attention" in type(m).__name__ for m in model.modules())
+            kind = {"model_type": nncf.ModelType.TRANSFORMER} if attention else {}
+            converted = nncf.quantize(converted, nncf.Dataset([sample]), subset_size=1, **kind)
         compiled = ov.Core().compile_model(
-            ov.convert_model(ep),
+            converted,
             "CPU",
             {"INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY"},
         )
@@ -384,26 +396,51 @@ def main_bf16(models: list[str] | None = None, rounds: int = 3) -> None:
             print(f"| {name} | {' | '.join(cells)} |")
 
 
-def ort_int8_session(model, kwargs, tmp: Path, threads: int = 1):
-    """ONNX Runtime on its int8 model (``quantize_dynamic``: int8 weights, activations
-    quantized per call), from the same export as ``ort_session``'s."""
+def openvino_int8_model(model, kwargs, tmp: Path, threads: int = 1):
+    """OpenVINO's int8 (NNCF): ``openvino_model`` with ``int8``."""
+    return openvino_model(model, kwargs, tmp, threads=threads, int8=True)
+
+
+def ort_int8_session(model, kwargs, tmp: Path, threads: int = 1, static: bool = False):
+    """ONNX Runtime on its int8 model from the same export as ``ort_session``'s:
+    ``quantize_dynamic`` (int8 weights, activations quantized per call), or with `static`
+    ``quantize_static`` (QDQ, per-channel int8 weights, uint8 activations calibrated on the
+    bench's input, as ``kwexport.quantize`` is)."""
     try:
         import onnxruntime as ort
-        from onnxruntime.quantization import QuantType, quantize_dynamic
+        from onnxruntime import quantization as oq
     except ImportError:
         return None
     if isinstance(fp32 := ort_session(model, kwargs, tmp, threads), str):
         return fp32
+    tensors = [v.numpy() for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    out = tmp / ("m.int8s.onnx" if static else "m.int8.onnx")
     try:
-        quantize_dynamic(str(tmp / "m.onnx"), str(tmp / "m.int8.onnx"), weight_type=QuantType.QInt8)
+        if static:
+            names = [i.name for i in ort.InferenceSession(str(tmp / "m.onnx")).get_inputs()]
+
+            class Once(oq.CalibrationDataReader):
+                def __init__(self):
+                    self.left = [dict(zip(names, tensors))]
+
+                def get_next(self):
+                    return self.left.pop() if self.left else None
+
+            oq.quantize_static(str(tmp / "m.onnx"), str(out), Once(), per_channel=True, weight_type=oq.QuantType.QInt8)
+        else:
+            oq.quantize_dynamic(str(tmp / "m.onnx"), str(out), weight_type=oq.QuantType.QInt8)
         so = ort.SessionOptions()
         so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
-        sess = ort.InferenceSession(str(tmp / "m.int8.onnx"), so, providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(str(out), so, providers=["CPUExecutionProvider"])
     except Exception as e:
         return peer_failure(e)
-    tensors = [v.numpy() for v in kwargs.values() if isinstance(v, torch.Tensor)]
     feed = {i.name: v for i, v in zip(sess.get_inputs(), tensors)}
     return lambda **_kw: sess.run(None, feed)
+
+
+def ort_int8_static_session(model, kwargs, tmp: Path, threads: int = 1):
+    """``ort_int8_session`` with ``static``."""
+    return ort_int8_session(model, kwargs, tmp, threads, static=True)
 
 
 def main_int8(models: list[str] | None, threads: list[int], zoo: bool, rounds: int = 3) -> None:
@@ -412,8 +449,18 @@ def main_int8(models: list[str] | None, threads: list[int], zoo: bool, rounds: i
     model at ``fast``; each int8 row's largest difference from float32 eager relative to the
     output's scale."""
     print(f"kwexport kernels: {kwexport.kernel_info()['isa']}; torch {torch.__version__}")
-    cols = ["eager f32", "`fast` f32", "int8 static `fast`", "int8 dynamic `fast`", "ORT f32", "ORT int8"]
-    print(f"| model | threads | {' | '.join(cols)} | errors: static, dynamic, ORT int8 |")
+    cols = [
+        "eager f32",
+        "`fast` f32",
+        "int8 static `fast`",
+        "int8 dynamic `fast`",
+        "ORT f32",
+        "ORT int8 dynamic",
+        "ORT int8 static",
+        "OpenVINO int8",
+    ]
+    int8_labels = cols[2:4] + cols[5:]
+    print(f"| model | threads | {' | '.join(cols)} | errors: {', '.join(int8_labels)} |")
     print("| --- | ---: |" + " ---: |" * (len(cols) + 1))
     with tempfile.TemporaryDirectory() as tmp:
         for name, _which, model, kwargs, path in saved(models, Path(tmp), zoo):
@@ -434,14 +481,20 @@ def main_int8(models: list[str] | None, threads: list[int], zoo: bool, rounds: i
             for n in threads:
                 torch.set_num_threads(n)
                 live = dict(runners)
-                for label, make in [("ORT f32", ort_session), ("ORT int8", ort_int8_session)]:
+                peers = [
+                    ("ORT f32", ort_session),
+                    ("ORT int8 dynamic", ort_int8_session),
+                    ("ORT int8 static", ort_int8_static_session),
+                    ("OpenVINO int8", openvino_int8_model),
+                ]
+                for label, make in peers:
                     run = make(model, kwargs, path.parent, threads=n)
                     if callable(run):
                         live[label] = run
                     else:
                         cells[label] = run or "not installed"
                 with torch.no_grad():
-                    for label in ["int8 static `fast`", "int8 dynamic `fast`", "ORT int8"]:
+                    for label in int8_labels:
                         if label in live:
                             got = first(live[label](**kwargs))
                             errors[label] = f"{((got - want).abs().max() / want.abs().max()).item():.1e}"
@@ -450,7 +503,7 @@ def main_int8(models: list[str] | None, threads: list[int], zoo: bool, rounds: i
                         for label, f in live.items():
                             best[label] = min(best.get(label, float("inf")), best_time(f, kwargs))
                 row = " | ".join(f"{best[c] * 1e3:.2f} ms" if c in best else cells.get(c, "–") for c in cols)
-                errs = ", ".join(errors.get(c, "–") for c in ["int8 static `fast`", "int8 dynamic `fast`", "ORT int8"])
+                errs = ", ".join(errors.get(c, "–") for c in int8_labels)
                 print(f"| {name} | {n} | {row} | {errs} |", flush=True)
 
 

@@ -248,15 +248,19 @@ fn kernels(c: &mut Criterion) {
     group.bench_function("max_pool/64x32x32/k3s2", |b| b.iter(|| max_pool_f32(&x, [1, 32, 32, 64], &pool, &mut out)));
     // A small transformer's attention: 4 heads of 64 over 32 tokens, read as the transposed
     // views of a projection.
-    let (heads, l, e) = (4usize, 32usize, 64usize);
-    let g = Attention { batch: 1, heads, l, s: l, e, ev: e, scale: 0.125 };
-    let strides = [l * heads * e, e, heads * e];
-    let (q, k, v, mut out) = (data(l * heads * e), data(l * heads * e), data(l * heads * e), vec![0.0; l * heads * e]);
-    group.throughput(Throughput::Elements((4 * heads * l * l * e) as u64));
-    for (name, mask) in [("none", AttentionMask::None), ("causal", AttentionMask::Causal)] {
-        group.bench_function(format!("attention/{heads}x{l}x{e}/{name}"), |b| {
-            b.iter(|| attention_f32((&q, strides), (&k, strides), (&v, strides), &g, mask, &mut out))
-        });
+    // A small model's 32 tokens, an encoder's 128 and 512.
+    for l in [32usize, 128, 512] {
+        let (heads, e) = (4usize, 64usize);
+        let g = Attention { batch: 1, heads, l, s: l, e, ev: e, scale: 0.125 };
+        let strides = [l * heads * e, e, heads * e];
+        let (q, k, v, mut out) =
+            (data(l * heads * e), data(l * heads * e), data(l * heads * e), vec![0.0; l * heads * e]);
+        group.throughput(Throughput::Elements((4 * heads * l * l * e) as u64));
+        for (name, mask) in [("none", AttentionMask::None), ("causal", AttentionMask::Causal)] {
+            group.bench_function(format!("attention/{heads}x{l}x{e}/{name}"), |b| {
+                b.iter(|| attention_f32((&q, strides), (&k, strides), (&v, strides), &g, mask, &mut out))
+            });
+        }
     }
     group.finish();
 }

@@ -1058,6 +1058,46 @@ def test_fast_drops_attention_masks_that_mask_nothing(tmp_path, keep, additive):
     assert masks["fast"] == ([[]] if keep is None else [[1, 1, 10, 10]])
 
 
+class CausalMaskAttention(nn.Module):
+    """Attention over a causal mask built from `arange` (as decoders' is), boolean or
+    additive (the dtype's least value, as transformers fills it, or -inf), or one that lets
+    each query see one key ahead (`ahead`), which is no causal mask."""
+
+    def __init__(self, kind, ahead=0):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.kind, self.ahead = kind, ahead
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(1, -1, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(x.shape[1])
+        mask = (pos[None, :] <= pos[:, None] + self.ahead)[None, None]
+        if self.kind != "bool":
+            least = torch.finfo(torch.float32).min if self.kind == "min" else float("-inf")
+            mask = torch.zeros(mask.shape).masked_fill(~mask, least)
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("kind", ["bool", "min", "-inf"])
+@pytest.mark.parametrize("ahead", [0, 1], ids=["causal", "one-ahead"])
+def test_fast_runs_a_folded_causal_mask_as_is_causal(tmp_path, kind, ahead):
+    torch.manual_seed(0)
+    m, x = CausalMaskAttention(kind, ahead).eval(), torch.randn(1, 10, 16)
+    path = tmp_path / "a.kwx"
+    kwexport.save(kwexport.export(m, (x,)), path)
+    for level, dispatch in [("exact", "python"), ("fast", "python"), ("fast", "auto")]:
+        prog = kwexport.load(path, optimize=level, dispatch=dispatch)
+        with torch.profiler.profile(record_shapes=True) as prof:
+            out = prog(x)
+        torch.testing.assert_close(out, m(x), rtol=0, atol=1e-6)
+        masks = [e.input_shapes[3] for e in prof.events() if e.name == "aten::scaled_dot_product_attention"]
+        if dispatch == "python":
+            # The causal mask gone at `fast` (then `is_causal`: unmasked, the results would
+            # differ); the one-ahead mask kept.
+            gone = level == "fast" and ahead == 0
+            assert masks == ([[]] if gone else [[1, 1, 10, 10]]), (level, masks)
+
+
 class Shuffled(nn.Module):
     """ShuffleNet's channel shuffle (torchvision's function) between convolutions."""
 

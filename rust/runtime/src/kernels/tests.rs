@@ -378,6 +378,9 @@ mod attention {
                 (1, 1, 1, 1, 1, 1),
                 (2, 2, 9, 16, 16, 130),
                 (1, 4, 64, 64, 64, 64),
+                // Square and causal-sized: blocks of rows that end mid-vector and past it.
+                (1, 2, 37, 37, 16, 40),
+                (1, 1, 58, 58, 8, 8),
             ] {
                 let g = Attention { batch, heads, l, s, e, ev, scale: 1.0 / (e as f32).sqrt() };
                 let (q, qs) = transposed(&g, l, e, |i| (i as f32 * 0.37).sin());
@@ -412,6 +415,30 @@ mod attention {
                         assert!((*got as f64 - want).abs() <= 1e-5 * scale, "{g:?} {mask:?}: {got} vs {want}");
                     }
                 }
+            }
+        });
+    }
+
+    /// A causal kernel skips the keys a block of rows can't see; a NaN or an infinity among
+    /// the keys or values (even where no row sees it) is left to torch.
+    #[test]
+    fn a_causal_attention_with_a_nonfinite_key_or_value_is_left_to_torch() {
+        each_isa(|| {
+            let g = Attention { batch: 1, heads: 1, l: 40, s: 40, e: 8, ev: 8, scale: 0.3 };
+            for (which, bad) in [(0, f32::NAN), (1, f32::INFINITY)] {
+                let mut kv = [vec![0.5f32; 320], vec![0.25f32; 320]];
+                kv[which][39 * 8 + 3] = bad;
+                let (q, mut out) = (vec![0.1f32; 320], vec![0.0f32; 320]);
+                let strides = [320, 320, 8];
+                let ok = attention_f32(
+                    (&q, strides),
+                    (&kv[0], strides),
+                    (&kv[1], strides),
+                    &g,
+                    AttentionMask::Causal,
+                    &mut out,
+                );
+                assert_eq!(ok, Err(Declined::Values), "{which} {bad}");
             }
         });
     }

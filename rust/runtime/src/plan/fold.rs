@@ -48,10 +48,15 @@ pub fn constants(
     Ok(Some((rest, weights)))
 }
 
-/// Attention masks that mask nothing, folded from literals alone (a vision transformer's
-/// all-true mask, built from `arange`): dropped, so that attention runs unmasked, on the
-/// kernels a mask rules out (flash attention on CUDA). A boolean mask that is all true, or a
-/// float one that is all zero, adds nothing to any score.
+/// Attention masks folded from literals alone that say no more than a flag: one that masks
+/// nothing (a vision transformer's all-true mask, built from `arange`) is dropped, so that
+/// attention runs unmasked, on the kernels a mask rules out (flash attention on CUDA); a
+/// causal one over as many queries as keys (a decoder's, built from `arange` and compared
+/// or filled with the dtype's least value) becomes `is_causal`, whose kernels skip the keys
+/// each query can't see (half the work). A boolean mask that is all true, or a float one
+/// that is all zero, adds nothing to any score; one that keeps exactly the keys `j <= i`
+/// (true, or 0 where a float mask adds at most `-1e30`, after which `exp` is exactly 0 in
+/// float32 beside the unmasked diagonal) is `is_causal`'s.
 fn drop_empty_masks(py: Python<'_>, graph: &mut SlotGraph, weights: &BTreeMap<String, Py<PyAny>>) -> RtResult<()> {
     for node in &mut graph.nodes {
         let op = &node.op_name;
@@ -68,14 +73,51 @@ fn drop_empty_masks(py: Python<'_>, graph: &mut SlotGraph, weights: &BTreeMap<St
             continue;
         }
         let Some(t) = weights.get(name).map(|t| t.bind(py)) else { continue };
-        let empty = if t.getattr("dtype")?.str()?.to_str()? == "torch.bool" {
-            t.call_method0("all")?.is_truthy()?
-        } else {
-            t.call_method0("is_floating_point")?.is_truthy()? && !t.call_method0("any")?.is_truthy()?
+        let kept = match t.getattr("dtype")?.str()?.to_str()? {
+            "torch.bool" => t.clone(),
+            "torch.float32" | "torch.float16" | "torch.bfloat16" | "torch.float64" => {
+                // Kept where 0, masked where at most -1e30; anything else is neither flag.
+                let (zero, masked) = (t.call_method1("eq", (0.0,))?, t.call_method1("le", (-1e30,))?);
+                if !zero.call_method1("logical_or", (&masked,))?.call_method0("all")?.is_truthy()? {
+                    continue;
+                }
+                zero
+            }
+            _ => continue,
         };
-        if empty {
+        if kept.call_method0("all")?.is_truthy()? {
             *mask = SlotArg::Literal(Arg::None(()));
+            continue;
+        }
+        let shape: Vec<i64> = kept.getattr("shape")?.extract()?;
+        let [.., l, s] = shape[..] else { continue };
+        let causal = causal_keys(py, l, s)?;
+        if l == s && l > 1 && kept.call_method1("eq", (causal,))?.call_method0("all")?.is_truthy()? {
+            *mask = SlotArg::Literal(Arg::None(()));
+            set_causal(node);
         }
     }
     Ok(())
+}
+
+/// torch's `ones(l, s, dtype=bool).tril()`: the keys `j <= i` each query `i` sees.
+fn causal_keys(py: Python<'_>, l: i64, s: i64) -> PyResult<Bound<'_, PyAny>> {
+    let torch = py.import("torch")?;
+    let kw = pyo3::types::PyDict::new(py);
+    kw.set_item("dtype", torch.getattr("bool")?)?;
+    torch.call_method("ones", (l, s), Some(&kw))?.call_method0("tril")
+}
+
+/// Sets an attention node's `is_causal` (its sixth argument, or the keyword).
+fn set_causal(node: &mut kwexport_core::graph::SlotNode) {
+    let flag = SlotArg::Literal(Arg::Bool(true));
+    if let Some((_, arg)) = node.kwargs.iter_mut().find(|(k, _)| k == "is_causal") {
+        *arg = flag;
+    } else if node.args.len() > 5 {
+        node.args[5] = flag;
+    } else {
+        // Keywords stay in the file's sorted order.
+        let at = node.kwargs.partition_point(|(k, _)| k.as_str() < "is_causal");
+        node.kwargs.insert(at, ("is_causal".to_string(), flag));
+    }
 }
