@@ -287,7 +287,7 @@ fn _bind<'py>(
 /// "portable" | None, "forced": bool, "supported": [...], "int8": "quads" | "pairs" | None}`
 /// (`isa` is None where kwexport's kernels are off and torch's run: no vector family
 /// detected, or `KWEXPORT_ISA` names one this CPU lacks; `int8` is the int8 GEMM's layout:
-/// AVX512-VNNI's byte quads, or int16 pairs).
+/// VNNI's byte quads, or int16 pairs).
 #[pyfunction]
 fn kernel_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     use kernels::isa;

@@ -2,7 +2,7 @@
 //! through a table of pointers, every other convolution (`indirect_f32`). The driver
 //! (threads, column blocks, register tiles) is written once, generic over the element type
 //! ([`Dot`]: float32 values, bfloat16 pairs for `super::bf16`, the int8 GEMM's int16 pairs
-//! for `super::int8`) and over [`Simd`], and instantiated per instruction set by
+//! and byte quads for `super::int8`) and over [`Simd`], and instantiated per instruction set by
 //! `super::isa`, whose table the driver calls per block.
 
 use super::activation::{apply, epilogue_slice, Epilogue};

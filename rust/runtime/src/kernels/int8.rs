@@ -8,8 +8,8 @@
 //! the quantized graph with none of its float32 rounding along `k`, on the driver the float32
 //! GEMM runs on (`gemm::Dot`). Two [`Layout`]s, the weight packed once in the one the CPU's
 //! kernel reads:
-//! - [`Layout::Quads`] (AVX512-VNNI's `vpdpbusd`: four byte products per lane per
-//!   instruction): the input's levels as unsigned bytes (`q - qmin`), the weight's as signed
+//! - [`Layout::Quads`] (VNNI's `vpdpbusd`, AVX512-VNNI or AVX-VNNI: four byte products per
+//!   lane per instruction): the input's levels as unsigned bytes (`q - qmin`), the weight's as signed
 //!   bytes, a quarter of a float32 weight's bytes per call; each column's sums start from
 //!   `-(zero_point - qmin) * sum(w)`, so that they equal the sums of `(q - zero_point) * w`.
 //! - [`Layout::Pairs`] (every family: `vpmaddwd` on AVX2 and AVX-512, two products per lane):
@@ -206,7 +206,8 @@ pub(super) unsafe fn quantize<S: Simd, L: Level>(x: &[f32], k: usize, q: &Levels
 pub enum Layout {
     /// Pairs of int16 per 32-bit word: every family's kernel.
     Pairs,
-    /// Four bytes per 32-bit word, then each column's sum of weights: AVX512-VNNI's kernel.
+    /// Four bytes per 32-bit word, then each column's sum of weights: VNNI's kernel
+    /// (AVX512-VNNI, AVX-VNNI).
     Quads,
 }
 
@@ -284,11 +285,6 @@ pub fn linear(
     epilogue: Epilogue,
     out: &mut [f32],
 ) -> Ran {
-    let quads = weight.layout == Layout::Quads;
-    // Levels less `qmin` fit a byte for a range of 256 levels at most.
-    if !quant.fits() || k > MAX_K || (quads && quant.qmax - quant.qmin > 255) {
-        return Err(Declined::Values);
-    }
     let fits = x.len() >= m * k
         && weight.words.len() >= weight.layout.packed_len([n, k])
         && w_scale.len() >= n
@@ -297,7 +293,8 @@ pub fn linear(
     linear_on(kernel, &x[..m * k], [m, k, n], quant, weight, w_scale, bias, epilogue, out)
 }
 
-/// [`linear`] on `kernel` (checked, and its layout the weight's).
+/// [`linear`] on `kernel`, the slices checked; declines the values and layouts `linear`
+/// does.
 #[allow(clippy::too_many_arguments)]
 fn linear_on(
     kernel: super::isa::Int8,
@@ -311,13 +308,15 @@ fn linear_on(
     out: &mut [f32],
 ) -> Ran {
     let layout = kernel.layout;
-    if layout != weight.layout {
+    // Levels less `qmin` fit a byte for a range of 256 levels at most.
+    let bytes = layout == Layout::Quads && quant.qmax - quant.qmin > 255;
+    if !quant.fits() || k > MAX_K || bytes || layout != weight.layout {
         return Err(Declined::Values);
     }
     let words = k.div_ceil(layout.per_word());
     let mut rows = vec![0u32; m * words];
     // SAFETY: the kernel's quantizer runs on this CPU; `x` holds `m` rows of `k`, `rows` as
-    // many of `words`; quads are used only for a range of 256 levels at most (checked).
+    // many of `words`; quads are used only for a range of 256 levels at most (checked above).
     unsafe { (kernel.quantize)(x, k, &quant.levels(), &mut rows) };
     // The input's scale as the dequantize applies it (a float32 operand), times each column's.
     let scale: Vec<f32> = w_scale[..n].iter().map(|&s| quant.scale as f32 * s).collect();
@@ -600,23 +599,35 @@ mod tests {
 
     #[test]
     fn declines_what_it_cannot_sum_exactly() {
-        let out = &mut [0f32; 4];
-        let layout = Layout::current().unwrap_or(Layout::Pairs);
-        let words = vec![0u32; layout.packed_len([2, 2])];
-        let weight = Packed { words: &words, layout };
-        let run =
-            |q: Quant, out: &mut [f32]| linear(&[0.0; 4], [2, 2, 2], &q, weight, &[1.0; 2], None, Epilogue::None, out);
         let good = Quant { scale: 0.1, zero_point: 0, qmin: -128, qmax: 127 };
-        for bad in [
-            Quant { scale: 0.0, ..good },
-            Quant { scale: f64::NAN, ..good },
-            Quant { qmin: -1000, ..good },
-            Quant { qmin: 5, qmax: 4, ..good },
-        ] {
-            assert_eq!(run(bad, out), Err(Declined::Values), "{bad:?}");
+        // 301 levels: within 255 of the zero point (pairs take it), too many for a byte.
+        let wide = Quant { qmin: -200, qmax: 100, ..good };
+        for (isa, kernel) in variants() {
+            let run = |q: Quant, layout: Layout| {
+                let words = vec![0u32; layout.packed_len([2, 2])];
+                let weight = Packed { words: &words, layout };
+                linear_on(kernel, &[0.0; 4], [2, 2, 2], &q, weight, &[1.0; 2], None, Epilogue::None, &mut [0f32; 4])
+            };
+            for bad in [
+                Quant { scale: 0.0, ..good },
+                Quant { scale: f64::NAN, ..good },
+                Quant { qmin: -1000, ..good },
+                Quant { qmin: 5, qmax: 4, ..good },
+            ] {
+                assert_eq!(run(bad, kernel.layout), Err(Declined::Values), "{isa:?} {bad:?}");
+            }
+            assert_eq!(run(good, kernel.layout), Ok(()), "{isa:?}");
+            let want = if kernel.layout == Layout::Quads { Err(Declined::Values) } else { Ok(()) };
+            assert_eq!(run(wide, kernel.layout), want, "{isa:?} {:?}", kernel.layout);
+            // Panels of the other layout.
+            let other = if kernel.layout == Layout::Quads { Layout::Pairs } else { Layout::Quads };
+            assert_eq!(run(good, other), Err(Declined::Values), "{isa:?}");
         }
-        if super::super::available() {
-            assert_eq!(run(good, &mut [0f32; 3]), Err(Declined::Shapes));
+        if let Some(layout) = Layout::current() {
+            let words = vec![0u32; layout.packed_len([2, 2])];
+            let weight = Packed { words: &words, layout };
+            let ran = linear(&[0.0; 4], [2, 2, 2], &good, weight, &[1.0; 2], None, Epilogue::None, &mut [0f32; 3]);
+            assert_eq!(ran, Err(Declined::Shapes));
         }
     }
 
