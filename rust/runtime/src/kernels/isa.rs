@@ -297,34 +297,38 @@ pub(super) struct Int8 {
 /// family's vectors (AVX512-VNNI for the AVX-512 family, AVX-VNNI for AVX2), else the
 /// family's int16 pairs.
 pub(super) fn int8(t: &'static Table) -> Int8 {
-    int8_variants(t)[0]
-}
-
-/// Every int8 GEMM a table's family can run here, best first (tests check each).
-pub(super) fn int8_variants(t: &'static Table) -> Vec<Int8> {
-    use super::int8::Layout;
-    let pairs = Int8 { block: t.gemm_pairs, layout: Layout::Pairs, quantize: t.quantize_pairs };
     #[cfg(target_arch = "x86_64")]
     {
-        let quads = |block| Int8 { block, layout: Layout::Quads, quantize: t.quantize_quads };
-        let has = |feature| t.isa.supported() && feature;
+        use std::arch::is_x86_feature_detected as has;
+        let quads = |block| Int8 { block, layout: super::int8::Layout::Quads, quantize: t.quantize_quads };
         match t.isa {
-            Isa::Avx512 if has(std::arch::is_x86_feature_detected!("avx512vnni")) => {
-                return vec![quads(avx512_vnni_block), pairs]
-            }
-            Isa::Avx2 if has(std::arch::is_x86_feature_detected!("avxvnni")) => {
-                return vec![quads(avx2_vnni_block), pairs]
-            }
+            Isa::Avx512 if t.isa.supported() && has!("avx512vnni") => return quads(avx512_vnni_block),
+            Isa::Avx2 if t.isa.supported() && has!("avxvnni") => return quads(avx2_vnni_block),
             _ => {}
         }
     }
-    vec![pairs]
+    pairs(t)
+}
+
+/// A family's int16 pairs.
+fn pairs(t: &'static Table) -> Int8 {
+    Int8 { block: t.gemm_pairs, layout: super::int8::Layout::Pairs, quantize: t.quantize_pairs }
+}
+
+/// Every int8 GEMM a table's family can run here, best first (the tests check each).
+#[cfg(test)]
+pub(super) fn int8_variants(t: &'static Table) -> Vec<Int8> {
+    let best = int8(t);
+    match best.layout {
+        super::int8::Layout::Quads => vec![best, pairs(t)],
+        super::int8::Layout::Pairs => vec![best],
+    }
 }
 
 /// AVX512-VNNI's int8 GEMM block.
 ///
 /// # Safety
-/// As [`gemm::block`]'s; [`int8_variants`] hands it out only where the CPU has AVX512-VNNI.
+/// As [`gemm::block`]'s; [`int8`] hands it out only where the CPU has AVX512-VNNI.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn avx512_vnni_block(
@@ -343,7 +347,7 @@ unsafe fn avx512_vnni_block(
 /// AVX-VNNI's int8 GEMM block, on AVX2's vectors.
 ///
 /// # Safety
-/// As [`gemm::block`]'s; [`int8_variants`] hands it out only where the CPU has AVX-VNNI.
+/// As [`gemm::block`]'s; [`int8`] hands it out only where the CPU has AVX-VNNI.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,avxvnni")]
 unsafe fn avx2_vnni_block(

@@ -44,7 +44,7 @@ pub fn constants(
         cx.weights.iter().map(|(k, v)| (k.clone(), v.clone_ref(py))).collect();
     weights.extend(split.names.into_iter().zip(values.into_iter().map(Bound::unbind)));
     let mut rest = split.rest;
-    drop_empty_masks(py, &mut rest, &weights)?;
+    masks_as_flags(py, &mut rest, &weights)?;
     Ok(Some((rest, weights)))
 }
 
@@ -57,7 +57,7 @@ pub fn constants(
 /// that is all zero, adds nothing to any score; one that keeps exactly the keys `j <= i`
 /// (true, or 0 where a float mask adds at most `-1e30`, after which `exp` is exactly 0 in
 /// float32 beside the unmasked diagonal) is `is_causal`'s.
-fn drop_empty_masks(py: Python<'_>, graph: &mut SlotGraph, weights: &BTreeMap<String, Py<PyAny>>) -> RtResult<()> {
+fn masks_as_flags(py: Python<'_>, graph: &mut SlotGraph, weights: &BTreeMap<String, Py<PyAny>>) -> RtResult<()> {
     for node in &mut graph.nodes {
         let op = &node.op_name;
         if op.namespace != "aten" || op.name != "scaled_dot_product_attention" {
