@@ -90,8 +90,15 @@ pub fn conv(
     if !super::all_finite(&x[..batch * h * w * cin]) {
         return Err(Declined::Values);
     }
-    let band = band(cin, cout);
-    let bands = (ho.div_ceil(2) * wo.div_ceil(2)).div_ceil(band);
+    let (blocks, threads) = (ho.div_ceil(2) * wo.div_ceil(2), super::parallel::threads());
+    // As many bands for every thread: a 13×13 image's 49 blocks were 3 bands of 21 on two
+    // threads, one thread doing two (48 -> 192 channels: 1.12× faster on two threads).
+    let mut per_image = blocks.div_ceil(band(cin, cout));
+    while !(batch * per_image).is_multiple_of(threads) && per_image < blocks {
+        per_image += 1;
+    }
+    let band = blocks.div_ceil(per_image);
+    let bands = blocks.div_ceil(band);
     let (add, gemm, out_ptr) = ((bias, residual), t.gemm_block, out.as_mut_ptr());
     let ops = Operands { x, dims: [batch, h, w], panels, g, add, band, gemm, out: out_ptr };
     let flops = 2 * 16 * batch * bands * band * cin * cout;
@@ -284,7 +291,14 @@ mod tests {
     fn matches_the_reference_convolution() {
         super::super::tests::each_isa(|| {
             for (cin, cout, padding, [h, w]) in
-                [(5usize, 7usize, 1usize, [6usize, 7usize]), (16, 70, 0, [9, 5]), (33, 16, 2, [4, 4])]
+                // The last: 49 blocks an image, in as many bands for each of the tests' three
+                // threads.
+                [
+                    (5usize, 7usize, 1usize, [6usize, 7usize]),
+                    (16, 70, 0, [9, 5]),
+                    (33, 16, 2, [4, 4]),
+                    (24, 40, 1, [13, 13]),
+                ]
             {
                 let g = Conv2d::new([cout as i64, cin as i64, 3, 3], [1, 1], [padding as i64; 2]).unwrap();
                 let [ho, wo] = g.output(h, w).unwrap();
