@@ -265,24 +265,43 @@ pub(super) fn bf16_block(t: &Table) -> (gemm::Block<u32>, bool) {
     (t.gemm_bf16, false)
 }
 
-/// AVX512-BF16's bfloat16 GEMM block.
-///
-/// # Safety
-/// As [`gemm::block`]'s; [`bf16_block`] hands it out only where the CPU has AVX512-BF16.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn avx512_bf16_block(
-    source: gemm::Source<u32>,
-    range: std::ops::Range<usize>,
-    s: &gemm::Shape,
-    panels: &[u32],
-    out: gemm::Out,
-    j: usize,
-    k: usize,
-) {
-    // SAFETY: the caller's, with the features enabled above.
-    unsafe { gemm::block::<simd::avx512::Avx512, super::bf16::Native>(source, range, s, panels, out, j, k) }
+/// A GEMM block of a micro-kernel that needs instructions beside its family's (`$features`
+/// enabled): the choosers below hand it out only where the CPU has them.
+macro_rules! extension_block {
+    ($(#[$doc:meta])* $name:ident, $simd:ty, $dot:ty, $features:literal) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// As [`gemm::block`]'s, on a CPU with the features it enables.
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name(
+            source: gemm::Source<u32>,
+            range: std::ops::Range<usize>,
+            s: &gemm::Shape,
+            panels: &[u32],
+            out: gemm::Out,
+            j: usize,
+            k: usize,
+        ) {
+            // SAFETY: the caller's, with the features enabled above.
+            unsafe { gemm::block::<$simd, $dot>(source, range, s, panels, out, j, k) }
+        }
+    };
 }
+
+extension_block!(
+    /// AVX512-BF16's bfloat16 GEMM block ([`bf16_block`]).
+    avx512_bf16_block, simd::avx512::Avx512, super::bf16::Native, "avx512f,avx512bw,avx512bf16"
+);
+extension_block!(
+    /// AVX512-VNNI's int8 GEMM block ([`int8`]).
+    avx512_vnni_block, simd::avx512::Avx512, super::int8::Vnni, "avx512f,avx512bw,avx512vnni"
+);
+extension_block!(
+    /// AVX-VNNI's int8 GEMM block, on AVX2's vectors ([`int8`]).
+    avx2_vnni_block, simd::avx2::Avx2, super::int8::Vnni, "avx2,fma,avxvnni"
+);
 
 /// The int8 GEMM a family runs (`super::int8`): its block, the weight layout the block
 /// reads, and the quantizer of its input rows to that layout.
@@ -302,8 +321,9 @@ pub(super) fn int8(t: &'static Table) -> Int8 {
         use std::arch::is_x86_feature_detected as has;
         let quads = |block| Int8 { block, layout: super::int8::Layout::Quads, quantize: t.quantize_quads };
         match t.isa {
-            Isa::Avx512 if t.isa.supported() && has!("avx512vnni") => return quads(avx512_vnni_block),
-            Isa::Avx2 if t.isa.supported() && has!("avxvnni") => return quads(avx2_vnni_block),
+            // A table is handed out only where the CPU has its family (`Isa::table`).
+            Isa::Avx512 if has!("avx512vnni") => return quads(avx512_vnni_block),
+            Isa::Avx2 if has!("avxvnni") => return quads(avx2_vnni_block),
             _ => {}
         }
     }
@@ -323,44 +343,6 @@ pub(super) fn int8_variants(t: &'static Table) -> Vec<Int8> {
         super::int8::Layout::Quads => vec![best, pairs(t)],
         super::int8::Layout::Pairs => vec![best],
     }
-}
-
-/// AVX512-VNNI's int8 GEMM block.
-///
-/// # Safety
-/// As [`gemm::block`]'s; [`int8`] hands it out only where the CPU has AVX512-VNNI.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn avx512_vnni_block(
-    source: gemm::Source<u32>,
-    range: std::ops::Range<usize>,
-    s: &gemm::Shape,
-    panels: &[u32],
-    out: gemm::Out,
-    j: usize,
-    k: usize,
-) {
-    // SAFETY: the caller's, with the features enabled above.
-    unsafe { gemm::block::<simd::avx512::Avx512, super::int8::Vnni>(source, range, s, panels, out, j, k) }
-}
-
-/// AVX-VNNI's int8 GEMM block, on AVX2's vectors.
-///
-/// # Safety
-/// As [`gemm::block`]'s; [`int8`] hands it out only where the CPU has AVX-VNNI.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,avxvnni")]
-unsafe fn avx2_vnni_block(
-    source: gemm::Source<u32>,
-    range: std::ops::Range<usize>,
-    s: &gemm::Shape,
-    panels: &[u32],
-    out: gemm::Out,
-    j: usize,
-    k: usize,
-) {
-    // SAFETY: the caller's, with the features enabled above.
-    unsafe { gemm::block::<simd::avx2::Avx2, super::int8::Vnni>(source, range, s, panels, out, j, k) }
 }
 
 /// The family this process runs and why: the best this CPU has, or `KWEXPORT_ISA`'s.
