@@ -106,3 +106,27 @@ def with_each_kernel(tmp_path, script: str) -> dict:
         assert r.returncode == 0, r.stderr
         outs[kernel] = torch.load(dst)
     return outs
+
+
+def causal_lm(kind: str = "llama"):
+    """A 2-layer transformers Llama or Qwen2 causal LM from config (seed 0), set up for the
+    static cache its export wrapper needs (generation's and CUDA graphs' tests)."""
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    model = model.eval()
+    model.generation_config.cache_implementation = "static"
+    return model

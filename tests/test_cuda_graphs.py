@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+from conftest import causal_lm
 from torch import nn
 
 import kwexport
@@ -214,20 +215,9 @@ def test_graph_options_travel_with_pickles(tmp_path):
 
 @needs_cuda
 def test_greedy_generation_replays_its_decode_step(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     executorch = pytest.importorskip("transformers.integrations.executorch")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.generation_config.cache_implementation = "static"
+    model = causal_lm("llama")
     wrapper = executorch.TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=48)
     ep = wrapper.export(input_ids=torch.tensor([[1]]), cache_position=torch.tensor([0]))
     path = tmp_path / "llama.kwx"

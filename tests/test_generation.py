@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import causal_lm
 
 import kwexport
 
@@ -152,26 +153,6 @@ def test_the_cache_is_written_in_place(exported):
         if k in pointers:
             assert v.data_ptr() == pointers[k], k
     assert not torch.equal(caches[next(iter(caches))][..., 1, :], torch.zeros(1))
-
-
-def causal_lm(kind):
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    if kind == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    else:
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    model = model.eval()
-    model.generation_config.cache_implementation = "static"
-    return model
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
