@@ -111,6 +111,9 @@ def interleaved(calls, n=20, rounds=5):
 
 def measure(name, batch, dtype, compile_modes, tmp):
     """One row: every runtime on one model and setup; returns {runtime: seconds or error}."""
+    from kwexport import _cuda_gemm
+
+    before = set(_cuda_gemm.chosen())
     f, args, kwargs = build(name, batch, dtype)
     with torch.no_grad():
         ex = kwexport.export(f, args, kwargs)
@@ -150,6 +153,17 @@ def measure(name, batch, dtype, compile_modes, tmp):
         times = interleaved(calls)
     why = {f"{lv}{'+g' if g else ''}": p.dispatch.get("cuda_graphs", {}).get("why_not") for (lv, g), p in progs.items()}
     why = {k: v for k, v in why.items() if v}
+    # The GEMMs `fast + graphs` chose on the device (`passes::linear_measured`) in this row.
+    choices, micros = _cuda_gemm.chosen(), _cuda_gemm.measured()
+    gemms = [
+        f"{list(k[0])}x{list(k[1])} {str(k[3])[6:]}: {c} ("
+        + ", ".join(f"{h} {us:.1f}" for h, us in micros[k].items())
+        + " µs)"
+        for k, c in choices.items()
+        if k not in before
+    ]
+    if gemms:
+        why["gemms"] = "; ".join(gemms)
     del calls, progs
     gc.collect()
     torch.cuda.empty_cache()
@@ -203,6 +217,7 @@ def main():
     parser.add_argument("--budget", type=float, default=480.0, help="seconds after which no new work starts")
     parser.add_argument("--generate", action="store_true", help="time the Llama decode")
     parser.add_argument("--compile", default="reduce-overhead,default", help="torch.compile's modes, or none")
+    parser.add_argument("--batches", default="1,8", help="batch sizes (8: float32 only)")
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
     models = [m for m in opts.models.split(",") if m]
@@ -226,7 +241,7 @@ def main():
     overhead = [m for m in modes if m == "reduce-overhead"]
     plan = [(m, 1, torch.float32, overhead) for m in models]
     plan += [("generate",)] if opts.generate else []
-    plan += [(m, 8, torch.float32, []) for m in models]
+    plan += [(m, 8, torch.float32, []) for m in models] if "8" in opts.batches.split(",") else []
     plan += [(m, 1, torch.bfloat16, overhead) for m in models]
     plan += [(m, 1, torch.float32, ["default"]) for m in models[:3]] if "default" in modes else []
     header = False

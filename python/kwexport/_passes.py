@@ -6,6 +6,13 @@ the ops the load-time passes insert, for calls their C kernels can't take."""
 import functools
 from typing import Any
 
+from kwexport._cuda_gemm import addmm_measured as linear_measured_addmm
+from kwexport._cuda_gemm import linear_measured
+
+# The runtime calls a pass op's Python form here by name (`linear_measured_addmm` for
+# `kwexport::linear_measured.addmm`).
+__all__ = ["fold_batch_norms", "linear_int8", "linear_measured", "linear_measured_addmm"]
+
 
 def fold_batch_norms(weights: dict[str, Any], folds: list[dict[str, Any]]) -> dict[str, Any]:
     """The new tensors, by weight name, for each fold (the pass's ``Fold``, as a dict):
@@ -180,8 +187,9 @@ def linear_int8_dynamic(  # noqa: PLR0917 (the op's schema, positionally)
 def define_ops() -> Any:
     """Defines kwexport's own ops in torch's registry (once per process), so that the runtime
     resolves and dispatches them as it does torch's: ``kwexport::linear_int8``, which only the
-    ``linear_int8`` load-time pass writes. Each runs the Python form above through the
-    dispatcher; the runtime's kernels take the calls they can. Returns torch's library object,
+    ``linear_int8`` load-time pass writes, and ``kwexport::linear_measured``, which only
+    ``linear_measured`` writes (``kwexport._cuda_gemm``). Each runs its Python form through
+    the dispatcher; the runtime's kernels take the calls they can. Returns torch's library object,
     which must live as long as the definitions (the cache holds it)."""
     import torch
 
@@ -196,4 +204,9 @@ def define_ops() -> Any:
     library.define(f"linear_int8.dynamic(Tensor x, int x_qmin, int x_qmax, float eps, ScalarType x_dtype, {weight}")
     library.impl("linear_int8.tensor", linear_int8_tensor, "CompositeExplicitAutograd")
     library.impl("linear_int8.dynamic", linear_int8_dynamic, "CompositeExplicitAutograd")
+    # Composite: autograd sees the aten ops the form runs.
+    library.define("linear_measured(Tensor input, Tensor weight, Tensor bias) -> Tensor")
+    library.define("linear_measured.addmm(Tensor self, Tensor mat1, Tensor mat2) -> Tensor")
+    library.impl("linear_measured", linear_measured, "CompositeImplicitAutograd")
+    library.impl("linear_measured.addmm", linear_measured_addmm, "CompositeImplicitAutograd")
     return library

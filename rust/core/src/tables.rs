@@ -72,7 +72,8 @@ pub const DEFAULT_NAMESPACES: &[&str] = &["aten", "prims"];
 /// convolution (`passes::conv_pointwise`), linear (`passes::linear_pointwise`), convolution
 /// with a residual add (`passes::conv_residual`), and kwexport's int8 linear
 /// (`passes::linear_int8`: the input's scale and zero point as literals, as tensors, or
-/// chosen from the input).
+/// chosen from the input); and kwexport's biased linear and `addmm` whose GEMM is chosen on
+/// the device (`passes::linear_measured`: the exported op's arguments and values).
 pub const PASS_OPS: &[&str] = &[
     "mkldnn::_convolution_pointwise.default",
     "mkldnn::_linear_pointwise.default",
@@ -80,6 +81,8 @@ pub const PASS_OPS: &[&str] = &[
     "kwexport::linear_int8.default",
     "kwexport::linear_int8.tensor",
     "kwexport::linear_int8.dynamic",
+    "kwexport::linear_measured.default",
+    "kwexport::linear_measured.addmm",
 ];
 
 /// torch's quantize and dequantize ops (`torch.ao.quantization.fx._decomposed`; torchao's pt2e

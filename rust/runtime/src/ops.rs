@@ -188,7 +188,8 @@ fn resolve_op(
         py.import("torch.ao.quantization.fx._decomposed")?;
     }
     if op.is_pass_op() && op.namespace == "kwexport" {
-        // kwexport's own op (`passes::linear_int8`), which its Python package defines.
+        // kwexport's own ops (`passes::linear_int8`, `passes::linear_measured`), which its
+        // Python package defines.
         py.import("kwexport._passes")?.call_method0("define_ops")?;
     }
     let found = torch

@@ -192,7 +192,8 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
     // Only a `fast` load asks torch about oneDNN: an `exact` one makes no Python call for it.
     let fast = options.optimize.max(parsed.document.optimized) == passes::Level::Fast;
     let onednn = fast && placement.target == "cpu" && onednn(py, &torch)?;
-    let target = passes::Target { in_place: true, onednn, gemm: onednn && crate::kernels::available() };
+    let cuda_graphs = fast && options.cuda_graphs.is_some();
+    let target = passes::Target { in_place: true, onednn, gemm: onednn && crate::kernels::available(), cuda_graphs };
     let rewrites = passes::apply(&mut parsed.document, options.optimize, target);
     let (channels_last, mut in_place, folds) = (rewrites.channels_last, rewrites.in_place, rewrites.folds);
     let several = parsed.document.methods.len() > 1;

@@ -30,7 +30,7 @@ const ACTIVATIONS: &[&str] = &["relu", "hardswish", "hardsigmoid", "swish", "sig
 /// Lowers every qualifying 2-D convolution of each method's top-level graph (1×1 ones with
 /// stride 1, no padding and one group only with `gemm`); returns how many.
 pub fn apply(doc: &mut Document, gemm: bool) -> usize {
-    ConvPointwise.apply(&mut Ctx::new(doc, Target { onednn: true, gemm, in_place: false }))
+    ConvPointwise.apply(&mut Ctx::new(doc, Target { onednn: true, gemm, ..Target::default() }))
 }
 
 /// The pass (`fast`, on a loader's CPU with oneDNN).

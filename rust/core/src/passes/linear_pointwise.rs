@@ -24,7 +24,7 @@ pub(super) const ACTIVATIONS: &[&str] = &["relu", "swish", "gelu"];
 /// Fuses every linear of each method's top-level graph whose float32 weight isn't state and
 /// whose output only an activation reads; returns how many.
 pub fn apply(doc: &mut Document) -> usize {
-    LinearPointwise.apply(&mut Ctx::new(doc, Target { onednn: true, gemm: true, in_place: false }))
+    LinearPointwise.apply(&mut Ctx::new(doc, Target { onednn: true, gemm: true, ..Target::default() }))
 }
 
 /// The pass (`fast`, on a loader's CPU with oneDNN and the runtime's GEMM).

@@ -26,6 +26,8 @@
 //! - [`linear_pointwise`]   linears (and the ReLU, SiLU or GELU after) onto oneDNN's fused
 //!   linear, whose activation the runtime's GEMM applies (`fast`, at load, with the runtime's
 //!   GEMM and oneDNN)
+//! - [`linear_measured`]    biased linears onto the GEMM measured fastest on the device
+//!   (`fast`, at load, on CUDA with CUDA graphs)
 //! - [`inplace_state`]      state writes (a KV cache's) run in place, with nothing to copy back
 //!   (every level: the values are the same)
 
@@ -41,6 +43,7 @@ mod emit;
 pub mod gelu_tanh;
 pub mod inplace_state;
 pub mod linear_int8;
+pub mod linear_measured;
 pub mod linear_pointwise;
 pub mod pass;
 pub mod post_ops;
@@ -115,6 +118,9 @@ pub struct Target {
     /// The runtime has its own GEMM for this CPU, which runs a lowered 1×1 convolution over
     /// channels-last pixels: lower those too (with `onednn`, which runs the rest).
     pub gemm: bool,
+    /// The program runs on CUDA and replays its calls as CUDA graphs, where a kernel more
+    /// costs no host time: choose GEMMs by device time alone.
+    pub cuda_graphs: bool,
 }
 
 /// The passes `fast` runs before every level's: those that read torch's quantize and
@@ -135,6 +141,7 @@ const FAST: &[&dyn Pass] = &[
     &conv_pointwise::ConvPointwise,
     &conv_residual::ConvResidual,
     &linear_pointwise::LinearPointwise,
+    &linear_measured::LinearMeasured,
 ];
 
 /// The passes `level` runs, in order: its own after those of the levels below, except
