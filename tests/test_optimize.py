@@ -99,6 +99,38 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(variance + self.eps))
 
 
+class LlamaRMSNorm(RMSNorm):
+    """transformers' LlamaRMSNorm: the norm in float32 between two casts."""
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        return self.weight * (h * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fast_fuses_a_reduced_precision_rms_norm_between_its_casts(tmp_path, dtype):
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(64).to(dtype)
+    x = torch.randn(2, 7, 64, dtype=dtype) * 3
+    path = tmp_path / "norm.kwx"
+    kwexport.save(kwexport.export(norm, (x,)), path)
+    fast = kwexport.load(path, optimize="fast")
+    ran = [n["op"] for n in fast.profile(x)]
+    assert ran.count("aten::rms_norm.default") == 1 and "aten::rsqrt.default" not in ran, ran
+    with torch.no_grad():
+        want = norm(x)
+    got = fast(x)
+    # torch's rms_norm rounds once where the module rounds before the weight, then after it.
+    assert got.dtype == dtype and rel_err(got, want) < 1e-2
+    # A float32 input to the same module (a bfloat16 weight): not the pattern, run as exported.
+    xf = x.float()
+    path32 = tmp_path / "norm32.kwx"
+    kwexport.save(kwexport.export(norm, (xf,)), path32)
+    with torch.no_grad():
+        assert_same(kwexport.load(path32, optimize="fast")(xf), norm(xf), bitwise=True)
+
+
 def test_fast_fuses_rms_norm_into_one_kernel(tmp_path):
     torch.manual_seed(0)
     norm = RMSNorm(80)

@@ -10,6 +10,12 @@
 //! that node with kwexport's kernel on contiguous float32 CPU tensors (`kernels/mod.rs`), and with
 //! torch's `rms_norm` otherwise. Each intermediate must be read only by the next op, so nothing
 //! else needs the values that disappear.
+//!
+//! A bfloat16 or float16 model computes the norm in float32 between two casts (Llama's
+//! `x = x0.to(float32)` first, `h.to(dtype)` before a weight of that dtype), which becomes
+//! `rms_norm(x0.to(dtype), [n], w, eps)`: torch's `rms_norm` computes in float32 too, and on
+//! CUDA in one kernel (`_fused_rms_norm`) where the ops took nine. The `to` is no copy where
+//! `x0` has that dtype already (the model's), and keeps the graph's dtype where it hasn't.
 
 use super::pass::{Ctx, Pass};
 use super::readers::{one, readers, sole_reader, weight_inputs, Readers};
@@ -30,19 +36,39 @@ fn rewrite(m: &mut Method, weights: &Weights, readers: &Readers) -> usize {
     if found.is_empty() {
         return 0;
     }
-    let op = super::op_index(&mut m.ops, "aten::rms_norm.default");
+    let mut names = super::emit::value_names(&m.graph);
+    // What replaces each chain's last node; the chains' other nodes go.
+    let mut at: std::collections::HashMap<usize, Vec<Node>> = Default::default();
     let mut removed = vec![false; m.graph.nodes.len()];
-    for (chain, replacement) in &found {
-        let (last, rest) = chain.split_last().expect("a chain of six or seven");
-        m.graph.nodes[*last] = Node { op, ..replacement.clone() };
+    for (chain, mut args, outputs, downcast) in found {
+        let (last, rest) = chain.split_last().expect("a chain of six to eight");
         rest.iter().for_each(|&i| removed[i] = true);
+        let base = format!("{}_rms", outputs.names().next().unwrap_or("y"));
+        let mut emit = super::emit::Emit::new(&mut m.ops, &mut names, base);
+        if let Some(dtype) = downcast {
+            args[0] = emit.call("aten::to.dtype", vec![args[0].clone(), Arg::Dtype(dtype)], &[]);
+        }
+        emit.bind("aten::rms_norm.default", args, &[], outputs);
+        at.insert(*last, emit.nodes);
     }
-    super::remove_nodes(&mut m.graph.nodes, &removed);
-    found.len()
+    let made = at.len();
+    let old = std::mem::take(&mut m.graph.nodes);
+    for (i, n) in old.into_iter().enumerate() {
+        match at.remove(&i) {
+            Some(new) => m.graph.nodes.extend(new),
+            None if !removed[i] => m.graph.nodes.push(n),
+            None => {}
+        }
+    }
+    made
 }
 
-/// Every pattern: its nodes' indices (the last is replaced) and the fused node.
-fn find(m: &Method, weights: &Weights, readers: &Readers) -> Vec<(Vec<usize>, Node)> {
+/// One pattern found: its nodes' indices (the last is replaced), the fused node's arguments and
+/// outputs, and the dtype its input is cast to first (a reduced-precision model's).
+type Found = (Vec<usize>, Vec<Arg>, crate::schema::Outputs, Option<String>);
+
+/// Every pattern.
+fn find(m: &Method, weights: &Weights, readers: &Readers) -> Vec<Found> {
     let g = &m.graph;
     let op_of = |n: &Node| m.ops.get(n.op).map(|o| o.name.as_str());
     // The node that alone reads `n`'s value, if it is `op`.
@@ -91,8 +117,17 @@ fn find(m: &Method, weights: &Weights, readers: &Readers) -> Vec<(Vec<usize>, No
             continue;
         }
         // Llama casts `h` back to the input's dtype before the weight: a float32 model's
-        // `to(h, float32)` is `h` itself (then the weight must be float32 too).
-        let cast = sole_reader(h, "aten::to.dtype").filter(|&ci| is_f32_cast(&g.nodes[ci]));
+        // `to(h, float32)` is `h` itself (then the weight must be float32 too); a reduced
+        // precision model's casts to its dtype, from a float32 copy of its input.
+        let cast = sole_reader(h, "aten::to.dtype").filter(|&ci| cast_to(&g.nodes[ci]).is_some());
+        let downcast = cast.and_then(|ci| cast_to(&g.nodes[ci])).filter(|&d| d != "float32");
+        let input = match downcast {
+            Some(_) => match upcast_of(g, x, &op_of) {
+                Some(x0) => x0,
+                None => continue,
+            },
+            None => x.clone(),
+        };
         let last = cast.unwrap_or(hi);
         let Some(yi) = sole_reader(&g.nodes[last], "aten::mul.Tensor") else { continue };
         let y = &g.nodes[yi];
@@ -106,29 +141,36 @@ fn find(m: &Method, weights: &Weights, readers: &Readers) -> Vec<(Vec<usize>, No
             continue;
         };
         let Some((w, n, dtype)) = weight_1d(other) else { continue };
-        if cast.is_some() && dtype != "float32" {
+        // The weight has the dtype the norm's result is cast to.
+        if cast.is_some_and(|ci| cast_to(&g.nodes[ci]) != Some(dtype)) {
             continue;
         }
-        let fused = Node {
-            op: 0,
-            args: vec![Arg::Ref(x.clone()), Arg::List(vec![Arg::Int(n)]), Arg::Ref(w), Arg::Float(*eps)],
-            kwargs: Default::default(),
-            outputs: y.outputs.clone(),
-        };
+        let args = vec![Arg::Ref(input), Arg::List(vec![Arg::Int(n)]), Arg::Ref(w), Arg::Float(*eps)];
         let mut chain = vec![p, mi, ai, ri, hi];
         chain.extend(cast);
         chain.push(yi);
-        found.push((chain, fused));
+        found.push((chain, args, y.outputs.clone(), downcast.map(str::to_owned)));
     }
     found
 }
 
-/// `to(v, float32)` with no other effect (non_blocking and copy false, no memory format).
-fn is_f32_cast(n: &Node) -> bool {
-    let dtype_ok = matches!(n.args.get(1), Some(Arg::Dtype(d)) if d == "float32");
+/// The floating dtype `to(v, dtype)` casts to, where it has no other effect (non_blocking and
+/// copy false, no memory format).
+fn cast_to(n: &Node) -> Option<&str> {
+    let Some(Arg::Dtype(d)) = n.args.get(1) else { return None };
     let rest_ok = n.args.iter().skip(2).all(|a| matches!(a, Arg::Bool(false)));
     let kwargs_ok = n.kwargs.values().all(|a| matches!(a, Arg::Bool(false) | Arg::None(())));
-    dtype_ok && rest_ok && kwargs_ok && n.args.len() <= 4
+    let floating = matches!(d.as_str(), "float32" | "bfloat16" | "float16");
+    (floating && rest_ok && kwargs_ok && n.args.len() <= 4).then_some(d.as_str())
+}
+
+/// The value `x` is a float32 cast of (`x = to(x0, float32)`), if it is one.
+fn upcast_of<'g>(g: &'g crate::schema::Graph, x: &str, op_of: &impl Fn(&Node) -> Option<&'g str>) -> Option<String> {
+    let n = g.nodes.iter().find(|n| one(n) == Some(x))?;
+    match n.args.first() {
+        Some(Arg::Ref(x0)) if op_of(n) == Some("aten::to.dtype") && cast_to(n) == Some("float32") => Some(x0.clone()),
+        _ => None,
+    }
 }
 
 /// The pass (`fast`).
@@ -217,6 +259,45 @@ mod tests {
             cast(m);
             m["graph"]["nodes"][5]["args"][1] = json!({"dtype": "bfloat16"});
         });
+        assert_eq!(apply(&mut m, &w), 0);
+    }
+
+    #[test]
+    fn takes_a_reduced_precision_norm_between_its_casts() {
+        // x = to(x0, float32) ... h.to(bfloat16) * w, with a bfloat16 weight.
+        let casts = |to: &'static str| {
+            move |m: &mut serde_json::Value| {
+                let nodes = m["graph"]["nodes"].as_array_mut().unwrap();
+                nodes.insert(
+                    0,
+                    json!({"op": 5, "args": [{"ref": "x0"}, {"dtype": "float32"}], "outputs": {"one": "x"}}),
+                );
+                nodes.insert(6, json!({"op": 5, "args": [{"ref": "h"}, {"dtype": to}], "outputs": {"one": "hc"}}));
+                nodes[7]["args"][1] = json!({"ref": "hc"});
+                m["ops"].as_array_mut().unwrap().push(json!({"name": "aten::to.dtype", "schema": "s"}));
+                m["graph"]["inputs"][1]["name"] = json!("x0");
+            }
+        };
+        let (mut m, mut w) = method(casts("bfloat16"));
+        w.tensors.get_mut("norm.weight").unwrap().dtype = "bfloat16".into();
+        assert_eq!(apply(&mut m, &w), 1);
+        let ops: Vec<&str> = m.graph.nodes.iter().map(|n| m.ops[n.op].name.as_str()).collect();
+        // The float32 copy stays for dead code to drop (nothing reads it now).
+        assert_eq!(ops, ["aten::to.dtype", "aten::to.dtype", "aten::rms_norm.default"]);
+        let (cast, norm) = (&m.graph.nodes[1], &m.graph.nodes[2]);
+        assert_eq!(cast.args, [Arg::Ref("x0".into()), Arg::Dtype("bfloat16".into())]);
+        assert_eq!(norm.args[0], Arg::Ref("y_rms0".into()));
+        assert_eq!(cast.outputs, Outputs::One("y_rms0".into()));
+        assert_eq!(norm.outputs, Outputs::One("y".into()));
+        // A weight of another dtype than the cast's, or a norm of a value no upcast made: left.
+        let (mut m, mut w) = method(casts("float16"));
+        w.tensors.get_mut("norm.weight").unwrap().dtype = "bfloat16".into();
+        assert_eq!(apply(&mut m, &w), 0);
+        let (mut m, mut w) = method(|m| {
+            casts("bfloat16")(m);
+            m["graph"]["nodes"][0]["args"][1] = json!({"dtype": "float64"});
+        });
+        w.tensors.get_mut("norm.weight").unwrap().dtype = "bfloat16".into();
         assert_eq!(apply(&mut m, &w), 0);
     }
 
