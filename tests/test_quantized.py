@@ -166,6 +166,11 @@ def test_the_int8_linears_python_form_is_the_ops_it_replaced():
     # With the activation fused into it, as oneDNN's fused linear names it.
     got = torch.ops.kwexport.linear_int8.dynamic(x, 0, 255, 1e-5, torch.uint8, w, w_scale, w_zp, None, "gelu", "tanh")
     assert torch.equal(got, torch.nn.functional.gelu(torch.nn.functional.linear(xd, wd), approximate="tanh"))
+    # ReLU6, named without its bounds; and a 1×1 convolution's [n, k, 1, 1] weight.
+    got = torch.ops.kwexport.linear_int8.dynamic(
+        x, 0, 255, 1e-5, torch.uint8, w[..., None, None], w_scale, w_zp, None, "hardtanh", None
+    )
+    assert torch.equal(got, torch.nn.functional.relu6(torch.nn.functional.linear(xd, wd)))
 
 
 def test_a_pt2e_conv_net_loads_without_flags_and_gives_the_references_bits(tmp_path):
@@ -177,6 +182,79 @@ def test_a_pt2e_conv_net_loads_without_flags_and_gives_the_references_bits(tmp_p
     assert torch.equal(kwexport.load(path)(x), want)
     got = kwexport.load(path, optimize="fast")(x)
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+def test_fast_runs_a_static_int8_conv_net_on_float32_kernels_with_one_pass_fake_quantization(tmp_path):
+    """At `fast`, each quantize → dequantize pair is one fake quantization (kwexport's kernel,
+    the pair's bits) and the convolutions of int8 weights are lowered as float32 ones, on
+    weights dequantized once at load: no plain `conv2d` is left, and no quantize arithmetic."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16, 16)
+    q = quantized(ConvNet(), x, dynamic=False)
+    path = saved(tmp_path, q, x)
+    exact, fast = kwexport.load(path), kwexport.load(path, optimize="fast")
+    ran = [n["op"] for n in fast.profile(x) if "::" in n["op"]]
+    assert "aten::conv2d.default" not in ran and "aten::round.default" not in ran, ran
+    assert ran.count("mkldnn::_convolution_pointwise.default") == 2, ran
+    # Before each convolution and the flatten (whose linear then isn't one the int8 GEMM takes).
+    assert ran.count("aten::fake_quantize_per_tensor_affine.default") == 3, ran
+    for inputs in [x, torch.randn(2, 3, 16, 16) * 3]:
+        want = q(inputs)
+        assert torch.equal(exact(inputs), want)
+        # Float32 convolutions in another order: within a quantization step of the reference.
+        assert ((fast(inputs) - want).abs().max() / want.abs().max()).item() < 1e-2
+
+
+class PointwiseNet(nn.Module):
+    """1×1 convolutions (MobileNet's expand and project), the first on the NCHW input."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(8, 16, 1), nn.ReLU())
+        self.b = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU())
+        self.c = nn.Conv2d(16, 24, 1)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x)))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_fast_runs_1x1_int8_convolutions_on_the_int8_gemm(tmp_path, dynamic):
+    """A 1×1 convolution of a quantized input is the int8 linear over each pixel's channels:
+    on the kernel where the input is channels-last (after `fast`'s 3×3), on the op's Python
+    form where it isn't (the NCHW input), within a quantization step of the reference."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 10, 10)
+    q = quantized(PointwiseNet(), x, dynamic=dynamic)
+    path = saved(tmp_path, q, x)
+    fast = kwexport.load(path, optimize="fast")
+    ran = [n["op"] for n in fast.profile(x) if "::" in n["op"]]
+    fused = f"kwexport::linear_int8.{'dynamic' if dynamic else 'default'}"
+    assert ran.count(fused) == 2 and "aten::conv2d.default" not in ran, ran
+    for inputs in [x, torch.randn(2, 8, 10, 10) * 3]:
+        want, got = q(inputs), fast(inputs)
+        assert got.shape == want.shape and got.is_contiguous(memory_format=torch.channels_last)
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
+
+
+def test_fast_fake_quantizes_in_one_pass_with_the_pairs_bits(tmp_path):
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers the ops)
+
+    qd = torch.ops.quantized_decomposed
+
+    def pair(x):
+        q = qd.quantize_per_tensor.default(x, 0.0173, 3, 0, 255, torch.uint8)
+        return qd.dequantize_per_tensor.default(q, 0.0173, 3, 0, 255, torch.uint8)
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 9, 11) * 3
+    path = tmp_path / "pair.kwx"
+    kwexport.save(kwexport.export(pair, (x,)), path)
+    fast = kwexport.load(path, optimize="fast")
+    assert [n["op"] for n in fast.profile(x) if "::" in n["op"]] == ["aten::fake_quantize_per_tensor_affine.default"]
+    for inputs in [x, x.contiguous(memory_format=torch.channels_last), torch.randn(2, 16, 9, 11) * 1e3]:
+        got = fast(inputs)
+        assert torch.equal(got, pair(inputs)) and got.stride() == inputs.stride()
 
 
 def test_a_quantize_op_the_format_does_not_know_is_refused(tmp_path):

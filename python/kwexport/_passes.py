@@ -35,6 +35,18 @@ def fold_batch_norms(weights: dict[str, Any], folds: list[dict[str, Any]]) -> di
     return new
 
 
+def dequantize_weight(w: Any, scale: Any, zero_point: Any, axis: int) -> Any:
+    """An int8 weight's float32 values, as torch's ``dequantize_per_channel`` computes them
+    (``(w - zero_point) * scale`` along ``axis``, in float32), for the ``dequantize_weights``
+    pass: made once at load, so the convolutions that read it run on float32 weights."""
+    import torch
+
+    shape = [1] * w.dim()
+    shape[axis] = -1
+    with torch.no_grad():
+        return (w.to(torch.float32) - zero_point.reshape(shape)) * scale.reshape(shape)
+
+
 def _post_op(attr: str, scalars: list[Any] | None = None, algorithm: str | None = None) -> Any:
     """The post-op ``attr`` of oneDNN's fused convolution and linear as torch computes it: the
     aten op the core's table names for it (``_rt.POST_OPS``, rust/core/src/passes/post_ops.rs)
@@ -134,10 +146,14 @@ def linear_int8(  # noqa: PLR0917 (the op's schema, positionally)
     The cast to the 8-bit dtype between is left out: the clamped values are its integers."""
     import torch
 
+    if w.dim() == 4:  # a 1×1 convolution's [n, k, 1, 1] weight, over channels-last pixels
+        w = w.flatten(1)
     q = torch.clamp(torch.round(x * (1.0 / x_scale)) + x_zero_point, x_qmin, x_qmax)
     xd = (q - x_zero_point) * x_scale
     wd = ((w - w_zero_point.unsqueeze(1)) * w_scale.unsqueeze(1)).to(torch.float32)
-    return _post_op(attr, None, algorithm)(torch.nn.functional.linear(xd, wd, bias))
+    # ReLU6, the one activation with scalars the pass fuses, is named without its bounds.
+    scalars = [0.0, 6.0] if attr == "hardtanh" else None
+    return _post_op(attr, scalars, algorithm)(torch.nn.functional.linear(xd, wd, bias))
 
 
 def linear_int8_tensor(  # noqa: PLR0917 (the op's schema, positionally)

@@ -196,6 +196,7 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
     let target = passes::Target { in_place: true, onednn, gemm: onednn && crate::kernels::available(), cuda_graphs };
     let rewrites = passes::apply(&mut parsed.document, options.optimize, target);
     let (channels_last, mut in_place, folds) = (rewrites.channels_last, rewrites.in_place, rewrites.folds);
+    let dequantized = rewrites.dequantized;
     let several = parsed.document.methods.len() > 1;
     let mut resolved = BTreeMap::new();
     let mut notes = Vec::new();
@@ -219,6 +220,7 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
     // Folded before anything reads them, on the file's device: the same values a file
     // written by `kwexport optimize` holds.
     weights::fold_batch_norms(py, &mut weights, &folds)?;
+    weights::dequantize(py, &mut weights, &dequantized)?;
     if placement.moves() {
         placement.place_weights(py, &mut weights)?;
     }

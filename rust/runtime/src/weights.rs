@@ -212,3 +212,21 @@ pub fn fold_batch_norms(py: Python<'_>, weights: &mut BTreeMap<String, Py<PyAny>
     }
     Ok(())
 }
+
+/// Replaces each int8 weight a `dequantize_weights` rewrite names by its float32 values
+/// (`kwexport._passes.dequantize_weights`), before anything else reads it.
+pub fn dequantize(
+    py: Python<'_>,
+    weights: &mut BTreeMap<String, Py<PyAny>>,
+    dequantized: &[kwexport_core::passes::dequantize_weights::Dequant],
+) -> RtResult<()> {
+    let passes = py.import("kwexport._passes")?;
+    for d in dequantized {
+        let get =
+            |name: &str| weights.get(name).ok_or_else(|| RtError::Internal(format!("dequantize: no weight {name}")));
+        let (w, scale, zero_point) = (get(&d.weight)?, get(&d.scale)?, get(&d.zero_point)?);
+        let new = passes.call_method1("dequantize_weight", (w, scale, zero_point, d.axis))?.unbind();
+        weights.insert(d.weight.clone(), new);
+    }
+    Ok(())
+}

@@ -51,16 +51,26 @@ impl Pass for ConvPointwise {
 
     fn apply(&self, cx: &mut Ctx<'_>) -> usize {
         let gemm = cx.target.gemm;
-        cx.each_method(|_, m, readers, weights| lower(m, &weights.tensors, readers, gemm))
+        // Weights the runtime dequantizes to float32 at load (`dequantize_weights`) count as float32.
+        let dequantized: Vec<String> = cx.rewrites.dequantized.iter().map(|d| d.weight.clone()).collect();
+        cx.each_method(|_, m, readers, weights| lower(m, &weights.tensors, &dequantized, readers, gemm))
     }
 }
 
 /// Lowers the method's qualifying convolutions; returns how many.
-fn lower(m: &mut Method, tensors: &BTreeMap<String, WeightTensor>, readers: &Readers, gemm: bool) -> usize {
+fn lower(
+    m: &mut Method,
+    tensors: &BTreeMap<String, WeightTensor>,
+    dequantized: &[String],
+    readers: &Readers,
+    gemm: bool,
+) -> usize {
     let weight_of = weight_inputs(&m.graph);
     let found = find(m, gemm, readers, |input| {
-        let t = tensors.get(*weight_of.get(input)?)?;
-        (t.dtype == "float32" && !t.mutable).then(|| t.shape.clone())
+        let name = *weight_of.get(input)?;
+        let t = tensors.get(name)?;
+        let float32 = t.dtype == "float32" || dequantized.iter().any(|d| d == name);
+        (float32 && !t.mutable).then(|| t.shape.clone())
     });
     if found.is_empty() {
         return 0;

@@ -14,12 +14,18 @@
 //! quantization), `kwexport::linear_int8.dynamic(x, qmin, qmax, eps, dtype, w_int8, w_scale,
 //! w_zp, bias)`, which chooses them itself. Each ends in the `attr, algorithm` of oneDNN's
 //! fused linear (`mkldnn::_linear_pointwise`, whose post-ops without scalars it takes): an
-//! activation that alone reads the linear (ReLU, SiLU, GELU: `linear_pointwise::ACTIVATIONS`)
+//! activation that alone reads the linear (ReLU, SiLU, GELU, ReLU6, hardswish: [`ACTIVATIONS`])
 //! goes into the node, applied as the GEMM stores each result; `"none", None` where none does
 //! (yet: a GELU that `gelu_tanh` assembles goes in at the next sweep). Its C path quantizes
 //! the input and sums int8 products exactly (`kernels::int8`), and whose Python form (`kwexport._passes.linear_int8`) is the ops it
 //! replaced. The quantize and dequantize nodes stay where anything else reads them, and go
 //! otherwise: the float32 copy of the weight the dequantize would make never exists.
+//!
+//! A 1×1 convolution (`conv2d` with stride 1, no padding, dilation 1, one group) of the same
+//! quantized input and an int8 `[n, k, 1, 1]` weight is that linear over each pixel's
+//! channels: it becomes `movedim(kwexport::linear_int8(movedim(x, -3, -1), ...), -1, -3)`,
+//! whose views cost nothing on the channels-last tensors `fast`'s convolutions make (the
+//! kernel's rows are then the pixels in memory order) and whose result is channels-last too.
 //!
 //! It runs before `quantized_ops` writes those ops out as aten arithmetic, so it is
 //! registered ahead of every level's passes (`super::registered`). Like `linear_pointwise`, it
@@ -91,7 +97,51 @@ pub fn apply(m: &mut Method, weights: &Weights) -> usize {
         replaced = replaced.iter().filter(|&&i| !removed[i]).map(|&i| new_index[i]).collect();
         super::remove_nodes(&mut m.graph.nodes, &removed);
     }
-    found.len() + absorb_activations(m)
+    let absorbed = absorb_activations(m);
+    over_pixels(m, weights);
+    found.len() + absorbed
+}
+
+/// Wraps each fused node of a 1×1 convolution's (its weight 4-D) that still reads the
+/// convolution's input in the views that make its channels the last dimension:
+/// `movedim(x, -3, -1)` before, `movedim(·, -1, -3)` after, binding the node's outputs.
+fn over_pixels(m: &mut Method, weights: &Weights) {
+    let weight_of = weight_inputs(&m.graph);
+    let fused = [FUSED, FUSED_TENSOR, FUSED_DYNAMIC].map(|f| m.ops.iter().position(|o| o.name == f));
+    let is_conv = |n: &Node| {
+        let w = match n.args.get(5) {
+            Some(Arg::Ref(w)) => weight_of.get(w.as_str()).and_then(|w| weights.tensors.get(*w)),
+            _ => None,
+        };
+        fused.contains(&Some(n.op)) && w.is_some_and(|t| t.shape.len() == 4)
+    };
+    // Those wrapped already (an earlier sweep's) read the view.
+    let moved: std::collections::HashSet<&str> = (m.graph.nodes.iter())
+        .filter(|n| m.ops.get(n.op).is_some_and(|o| o.name == "aten::movedim.int"))
+        .filter_map(one)
+        .collect();
+    let wrapped = |n: &Node| matches!(n.args.first(), Some(Arg::Ref(x)) if moved.contains(x.as_str()));
+    let at: Vec<usize> =
+        (0..m.graph.nodes.len()).filter(|&i| is_conv(&m.graph.nodes[i]) && !wrapped(&m.graph.nodes[i])).collect();
+    if at.is_empty() {
+        return;
+    }
+    let mut names = super::emit::value_names(&m.graph);
+    let old = std::mem::take(&mut m.graph.nodes);
+    for (i, mut node) in old.into_iter().enumerate() {
+        if !at.contains(&i) {
+            m.graph.nodes.push(node);
+            continue;
+        }
+        let base = format!("{}_pixels", node.outputs.names().next().unwrap_or("conv"));
+        let op = m.ops[node.op].name.clone();
+        let mut emit = super::emit::Emit::new(&mut m.ops, &mut names, base);
+        node.args[0] = emit.call("aten::movedim.int", vec![node.args[0].clone(), Arg::Int(-3), Arg::Int(-1)], &[]);
+        let outputs = std::mem::replace(&mut node.outputs, crate::schema::Outputs::None(()));
+        let y = emit.call(&op, node.args, &[]);
+        emit.bind("aten::movedim.int", vec![y, Arg::Int(-1), Arg::Int(-3)], &[], outputs);
+        m.graph.nodes.extend(emit.nodes);
+    }
 }
 
 /// Takes into each fused node without an activation the activation that alone reads it
@@ -112,9 +162,16 @@ fn absorb_activations(m: &mut Method) -> usize {
             }
             let ai = sole_reader(&read, node)?;
             let a = &g.nodes[ai];
-            let attr = super::post_ops::attr_of_op(Some(name(a)), super::linear_pointwise::ACTIVATIONS)?;
+            let attr = super::post_ops::attr_of_op(Some(name(a)), ACTIVATIONS)?;
+            // ReLU6's bounds are implied by its name (`hardtanh` with other bounds stays).
+            let algorithm = match attr {
+                "hardtanh" => {
+                    super::post_ops::scalars(attr, &a.args).filter(|_| a.kwargs.is_empty()).map(|_| Arg::None(()))
+                }
+                _ => super::post_ops::algorithm(attr, a),
+            };
             let mut node = node.clone();
-            node.args[len - 1] = super::post_ops::algorithm(attr, a)?;
+            node.args[len - 1] = algorithm?;
             node.args[len - 2] = Arg::Str(attr.to_owned());
             node.outputs = a.outputs.clone();
             Some((i, ai, node))
@@ -129,6 +186,11 @@ fn absorb_activations(m: &mut Method) -> usize {
     super::remove_nodes(&mut m.graph.nodes, &removed);
     count
 }
+
+/// The activations an int8 linear applies as it stores its results: `linear_pointwise`'s,
+/// and the ones MobileNets put after their 1×1 convolutions (ReLU6 as `hardtanh` with the
+/// bounds 0 and 6, hardswish), which `epilogue_of` maps to the same kernels' epilogues.
+const ACTIVATIONS: &[&str] = &["relu", "swish", "gelu", "hardtanh", "hardswish"];
 
 /// A quantized linear found: its index, the fused node (`op` left for the caller) and the
 /// overload it takes, and the nodes it stands for (quantize, dequantizes, `choose_qparams`).
@@ -168,7 +230,11 @@ fn find(m: &Method, weights: &Weights) -> Vec<Found> {
     };
     let mut found = Vec::new();
     for (i, linear) in g.nodes.iter().enumerate() {
-        if op_of(linear) != "aten::linear.default" || !linear.kwargs.is_empty() || linear.args.len() > 3 {
+        let conv = op_of(linear) == "aten::conv2d.default" && is_pointwise_conv(linear);
+        if !(op_of(linear) == "aten::linear.default" || conv) || !linear.kwargs.is_empty() {
+            continue;
+        }
+        if !conv && linear.args.len() > 3 {
             continue;
         }
         let bias = match linear.args.get(2) {
@@ -206,10 +272,15 @@ fn find(m: &Method, weights: &Weights) -> Vec<Found> {
             continue;
         };
         let [w, w_scale, w_zp, Arg::Int(0), _, _, Arg::Dtype(w_dtype)] = &wd.args[..] else { continue };
-        let weight_ok = w_dtype == "int8"
-            && tensor(w, &["int8"], 2)
-            && tensor(w_scale, &["float32"], 1)
-            && tensor(w_zp, &["int64", "int32"], 1);
+        // A linear's `[n, k]` weight, or a 1×1 convolution's `[n, k, 1, 1]`.
+        let matrix = match (conv, w) {
+            (false, _) => tensor(w, &["int8"], 2),
+            (true, Arg::Ref(v)) => (weight_of.get(v.as_str()).and_then(|w| weights.tensors.get(*w)))
+                .is_some_and(|t| tensor(w, &["int8"], 4) && t.shape[2..] == [1, 1]),
+            _ => false,
+        };
+        let weight_ok =
+            w_dtype == "int8" && matrix && tensor(w_scale, &["float32"], 1) && tensor(w_zp, &["int64", "int32"], 1);
         if !(weight_ok && float32_out(wd)) {
             continue;
         }
@@ -254,8 +325,20 @@ fn find(m: &Method, weights: &Weights) -> Vec<Found> {
     found
 }
 
+/// Whether a `conv2d` node is a 1×1 convolution's product over pixels: stride 1, no padding,
+/// dilation 1 and one group, as literals (or left to their defaults).
+fn is_pointwise_conv(n: &Node) -> bool {
+    let all = |i: usize, v: i64| match n.args.get(i) {
+        None => true,
+        Some(Arg::List(items)) => !items.is_empty() && items.iter().all(|a| *a == Arg::Int(v)),
+        Some(_) => false,
+    };
+    let groups = matches!(n.args.get(6), None | Some(Arg::Int(1)));
+    n.args.len() <= 7 && all(3, 1) && all(4, 0) && all(5, 1) && groups
+}
+
 /// Whether a dequantize returns float32 (its `out_dtype` not given, `None` or float32).
-fn float32_out(dq: &Node) -> bool {
+pub(super) fn float32_out(dq: &Node) -> bool {
     dq.kwargs
         .iter()
         .all(|(k, v)| k == "out_dtype" && (matches!(v, Arg::None(())) || matches!(v, Arg::Dtype(d) if d == "float32")))
@@ -368,6 +451,52 @@ mod tests {
         }
     }
 
+    /// The static method's linear as a `conv2d(xd, wd, b, stride, padding, dilation, groups)`
+    /// of a `[8, 16, kh, kw]` weight, then a ReLU.
+    fn conv(kernel: i64, geometry: serde_json::Value) -> (Method, Weights) {
+        let mut m = serde_json::to_value(method(false)).unwrap();
+        m["ops"][3] = json!({"name": "aten::conv2d.default", "schema": "s"});
+        m["ops"].as_array_mut().unwrap().push(json!({"name": "aten::relu.default", "schema": "s"}));
+        let nodes = m["graph"]["nodes"].as_array_mut().unwrap();
+        nodes[3]["args"].as_array_mut().unwrap().extend(geometry.as_array().unwrap().iter().cloned());
+        nodes.push(json!({"op": 4, "args": [{"ref": "y"}], "outputs": {"one": "a"}}));
+        m["graph"]["outputs"] = json!([{"ref": "a"}]);
+        let mut w = weights();
+        w.tensors.get_mut("w").unwrap().shape = vec![8, 16, kernel, kernel];
+        (serde_json::from_value(m).unwrap(), w)
+    }
+
+    #[test]
+    fn a_1x1_convolution_is_the_linear_over_each_pixels_channels() {
+        let pointwise = json!([{"list": [{"int": 1}, {"int": 1}]}, {"list": [{"int": 0}, {"int": 0}]},
+                               {"list": [{"int": 1}, {"int": 1}]}, {"int": 1}]);
+        let (mut m, w) = conv(1, pointwise.clone());
+        // The fusion and the ReLU it took.
+        assert_eq!(apply(&mut m, &w), 2);
+        let ops: Vec<&str> = m.graph.nodes.iter().map(|n| m.ops[n.op].name.as_str()).collect();
+        assert_eq!(ops, ["aten::movedim.int", FUSED, "aten::movedim.int"]);
+        let [to_pixels, fused, back] = &m.graph.nodes[..] else { unreachable!() };
+        let pixels = crate::schema::Outputs::One("a_pixels0".into());
+        assert_eq!(
+            (&to_pixels.args[..], &to_pixels.outputs),
+            (&[Arg::Ref("x".into()), Arg::Int(-3), Arg::Int(-1)][..], &pixels)
+        );
+        assert_eq!(fused.args[0], Arg::Ref("a_pixels0".into()));
+        assert_eq!(fused.args[9], Arg::Str("relu".into()));
+        assert_eq!(back.args, [Arg::Ref("a_pixels1".into()), Arg::Int(-1), Arg::Int(-3)]);
+        assert_eq!(back.outputs, crate::schema::Outputs::One("a".into()));
+        assert_eq!(apply(&mut m, &w), 0, "nothing is found twice");
+        assert_eq!(m.graph.nodes.len(), 3, "nor wrapped twice");
+        // A spatial kernel, a stride, padding or groups: another convolution, left alone.
+        let strided = json!([{"list": [{"int": 2}, {"int": 2}]}]);
+        let padded = json!([{"list": [{"int": 1}, {"int": 1}]}, {"list": [{"int": 1}, {"int": 1}]}]);
+        let grouped = json!([{"list": [{"int": 1}]}, {"list": [{"int": 0}]}, {"list": [{"int": 1}]}, {"int": 2}]);
+        for (kernel, geometry) in [(3, pointwise), (1, strided), (1, padded), (1, grouped)] {
+            let (mut m, w) = conv(kernel, geometry.clone());
+            assert_eq!(apply(&mut m, &w), 0, "{kernel} {geometry}");
+        }
+    }
+
     /// The static method with `activation(y, *args)` after the linear, the graph's output.
     fn with_activation(activation: &str, args: serde_json::Value) -> Method {
         let mut m = serde_json::to_value(method(false)).unwrap();
@@ -385,6 +514,8 @@ mod tests {
             ("aten::gelu.default", json!([{"str": "tanh"}]), "gelu", json!({"str": "tanh"})),
             ("aten::relu.default", json!([]), "relu", json!(null)),
             ("aten::silu_.default", json!([]), "swish", json!(null)),
+            ("aten::hardtanh_.default", json!([{"float": 0.0}, {"float": 6.0}]), "hardtanh", json!(null)),
+            ("aten::hardswish.default", json!([]), "hardswish", json!(null)),
         ] {
             let mut m = with_activation(op, args);
             assert_eq!(apply(&mut m, &weights()), 2, "the linear, then its activation");
@@ -401,7 +532,8 @@ mod tests {
         let mut m = with_activation("aten::gelu.default", json!([]));
         m.graph.outputs.push(Arg::Ref("y".into()));
         let mut sigmoid = with_activation("aten::sigmoid.default", json!([]));
-        for m in [&mut m, &mut sigmoid] {
+        let mut clamp = with_activation("aten::hardtanh.default", json!([{"float": -1.0}, {"float": 1.0}]));
+        for m in [&mut m, &mut sigmoid, &mut clamp] {
             assert_eq!(apply(m, &weights()), 1);
             assert_eq!(m.graph.nodes.len(), 2);
             assert_eq!(m.graph.nodes[0].args[9], Arg::Str("none".into()));

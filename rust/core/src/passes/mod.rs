@@ -14,6 +14,8 @@
 //!   `channel_shuffle` node, which keeps channels-last tensors so (`fast`)
 //! - [`batch_norm`]         eval-mode batch norms folded into the convolution before them
 //!   (`fast`; the new weights are computed where the tensors are)
+//! - [`dequantize_weights`] convolutions' int8 weights as float32 weights made once at load
+//!   (`fast`, at load on a CPU with oneDNN; before `quantized_ops` writes the dequantize out)
 //! - [`conv_pointwise`]     convolutions (and the activation after) onto oneDNN's fused
 //!   convolution over a weight packed once (`fast`, at load on a CPU with oneDNN)
 //! - [`conv_residual`]      a lowered convolution's residual add (and the ReLU after it) as its
@@ -23,6 +25,8 @@
 //! - [`linear_int8`]        quantized linears (int8 weight, input quantized per tensor) onto
 //!   kwexport's int8 GEMM (`fast`, at load, with the runtime's kernels; before
 //!   `quantized_ops` writes their quantize and dequantize ops out)
+//! - [`fake_quantize`]      a static quantize → dequantize pair as one fake quantization
+//!   (`fast`; before `quantized_ops` writes them out)
 //! - [`linear_pointwise`]   linears (and the ReLU, SiLU or GELU after) onto oneDNN's fused
 //!   linear, whose activation the runtime's GEMM applies (`fast`, at load, with the runtime's
 //!   GEMM and oneDNN)
@@ -39,7 +43,9 @@ pub mod conv;
 pub mod conv_pointwise;
 pub mod conv_residual;
 pub mod dead_code;
+pub mod dequantize_weights;
 mod emit;
+pub mod fake_quantize;
 pub mod gelu_tanh;
 pub mod inplace_state;
 pub mod linear_int8;
@@ -102,6 +108,9 @@ pub struct Rewrites {
     /// Batch norms folded into convolutions: the weights to recompute, before anything else
     /// reads them (`kwexport._passes`).
     pub folds: Vec<batch_norm::Fold>,
+    /// int8 convolution weights to dequantize at load, before anything else reads them
+    /// (`kwexport._passes`).
+    pub dequantized: Vec<dequantize_weights::Dequant>,
     /// The rewrites each pass that ran made, by its name.
     pub counts: pass::Counts,
 }
@@ -124,8 +133,10 @@ pub struct Target {
 }
 
 /// The passes `fast` runs before every level's: those that read torch's quantize and
-/// dequantize ops, which `quantized_ops` writes out as aten arithmetic.
-const FAST_FIRST: &[&dyn Pass] = &[&linear_int8::LinearInt8];
+/// dequantize ops, which `quantized_ops` writes out as aten arithmetic. Linears take their
+/// pairs first.
+const FAST_FIRST: &[&dyn Pass] =
+    &[&linear_int8::LinearInt8, &fake_quantize::FakeQuantize, &dequantize_weights::DequantizeWeights];
 
 /// The passes every level runs, in the order a sweep runs them.
 const EXACT: &[&dyn Pass] = &[&quantized_ops::QuantizedOps, &dead_code::DeadCode, &inplace_state::InplaceState];

@@ -563,6 +563,8 @@ impl CStep {
                 // SAFETY: as above.
                 unsafe { Operators(abi).attention(qkv, tensor(3)?, *causal, *scale) }
             }
+            // SAFETY: as above.
+            OwnOp::FakeQuantize(quant) => unsafe { Operators(abi).fake_quantize(tensor(0)??, quant) },
             OwnOp::LinearInt8(l) => {
                 let ops = Operators(abi);
                 let [qmin, qmax] = l.range;

@@ -201,6 +201,55 @@ pub(super) unsafe fn quantize<S: Simd, L: Level>(x: &[f32], k: usize, q: &Levels
     }
 }
 
+/// Elements per block of [`fake_quantize_f32`] (whole vectors of every family), and the work
+/// per element it counts.
+const FAKE_RUN: usize = 4096;
+const FAKE_WORK: usize = 6;
+
+/// `dequantize(quantize(x))` per tensor, as torch's two ops compute it (`passes::fake_quantize`):
+/// each value's level as [`quantize`] takes it (`clamp(round(x * (1.0 / scale)) + zero_point,
+/// qmin, qmax)`, in float32; a NaN to `qmin`), then `(level - zero_point) * scale`, exact
+/// integers until the scale's one rounding, so the same bits as the ops. One pass over the
+/// values where the ops made eight (a quantized conv net's activations between its
+/// convolutions). Declines (writing nothing) where `out` is shorter than `x`, `quant` isn't
+/// one the kernels take, or they don't run here.
+pub fn fake_quantize_f32(x: &[f32], quant: &Quant, out: &mut [f32]) -> Ran {
+    if !quant.fits() {
+        return Err(Declined::Values);
+    }
+    let t = super::table_if(out.len() >= x.len())?;
+    let (levels, scale) = (quant.levels(), quant.scale as f32);
+    let out = &mut out[..x.len()];
+    // SAFETY: the table's functions run on this CPU; each block of `out` is as long as its
+    // block of `x`.
+    super::parallel::blocks(x, out, FAKE_RUN, FAKE_RUN * FAKE_WORK, &|x, out| unsafe {
+        (t.fake_quantize)(x, &levels, scale, out)
+    });
+    Ok(())
+}
+
+/// [`fake_quantize_f32`] on `S`'s vectors: the kernel table's `fake_quantize`.
+///
+/// # Safety
+/// `S`'s features must be enabled; `out` is at least as long as `x`.
+#[inline(always)]
+pub(super) unsafe fn fake_quantize<S: Simd>(x: &[f32], q: &Levels, scale: f32, out: &mut [f32]) {
+    // SAFETY (all below): lanes `c..` of `x` and `out` exist up to their lengths, masked past.
+    unsafe {
+        let (inv, zp, lo, hi) = (S::splat(q.inv), S::splat(q.zero_point), S::splat(q.qmin), S::splat(q.qmax));
+        let scale = S::splat(scale);
+        let mut c = 0;
+        while c < x.len() {
+            let lanes = S::first(x.len() - c);
+            let v = S::load_masked(lanes, x.as_ptr().add(c));
+            // `max` gives its second operand for a NaN: `qmin`.
+            let level = S::min(S::max(S::add(S::round(S::mul(v, inv)), zp), lo), hi);
+            S::store_masked(out.as_mut_ptr().add(c), lanes, S::mul(S::sub(level, zp), scale));
+            c += S::LANES;
+        }
+    }
+}
+
 /// How an int8 weight is packed, which fixes the kernel that multiplies it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Layout {
@@ -581,6 +630,37 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Each family's fake quantization against the ops' definition in float32, every case at
+    /// every position of runs shorter and longer than two vectors, threaded where long.
+    #[test]
+    fn each_family_fake_quantizes_as_the_two_ops_do() {
+        let q = Quant { scale: 0.1, zero_point: 3, qmin: 1, qmax: 255 };
+        let ops = |x: f32| -> f32 {
+            let level = ((x * (1.0 / q.scale) as f32).round_ties_even() + 3.0).clamp(1.0, 255.0);
+            let level = if x.is_nan() { 1.0 } else { level };
+            (level - 3.0) * q.scale as f32
+        };
+        let cases = [0.25, 0.37, 0.35, -1.0, 1e9, f32::NEG_INFINITY, f32::NAN, 0.0, 12.3456];
+        super::super::tests::each_isa(|| {
+            for len in [1usize, 5, 16, 37, 3 * FAKE_RUN + 7] {
+                for at in (0..len).step_by(len.div_ceil(40)) {
+                    for x in cases {
+                        let mut input: Vec<f32> = (0..len).map(|i| (i % 97) as f32 / 9.0 - 5.0).collect();
+                        input[at] = x;
+                        let mut out = vec![f32::NAN; len + 1];
+                        assert_eq!(fake_quantize_f32(&input, &q, &mut out), Ok(()));
+                        let want: Vec<u32> = input.iter().map(|&v| ops(v).to_bits()).collect();
+                        let got: Vec<u32> = out[..len].iter().map(|v| v.to_bits()).collect();
+                        assert_eq!(got, want, "len {len} at {at} x {x}");
+                        assert!(out[len].is_nan(), "nothing past x's length");
+                    }
+                }
+            }
+        });
+        let bad = Quant { scale: 0.0, ..q };
+        assert_eq!(fake_quantize_f32(&[1.0], &bad, &mut [0.0]), Err(Declined::Values));
     }
 
     #[test]

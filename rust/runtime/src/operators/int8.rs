@@ -58,16 +58,20 @@ impl Int8Panels {
 }
 
 impl Operators<'_> {
-    /// An int8 CPU `[n, k]` weight (any strides) as `kernels::int8`'s panels in `layout`, held
-    /// in a float32 tensor's bytes; `None` unless its zero points (a CPU `[n]` int64 or int32
-    /// tensor) are all 0, the kernel's symmetric weights.
+    /// An int8 CPU `[n, k]` weight (any strides; or a 1×1 convolution's `[n, k, 1, 1]`) as
+    /// `kernels::int8`'s panels in `layout`, held in a float32 tensor's bytes; `None` unless
+    /// its zero points (a CPU `[n]` int64 or int32 tensor) are all 0, the kernel's symmetric
+    /// weights.
     fn pack_int8_panels(&self, weight: Raw, zero_point: Raw, layout: Layout) -> Option<Tensor> {
         let shims = self.0.shims.as_ref()?;
         let (int8, int64, int32) = (self.0.dtype_code("int8")?, self.0.dtype_code("int64"), self.0.dtype_code("int32"));
         // SAFETY: live handles (the plan's constants).
         let ((sizes, strides), zp_sizes) =
             unsafe { (self.0.sizes_strides(weight)?, self.0.contiguous_sizes(zero_point)?) };
-        let (&[n, k], &[s0, s1]) = (sizes.as_slice(), strides.as_slice()) else { return None };
+        let (n, k, s0, s1) = match (sizes.as_slice(), strides.as_slice()) {
+            (&[n, k], &[s0, s1]) | (&[n, k, 1, 1], &[s0, s1, _, _]) => (n, k, s0, s1),
+            _ => return None,
+        };
         // SAFETY: live handles.
         let on_cpu = |t: Raw| unsafe { shims.is_cpu(t) };
         let zp_dtype = shims.dtype(zero_point);
@@ -129,6 +133,30 @@ impl Operators<'_> {
                 _ => return None,
             })
         }
+    }
+
+    /// `fake_quantize_per_tensor_affine(x, ...)` with `quant`'s parameters on kwexport's kernel:
+    /// a new tensor laid out as `x` (a dense float32 CPU tensor in any order of its
+    /// dimensions: channels-last stays so), or `None` where `x` doesn't qualify (torch's op
+    /// then runs).
+    ///
+    /// # Safety
+    /// `x` must be a live handle.
+    pub unsafe fn fake_quantize(&self, x: Raw, quant: &Quant) -> Option<Result<Tensor, CError>> {
+        let shims = self.0.shims.as_ref()?;
+        // SAFETY: a live handle; a dense tensor's `len` elements from its first.
+        let (xs, (sizes, strides)) = unsafe {
+            let len = self.dense_f32_len(x)?;
+            (self.floats(x, len)?, self.0.sizes_strides(x)?)
+        };
+        // Laid out as `x`: element `i` of both buffers is the same element of the tensors.
+        let mut out = match self.owned(shims.empty_f32_strided(&sizes, &strides)) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        // SAFETY: the new output, as dense as `x`, of as many elements.
+        let os = unsafe { self.floats_mut(&mut out, xs.len()) }?;
+        kernels::int8::fake_quantize_f32(xs, quant, os).ok().map(|()| Ok(out))
     }
 
     /// kwexport's int8 linear of `x` (contiguous float32 on the CPU, `[..., k]`), quantized as

@@ -337,7 +337,11 @@ impl KernelConsts for ConstTable<'_, '_> {
     fn int8_panels(&mut self, weight: &str, zero_point: &str) -> Option<(crate::operators::Int8Panels, [i64; 2])> {
         let w = self.weights.get(weight)?.bind(self.py);
         let is_int8 = w.getattr("dtype").ok()?.eq(self.torch.getattr("int8").ok()?).ok()?;
-        let [n, k]: [i64; 2] = w.getattr("shape").ok()?.extract::<Vec<i64>>().ok()?.try_into().ok()?;
+        // A 1×1 convolution's `[n, k, 1, 1]` weight is its `[n, k]` matrix.
+        let [n, k] = match w.getattr("shape").ok()?.extract::<Vec<i64>>().ok()?.as_slice() {
+            &[n, k] | &[n, k, 1, 1] => [n, k],
+            _ => return None,
+        };
         if !is_int8 || self.abi.is_none() || !self.weights.contains_key(zero_point) {
             return None;
         }

@@ -155,6 +155,9 @@ pub enum OwnOp {
     /// `kwexport::linear_int8` (`passes::linear_int8`) on a float32 CPU input and the
     /// weight's panels (`kernels::int8`).
     LinearInt8(std::sync::Arc<Int8Linear>),
+    /// `fake_quantize_per_tensor_affine` with literal parameters (`passes::fake_quantize`) on
+    /// a dense float32 CPU tensor (`kernels::int8::fake_quantize_f32`, through `operators`).
+    FakeQuantize(crate::operators::Quant),
 }
 
 /// What an int8 linear's kernel needs besides the node's tensors: where the input's scale

@@ -260,6 +260,14 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg], consts: &mut dyn KernelC
             let linear = super::Int8Linear { params, range, n, k, epilogue, panels };
             Some(super::OwnOp::LinearInt8(std::sync::Arc::new(linear)))
         }
+        // A quantize → dequantize pair (`passes::fake_quantize`), its parameters literals.
+        (
+            ("aten::fake_quantize_per_tensor_affine", ""),
+            [SlotArg::Value(_), SlotArg::Literal(Arg::Float(scale)), SlotArg::Literal(Arg::Int(zero_point)), SlotArg::Literal(Arg::Int(qmin)), SlotArg::Literal(Arg::Int(qmax))],
+        ) => {
+            let quant = crate::operators::Quant { scale: scale.0, zero_point: *zero_point, qmin: *qmin, qmax: *qmax };
+            quant.fits().then_some(super::OwnOp::FakeQuantize(quant))
+        }
         (("aten::adaptive_avg_pool2d", ""), [SlotArg::Value(_), SlotArg::List(size)])
             if matches!(size.as_slice(), [SlotArg::Literal(Arg::Int(1)), SlotArg::Literal(Arg::Int(1))]) =>
         {

@@ -1,0 +1,175 @@
+//! A quantize read by a dequantize of the same parameters as one fake quantization
+//! (`optimize="fast"`): what torch's pt2e flows leave before every op no int8 kernel takes
+//! (a convolution, a residual add, a pooling),
+//!
+//! ```text
+//! q  = quantize_per_tensor(x, scale, zp, qmin, qmax, uint8|int8)
+//! xd = dequantize_per_tensor(q, scale, zp, qmin, qmax, same dtype)
+//! ```
+//!
+//! which `quantized_ops` would write out as eight aten ops, each a pass over the tensor,
+//! becomes `xd = fake_quantize_per_tensor_affine(x, scale, zp, qmin, qmax)`: torch's own op
+//! for exactly that (`clamp(round(x * (1 / scale)) + zp, qmin, qmax)`, less `zp`, times
+//! `scale`), which the runtime runs on kwexport's one-pass kernel (`kernels::int8`) for float32
+//! CPU tensors. Static parameters only (literals); the quantize stays where anything else reads
+//! it (then `quantized_ops` writes it out), and goes otherwise.
+//!
+//! It runs after `linear_int8`, which takes the pairs that feed a linear, and before
+//! `quantized_ops` (`super::registered`).
+
+use std::collections::HashMap;
+
+use super::pass::{Ctx, Pass};
+use super::readers::{one, readers};
+use super::Level;
+use crate::schema::{Arg, Method, Node};
+
+/// The op a quantize → dequantize pair becomes.
+pub const FAKE: &str = "aten::fake_quantize_per_tensor_affine.default";
+
+/// The pass (`fast`).
+pub struct FakeQuantize;
+
+impl Pass for FakeQuantize {
+    fn name(&self) -> &'static str {
+        "fake_quantize"
+    }
+
+    fn level(&self) -> Level {
+        Level::Fast
+    }
+
+    fn apply(&self, cx: &mut Ctx<'_>) -> usize {
+        cx.each_method(|_, m, _, _| apply(m))
+    }
+}
+
+/// Rewrites each static dequantize of a quantize in the method's top-level graph; returns
+/// how many.
+pub fn apply(m: &mut Method) -> usize {
+    let g = &m.graph;
+    let op_of = |n: &Node| m.ops.get(n.op).map_or("", |o| o.name.as_str());
+    let maker: HashMap<&str, usize> = g.nodes.iter().enumerate().filter_map(|(i, n)| Some((one(n)?, i))).collect();
+    let mut found = Vec::new();
+    for (i, dq) in g.nodes.iter().enumerate() {
+        if op_of(dq) != "quantized_decomposed::dequantize_per_tensor.default" || !super::linear_int8::float32_out(dq) {
+            continue;
+        }
+        let Some(Arg::Ref(qv)) = dq.args.first() else { continue };
+        let Some(q) = maker.get(qv.as_str()).map(|&j| &g.nodes[j]) else { continue };
+        if op_of(q) != "quantized_decomposed::quantize_per_tensor.default" || !q.kwargs.is_empty() {
+            continue;
+        }
+        let [x @ Arg::Ref(_), Arg::Float(scale), Arg::Int(zp), Arg::Int(qmin), Arg::Int(qmax), Arg::Dtype(dtype)] =
+            &q.args[..]
+        else {
+            continue;
+        };
+        let in_range = match dtype.as_str() {
+            "uint8" => 0 <= *qmin && *qmax <= 255,
+            "int8" => -128 <= *qmin && *qmax <= 127,
+            _ => false,
+        };
+        let scale_ok = scale.0.is_finite() && scale.0 > 0.0;
+        if dq.args[1..] != q.args[1..] || !in_range || !scale_ok || !(qmin..=qmax).contains(&zp) {
+            continue;
+        }
+        let args = vec![x.clone(), Arg::Float(*scale), Arg::Int(*zp), Arg::Int(*qmin), Arg::Int(*qmax)];
+        found.push((i, maker[qv.as_str()], args));
+    }
+    if found.is_empty() {
+        return 0;
+    }
+    let op = super::op_index(&mut m.ops, FAKE);
+    for (i, _, args) in &found {
+        let node = &mut m.graph.nodes[*i];
+        (node.op, node.args, node.kwargs) = (op, args.clone(), Default::default());
+    }
+    // The quantizes nothing reads now.
+    let read = readers(&m.graph);
+    let mut removed = vec![false; m.graph.nodes.len()];
+    for &(_, qi, _) in &found {
+        removed[qi] = m.graph.nodes[qi].outputs.names().all(|o| !read.contains_key(o));
+    }
+    super::remove_nodes(&mut m.graph.nodes, &removed);
+    found.len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// `x → quantize → dequantize → relu`, with `edit` applied to the JSON.
+    fn method(edit: impl FnOnce(&mut serde_json::Value)) -> Method {
+        let params = || json!([{"float": 0.02}, {"int": 131}, {"int": 0}, {"int": 255}, {"dtype": "uint8"}]);
+        let with = |first: &str| {
+            let mut a = vec![json!({"ref": first})];
+            a.extend(params().as_array().unwrap().iter().cloned());
+            a
+        };
+        let mut m = json!({
+            "signature": {"name": "f", "params": [{"name": "x", "kind": "positional_or_keyword"}]},
+            "inputs": {"spec": {"type": "leaf"}, "leaves": []},
+            "outputs": {"type": "leaf"},
+            "ops": [{"name": "quantized_decomposed::quantize_per_tensor.default", "schema": "s"},
+                    {"name": "quantized_decomposed::dequantize_per_tensor.default", "schema": "s"},
+                    {"name": "aten::relu.default", "schema": "s"}],
+            "graph": {
+                "inputs": [{"name": "x", "source": {"user": 0}}],
+                "nodes": [
+                    {"op": 0, "args": with("x"), "outputs": {"one": "q"}},
+                    {"op": 1, "args": with("q"), "outputs": {"one": "xd"}},
+                    {"op": 2, "args": [{"ref": "xd"}], "outputs": {"one": "y"}}],
+                "outputs": [{"ref": "y"}]}
+        });
+        edit(&mut m);
+        serde_json::from_value(m).unwrap()
+    }
+
+    #[test]
+    fn a_quantize_and_its_dequantize_become_one_fake_quantize() {
+        let mut m = method(|_| {});
+        assert_eq!(apply(&mut m), 1);
+        let node = &m.graph.nodes[0];
+        assert_eq!(m.ops[node.op].name, FAKE);
+        let want =
+            [Arg::Ref("x".into()), Arg::Float(crate::schema::Float(0.02)), Arg::Int(131), Arg::Int(0), Arg::Int(255)];
+        assert_eq!(node.args, want);
+        // The quantize, which nothing reads now, went; nothing is found twice.
+        let ops: Vec<&str> = m.graph.nodes.iter().map(|n| m.ops[n.op].name.as_str()).collect();
+        assert_eq!(ops, [FAKE, "aten::relu.default"]);
+        assert_eq!(apply(&mut m), 0);
+        // A quantize something else reads (an output) stays.
+        let mut m = method(|m| m["graph"]["outputs"] = json!([{"ref": "y"}, {"ref": "q"}]));
+        assert_eq!(apply(&mut m), 1);
+        assert_eq!(m.graph.nodes.len(), 3);
+    }
+
+    #[test]
+    fn leaves_other_pairs_alone() {
+        let cases: [fn(&mut serde_json::Value); 5] = [
+            // Other parameters on the dequantize.
+            |m| m["graph"]["nodes"][1]["args"][2] = json!({"int": 130}),
+            // A dtype wider than 8 bits, or a range outside the dtype's.
+            |m| {
+                m["graph"]["nodes"][0]["args"][5] = json!({"dtype": "int32"});
+                m["graph"]["nodes"][1]["args"][5] = json!({"dtype": "int32"});
+            },
+            |m| {
+                m["graph"]["nodes"][0]["args"][4] = json!({"int": 256});
+                m["graph"]["nodes"][1]["args"][4] = json!({"int": 256});
+            },
+            // A dequantize to another dtype than float32.
+            |m| m["graph"]["nodes"][1]["kwargs"] = json!({"out_dtype": {"dtype": "bfloat16"}}),
+            // A zero scale (torch refuses it at run time).
+            |m| {
+                m["graph"]["nodes"][0]["args"][1] = json!({"float": 0.0});
+                m["graph"]["nodes"][1]["args"][1] = json!({"float": 0.0});
+            },
+        ];
+        for (i, case) in cases.into_iter().enumerate() {
+            assert_eq!(apply(&mut method(case)), 0, "case {i}");
+        }
+    }
+}
