@@ -257,6 +257,30 @@ def test_fast_fake_quantizes_in_one_pass_with_the_pairs_bits(tmp_path):
         assert torch.equal(got, pair(inputs)) and got.stride() == inputs.stride()
 
 
+def test_fast_fake_quantizes_a_dynamic_pair_with_its_bits(tmp_path):
+    """Dynamic quantization's pair (parameters chosen per call, as tensors) is the
+    `.tensor_qparams` fake quantization, on the same kernel, with the pair's bits."""
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers the ops)
+
+    qd = torch.ops.quantized_decomposed
+
+    def pair(x):
+        s, z = qd.choose_qparams.tensor(x, 0, 255, 1e-5, torch.uint8)
+        q = qd.quantize_per_tensor.tensor(x, s, z, 0, 255, torch.uint8)
+        return qd.dequantize_per_tensor.tensor(q, s, z, 0, 255, torch.uint8)
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 9, 11) * 3
+    path = tmp_path / "pair.kwx"
+    kwexport.save(kwexport.export(pair, (x,)), path)
+    fast = kwexport.load(path, optimize="fast")
+    ran = [n["op"] for n in fast.profile(x) if "::" in n["op"]]
+    assert "aten::fake_quantize_per_tensor_affine.tensor_qparams" in ran and "aten::reciprocal.default" not in ran, ran
+    for inputs in [x, x.contiguous(memory_format=torch.channels_last), torch.rand(2, 16, 9, 11) + 2]:
+        got = fast(inputs)
+        assert torch.equal(got, pair(inputs)) and got.stride() == inputs.stride()
+
+
 def test_a_quantize_op_the_format_does_not_know_is_refused(tmp_path):
     import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers the ops)
 

@@ -11,8 +11,10 @@
 //! becomes `xd = fake_quantize_per_tensor_affine(x, scale, zp, qmin, qmax)`: torch's own op
 //! for exactly that (`clamp(round(x * (1 / scale)) + zp, qmin, qmax)`, less `zp`, times
 //! `scale`), which the runtime runs on kwexport's one-pass kernel (`kernels::int8`) for float32
-//! CPU tensors. Static parameters only (literals); the quantize stays where anything else reads
-//! it (then `quantized_ops` writes it out), and goes otherwise.
+//! CPU tensors. Tensor parameters (dynamic quantization's, chosen per call by
+//! `choose_qparams.tensor`, which `quantized_ops` writes out) make the same pair the
+//! `.tensor_qparams` overload. The quantize stays where anything else reads it (then
+//! `quantized_ops` writes it out), and goes otherwise.
 //!
 //! It runs after `linear_int8`, which takes the pairs that feed a linear, and before
 //! `quantized_ops` (`super::registered`).
@@ -26,6 +28,9 @@ use crate::schema::{Arg, Method, Node};
 
 /// The op a quantize → dequantize pair becomes.
 pub const FAKE: &str = "aten::fake_quantize_per_tensor_affine.default";
+/// The op a pair with tensor parameters becomes (dynamic quantization's, which
+/// `choose_qparams.tensor` picks per call).
+pub const FAKE_TENSOR: &str = "aten::fake_quantize_per_tensor_affine.tensor_qparams";
 
 /// The pass (`fast`).
 pub struct FakeQuantize;
@@ -52,43 +57,51 @@ pub fn apply(m: &mut Method) -> usize {
     let maker: HashMap<&str, usize> = g.nodes.iter().enumerate().filter_map(|(i, n)| Some((one(n)?, i))).collect();
     let mut found = Vec::new();
     for (i, dq) in g.nodes.iter().enumerate() {
-        if op_of(dq) != "quantized_decomposed::dequantize_per_tensor.default" || !super::linear_int8::float32_out(dq) {
+        let overload = match op_of(dq) {
+            "quantized_decomposed::dequantize_per_tensor.default" => "default",
+            "quantized_decomposed::dequantize_per_tensor.tensor" => "tensor",
+            _ => continue,
+        };
+        if !super::linear_int8::float32_out(dq) {
             continue;
         }
         let Some(Arg::Ref(qv)) = dq.args.first() else { continue };
         let Some(q) = maker.get(qv.as_str()).map(|&j| &g.nodes[j]) else { continue };
-        if op_of(q) != "quantized_decomposed::quantize_per_tensor.default" || !q.kwargs.is_empty() {
+        if op_of(q) != format!("quantized_decomposed::quantize_per_tensor.{overload}") || !q.kwargs.is_empty() {
             continue;
         }
-        let [x @ Arg::Ref(_), Arg::Float(scale), Arg::Int(zp), Arg::Int(qmin), Arg::Int(qmax), Arg::Dtype(dtype)] =
-            &q.args[..]
-        else {
+        let [x @ Arg::Ref(_), scale, zp, Arg::Int(qmin), Arg::Int(qmax), Arg::Dtype(dtype)] = &q.args[..] else {
             continue;
+        };
+        // Literal parameters (static quantization), or tensors (dynamic: the same two for both).
+        let (op, params_ok) = match (scale, zp) {
+            (Arg::Float(s), Arg::Int(z)) => (FAKE, s.0.is_finite() && s.0 > 0.0 && (qmin..=qmax).contains(&z)),
+            (Arg::Ref(_), Arg::Ref(_)) => (FAKE_TENSOR, true),
+            _ => continue,
         };
         let in_range = match dtype.as_str() {
             "uint8" => 0 <= *qmin && *qmax <= 255,
             "int8" => -128 <= *qmin && *qmax <= 127,
             _ => false,
         };
-        let scale_ok = scale.0.is_finite() && scale.0 > 0.0;
-        if dq.args[1..] != q.args[1..] || !in_range || !scale_ok || !(qmin..=qmax).contains(&zp) {
+        if dq.args[1..] != q.args[1..] || !in_range || !params_ok {
             continue;
         }
-        let args = vec![x.clone(), Arg::Float(*scale), Arg::Int(*zp), Arg::Int(*qmin), Arg::Int(*qmax)];
-        found.push((i, maker[qv.as_str()], args));
+        let args = vec![x.clone(), scale.clone(), zp.clone(), Arg::Int(*qmin), Arg::Int(*qmax)];
+        found.push((i, maker[qv.as_str()], op, args));
     }
     if found.is_empty() {
         return 0;
     }
-    let op = super::op_index(&mut m.ops, FAKE);
-    for (i, _, args) in &found {
+    for (i, _, op, args) in &found {
+        let op = super::op_index(&mut m.ops, op);
         let node = &mut m.graph.nodes[*i];
         (node.op, node.args, node.kwargs) = (op, args.clone(), Default::default());
     }
     // The quantizes nothing reads now.
     let read = readers(&m.graph);
     let mut removed = vec![false; m.graph.nodes.len()];
-    for &(_, qi, _) in &found {
+    for &(_, qi, _, _) in &found {
         removed[qi] = m.graph.nodes[qi].outputs.names().all(|o| !read.contains_key(o));
     }
     super::remove_nodes(&mut m.graph.nodes, &removed);
@@ -144,6 +157,33 @@ mod tests {
         let mut m = method(|m| m["graph"]["outputs"] = json!([{"ref": "y"}, {"ref": "q"}]));
         assert_eq!(apply(&mut m), 1);
         assert_eq!(m.graph.nodes.len(), 3);
+    }
+
+    #[test]
+    fn a_pair_of_tensor_parameters_becomes_the_tensor_qparams_overload() {
+        let tensors = |m: &mut serde_json::Value| {
+            for (i, op) in [(0, "quantize"), (1, "dequantize")] {
+                m["ops"][i]["name"] = json!(format!("quantized_decomposed::{op}_per_tensor.tensor"));
+                m["graph"]["nodes"][i]["args"][1] = json!({"ref": "s"});
+                m["graph"]["nodes"][i]["args"][2] = json!({"ref": "z"});
+            }
+            m["graph"]["inputs"]
+                .as_array_mut()
+                .unwrap()
+                .extend([json!({"name": "s", "source": {"user": 1}}), json!({"name": "z", "source": {"user": 2}})]);
+        };
+        let mut m = method(tensors);
+        assert_eq!(apply(&mut m), 1);
+        let node = &m.graph.nodes[0];
+        assert_eq!(m.ops[node.op].name, FAKE_TENSOR);
+        let want = [Arg::Ref("x".into()), Arg::Ref("s".into()), Arg::Ref("z".into()), Arg::Int(0), Arg::Int(255)];
+        assert_eq!(node.args, want);
+        // Other tensors on the dequantize: another pair.
+        let mut m = method(|m| {
+            tensors(m);
+            m["graph"]["nodes"][1]["args"][1] = json!({"ref": "x"});
+        });
+        assert_eq!(apply(&mut m), 0);
     }
 
     #[test]

@@ -565,6 +565,17 @@ impl CStep {
             }
             // SAFETY: as above.
             OwnOp::FakeQuantize(quant) => unsafe { Operators(abi).fake_quantize(tensor(0)??, quant) },
+            // SAFETY: as above.
+            OwnOp::FakeQuantizeTensors { qmin, qmax } => unsafe {
+                let ops = Operators(abi);
+                let (scale, zero_point) = (ops.scalar(tensor(1)??)?, ops.scalar(tensor(2)??)?);
+                // A zero point that isn't an integer is torch's to refuse.
+                if zero_point.fract() != 0.0 {
+                    return None;
+                }
+                let quant = Quant { scale, zero_point: zero_point as i64, qmin: *qmin, qmax: *qmax };
+                ops.fake_quantize(tensor(0)??, &quant)
+            },
             OwnOp::LinearInt8(l) => {
                 let ops = Operators(abi);
                 let [qmin, qmax] = l.range;

@@ -158,6 +158,9 @@ pub enum OwnOp {
     /// `fake_quantize_per_tensor_affine` with literal parameters (`passes::fake_quantize`) on
     /// a dense float32 CPU tensor (`kernels::int8::fake_quantize_f32`, through `operators`).
     FakeQuantize(crate::operators::Quant),
+    /// `fake_quantize_per_tensor_affine.tensor_qparams`: the same with the scale and zero
+    /// point one-element CPU tensors (arguments 1 and 2, read per call) and this range.
+    FakeQuantizeTensors { qmin: i64, qmax: i64 },
 }
 
 /// What an int8 linear's kernel needs besides the node's tensors: where the input's scale

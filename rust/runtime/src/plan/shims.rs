@@ -268,6 +268,10 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg], consts: &mut dyn KernelC
             let quant = crate::operators::Quant { scale: scale.0, zero_point: *zero_point, qmin: *qmin, qmax: *qmax };
             quant.fits().then_some(super::OwnOp::FakeQuantize(quant))
         }
+        (
+            ("aten::fake_quantize_per_tensor_affine", "tensor_qparams"),
+            [SlotArg::Value(_), SlotArg::Value(_), SlotArg::Value(_), SlotArg::Literal(Arg::Int(qmin)), SlotArg::Literal(Arg::Int(qmax))],
+        ) => Some(super::OwnOp::FakeQuantizeTensors { qmin: *qmin, qmax: *qmax }),
         (("aten::adaptive_avg_pool2d", ""), [SlotArg::Value(_), SlotArg::List(size)])
             if matches!(size.as_slice(), [SlotArg::Literal(Arg::Int(1)), SlotArg::Literal(Arg::Int(1))]) =>
         {
