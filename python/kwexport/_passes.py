@@ -6,12 +6,10 @@ the ops the load-time passes insert, for calls their C kernels can't take."""
 import functools
 from typing import Any
 
-from kwexport._cuda_gemm import addmm_measured as linear_measured_addmm
-from kwexport._cuda_gemm import linear_measured
-
 # The runtime calls a pass op's Python form here by name (`linear_measured_addmm` for
-# `kwexport::linear_measured.addmm`).
-__all__ = ["fold_batch_norms", "linear_int8", "linear_measured", "linear_measured_addmm"]
+# `kwexport::linear_measured.addmm`): re-exported.
+from kwexport._cuda_gemm import addmm_measured as linear_measured_addmm  # noqa: F401 (re-exported)
+from kwexport._cuda_gemm import linear_measured  # noqa: F401 (re-exported)
 
 
 def fold_batch_norms(weights: dict[str, Any], folds: list[dict[str, Any]]) -> dict[str, Any]:

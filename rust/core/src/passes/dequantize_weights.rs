@@ -13,7 +13,7 @@
 //! dequantize only convolutions read as their weight. Runs at load only: a written file
 //! keeps its int8 weights.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use super::pass::{Ctx, Pass};
 use super::readers::{one, readers, weight_inputs, OUTSIDE};
@@ -73,22 +73,20 @@ impl Pass for DequantizeWeights {
 /// Each dequantize to drop: its method, its node's index, the graph input naming the int8
 /// weight, and the weight's dequantization; by method, in node order.
 fn find(doc: &Document) -> Vec<(String, usize, String, Dequant)> {
-    // How many nodes of all methods read each weight (through any graph input naming it).
+    // How many times all methods read each weight (through any graph input naming it):
+    // node arguments, subgraphs' too, graph outputs and mutations.
     let mut reads: BTreeMap<&str, usize> = BTreeMap::new();
     for m in doc.methods.values() {
         let weight_of = weight_inputs(&m.graph);
-        let subgraph_nodes = m.subgraphs.values().flat_map(|g| g.nodes.iter());
-        for n in m.graph.nodes.iter().chain(subgraph_nodes) {
-            let named: BTreeSet<&str> = refs(n).filter_map(|v| weight_of.get(v).copied()).collect();
-            named.into_iter().for_each(|w| *reads.entry(w).or_default() += 1);
-        }
-        for o in m.graph.outputs.iter() {
-            if let Arg::Ref(v) = o {
-                if let Some(w) = weight_of.get(v.as_str()) {
-                    *reads.entry(w).or_default() += 2;
-                }
+        let mut count = |v: &str| {
+            if let Some(w) = weight_of.get(v) {
+                *reads.entry(w).or_default() += 1;
             }
-        }
+        };
+        let nodes = m.graph.nodes.iter().chain(m.subgraphs.values().flat_map(|g| g.nodes.iter()));
+        let args = nodes.flat_map(|n| n.args.iter().chain(n.kwargs.values()));
+        let outside = m.graph.outputs.iter().chain(m.graph.mutations.iter().map(|w| &w.value));
+        args.chain(outside).for_each(|a| a.for_each_ref(&mut count));
     }
     let mut found = Vec::new();
     for (name, m) in &doc.methods {
@@ -117,17 +115,16 @@ fn find(doc: &Document) -> Vec<(String, usize, String, Dequant)> {
             if !(int8 && scales && zeros && reads.get(wn) == Some(&1) && *axis == 0) {
                 continue;
             }
-            // Only convolutions read the dequantized weight, and only as their weight.
+            // Only convolutions read the dequantized weight, each once, as its weight (a
+            // reader appears once per reference).
             let Some(out) = one(n) else { continue };
+            let as_weight = |r: usize| {
+                let c = &m.graph.nodes[r];
+                super::conv::of(Some(op_of(c)))
+                    .is_some_and(|conv| c.args.get(conv.weight) == Some(&Arg::Ref(out.into())))
+            };
             let readers_ok = read.get(out).is_some_and(|rs| {
-                rs.iter().all(|&r| {
-                    let Some(c) = m.graph.nodes.get(r).filter(|_| r != OUTSIDE) else { return false };
-                    let conv = super::conv::of(Some(op_of(c)));
-                    conv.is_some_and(|conv| {
-                        refs(c).filter(|v| *v == out).count() == 1
-                            && c.args.get(conv.weight) == Some(&Arg::Ref(out.into()))
-                    })
-                })
+                rs.windows(2).all(|p| p[0] != p[1]) && rs.iter().all(|&r| r != OUTSIDE && as_weight(r))
             });
             if readers_ok {
                 let d = Dequant { weight: wn.into(), scale: sn.into(), zero_point: zn.into(), axis: *axis };
@@ -136,20 +133,6 @@ fn find(doc: &Document) -> Vec<(String, usize, String, Dequant)> {
         }
     }
     found
-}
-
-/// The values a node reads (its arguments' references, in lists too).
-fn refs(n: &Node) -> impl Iterator<Item = &str> {
-    fn walk<'a>(a: &'a Arg, out: &mut Vec<&'a str>) {
-        match a {
-            Arg::Ref(v) => out.push(v),
-            Arg::List(items) => items.iter().for_each(|i| walk(i, out)),
-            _ => {}
-        }
-    }
-    let mut out = Vec::new();
-    n.args.iter().chain(n.kwargs.values()).for_each(|a| walk(a, &mut out));
-    out.into_iter()
 }
 
 #[cfg(test)]

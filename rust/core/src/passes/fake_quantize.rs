@@ -62,29 +62,20 @@ pub fn apply(m: &mut Method) -> usize {
             "quantized_decomposed::dequantize_per_tensor.tensor" => "tensor",
             _ => continue,
         };
-        if !super::linear_int8::float32_out(dq) {
-            continue;
-        }
         let Some(Arg::Ref(qv)) = dq.args.first() else { continue };
         let Some(q) = maker.get(qv.as_str()).map(|&j| &g.nodes[j]) else { continue };
-        if op_of(q) != format!("quantized_decomposed::quantize_per_tensor.{overload}") || !q.kwargs.is_empty() {
+        let quantize = op_of(q) == format!("quantized_decomposed::quantize_per_tensor.{overload}");
+        if !quantize || !super::linear_int8::is_pair(q, dq) {
             continue;
         }
-        let [x @ Arg::Ref(_), scale, zp, Arg::Int(qmin), Arg::Int(qmax), Arg::Dtype(dtype)] = &q.args[..] else {
-            continue;
-        };
+        let [x @ Arg::Ref(_), scale, zp, Arg::Int(qmin), Arg::Int(qmax), _] = &q.args[..] else { continue };
         // Literal parameters (static quantization), or tensors (dynamic: the same two for both).
         let (op, params_ok) = match (scale, zp) {
             (Arg::Float(s), Arg::Int(z)) => (FAKE, s.0.is_finite() && s.0 > 0.0 && (qmin..=qmax).contains(&z)),
             (Arg::Ref(_), Arg::Ref(_)) => (FAKE_TENSOR, true),
             _ => continue,
         };
-        let in_range = match dtype.as_str() {
-            "uint8" => 0 <= *qmin && *qmax <= 255,
-            "int8" => -128 <= *qmin && *qmax <= 127,
-            _ => false,
-        };
-        if dq.args[1..] != q.args[1..] || !in_range || !params_ok {
+        if !params_ok {
             continue;
         }
         let args = vec![x.clone(), scale.clone(), zp.clone(), Arg::Int(*qmin), Arg::Int(*qmax)];

@@ -121,18 +121,13 @@ fn over_pixels(m: &mut Method, weights: &Weights) {
         .filter_map(one)
         .collect();
     let wrapped = |n: &Node| matches!(n.args.first(), Some(Arg::Ref(x)) if moved.contains(x.as_str()));
-    let at: Vec<usize> =
-        (0..m.graph.nodes.len()).filter(|&i| is_conv(&m.graph.nodes[i]) && !wrapped(&m.graph.nodes[i])).collect();
-    if at.is_empty() {
-        return;
-    }
+    let at: Vec<(usize, Node)> = (m.graph.nodes.iter().enumerate())
+        .filter(|(_, n)| is_conv(n) && !wrapped(n))
+        .map(|(i, n)| (i, n.clone()))
+        .collect();
     let mut names = super::emit::value_names(&m.graph);
-    let old = std::mem::take(&mut m.graph.nodes);
-    for (i, mut node) in old.into_iter().enumerate() {
-        if !at.contains(&i) {
-            m.graph.nodes.push(node);
-            continue;
-        }
+    let mut views = std::collections::HashMap::new();
+    for (i, mut node) in at {
         let base = format!("{}_pixels", node.outputs.names().next().unwrap_or("conv"));
         let op = m.ops[node.op].name.clone();
         let mut emit = super::emit::Emit::new(&mut m.ops, &mut names, base);
@@ -140,8 +135,9 @@ fn over_pixels(m: &mut Method, weights: &Weights) {
         let outputs = std::mem::replace(&mut node.outputs, crate::schema::Outputs::None(()));
         let y = emit.call(&op, node.args, &[]);
         emit.bind("aten::movedim.int", vec![y, Arg::Int(-1), Arg::Int(-3)], &[], outputs);
-        m.graph.nodes.extend(emit.nodes);
+        views.insert(i, emit.nodes);
     }
+    super::splice_nodes(&mut m.graph.nodes, views, &[]);
 }
 
 /// Takes into each fused node without an activation the activation that alone reads it
@@ -254,16 +250,11 @@ fn find(m: &Method, weights: &Weights) -> Vec<Found> {
         let quantize = format!("quantized_decomposed::quantize_per_tensor.{overload}");
         let Some((q, qi)) = made_by(dq.args.first(), &quantize) else { continue };
         let [_, scale, zp, Arg::Int(qmin), Arg::Int(qmax), Arg::Dtype(dtype)] = &q.args[..] else { continue };
-        let in_range = match dtype.as_str() {
-            "uint8" => 0 <= *qmin && *qmax <= 255,
-            "int8" => -128 <= *qmin && *qmax <= 127,
-            _ => false,
-        };
         let params_ok = match overload {
             "default" => matches!((scale, zp), (Arg::Float(_), Arg::Int(_))),
             _ => matches!((scale, zp), (Arg::Ref(_), Arg::Ref(_))),
         };
-        if !(q.kwargs.is_empty() && dq.args[1..] == q.args[1..] && float32_out(dq) && in_range && params_ok) {
+        if !(is_pair(q, dq) && params_ok) {
             continue;
         }
         // The weight's per-channel dequantize along its output channels.
@@ -335,6 +326,18 @@ fn is_pointwise_conv(n: &Node) -> bool {
     };
     let groups = matches!(n.args.get(6), None | Some(Arg::Int(1)));
     n.args.len() <= 7 && all(3, 1) && all(4, 0) && all(5, 1) && groups
+}
+
+/// Whether `dq` dequantizes `q`'s result with `q`'s own parameters, to float32, and `q`
+/// quantizes to an 8-bit dtype within its range (the pair pt2e writes around an op).
+pub(super) fn is_pair(q: &Node, dq: &Node) -> bool {
+    let [_, _, _, Arg::Int(qmin), Arg::Int(qmax), Arg::Dtype(dtype)] = &q.args[..] else { return false };
+    let in_range = match dtype.as_str() {
+        "uint8" => 0 <= *qmin && *qmax <= 255,
+        "int8" => -128 <= *qmin && *qmax <= 127,
+        _ => false,
+    };
+    in_range && q.kwargs.is_empty() && dq.args.get(1..) == q.args.get(1..) && float32_out(dq)
 }
 
 /// Whether a dequantize returns float32 (its `out_dtype` not given, `None` or float32).

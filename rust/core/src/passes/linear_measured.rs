@@ -15,7 +15,7 @@
 
 use super::pass::{Ctx, Pass};
 use super::{Level, Target};
-use crate::schema::{Arg, Method};
+use crate::schema::{Arg, Method, Node};
 
 /// The op a biased `linear` becomes (the same arguments).
 pub const LINEAR: &str = crate::tables::PASS_OPS[6];
@@ -25,30 +25,26 @@ pub const ADDMM: &str = crate::tables::PASS_OPS[7];
 /// Points each biased `linear` and each `addmm` without `beta`/`alpha` of a method (its
 /// subgraphs' too) at the measured ops; returns how many nodes changed.
 pub fn apply(m: &mut Method) -> usize {
-    let find = |ops: &[crate::schema::OpEntry], name: &str| ops.iter().position(|o| o.name == name);
-    let (linear, addmm) = (find(&m.ops, "aten::linear.default"), find(&m.ops, "aten::addmm.default"));
-    if linear.is_none() && addmm.is_none() {
-        return 0;
-    }
-    let graphs = std::iter::once(&mut m.graph.nodes).chain(m.subgraphs.values_mut().map(|g| &mut g.nodes));
-    // Which nodes change, and to which op; the op entries are added once something does.
-    let mut changes = Vec::new();
-    for (g, nodes) in graphs.enumerate() {
-        for (i, n) in nodes.iter().enumerate() {
-            let refs = n.args.len() == 3 && n.kwargs.is_empty() && n.args.iter().all(|a| matches!(a, Arg::Ref(_)));
-            if refs && Some(n.op) == linear {
-                changes.push((g, i, LINEAR));
-            } else if refs && Some(n.op) == addmm {
-                changes.push((g, i, ADDMM));
-            }
+    // Three tensors, nothing else: a bias given, `beta` and `alpha` left at 1.
+    let biased = |n: &Node| n.args.len() == 3 && n.kwargs.is_empty() && n.args.iter().all(|a| matches!(a, Arg::Ref(_)));
+    // Each exported op some qualifying node runs, with the op it becomes (an entry added only then).
+    let mut to = Vec::new();
+    for (from, name) in [("aten::linear.default", LINEAR), ("aten::addmm.default", ADDMM)] {
+        let Some(from) = m.ops.iter().position(|o| o.name == from) else { continue };
+        let mut nodes = m.graph.nodes.iter().chain(m.subgraphs.values().flat_map(|g| g.nodes.iter()));
+        if nodes.any(|n| n.op == from && biased(n)) {
+            to.push((from, super::op_index(&mut m.ops, name)));
         }
     }
-    for &(g, i, name) in &changes {
-        let op = super::op_index(&mut m.ops, name);
-        let nodes = if g == 0 { &mut m.graph.nodes } else { &mut m.subgraphs.values_mut().nth(g - 1).unwrap().nodes };
-        nodes[i].op = op;
+    let subgraph_nodes = m.subgraphs.values_mut().flat_map(|g| g.nodes.iter_mut());
+    let mut changed = 0;
+    for n in m.graph.nodes.iter_mut().chain(subgraph_nodes) {
+        if let Some(&(_, op)) = to.iter().find(|(from, _)| *from == n.op).filter(|_| biased(n)) {
+            n.op = op;
+            changed += 1;
+        }
     }
-    changes.len()
+    changed
 }
 
 /// The pass (`fast`, on CUDA with CUDA graphs).

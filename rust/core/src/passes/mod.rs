@@ -208,6 +208,23 @@ fn op_index(ops: &mut Vec<crate::schema::OpEntry>, name: &str) -> usize {
     }
 }
 
+/// Puts the nodes `at` holds for an index in place of the node there, and drops the nodes
+/// `removed` marks (a pass whose rewrite is several nodes: `rms_norm`'s cast, `linear_int8`'s
+/// views).
+fn splice_nodes(
+    nodes: &mut Vec<crate::schema::Node>,
+    mut at: std::collections::HashMap<usize, Vec<crate::schema::Node>>,
+    removed: &[bool],
+) {
+    for (i, n) in std::mem::take(nodes).into_iter().enumerate() {
+        match at.remove(&i) {
+            Some(new) => nodes.extend(new),
+            None if removed.get(i) != Some(&true) => nodes.push(n),
+            None => {}
+        }
+    }
+}
+
 /// Removes the nodes `removed` marks.
 fn remove_nodes(nodes: &mut Vec<crate::schema::Node>, removed: &[bool]) {
     let mut i = 0;

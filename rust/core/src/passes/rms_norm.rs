@@ -52,14 +52,7 @@ fn rewrite(m: &mut Method, weights: &Weights, readers: &Readers) -> usize {
         at.insert(*last, emit.nodes);
     }
     let made = at.len();
-    let old = std::mem::take(&mut m.graph.nodes);
-    for (i, n) in old.into_iter().enumerate() {
-        match at.remove(&i) {
-            Some(new) => m.graph.nodes.extend(new),
-            None if !removed[i] => m.graph.nodes.push(n),
-            None => {}
-        }
-    }
+    super::splice_nodes(&mut m.graph.nodes, at, &removed);
     made
 }
 
