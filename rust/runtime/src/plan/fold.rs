@@ -91,7 +91,7 @@ fn masks_as_flags(py: Python<'_>, graph: &mut SlotGraph, weights: &BTreeMap<Stri
         }
         let shape: Vec<i64> = kept.getattr("shape")?.extract()?;
         let [.., l, s] = shape[..] else { continue };
-        let causal = causal_keys(py, l, s)?;
+        let causal = causal_keys(py, l, s, &kept.getattr("device")?)?;
         if l == s && l > 1 && kept.call_method1("eq", (causal,))?.call_method0("all")?.is_truthy()? {
             *mask = SlotArg::Literal(Arg::None(()));
             set_causal(node);
@@ -100,11 +100,13 @@ fn masks_as_flags(py: Python<'_>, graph: &mut SlotGraph, weights: &BTreeMap<Stri
     Ok(())
 }
 
-/// torch's `ones(l, s, dtype=bool).tril()`: the keys `j <= i` each query `i` sees.
-fn causal_keys(py: Python<'_>, l: i64, s: i64) -> PyResult<Bound<'_, PyAny>> {
+/// torch's `ones(l, s, dtype=bool, device=device).tril()`: the keys `j <= i` each query `i`
+/// sees, on the mask's device (a CUDA program's folded mask is on the GPU).
+fn causal_keys<'py>(py: Python<'py>, l: i64, s: i64, device: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     let torch = py.import("torch")?;
     let kw = pyo3::types::PyDict::new(py);
     kw.set_item("dtype", torch.getattr("bool")?)?;
+    kw.set_item("device", device)?;
     torch.call_method("ones", (l, s), Some(&kw))?.call_method0("tril")
 }
 
