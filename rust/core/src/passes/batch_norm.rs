@@ -13,7 +13,9 @@
 //! The folded tensors take the place of existing ones, so the weight table keeps its shapes:
 //! `W` holds `W * s`, and the bias goes where the convolution's bias was, or else where
 //! `beta` was. Each weight involved must be read by this pattern alone, in every method
-//! (a weight another node reads keeps its value), must be float32 and must not be state.
+//! (a weight another node reads keeps its value), must be float32, bfloat16 or float16 (a
+//! reduced-precision model's new weights are computed in float64 and rounded once to its
+//! dtype, as eager rounds the convolution's output) and must not be state.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -21,6 +23,9 @@ use super::pass::{Ctx, Pass};
 use super::readers::{one, sole_reader, weight_inputs, Readers};
 use super::{Level, Target};
 use crate::schema::{Arg, Document, InputSource, Method, Node, Outputs, WeightTensor};
+
+/// The dtypes a folded weight may have.
+const FLOATS: [&str; 3] = ["float32", "bfloat16", "float16"];
 
 /// One folded pair, by weight name (the file's, not the graph's), for the code that computes
 /// the new tensors: `weight <- weight * s` and `bias <- (conv_bias - mean) * s + beta`, with
@@ -107,13 +112,13 @@ fn fold_method(
     let g = &m.graph;
     let op_of = |n: &Node| m.ops.get(n.op).map(|o| o.name.as_str());
     let weight_of = weight_inputs(g);
-    // A float32 weight (with `channels`, a vector of that many) read only by node `reader`,
+    // A float weight (with `channels`, a vector of that many) read only by node `reader`,
     // named once in the file, not state: its weight name.
     let sole_weight = |a: &Arg, reader: usize, channels: Option<i64>| -> Option<String> {
         let Arg::Ref(input) = a else { return None };
         let w = *weight_of.get(input.as_str())?;
         let t = tensors.get(w)?;
-        let fits = t.dtype == "float32"
+        let fits = FLOATS.contains(&t.dtype.as_str())
             && !t.mutable
             && named.get(w) == Some(&1)
             && readers.get(input.as_str()).is_some_and(|r| r.as_slice() == [reader])
@@ -152,6 +157,11 @@ fn fold_method(
             continue;
         };
         let Some(bias) = conv_bias.clone().or_else(|| beta.clone()) else { continue };
+        // One dtype throughout: the bias may take `beta`'s place, next to the weight.
+        let names = [&conv_bias, &gamma, &beta].into_iter().flatten().chain([&mean, &var, &bias]);
+        if names.into_iter().any(|n| tensors[n].dtype != w.dtype) {
+            continue;
+        }
         let fold = Fold { weight: w_name, bias, conv_bias, gamma, beta, mean, var, eps };
         found.push((ci, bi, fold, y.to_owned()));
     }
@@ -272,8 +282,21 @@ mod tests {
     }
 
     #[test]
+    fn folds_a_reduced_precision_model_too() {
+        let mut d = doc(|h| {
+            for t in h["weights"]["tensors"].as_object_mut().unwrap().values_mut() {
+                t["dtype"] = json!("bfloat16");
+            }
+        });
+        assert_eq!(apply(&mut d).len(), 1);
+    }
+
+    #[test]
     fn leaves_near_misses_alone() {
-        let cases: [fn(&mut serde_json::Value); 6] = [
+        let cases: [fn(&mut serde_json::Value); 7] = [
+            // A bfloat16 weight beside float32 statistics: the folded bias would take beta's
+            // place in another dtype than the weight's.
+            |h| h["weights"]["tensors"]["w"]["dtype"] = json!("bfloat16"),
             // Training mode: the statistics are the batch's.
             |h| h["methods"]["forward"]["graph"]["nodes"][1]["args"][5] = json!({"bool": true}),
             // The convolution's output is read elsewhere too.
