@@ -13,7 +13,7 @@ python3 -c "import torch, transformers, kwexport; print('torch', torch.__version
 for step in $STEPS; do
     case $step in
     tests)
-        timeout 200 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_cuda_graphs.py tests/test_device.py 2>&1 \
+        timeout 200 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_cuda_graphs.py tests/test_device.py tests/test_cuda_fused.py 2>&1 \
             | tee "$OUT/tests.log" | grep -v "DEBUG" | grep -v "^\s*$" | tail -40 ;;
     bench)
         timeout $((BUDGET + 90)) python3 benches/gpu.py --budget "$BUDGET" --out "$OUT/gpu.md" ${GPU_ARGS:---generate} \

@@ -6,6 +6,8 @@ the ops the load-time passes insert, for calls their C kernels can't take."""
 import functools
 from typing import Any
 
+from kwexport._cuda_fused import add_norm_layer_norm, add_norm_rms_norm, rotary_embedding  # noqa: F401 (re-exported)
+
 # The runtime calls a pass op's Python form here by name (`linear_measured_addmm` for
 # `kwexport::linear_measured.addmm`): re-exported.
 from kwexport._cuda_gemm import addmm_measured as linear_measured_addmm  # noqa: F401 (re-exported)
@@ -201,8 +203,9 @@ def linear_int8_dynamic(  # noqa: PLR0917 (the op's schema, positionally)
 def define_ops() -> Any:
     """Defines kwexport's own ops in torch's registry (once per process), so that the runtime
     resolves and dispatches them as it does torch's: ``kwexport::linear_int8``, which only the
-    ``linear_int8`` load-time pass writes, and ``kwexport::linear_measured``, which only
-    ``linear_measured`` writes (``kwexport._cuda_gemm``). Each runs its Python form through
+    ``linear_int8`` load-time pass writes, ``kwexport::linear_measured``, which only
+    ``linear_measured`` writes (``kwexport._cuda_gemm``), and the fused elementwise ops the
+    ``add_norm`` and ``rotary`` passes write (``kwexport._cuda_fused``). Each runs its Python form through
     the dispatcher; the runtime's kernels take the calls they can. Returns torch's library object,
     which must live as long as the definitions (the cache holds it)."""
     import torch
@@ -223,4 +226,11 @@ def define_ops() -> Any:
     library.define("linear_measured.addmm(Tensor self, Tensor mat1, Tensor mat2) -> Tensor")
     library.impl("linear_measured", linear_measured, "CompositeImplicitAutograd")
     library.impl("linear_measured.addmm", linear_measured_addmm, "CompositeImplicitAutograd")
+    norm = "Tensor input, Tensor other, SymInt[] normalized_shape, Tensor? weight"
+    library.define(f"add_norm.layer_norm({norm}, Tensor? bias, float eps) -> (Tensor, Tensor)")
+    library.define(f"add_norm.rms_norm({norm}, float? eps, ScalarType? dtype) -> (Tensor, Tensor, Tensor)")
+    library.define("rotary_embedding(Tensor x, Tensor cos, Tensor sin, int dim, int cat_dim, SymInt split) -> Tensor")
+    library.impl("add_norm.layer_norm", add_norm_layer_norm, "CompositeImplicitAutograd")
+    library.impl("add_norm.rms_norm", add_norm_rms_norm, "CompositeImplicitAutograd")
+    library.impl("rotary_embedding", rotary_embedding, "CompositeImplicitAutograd")
     return library

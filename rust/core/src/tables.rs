@@ -73,7 +73,8 @@ pub const DEFAULT_NAMESPACES: &[&str] = &["aten", "prims"];
 /// with a residual add (`passes::conv_residual`), and kwexport's int8 linear
 /// (`passes::linear_int8`: the input's scale and zero point as literals, as tensors, or
 /// chosen from the input); and kwexport's biased linear and `addmm` whose GEMM is chosen on
-/// the device (`passes::linear_measured`: the exported op's arguments and values).
+/// the device (`passes::linear_measured`: the exported op's arguments and values); and its
+/// fused elementwise ops for CUDA (`passes::add_norm`, `passes::rotary`).
 pub const PASS_OPS: &[&str] = &[
     "mkldnn::_convolution_pointwise.default",
     "mkldnn::_linear_pointwise.default",
@@ -83,6 +84,9 @@ pub const PASS_OPS: &[&str] = &[
     "kwexport::linear_int8.dynamic",
     "kwexport::linear_measured.default",
     "kwexport::linear_measured.addmm",
+    "kwexport::add_norm.layer_norm",
+    "kwexport::add_norm.rms_norm",
+    "kwexport::rotary_embedding.default",
 ];
 
 /// torch's quantize and dequantize ops (`torch.ao.quantization.fx._decomposed`; torchao's pt2e

@@ -32,9 +32,14 @@
 //!   GEMM and oneDNN)
 //! - [`linear_measured`]    biased linears onto the GEMM measured fastest on the device
 //!   (`fast`, at load, on CUDA with CUDA graphs)
+//! - [`add_norm`]           a residual add and the layer or RMS norm after it as one node, one
+//!   kernel on the device (`fast`, at load, on CUDA with CUDA graphs)
+//! - [`rotary`]             the rotary position embedding's seven ops as one node, one kernel
+//!   on the device (`fast`, at load, on CUDA with CUDA graphs)
 //! - [`inplace_state`]      state writes (a KV cache's) run in place, with nothing to copy back
 //!   (every level: the values are the same)
 
+pub mod add_norm;
 pub mod batch_norm;
 pub mod channel_shuffle;
 pub mod channels_last;
@@ -56,6 +61,7 @@ pub mod post_ops;
 pub mod quantized_ops;
 pub mod readers;
 pub mod rms_norm;
+pub mod rotary;
 pub mod views_as_reshapes;
 
 pub use pass::{Ctx, Pass};
@@ -153,6 +159,8 @@ const FAST: &[&dyn Pass] = &[
     &conv_residual::ConvResidual,
     &linear_pointwise::LinearPointwise,
     &linear_measured::LinearMeasured,
+    &add_norm::AddNorm,
+    &rotary::Rotary,
 ];
 
 /// The passes `level` runs, in order: its own after those of the levels below, except

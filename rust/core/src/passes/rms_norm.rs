@@ -149,7 +149,7 @@ fn find(m: &Method, weights: &Weights, readers: &Readers) -> Vec<Found> {
 
 /// The floating dtype `to(v, dtype)` casts to, where it has no other effect (non_blocking and
 /// copy false, no memory format).
-fn cast_to(n: &Node) -> Option<&str> {
+pub(super) fn cast_to(n: &Node) -> Option<&str> {
     let Some(Arg::Dtype(d)) = n.args.get(1) else { return None };
     let rest_ok = n.args.iter().skip(2).all(|a| matches!(a, Arg::Bool(false)));
     let kwargs_ok = n.kwargs.values().all(|a| matches!(a, Arg::Bool(false) | Arg::None(())));
