@@ -1165,3 +1165,33 @@ def test_fast_shuffles_channels_without_leaving_channels_last(tmp_path, groups):
     xg = x.clone().requires_grad_()
     fast(xg)[1].sum().backward()
     assert xg.grad is not None and xg.grad.shape == x.shape
+
+
+class Dropped(nn.Module):
+    """Dropouts in eval mode: around a linear, one returned as is, one of the user's input."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.drop = nn.Linear(8, 8), nn.Dropout(0.3)
+
+    def forward(self, x):
+        h = self.drop(self.lin(self.drop(x)))
+        return {"h": torch.relu(h), "same": self.drop(h), "input": self.drop(x)}
+
+
+def test_fast_reads_eval_mode_dropouts_as_their_input(tmp_path):
+    torch.manual_seed(0)
+    m = Dropped().eval()
+    x = torch.randn(3, 8)
+    path = tmp_path / "dropped.kwx"
+    kwexport.save(kwexport.export(m, (x,)), path)
+    exact, fast = kwexport.load(path), kwexport.load(path, optimize="fast")
+    assert "aten::dropout.default" in {r["op"] for r in exact.profile(x)}
+    assert "aten::dropout.default" not in {r["op"] for r in fast.profile(x)}
+    with torch.no_grad():
+        want = m(x)
+    got = fast(x)
+    # A dropout in eval mode returns its input: the same values (the linear on `fast`'s GEMM),
+    # the same tensor.
+    assert all(rel_err(got[k], want[k]) < 1e-6 for k in want)
+    assert got["input"] is x

@@ -7,6 +7,8 @@
 //! - [`channels_last`]      the convolution weights to hold in channels-last memory format
 //! - [`dead_code`]          unread pure nodes and assertions a checked call can't fail (every
 //!   level)
+//! - [`eval_dropout`]       dropouts of an eval-mode graph (`train=False`) read as their input
+//!   (`fast`)
 //! - [`rms_norm`]           RMS normalization's six ops as one `rms_norm` node (`fast`)
 //! - [`gelu_tanh`]          GELU's tanh form written out in eight ops as one `gelu` node
 //!   (`fast`)
@@ -50,6 +52,7 @@ pub mod conv_residual;
 pub mod dead_code;
 pub mod dequantize_weights;
 mod emit;
+pub mod eval_dropout;
 pub mod fake_quantize;
 pub mod gelu_tanh;
 pub mod inplace_state;
@@ -150,6 +153,7 @@ const EXACT: &[&dyn Pass] = &[&quantized_ops::QuantizedOps, &dead_code::DeadCode
 /// The passes `fast` runs after those. Batch norms fold first, so that a convolution's
 /// activation is the node right after it; convolutions lower before their residuals fuse.
 const FAST: &[&dyn Pass] = &[
+    &eval_dropout::EvalDropout,
     &batch_norm::BatchNorm,
     &views_as_reshapes::ViewsAsReshapes,
     &rms_norm::RmsNorm,
