@@ -100,6 +100,25 @@ pub(super) unsafe fn max_pool_rows<S: Simd>(ops: &Operands, range: std::ops::Ran
                 let (x0, kx0, kx1) = inside(ox, sx, pool.padding[1], pool.kernel[1], w);
                 let o = ops.out.add(((b * ho + oy) * wo + ox) * c);
                 let mut ch = 0;
+                // Four vectors of channels at a time: four independent chains of comparisons
+                // through the window (one chain waits on each comparison's latency).
+                while ch + 4 * S::LANES <= c {
+                    let mut m = [neg_inf; 4];
+                    for ky in ky0..ky1 {
+                        let line = image.add((y0 + ky as isize) as usize * w * c);
+                        for kx in kx0..kx1 {
+                            let p = line.add((x0 + kx as isize) as usize * c + ch);
+                            for (j, m) in m.iter_mut().enumerate() {
+                                let v = S::load(p.add(j * S::LANES));
+                                *m = S::select(S::or(S::gt(v, *m), S::nan(v)), v, *m);
+                            }
+                        }
+                    }
+                    for (j, m) in m.into_iter().enumerate() {
+                        S::store(o.add(ch + j * S::LANES), m);
+                    }
+                    ch += 4 * S::LANES;
+                }
                 while ch < c {
                     let mask = S::first(c - ch);
                     let mut m = neg_inf;

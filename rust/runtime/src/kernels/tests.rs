@@ -112,15 +112,19 @@ fn max_pool_takes_each_windows_largest_inside_the_image() {
             (MaxPool { kernel: [3, 3], stride: [2, 2], padding: [0, 0], ceil: true }, [8, 7]),
             (MaxPool { kernel: [2, 3], stride: [2, 2], padding: [1, 1], ceil: true }, [5, 6]),
         ] {
-            let (batch, c) = (2, 19);
-            let mut x: Vec<f32> = (0..batch * h * w * c).map(|i| ((i * 7919) % 1013) as f32 - 500.0).collect();
-            x[c + 3] = f32::NAN;
-            let [ho, wo] = pool.output(h, w).unwrap();
-            let mut out = vec![0.0; batch * ho * wo * c];
-            assert_eq!(max_pool_f32(&x, [batch, h, w, c], &pool, &mut out), Ok(()));
-            let want = reference::max_pool(&x, [batch, h, w, c], &pool);
-            for (i, (got, want)) in out.iter().zip(&want).enumerate() {
-                assert!(got.to_bits() == want.to_bits() || got.is_nan() && want.is_nan(), "{pool:?} [{i}]");
+            // 70 channels: blocks of four vectors, then single ones, then a masked tail.
+            for c in [19, 70] {
+                let batch = 2;
+                let mut x: Vec<f32> = (0..batch * h * w * c).map(|i| ((i * 7919) % 1013) as f32 - 500.0).collect();
+                x[c + 3] = f32::NAN;
+                x[2 * c + 37 % c] = f32::NAN;
+                let [ho, wo] = pool.output(h, w).unwrap();
+                let mut out = vec![0.0; batch * ho * wo * c];
+                assert_eq!(max_pool_f32(&x, [batch, h, w, c], &pool, &mut out), Ok(()));
+                let want = reference::max_pool(&x, [batch, h, w, c], &pool);
+                for (i, (got, want)) in out.iter().zip(&want).enumerate() {
+                    assert!(got.to_bits() == want.to_bits() || got.is_nan() && want.is_nan(), "{pool:?} {c} [{i}]");
+                }
             }
         }
         let bad = MaxPool { kernel: [2, 2], stride: [1, 1], padding: [2, 2], ceil: false };
