@@ -13,7 +13,7 @@ from conftest import causal_lm
 from torch import nn
 
 import kwexport
-from kwexport import _passes
+from kwexport import _cuda_fused, _passes
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA is not available")
@@ -64,6 +64,19 @@ def test_off_their_kernels_the_ops_compute_what_they_replaced():
     q, cos, sin = args[4:]
     other = torch.ops.kwexport.rotary_embedding(q, cos, sin, 3, -1, 24)
     assert torch.equal(other, q * cos + torch.cat([-q[..., 24:], q[..., :24]], -1) * sin)
+
+
+def test_off_their_kernels_under_autograd(monkeypatch):
+    # A tensor autograd records takes the replaced ops (the kernels have no backward), even
+    # where the kernels would run (Triton's interpreter asked for, on the CPU).
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _passes.define_ops()
+    x, r, w, b = (t.requires_grad_() for t in inputs(torch.float32)[:4])
+    assert _cuda_fused._on_kernel(x.detach(), r.detach()) and not _cuda_fused._on_kernel(x.detach(), r)
+    y, s = torch.ops.kwexport.add_norm.layer_norm(x, r, [96], w, b, 1e-5)
+    y.sum().backward()
+    assert x.grad is not None and w.grad is not None
 
 
 INTERPRETED = """

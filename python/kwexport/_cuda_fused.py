@@ -117,15 +117,15 @@ def _dtype_name(t: Any) -> str:
 
 def _on_kernel(*tensors: Any) -> bool:
     """Whether the kernels take these tensors: on one CUDA device (or any device, where Triton
-    runs interpreted for the tests: ``TRITON_INTERPRET=1``), of one float dtype, Triton
-    present."""
+    runs interpreted for the tests: ``TRITON_INTERPRET=1``), of one float dtype, none that
+    autograd records (the kernels have no backward), Triton present."""
     import os
 
     first = tensors[0]
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    same = all(t.device == first.device and t.dtype == first.dtype for t in tensors)
+    same = all(t.device == first.device and t.dtype == first.dtype and not t.requires_grad for t in tensors)
     usable = first.is_cuda or interpreted
-    return same and usable and _dtype_name(first) in _FLOATS and not first.requires_grad and kernels() is not None
+    return same and usable and _dtype_name(first) in _FLOATS and kernels() is not None
 
 
 def _add_norm(x: Any, other: Any, n: Any, w: Any, b: Any, eps: float, dtype: Any, rms: bool) -> Any:  # noqa: PLR0917
