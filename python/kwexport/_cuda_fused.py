@@ -18,6 +18,7 @@ as the add did, so it is bitwise the add's.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 # The dtypes the kernels take; others run the ops the pass replaced.
@@ -119,8 +120,6 @@ def _on_kernel(*tensors: Any) -> bool:
     """Whether the kernels take these tensors: on one CUDA device (or any device, where Triton
     runs interpreted for the tests: ``TRITON_INTERPRET=1``), of one float dtype, none that
     autograd records (the kernels have no backward), Triton present."""
-    import os
-
     first = tensors[0]
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     same = all(t.device == first.device and t.dtype == first.dtype and not t.requires_grad for t in tensors)

@@ -27,27 +27,21 @@ pub const LAYER_NORM: &str = crate::tables::PASS_OPS[8];
 /// The op a residual add and its RMS norm become.
 pub const RMS_NORM: &str = crate::tables::PASS_OPS[9];
 
-/// A pair found: the add's and the cast's indices (the norm's is replaced), and the fused
-/// node.
-struct Found {
-    removed: Vec<usize>,
-    norm: usize,
-    node: (&'static str, Vec<Arg>, Outputs),
-}
+/// A pair found: the add's, the cast's and the norm's indices (the norm's last, replaced),
+/// and the fused node's op, arguments and outputs.
+type Found = (Vec<usize>, (&'static str, Vec<Arg>, Outputs));
 
 /// Fuses each add → norm pair of the method's top-level graph; returns how many.
 fn rewrite(m: &mut Method, readers: &Readers) -> usize {
     let found = find(m, readers);
-    let mut at = std::collections::HashMap::new();
-    let mut removed = vec![false; m.graph.nodes.len()];
-    for f in &found {
-        f.removed.iter().for_each(|&i| removed[i] = true);
-        let (op, args, outputs) = f.node.clone();
+    let made = found.len();
+    let chains = found.into_iter().map(|(chain, (op, args, outputs))| {
         let op = super::op_index(&mut m.ops, op);
-        at.insert(f.norm, vec![Node { op, args, kwargs: Default::default(), outputs }]);
-    }
-    super::splice_nodes(&mut m.graph.nodes, at, &removed);
-    found.len()
+        (chain, vec![Node { op, args, kwargs: Default::default(), outputs }])
+    });
+    let chains = chains.collect();
+    super::replace_chains(&mut m.graph.nodes, chains);
+    made
 }
 
 /// Every pair. Pairs share no node: each norm reads one add, through at most one cast.
@@ -116,7 +110,7 @@ fn find(m: &Method, readers: &Readers) -> Vec<Found> {
             args.extend([at(2, Arg::None(())), at(3, Arg::None(())), at(4, Arg::Float(Float(1e-5)))]);
             (LAYER_NORM, args, Outputs::Many(outputs))
         };
-        found.push(Found { removed: [Some(a), cast].into_iter().flatten().collect(), norm: i, node });
+        found.push(([Some(a), cast, Some(i)].into_iter().flatten().collect(), node));
     }
     found
 }

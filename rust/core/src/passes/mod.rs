@@ -237,6 +237,20 @@ fn splice_nodes(
     }
 }
 
+/// Puts each chain's new nodes in place of the chain's last node and drops its others: the
+/// rewrite of a pass that fuses a pattern of nodes (`rms_norm`, `add_norm`, `rotary`). Chains
+/// share no node.
+fn replace_chains(nodes: &mut Vec<crate::schema::Node>, chains: Vec<(Vec<usize>, Vec<crate::schema::Node>)>) {
+    let mut removed = vec![false; nodes.len()];
+    let mut at = std::collections::HashMap::new();
+    for (chain, new) in chains {
+        let Some((&last, rest)) = chain.split_last() else { continue };
+        rest.iter().for_each(|&i| removed[i] = true);
+        at.insert(last, new);
+    }
+    splice_nodes(nodes, at, &removed);
+}
+
 /// Removes the nodes `removed` marks.
 fn remove_nodes(nodes: &mut Vec<crate::schema::Node>, removed: &[bool]) {
     let mut i = 0;

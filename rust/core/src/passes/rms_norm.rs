@@ -38,21 +38,18 @@ fn rewrite(m: &mut Method, weights: &Weights, readers: &Readers) -> usize {
     }
     let mut names = super::emit::value_names(&m.graph);
     // What replaces each chain's last node; the chains' other nodes go.
-    let mut at: std::collections::HashMap<usize, Vec<Node>> = Default::default();
-    let mut removed = vec![false; m.graph.nodes.len()];
+    let mut chains = Vec::with_capacity(found.len());
     for (chain, mut args, outputs, downcast) in found {
-        let (last, rest) = chain.split_last().expect("a chain of six to eight");
-        rest.iter().for_each(|&i| removed[i] = true);
         let base = format!("{}_rms", outputs.names().next().unwrap_or("y"));
         let mut emit = super::emit::Emit::new(&mut m.ops, &mut names, base);
         if let Some(dtype) = downcast {
             args[0] = emit.call("aten::to.dtype", vec![args[0].clone(), Arg::Dtype(dtype)], &[]);
         }
         emit.bind("aten::rms_norm.default", args, &[], outputs);
-        at.insert(*last, emit.nodes);
+        chains.push((chain, emit.nodes));
     }
-    let made = at.len();
-    super::splice_nodes(&mut m.graph.nodes, at, &removed);
+    let made = chains.len();
+    super::replace_chains(&mut m.graph.nodes, chains);
     made
 }
 

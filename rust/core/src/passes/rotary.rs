@@ -32,16 +32,12 @@ fn rewrite(m: &mut Method, readers: &Readers) -> usize {
     if found.is_empty() {
         return 0;
     }
-    let op = super::op_index(&mut m.ops, ROTARY);
-    let mut removed = vec![false; m.graph.nodes.len()];
-    let mut at = HashMap::new();
-    for (chain, args, outputs) in &found {
-        let (last, rest) = chain.split_last().expect("seven nodes");
-        rest.iter().for_each(|&i| removed[i] = true);
-        at.insert(*last, vec![Node { op, args: args.clone(), kwargs: Default::default(), outputs: outputs.clone() }]);
-    }
-    super::splice_nodes(&mut m.graph.nodes, at, &removed);
-    found.len()
+    let (op, made) = (super::op_index(&mut m.ops, ROTARY), found.len());
+    let chains = found
+        .into_iter()
+        .map(|(chain, args, outputs)| (chain, vec![Node { op, args, kwargs: Default::default(), outputs }]));
+    super::replace_chains(&mut m.graph.nodes, chains.collect());
+    made
 }
 
 /// The graph as the pattern reads it.
