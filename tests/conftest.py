@@ -130,3 +130,20 @@ def causal_lm(kind: str = "llama"):
     model = model.eval()
     model.generation_config.cache_implementation = "static"
     return model
+
+
+def cuda_decoder(tmp_path):
+    """The CUDA generation tests' setup: `causal_lm("llama")`'s decode step exported through
+    transformers' static-cache wrapper and saved, a prompt on CUDA, and transformers' own 24
+    greedy tokens for it (its eager loop)."""
+    pytest.importorskip("transformers")
+    executorch = pytest.importorskip("transformers.integrations.executorch")
+    model = causal_lm("llama")
+    wrapper = executorch.TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=48)
+    ep = wrapper.export(input_ids=torch.tensor([[1]]), cache_position=torch.tensor([0]))
+    path = tmp_path / "llama.kwx"
+    kwexport.save(ep, path)
+    prompt = torch.tensor([[5, 17, 42, 8, 99, 3]], device="cuda")
+    with torch.no_grad():
+        want = model.cuda().generate(prompt, max_new_tokens=24, do_sample=False, max_length=None, disable_compile=True)
+    return path, prompt, want

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import causal_lm
+from conftest import causal_lm, cuda_decoder
 from torch import nn
 
 import kwexport
@@ -184,15 +184,6 @@ def test_a_llama_at_fast_with_graphs_fuses_its_norms_and_rotary_embedding(tmp_pa
 
 @needs_cuda
 def test_greedy_generation_at_fast_with_graphs_matches_transformers(tmp_path):
-    pytest.importorskip("transformers")
-    executorch = pytest.importorskip("transformers.integrations.executorch")
-    model = causal_lm("llama")
-    wrapper = executorch.TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=48)
-    ep = wrapper.export(input_ids=torch.tensor([[1]]), cache_position=torch.tensor([0]))
-    path = tmp_path / "llama.kwx"
-    kwexport.save(ep, path)
-    prompt = torch.tensor([[5, 17, 42, 8, 99, 3]], device="cuda")
-    with torch.no_grad():
-        want = model.cuda().generate(prompt, max_new_tokens=24, do_sample=False, max_length=None, disable_compile=True)
+    path, prompt, want = cuda_decoder(tmp_path)
     prog = kwexport.load(path, device="cuda", optimize="fast", cuda_graphs=True)
     assert prog.generate(prompt, max_new_tokens=24).tolist() == want.tolist()

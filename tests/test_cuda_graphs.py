@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from conftest import causal_lm
+from conftest import cuda_decoder
 from torch import nn
 
 import kwexport
@@ -296,16 +296,7 @@ def test_graph_options_travel_with_pickles(tmp_path):
 
 @needs_cuda
 def test_greedy_generation_replays_its_decode_step(tmp_path):
-    pytest.importorskip("transformers")
-    executorch = pytest.importorskip("transformers.integrations.executorch")
-    model = causal_lm("llama")
-    wrapper = executorch.TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=48)
-    ep = wrapper.export(input_ids=torch.tensor([[1]]), cache_position=torch.tensor([0]))
-    path = tmp_path / "llama.kwx"
-    kwexport.save(ep, path)
-    prompt = torch.tensor([[5, 17, 42, 8, 99, 3]], device="cuda")
-    with torch.no_grad():
-        want = model.cuda().generate(prompt, max_new_tokens=24, do_sample=False, max_length=None, disable_compile=True)
+    path, prompt, want = cuda_decoder(tmp_path)
     plain = kwexport.load(path, device="cuda")
     prog = kwexport.load(path, device="cuda", cuda_graphs=True)
     got = prog.generate(prompt, max_new_tokens=24)
