@@ -8,11 +8,13 @@
 //! torch older than 2.13: 2.11 lacks `torch_new_stable_ivalue`), the ABI is unavailable and
 //! every node runs through Python.
 //!
+//! - `arena`   the memory kwexport's kernels write their CPU outputs to
 //! - `types`   the schema types the dispatcher converts
 //! - `encode`  values on the C path: how arguments are encoded and returns decoded
 //! - `shims`   per-op C entry points that take a `Scalar` as a `double`
 //! - `parallel` torch's intra-op thread pool
 
+pub mod arena;
 pub mod encode;
 pub mod parallel;
 pub mod shims;

@@ -14,7 +14,7 @@ use std::ffi::c_void;
 
 use libloading::os::unix::Library;
 
-use super::{sym, Status};
+use super::{arena, sym, Status};
 
 type Raw = *mut c_void;
 
@@ -146,6 +146,9 @@ pub struct Shims {
     get_device_index: unsafe extern "C" fn(Raw, *mut i32) -> Status,
     get_dim: unsafe extern "C" fn(Raw, *mut i64) -> Status,
     empty_strided: unsafe extern "C" fn(i64, *const i64, *const i64, i32, i32, i32, *mut Raw) -> Status,
+    /// torch >= 2.11's `torch_from_blob` and the strided layout's code: outputs in
+    /// [`arena`]'s blocks.
+    from_blob: Option<(FromBlobFn, i32)>,
     copy: unsafe extern "C" fn(Raw, Raw, i32) -> Status,
     grad_mode_is_enabled: unsafe extern "C" fn() -> bool,
     /// The dtype codes a shim accepts: floating and complex.
@@ -209,6 +212,9 @@ impl Shims {
             get_device_index: sym(lib, hidden, "aoti_torch_get_device_index")?,
             get_dim: sym(lib, hidden, "aoti_torch_get_dim")?,
             empty_strided: sym(lib, hidden, "aoti_torch_empty_strided")?,
+            from_blob: sym::<FromBlobFn>(lib, hidden, "torch_from_blob")
+                .zip(sym::<unsafe extern "C" fn() -> i32>(lib, hidden, "aoti_torch_layout_strided").map(|f| f()))
+                .filter(|_| arena::limit() > 0),
             copy: sym(lib, hidden, "aoti_torch_copy_")?,
             grad_mode_is_enabled: sym(lib, hidden, "aoti_torch_grad_mode_is_enabled")?,
             floating,
@@ -362,21 +368,56 @@ impl Shims {
 
     /// A new CPU float32 tensor of these sizes and strides (a channels-last output).
     pub fn empty_f32_strided(&self, sizes: &[i64], strides: &[i64]) -> Result<Raw, Status> {
-        let mut out: Raw = std::ptr::null_mut();
-        let dtype = self.float32.ok_or(1)?;
-        if sizes.len() != strides.len() {
-            return Err(1);
-        }
-        // SAFETY: arrays of `sizes.len()` elements and an out-pointer.
-        check(unsafe {
-            (self.empty_strided)(sizes.len() as i64, sizes.as_ptr(), strides.as_ptr(), dtype, self.cpu, 0, &mut out)
-        })?;
-        Ok(out)
+        self.empty_cpu(sizes, strides, self.float32.ok_or(1)?, 4)
     }
 
     fn empty_contiguous(&self, sizes: &[i64], dtype: i32) -> Result<Raw, Status> {
-        let strides = crate::views::contiguous_strides(sizes);
+        let width = if Some(dtype) == self.int64 { 8 } else { 4 };
+        self.empty_cpu(sizes, &crate::views::contiguous_strides(sizes), dtype, width)
+    }
+
+    /// A new CPU tensor for a kernel's output (`width` bytes an element): over a block of
+    /// kwexport's arena (`arena`) where it is large enough to be worth one and the arena has
+    /// room, else from torch's allocator.
+    fn empty_cpu(&self, sizes: &[i64], strides: &[i64], dtype: i32, width: usize) -> Result<Raw, Status> {
+        if sizes.len() != strides.len() {
+            return Err(1);
+        }
         let mut out: Raw = std::ptr::null_mut();
+        let bytes = storage_elements(sizes, strides).map(|e| e.saturating_mul(width));
+        let block = match (self.from_blob, bytes) {
+            (Some(f), Some(bytes)) if bytes >= arena::MIN_BYTES => arena::take(bytes).map(|b| (f, b)),
+            _ => None,
+        };
+        if let Some(((from_blob, strided), (data, size))) = block {
+            // SAFETY: `data` is a block of `size` >= the storage's bytes; arrays of
+            // `sizes.len()` elements; the deleter frees the block once torch is done with the
+            // storage, and only then.
+            let status = unsafe {
+                from_blob(
+                    data,
+                    sizes.len() as i64,
+                    sizes.as_ptr(),
+                    strides.as_ptr(),
+                    0,
+                    dtype,
+                    self.cpu,
+                    -1, // torch's CPU device has no index; `from_blob` checks it
+                    &mut out,
+                    strided,
+                    std::ptr::null(),
+                    0,
+                    Some(arena::give_back),
+                    size as *mut c_void,
+                )
+            };
+            if status != 0 {
+                // SAFETY: torch took no ownership of the block it refused.
+                unsafe { arena::give_back(data, size as *mut c_void) };
+                return Err(status);
+            }
+            return Ok(out);
+        }
         // SAFETY: arrays of `sizes.len()` elements and an out-pointer.
         check(unsafe {
             (self.empty_strided)(sizes.len() as i64, sizes.as_ptr(), strides.as_ptr(), dtype, self.cpu, 0, &mut out)
@@ -392,6 +433,36 @@ impl Shims {
         // SAFETY: two live handles.
         unsafe { (self.copy)(dst, src, 0) }
     }
+}
+
+/// `torch_from_blob(data, ndim, sizes, strides, storage_offset, dtype, device_type,
+/// device_index, out, layout, opaque_metadata, opaque_metadata_size, deleter, deleter_ctx)`.
+type FromBlobFn = unsafe extern "C" fn(
+    Raw,
+    i64,
+    *const i64,
+    *const i64,
+    i64,
+    i32,
+    i32,
+    i32,
+    *mut Raw,
+    i32,
+    *const u8,
+    i64,
+    Option<unsafe extern "C" fn(Raw, Raw)>,
+    Raw,
+) -> Status;
+
+/// The elements a dense-or-strided tensor's storage spans; `None` for an empty tensor or
+/// a negative size or stride.
+fn storage_elements(sizes: &[i64], strides: &[i64]) -> Option<usize> {
+    let mut last = 0usize;
+    for (&size, &stride) in sizes.iter().zip(strides) {
+        let (size, stride) = (usize::try_from(size).ok()?, usize::try_from(stride).ok()?);
+        last = last.checked_add(size.checked_sub(1)?.checked_mul(stride)?)?;
+    }
+    last.checked_add(1)
 }
 
 fn check(status: Status) -> Result<(), Status> {

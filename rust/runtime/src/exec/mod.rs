@@ -556,6 +556,22 @@ impl CStep {
         match own {
             // SAFETY: live handles from slots and constants.
             OwnOp::GlobalAvgPool => unsafe { Operators(abi).global_avg_pool(tensor(0)??) },
+            OwnOp::Cat { dim } => {
+                let Enc::List(items) = &self.args.first()?.1 else { return None };
+                let inputs: Option<Vec<abi::Raw>> = items
+                    .iter()
+                    .map(|e| match e {
+                        Enc::Slot(s) => match &slots[*s] {
+                            Some(Native::Tensor(t)) => Some(t.raw()),
+                            _ => None,
+                        },
+                        Enc::Const(c) => Some(consts.get(*c)?.raw()),
+                        _ => None,
+                    })
+                    .collect();
+                // SAFETY: live handles from slots and constants.
+                unsafe { Operators(abi).cat(&inputs?, *dim) }
+            }
             // SAFETY: as above.
             OwnOp::MaxPool(pool) => unsafe { Operators(abi).max_pool(tensor(0)??, pool) },
             OwnOp::Attention { causal, scale } => {

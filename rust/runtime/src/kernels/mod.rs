@@ -12,6 +12,7 @@
 pub mod activation;
 pub mod attention;
 pub mod bf16;
+pub mod concat;
 pub mod conv;
 pub mod gemm;
 pub mod int8;

@@ -4,6 +4,7 @@
 //! where the tensors don't qualify (the caller runs torch's op). The binding to torch's C ABI
 //! is `abi`, which knows no kernel; the kernels know no tensor.
 
+mod concat;
 mod conv;
 mod dense;
 mod int8;

@@ -148,6 +148,9 @@ pub enum OwnOp {
     /// (`kernels::attention_f32`): the mask (argument 3) as the call gives it, or the causal
     /// triangle, and the scale where the node sets one.
     Attention { causal: bool, scale: Option<f64> },
+    /// `cat` of float32 CPU tensors dense in the order torch gives the result
+    /// (`kernels::concat`), its output in kwexport's arena (`abi::arena`).
+    Cat { dim: i64 },
     /// `max_pool2d` without dilation or ceil mode on a channels-last float32 CPU tensor
     /// (`kernels::max_pool_f32`; torch's channels-last kernel sets up per call and runs at a
     /// fifth of the speed on resnet18's stem pooling).

@@ -272,6 +272,16 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg], consts: &mut dyn KernelC
             ("aten::fake_quantize_per_tensor_affine", "tensor_qparams"),
             [SlotArg::Value(_), SlotArg::Value(_), SlotArg::Value(_), SlotArg::Literal(Arg::Int(qmin)), SlotArg::Literal(Arg::Int(qmax))],
         ) => Some(super::OwnOp::FakeQuantizeTensors { qmin: *qmin, qmax: *qmax }),
+        // Tensors the node's own (`Value`s), joined along a literal dimension.
+        (("aten::cat", ""), [SlotArg::List(items), rest @ ..])
+            if !items.is_empty() && items.iter().all(|i| matches!(i, SlotArg::Value(_))) =>
+        {
+            match rest {
+                [] => Some(super::OwnOp::Cat { dim: 0 }),
+                [SlotArg::Literal(Arg::Int(dim))] => Some(super::OwnOp::Cat { dim: *dim }),
+                _ => None,
+            }
+        }
         (("aten::adaptive_avg_pool2d", ""), [SlotArg::Value(_), SlotArg::List(size)])
             if matches!(size.as_slice(), [SlotArg::Literal(Arg::Int(1)), SlotArg::Literal(Arg::Int(1))]) =>
         {
