@@ -1209,7 +1209,86 @@ class Cats(nn.Module):
             torch.cat([t, u], -1),
             torch.cat([t, t.flip(1)], 1),
             torch.cat([a, b.contiguous()], 1),
+            # A slice of channels beside whole tensors: strided rows when channels-last.
+            torch.cat([b.chunk(2, 1)[1], a, b.chunk(2, 1)[0]], 1),
+            torch.cat([b.chunk(2, 1)[1], a.chunk(2, 1)[0]], 2),
         )
+
+
+class ChunkedConv(nn.Module):
+    """ShuffleNet's branch: a 1×1 convolution on half of a tensor's channels (`chunk`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv2d(20, 24, 1), nn.ReLU())
+
+    def forward(self, x):
+        kept, branch = x.chunk(2, 1)
+        return torch.cat([kept, self.conv(branch)], 1)
+
+
+def test_fast_convolves_a_slice_of_channels_in_place(tmp_path):
+    """The 1×1 convolution reads the channels-last slice where it lies (its pixels 40
+    floats apart): kwexport's kernel ran (its result differs from oneDNN's in rounding),
+    within tolerance of eager."""
+    torch.manual_seed(0)
+    model, x = ChunkedConv().eval(), torch.randn(2, 40, 9, 11).to(memory_format=torch.channels_last)
+    path = tmp_path / "chunked.kwx"
+    kwexport.save(kwexport.export(model, (x,)), path)
+    torch.save(x, tmp_path / "x.pt")
+    script = (
+        "import sys, torch, kwexport\n"
+        f"x = torch.load({str(tmp_path / 'x.pt')!r})\n"
+        f"prog = kwexport.load({str(path)!r}, optimize='fast')\n"
+        "torch.save(prog(x), sys.argv[1])\n"
+    )
+    outs = with_each_kernel(tmp_path, script)
+    with torch.no_grad():
+        want = model(x)
+    for got in outs.values():
+        assert got.shape == want.shape and rel_err(got, want) < 1e-5
+        assert torch.equal(got[:, :20], x[:, :20])
+    if own_kernels():
+        assert not torch.equal(outs["kwexport"], outs["torch"])
+
+
+class Swaps(nn.Module):
+    """`contiguous` after a swap of two axes: an attention head's, a channel shuffle's, and
+    views that aren't one swap."""
+
+    def forward(self, h, x):
+        b, c, rows, cols = x.shape
+        shuffled = x.reshape(b, 2, c // 2, rows, cols).transpose(1, 2).contiguous()
+        pixels = x.permute(0, 2, 3, 1).reshape(b, rows, cols, 3, c // 3).transpose(3, 4).contiguous()
+        return (
+            h.transpose(1, 2).contiguous(),
+            shuffled,
+            pixels,
+            x.permute(0, 3, 1, 2).contiguous(),  # [2, 12·5, 7] swapped to [2, 7, 12·5]
+            x.permute(0, 3, 2, 1).contiguous(),
+            x[:, ::2].transpose(2, 3).contiguous(),
+            h.contiguous(),
+        )
+
+
+def test_fast_copies_swapped_axes_as_eager_does(tmp_path):
+    torch.manual_seed(0)
+    h, x = torch.randn(2, 4, 10, 8), torch.randn(2, 12, 5, 7)
+    x[1, 2, 3, 4] = float("nan")
+    path = tmp_path / "swaps.kwx"
+    kwexport.save(kwexport.export(Swaps(), (h, x)), path)
+    fast = kwexport.load(path, optimize="fast")
+    want = Swaps()(h, x)
+    with torch.profiler.profile() as prof:
+        got = fast(h, x)
+    for g, w in zip(got, want):
+        assert torch.equal(g.nan_to_num(), w.nan_to_num()) and torch.equal(g.isnan(), w.isnan())
+        assert g.stride() == w.stride()
+    if own_kernels():
+        # The first four on kwexport's kernel; torch's copies the reversal of three axes and
+        # the strided slice, and returns the contiguous tensor as it is.
+        copies = [e.name for e in prof.events()].count("aten::contiguous")
+        assert copies == 3, copies
 
 
 @pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
@@ -1236,6 +1315,8 @@ def test_fast_concatenates_as_eager_does(layout, tmp_path):
         # A later call's outputs are new tensors: this call's keep their values.
         assert torch.equal(g.nan_to_num(), f.nan_to_num()) and g.data_ptr() != r.data_ptr()
     if own_kernels():
-        # The last mixes layouts when `a` is channels-last: torch's op, contiguous output.
-        mixed = 1 if layout == "channels_last" else 0
+        # Torch's op for the channel slices joined along H (rows with gaps between images),
+        # and either where layouts mix when `a` is channels-last (a contiguous output) or
+        # for the channel slices of contiguous tensors (gaps between images too).
+        mixed = 2
         assert [e.name for e in prof.events()].count("aten::cat") == mixed

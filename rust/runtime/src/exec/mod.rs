@@ -556,6 +556,8 @@ impl CStep {
         match own {
             // SAFETY: live handles from slots and constants.
             OwnOp::GlobalAvgPool => unsafe { Operators(abi).global_avg_pool(tensor(0)??) },
+            // SAFETY: live handles from slots and constants.
+            OwnOp::Contiguous => unsafe { Operators(abi).contiguous(tensor(0)??) },
             OwnOp::Cat { dim } => {
                 let Enc::List(items) = &self.args.first()?.1 else { return None };
                 let inputs: Option<Vec<abi::Raw>> = items

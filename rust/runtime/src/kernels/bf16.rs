@@ -83,7 +83,7 @@ pub fn gemm(
     let shape = shape(1, pairs, n, bias, residual, epilogue);
     // SAFETY: the block runs on this CPU; `xb` holds `m` rows of `pairs`, and the other slices
     // what the shapes say (checked).
-    unsafe { gemm::columns(block, Source::Dense(Dense { x: xb.as_ptr(), k: pairs }), m, &shape, panels, out) };
+    unsafe { gemm::columns(block, Source::Dense(Dense { x: xb.as_ptr(), ld: pairs }), m, &shape, panels, out) };
     Ok(())
 }
 

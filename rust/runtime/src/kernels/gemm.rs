@@ -76,14 +76,29 @@ pub fn gemm_f32(
     epilogue: Epilogue,
     out: &mut [f32],
 ) -> Ran {
-    let fits = x.len() >= m * k && panels.len() >= panels_len(k, n) && results_fit(m, n, bias, residual, out.len());
+    gemm_f32_rows(x, k, [m, k, n], panels, (bias, residual), epilogue, out)
+}
+
+/// [`gemm_f32`] over rows of `x` that are `ld` elements apart (`ld >= k`): a 1×1
+/// convolution on a channel slice of a channels-last tensor (a `chunk` of its channels).
+pub fn gemm_f32_rows(
+    x: &[f32],
+    ld: usize,
+    [m, k, n]: [usize; 3],
+    panels: &[f32],
+    (bias, residual): (Option<&[f32]>, Option<&[f32]>),
+    epilogue: Epilogue,
+    out: &mut [f32],
+) -> Ran {
+    let spans = m == 0 || (ld >= k && x.len() >= (m - 1) * ld + k);
+    let fits = spans && panels.len() >= panels_len(k, n) && results_fit(m, n, bias, residual, out.len());
     let t = super::table_if(fits)?;
     let (bias, residual) = addends((bias, residual));
     let (scale, sums) = (std::ptr::null(), std::ptr::null());
     let shape = Shape { taps: 1, cin: k, n, ldo: n, bias, scale, sums, residual, epilogue };
     // SAFETY: the table's functions run on this CPU; every slice holds what the shapes say
     // (checked).
-    unsafe { columns(t.gemm_block, Source::Dense(Dense { x: x.as_ptr(), k }), m, &shape, panels, out) };
+    unsafe { columns(t.gemm_block, Source::Dense(Dense { x: x.as_ptr(), ld }), m, &shape, panels, out) };
     Ok(())
 }
 
@@ -115,7 +130,7 @@ pub(super) unsafe fn product(
         epilogue: Epilogue::None,
     };
     // SAFETY: as the caller guarantees.
-    unsafe { columns(block, Source::Dense(Dense { x: x.as_ptr(), k }), m, &shape, panels, out) }
+    unsafe { columns(block, Source::Dense(Dense { x: x.as_ptr(), ld: k }), m, &shape, panels, out) }
 }
 
 /// An indirect convolution's table: for each of the `m` output pixels (of `[ho, wo]`
@@ -410,10 +425,11 @@ pub(super) trait Rows<X>: Copy {
     unsafe fn at(self, r: usize, t: usize) -> *const X;
 }
 
-/// The rows of a dense `[m, k]` matrix: one tap of `k` elements each.
+/// The rows of an `[m, k]` matrix, one tap each, `ld` elements apart (`k` where dense; more
+/// for a channel slice of a channels-last tensor).
 pub(super) struct Dense<X> {
     pub(super) x: *const X,
-    pub(super) k: usize,
+    pub(super) ld: usize,
 }
 
 impl<X> Clone for Dense<X> {
@@ -427,7 +443,7 @@ impl<X> Rows<X> for Dense<X> {
     #[inline(always)]
     unsafe fn at(self, r: usize, _: usize) -> *const X {
         // SAFETY: row `r` exists (the caller's).
-        unsafe { self.x.add(r * self.k) }
+        unsafe { self.x.add(r * self.ld) }
     }
 }
 

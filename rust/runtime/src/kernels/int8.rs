@@ -388,7 +388,7 @@ fn linear_on(
         residual: std::ptr::null(),
         epilogue,
     };
-    let source = Source::Dense(Dense { x: rows.as_ptr(), k: words });
+    let source = Source::Dense(Dense { x: rows.as_ptr(), ld: words });
     // SAFETY: the block runs on this CPU and reads this layout; `rows` holds `m` rows of
     // `words` words, the weight its panels, `scale`, the sums and the bias `n` values, `out`
     // `m * n` (checked).

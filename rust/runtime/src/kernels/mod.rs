@@ -12,8 +12,8 @@
 pub mod activation;
 pub mod attention;
 pub mod bf16;
-pub mod concat;
 pub mod conv;
+pub mod copy;
 pub mod gemm;
 pub mod int8;
 pub mod isa;

@@ -7,7 +7,8 @@ use crate::kernels;
 
 impl Operators<'_> {
     /// A 1×1 convolution (stride 1, no padding, one group) on `x`, a float32 CPU `[N, C, H,
-    /// W]` tensor laid out channels-last (`[N·H·W, C]` in memory), as kwexport's GEMM over
+    /// W]` tensor laid out channels-last (`[N·H·W, C]` in memory, or a slice of a wider
+    /// one's channels, as ShuffleNet's `chunk` makes), as kwexport's GEMM over
     /// its pixels with the weight's `panels` (`[ceil(n / 64), C, 64]`, the `[C, n]` transpose
     /// of the `[n, C, 1, 1]` weight packed), `bias` (`[n]`), the `residual` to add (the
     /// output's shape, channels-last) and `epilogue`: a new channels-last `[N, n, H, W]`
@@ -32,10 +33,10 @@ impl Operators<'_> {
                 return None;
             }
             let c = usize::try_from(self.0.size(x, 1)?).ok()?;
-            let (xs, [batch, h, w]) = self.channels_last_f32(x, c)?;
+            let (xs, [batch, h, w], ld) = self.channels_last_rows(x, c)?;
             let rs = self.residual_f32(residual, [batch, n, h, w])?;
             let out = || self.empty_channels_last([batch, n, h, w]);
-            self.gemm(xs, [batch * h * w, c, n], (panels, bf16), bias, rs, epilogue, out)
+            self.gemm((xs, ld), [batch * h * w, c, n], (panels, bf16), bias, rs, epilogue, out)
         }
     }
 

@@ -156,7 +156,7 @@ impl Operators<'_> {
         let n = usize::try_from(n).ok()?;
         let out = || self.owned(shims.empty_f32(&[m as i64, n as i64]));
         // SAFETY: the caller's live handles.
-        unsafe { self.gemm(xs, [m, k, n], (panels, bf16), bias, None, epilogue, out) }
+        unsafe { self.gemm((xs, k), [m, k, n], (panels, bf16), bias, None, epilogue, out) }
     }
 
     /// `epilogue` applied in place to `t`, a dense float32 CPU tensor torch's kernel just made
@@ -199,7 +199,7 @@ impl Operators<'_> {
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn gemm(
         &self,
-        xs: &[f32],
+        (xs, ld): (&[f32], usize),
         [m, k, n]: [usize; 3],
         (panels, bf16): (Raw, bool),
         bias: Option<Raw>,
@@ -207,7 +207,8 @@ impl Operators<'_> {
         epilogue: kernels::Epilogue,
         out: impl FnOnce() -> Result<Tensor, CError>,
     ) -> Option<Result<Tensor, CError>> {
-        if m == 0 || n == 0 || (bf16 && !kernels::bf16::available()) {
+        // The bfloat16 GEMM converts dense rows only.
+        if m == 0 || n == 0 || (bf16 && (!kernels::bf16::available() || ld != k)) {
             return None;
         }
         let shape = [n, k, 1, 1];
@@ -229,7 +230,7 @@ impl Operators<'_> {
             let pairs = unsafe { std::slice::from_raw_parts(ps.as_ptr() as *const u32, ps.len()) };
             kernels::bf16::gemm(xs, m, k, pairs, n, bs, residual, epilogue, os)
         } else {
-            kernels::gemm_f32(xs, m, k, ps, n, bs, residual, epilogue, os)
+            kernels::gemm::gemm_f32_rows(xs, ld, [m, k, n], ps, (bs, residual), epilogue, os)
         };
         done.ok().map(|()| Ok(out))
     }

@@ -149,8 +149,11 @@ pub enum OwnOp {
     /// triangle, and the scale where the node sets one.
     Attention { causal: bool, scale: Option<f64> },
     /// `cat` of float32 CPU tensors dense in the order torch gives the result
-    /// (`kernels::concat`), its output in kwexport's arena (`abi::arena`).
+    /// (`kernels::copy`), its output in kwexport's arena (`abi::arena`).
     Cat { dim: i64 },
+    /// `contiguous` of a float32 CPU tensor with two axes of a dense one swapped
+    /// (`kernels::copy::swap_axes`: a channel shuffle's, an attention head's).
+    Contiguous,
     /// `max_pool2d` without dilation or ceil mode on a channels-last float32 CPU tensor
     /// (`kernels::max_pool_f32`; torch's channels-last kernel sets up per call and runs at a
     /// fifth of the speed on resnet18's stem pooling).

@@ -272,6 +272,12 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg], consts: &mut dyn KernelC
             ("aten::fake_quantize_per_tensor_affine", "tensor_qparams"),
             [SlotArg::Value(_), SlotArg::Value(_), SlotArg::Value(_), SlotArg::Literal(Arg::Int(qmin)), SlotArg::Literal(Arg::Int(qmax))],
         ) => Some(super::OwnOp::FakeQuantizeTensors { qmin: *qmin, qmax: *qmax }),
+        // The memory format given, or the schema's default (torch's code for it, 0).
+        (("aten::contiguous", ""), [SlotArg::Value(_), SlotArg::Literal(format)])
+            if matches!(format, Arg::Int(0)) || matches!(format, Arg::MemoryFormat(f) if f == "contiguous_format") =>
+        {
+            Some(super::OwnOp::Contiguous)
+        }
         // Tensors the node's own (`Value`s), joined along a literal dimension.
         (("aten::cat", ""), [SlotArg::List(items), rest @ ..])
             if !items.is_empty() && items.iter().all(|i| matches!(i, SlotArg::Value(_))) =>
