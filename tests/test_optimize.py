@@ -5,6 +5,8 @@ import json
 import os
 import pathlib
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -1320,3 +1322,36 @@ def test_fast_concatenates_as_eager_does(layout, tmp_path):
         # for the channel slices of contiguous tensors (gaps between images too).
         mixed = 2
         assert [e.name for e in prof.events()].count("aten::cat") == mixed
+
+
+def test_outputs_in_the_arena_outlive_the_program_and_match_without_it(tmp_path):
+    """kwexport's kernels write into its arena: an output stays the caller's after the
+    program is gone and other calls reuse the memory around it, and a process with the
+    arena off (`KWEXPORT_ARENA_MB=0`) computes the same bits."""
+    torch.manual_seed(0)
+    model, x = MobileBlocks().eval(), torch.randn(2, 3, 19, 21)
+    path = tmp_path / "blocks.kwx"
+    kwexport.save(kwexport.export(model, (x,)), path)
+    fast = kwexport.load(path, optimize="fast")
+    kept = fast(x)
+    copy = kept.clone()
+    del fast
+    again = kwexport.load(path, optimize="fast")
+    for _ in range(3):
+        again(x * 2)
+    assert torch.equal(kept, copy)
+    torch.save(x, tmp_path / "x.pt")
+    script = (
+        "import sys, torch, kwexport\n"
+        f"x = torch.load({str(tmp_path / 'x.pt')!r})\n"
+        f"torch.save(kwexport.load({str(path)!r}, optimize='fast')(x), sys.argv[1])\n"
+    )
+    outs = []
+    for arena in ("0", "4096"):
+        # The same kernels in both (a measured choice could differ between processes).
+        env = dict(os.environ, KWEXPORT_ARENA_MB=arena, KWEXPORT_LINEAR_KERNEL="kwexport")
+        dst = tmp_path / f"arena{arena}.pt"
+        r = subprocess.run([sys.executable, "-c", script, str(dst)], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        outs.append(torch.load(dst))
+    assert torch.equal(outs[0], outs[1])

@@ -107,7 +107,7 @@ pub fn take(bytes: usize) -> Option<(*mut c_void, usize)> {
     if let Some(addr) = a.best_fit(size) {
         return Some((addr as *mut c_void, size));
     }
-    let slab = size.max(SLAB);
+    let slab = size.max(SLAB.min(limit()));
     if a.reserved + slab > limit() {
         return None;
     }
@@ -138,6 +138,9 @@ pub unsafe extern "C" fn give_back(data: *mut c_void, ctx: *mut c_void) {
 mod tests {
     use super::*;
 
+    /// The tests of the process's arena, one at a time (each checks what it holds).
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
     /// The arena's bookkeeping on addresses alone: best fit, splitting, merging with both
     /// neighbours, and never across a slab's start.
     #[test]
@@ -161,9 +164,43 @@ mod tests {
         assert_eq!(a.by_size.len(), 2);
     }
 
+    /// Threads taking and freeing blocks at once leave the bookkeeping whole: every block
+    /// freed, the free blocks of each slab merged back into one.
+    #[test]
+    fn threads_share_the_arena() {
+        let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        let reserved_before = arena().lock().unwrap().reserved;
+        std::thread::scope(|s| {
+            for t in 0..4usize {
+                s.spawn(move || {
+                    let mut held = Vec::new();
+                    for i in 0..200usize {
+                        let (p, size) = take(MIN_BYTES + (i * 7 + t) % 13 * 4096).unwrap();
+                        held.push((p, size));
+                        if i % 3 == 0 {
+                            let (p, size) = held.swap_remove(i % held.len());
+                            // SAFETY: from `take` with this size, freed once.
+                            unsafe { give_back(p, size as *mut c_void) };
+                        }
+                    }
+                    for (p, size) in held {
+                        // SAFETY: as above.
+                        unsafe { give_back(p, size as *mut c_void) };
+                    }
+                });
+            }
+        });
+        let a = arena().lock().unwrap();
+        assert_eq!(a.by_addr.len(), a.by_size.len());
+        let free: usize = a.by_addr.values().sum();
+        assert_eq!(free, a.reserved, "every block back");
+        assert!(a.reserved - reserved_before <= 2 * SLAB, "blocks reused, not new slabs per request");
+    }
+
     /// Through the process's arena: a freed block is the next one a request of its size gets.
     #[test]
     fn a_freed_block_is_taken_again() {
+        let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
         let (p, size) = take(3 << 20).unwrap();
         assert_eq!(size, block_size(3 << 20));
         // SAFETY: from `take` with this size, not used after.
