@@ -474,7 +474,13 @@ def test_fast_runs_convolutions_on_kwexports_kernels(tmp_path):
 
 class GlobalPool(nn.Module):
     def forward(self, x):
-        return nn.functional.adaptive_avg_pool2d(x, 1), nn.functional.adaptive_avg_pool2d(x, (1, 1)).flatten(1)
+        return (
+            nn.functional.adaptive_avg_pool2d(x, 1),
+            nn.functional.adaptive_avg_pool2d(x, (1, 1)).flatten(1),
+            x.mean((2, 3), keepdim=True),  # a squeeze-excite block's (GhostNet's)
+            x.mean((-2, -1)),
+            x.mean((1, 2), keepdim=True),  # not over the pixels: torch's
+        )
 
 
 @pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format])
@@ -484,10 +490,16 @@ def test_fast_global_pooling_matches_eager_in_either_layout(layout, tmp_path):
     x = torch.randn(2, 20, 7, 5).contiguous(memory_format=layout)
     path = tmp_path / "pool.kwx"
     kwexport.save(kwexport.export(GlobalPool(), (x,)), path)
-    got = kwexport.load(path, optimize="fast")(x)
+    with torch.profiler.profile() as prof:
+        got = kwexport.load(path, optimize="fast")(x)
     want = GlobalPool()(x)
     for g, w in zip(got, want):
         assert g.stride() == w.stride() and rel_err(g, w) < 1e-6
+    if own_kernels():
+        # Channels-last: kwexport's kernel for all but the mean over (C, H). Contiguous:
+        # torch's for all five (its adaptive pooling to 1×1 is a mean too).
+        means = [e.name for e in prof.events()].count("aten::mean")
+        assert means == (1 if layout == torch.channels_last else 5), means
 
 
 class GeluMLP(nn.Module):

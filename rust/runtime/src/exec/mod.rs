@@ -575,6 +575,8 @@ impl CStep {
                 unsafe { Operators(abi).cat(&inputs?, *dim) }
             }
             // SAFETY: as above.
+            OwnOp::MeanPixels { keepdim } => unsafe { Operators(abi).mean_pixels(tensor(0)??, *keepdim) },
+            // SAFETY: as above.
             OwnOp::MaxPool(pool) => unsafe { Operators(abi).max_pool(tensor(0)??, pool) },
             OwnOp::Attention { causal, scale } => {
                 let qkv = [tensor(0)??, tensor(1)??, tensor(2)??];

@@ -144,6 +144,9 @@ pub enum OwnOp {
     /// mean over its pixels (`kernels::mean_pixels_f32`; torch's op is a `mean` over the
     /// two dimensions, which sets up a reduction on every call).
     GlobalAvgPool,
+    /// `mean(x, [2, 3], keepdim)` (or `[-2, -1]`) with no dtype on the same tensors: the same
+    /// kernel, its output laid out as torch's reduction gives it.
+    MeanPixels { keepdim: bool },
     /// `scaled_dot_product_attention` without dropout over float32 CPU tensors and few keys
     /// (`kernels::attention_f32`): the mask (argument 3) as the call gives it, or the causal
     /// triangle, and the scale where the node sets one.

@@ -272,6 +272,13 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg], consts: &mut dyn KernelC
             ("aten::fake_quantize_per_tensor_affine", "tensor_qparams"),
             [SlotArg::Value(_), SlotArg::Value(_), SlotArg::Value(_), SlotArg::Literal(Arg::Int(qmin)), SlotArg::Literal(Arg::Int(qmax))],
         ) => Some(super::OwnOp::FakeQuantizeTensors { qmin: *qmin, qmax: *qmax }),
+        // A 4-d tensor's mean over its last two dimensions (checked per call).
+        (
+            ("aten::mean", "dim"),
+            [SlotArg::Value(_), dims, SlotArg::Literal(Arg::Bool(keepdim)), SlotArg::Literal(Arg::None(()))],
+        ) if matches!(ints(dims).as_deref(), Some([2, 3] | [-2, -1] | [3, 2] | [-1, -2])) => {
+            Some(super::OwnOp::MeanPixels { keepdim: *keepdim })
+        }
         // The memory format given, or the schema's default (torch's code for it, 0).
         (("aten::contiguous", ""), [SlotArg::Value(_), SlotArg::Literal(format)])
             if matches!(format, Arg::Int(0)) || matches!(format, Arg::MemoryFormat(f) if f == "contiguous_format") =>
