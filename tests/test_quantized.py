@@ -237,6 +237,37 @@ def test_fast_runs_1x1_int8_convolutions_on_the_int8_gemm(tmp_path, dynamic):
         assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
 
 
+class ChunkedNet(nn.Module):
+    """ShuffleNet's branch: a 1×1 convolution on half the channels of a 3×3 one's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(8, 32, 3, padding=1)
+        self.b = nn.Conv2d(16, 16, 1)
+
+    def forward(self, x):
+        kept, branch = self.a(x).chunk(2, 1)
+        return torch.cat([kept, self.b(branch)], 1)
+
+
+def test_fast_runs_an_int8_convolution_on_a_slice_of_channels_on_the_kernel(tmp_path):
+    """The 1×1 convolution's input is half of a channels-last tensor's channels, its pixels
+    32 floats apart: the int8 kernel reads the rows where they lie (the op's Python form,
+    which torch's profiler would record, doesn't run), within a quantization step of the
+    reference."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 9, 11)
+    q = quantized(ChunkedNet(), x, dynamic=False)
+    fast = kwexport.load(saved(tmp_path, q, x), optimize="fast")
+    assert "kwexport::linear_int8.default" in [n["op"] for n in fast.profile(x)]
+    with torch.profiler.profile() as prof:
+        got = fast(x)
+    want = q(x)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
+    if kwexport.kernel_info()["isa"] is not None:
+        assert not [e.name for e in prof.events() if "linear_int8" in e.name]
+
+
 def test_fast_fake_quantizes_in_one_pass_with_the_pairs_bits(tmp_path):
     import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers the ops)
 

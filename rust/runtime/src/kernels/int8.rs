@@ -325,7 +325,7 @@ pub struct Packed<'a> {
 /// most 256 levels), or the weight's layout isn't the one the kernels that run here read.
 #[allow(clippy::too_many_arguments)]
 pub fn linear(
-    x: &[f32],
+    (x, ld): (&[f32], usize),
     [m, k, n]: [usize; 3],
     quant: &Quant,
     weight: Packed<'_>,
@@ -334,12 +334,14 @@ pub fn linear(
     epilogue: Epilogue,
     out: &mut [f32],
 ) -> Ran {
-    let fits = x.len() >= m * k
+    let spans = m == 0 || (ld >= k && x.len() >= (m - 1) * ld + k);
+    let fits = spans
         && weight.words.len() >= weight.layout.packed_len([n, k])
         && w_scale.len() >= n
         && gemm::results_fit(m, n, bias, None, out.len());
     let kernel = super::isa::int8(super::table_if(fits)?);
-    linear_on(kernel, &x[..m * k], [m, k, n], quant, weight, w_scale, bias, epilogue, out)
+    let x = &x[..if m == 0 { 0 } else { (m - 1) * ld + k }];
+    linear_on(kernel, (x, ld), [m, k, n], quant, weight, w_scale, bias, epilogue, out)
 }
 
 /// [`linear`] on `kernel`, the slices checked; declines the values and layouts `linear`
@@ -347,7 +349,7 @@ pub fn linear(
 #[allow(clippy::too_many_arguments)]
 fn linear_on(
     kernel: super::isa::Int8,
-    x: &[f32],
+    (x, ld): (&[f32], usize),
     [m, k, n]: [usize; 3],
     quant: &Quant,
     weight: Packed<'_>,
@@ -364,9 +366,19 @@ fn linear_on(
     }
     let words = k.div_ceil(layout.per_word());
     let mut rows = vec![0u32; m * words];
-    // SAFETY: the kernel's quantizer runs on this CPU; `x` holds `m` rows of `k`, `rows` as
-    // many of `words`; quads are used only for a range of 256 levels at most (checked above).
-    unsafe { (kernel.quantize)(x, k, &quant.levels(), &mut rows) };
+    let levels = quant.levels();
+    if ld == k {
+        // SAFETY: the kernel's quantizer runs on this CPU; `x` holds `m` rows of `k`, `rows`
+        // as many of `words`; quads are used only for a range of 256 levels at most (checked
+        // above).
+        unsafe { (kernel.quantize)(x, k, &levels, &mut rows) };
+    } else {
+        // Rows `ld` apart (a slice of a channels-last tensor's channels): one at a time.
+        for (r, row) in rows.chunks_exact_mut(words).enumerate() {
+            // SAFETY: as above, for one row of `k` (the caller's `x` spans every row).
+            unsafe { (kernel.quantize)(&x[r * ld..r * ld + k], k, &levels, row) };
+        }
+    }
     // The input's scale as the dequantize applies it (a float32 operand), times each column's.
     let scale: Vec<f32> = w_scale[..n].iter().map(|&s| quant.scale as f32 * s).collect();
     // Quads sum `(q - qmin) * w`: each column starts from `-(zero_point - qmin) * sum(w)`
@@ -510,6 +522,33 @@ mod tests {
         words
     }
 
+    /// Rows `ld` apart (a slice of a channels-last tensor's channels) give the bits their
+    /// dense copy gives, on every family.
+    #[test]
+    fn strided_rows_compute_what_dense_rows_do() {
+        for (isa, kernel) in variants() {
+            let layout = kernel.layout;
+            for ([m, k, n], quant) in cases() {
+                let ld = k + 5;
+                let strided: Vec<f32> = (0..m * ld).map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0).collect();
+                let dense: Vec<f32> = strided.chunks(ld).flat_map(|r| r[..k].iter().copied()).collect();
+                let w: Vec<i8> = (0..n * k).map(|i| ((i * 53 % 256) as i32 - 128) as i8).collect();
+                let w_scale: Vec<f32> = (0..n).map(|i| 0.001 + i as f32 / 7000.0).collect();
+                let words = packed(&w, [n, k], layout);
+                let weight = Packed { words: &words, layout };
+                let run = |x: &[f32], ld: usize| {
+                    let mut out = vec![f32::NAN; m * n];
+                    let ran =
+                        linear_on(kernel, (x, ld), [m, k, n], &quant, weight, &w_scale, None, Epilogue::None, &mut out);
+                    assert_eq!(ran, Ok(()), "{isa:?}");
+                    out
+                };
+                let last = (m - 1) * ld + k;
+                assert_eq!(run(&strided[..last], ld), run(&dense, k), "{isa:?} {m}x{k}x{n}");
+            }
+        }
+    }
+
     /// Each family against the quantized graph's definition in double precision: the same
     /// quantized values (the kernel's sums are exact), float32 rounding apart.
     #[test]
@@ -525,7 +564,7 @@ mod tests {
                 let weight = Packed { words: &words, layout };
                 for (epilogue, bias) in [(Epilogue::None, Some(&bias[..])), (Epilogue::Gelu, None)] {
                     let mut out = vec![f32::NAN; m * n];
-                    let ran = linear_on(kernel, &x, [m, k, n], &quant, weight, &w_scale, bias, epilogue, &mut out);
+                    let ran = linear_on(kernel, (&x, k), [m, k, n], &quant, weight, &w_scale, bias, epilogue, &mut out);
                     assert_eq!(ran, Ok(()), "{isa:?}");
                     let want = reference::linear_int8(&x, [m, k, n], &quant, &w, &w_scale, bias, epilogue);
                     for (i, (got, want)) in out.iter().zip(&want).enumerate() {
@@ -558,7 +597,7 @@ mod tests {
                 let words = packed(&vec![w; k], [1, k], layout);
                 let mut out = [f32::NAN; 2];
                 let weight = Packed { words: &words, layout };
-                let ran = linear_on(kernel, &x, [2, k, 1], &quant, weight, &[1.0], None, Epilogue::None, &mut out);
+                let ran = linear_on(kernel, (&x, k), [2, k, 1], &quant, weight, &[1.0], None, Epilogue::None, &mut out);
                 assert_eq!(ran, Ok(()), "{isa:?}");
                 let want = (level - quant.zero_point) * w as i64 * k as i64;
                 assert_eq!(out, [want as f32; 2], "{isa:?} {layout:?} {quant:?}");
@@ -686,7 +725,17 @@ mod tests {
             let run = |q: Quant, layout: Layout| {
                 let words = vec![0u32; layout.packed_len([2, 2])];
                 let weight = Packed { words: &words, layout };
-                linear_on(kernel, &[0.0; 4], [2, 2, 2], &q, weight, &[1.0; 2], None, Epilogue::None, &mut [0f32; 4])
+                linear_on(
+                    kernel,
+                    (&[0.0; 4], 2),
+                    [2, 2, 2],
+                    &q,
+                    weight,
+                    &[1.0; 2],
+                    None,
+                    Epilogue::None,
+                    &mut [0f32; 4],
+                )
             };
             for bad in [
                 Quant { scale: 0.0, ..good },
@@ -706,7 +755,7 @@ mod tests {
         if let Some(layout) = Layout::current() {
             let words = vec![0u32; layout.packed_len([2, 2])];
             let weight = Packed { words: &words, layout };
-            let ran = linear(&[0.0; 4], [2, 2, 2], &good, weight, &[1.0; 2], None, Epilogue::None, &mut [0f32; 3]);
+            let ran = linear((&[0.0; 4], 2), [2, 2, 2], &good, weight, &[1.0; 2], None, Epilogue::None, &mut [0f32; 3]);
             assert_eq!(ran, Err(Declined::Shapes));
         }
     }

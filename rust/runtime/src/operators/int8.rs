@@ -159,7 +159,8 @@ impl Operators<'_> {
         kernels::int8::fake_quantize_f32(xs, quant, os).ok().map(|()| Ok(out))
     }
 
-    /// kwexport's int8 linear of `x` (contiguous float32 on the CPU, `[..., k]`), quantized as
+    /// kwexport's int8 linear of `x` (float32 on the CPU, `[..., k]`: contiguous, or rows of
+    /// `k` evenly apart, as a slice of a channels-last tensor's channels is), quantized as
     /// `input` says, with `weight`, then `epilogue` (the activation fused with it): a new
     /// `[..., n]` tensor, or `None` where the tensors or `quant` don't qualify (the caller runs
     /// the op's Python form).
@@ -176,18 +177,22 @@ impl Operators<'_> {
         let Int8Weight { panels, layout, n, k, scale: w_scale, bias } = weight;
         let shims = self.0.shims.as_ref()?;
         // SAFETY: live handles.
-        let (xs, ws, bias, mut sizes) = unsafe {
-            let sizes = self.0.contiguous_sizes(x)?;
+        let (xs, ld, ws, bias, mut sizes) = unsafe {
+            let (sizes, strides) = self.0.sizes_strides(x)?;
             if *sizes.last()? != k || !shims.is_cpu_f32(x) {
                 return None;
             }
-            let len = usize::try_from(sizes.iter().product::<i64>()).ok()?;
+            let (m, ld) = rows_of(&sizes, &strides)?;
             let n = usize::try_from(n).ok()?;
-            (self.floats(x, len)?, self.contiguous_f32(w_scale, &[n as i64])?, self.bias_f32(bias, n)?, sizes)
+            let span = if m == 0 { 0 } else { (m - 1) * ld + k as usize };
+            (self.floats(x, span)?, ld, self.contiguous_f32(w_scale, &[n as i64])?, self.bias_f32(bias, n)?, sizes)
         };
-        let ([n, k], m) = ([n as usize, k as usize], xs.len() / k as usize);
+        let [n, k] = [n as usize, k as usize];
+        let m = if xs.is_empty() { 0 } else { (xs.len() - k) / ld + 1 };
         let quant = match input {
             Int8Input::Given(q) => q,
+            // Chosen from the rows' elements: a gap between rows would take part.
+            Int8Input::Chosen { .. } if ld != k => return None,
             Int8Input::Chosen { qmin, qmax, eps } => Quant::choose(xs, qmin, qmax, eps)?,
         };
         *sizes.last_mut()? = n as i64;
@@ -201,8 +206,41 @@ impl Operators<'_> {
             let len = layout.packed_len([n, k]);
             let words = std::slice::from_raw_parts(shims.data_ptr(panels)? as *const u32, len);
             let os = self.floats_mut(&mut out, m * n)?;
-            kernels::int8::linear(xs, [m, k, n], &quant, Packed { words, layout }, ws, bias, epilogue, os)
+            kernels::int8::linear((xs, ld), [m, k, n], &quant, Packed { words, layout }, ws, bias, epilogue, os)
         };
         ran.ok().map(|()| Ok(out))
+    }
+}
+
+/// The rows of a `[..., k]` view whose last dimension is contiguous and whose other
+/// dimensions lay rows out evenly (contiguous but for a gap after each row): how many, and
+/// how far apart in elements. `None` for any other view.
+fn rows_of(sizes: &[i64], strides: &[i64]) -> Option<(usize, usize)> {
+    let (&k, lead) = sizes.split_last()?;
+    let m = usize::try_from(lead.iter().product::<i64>()).ok()?;
+    if k > 1 && *strides.last()? != 1 {
+        return None;
+    }
+    // The stride of the innermost leading dimension with more than one element.
+    let ld = lead.iter().zip(strides).rev().find(|(&n, _)| n > 1).map_or(k, |(_, &s)| s);
+    let mut wide = sizes.to_vec();
+    *wide.last_mut()? = ld;
+    let dense = crate::views::contiguous_strides(&wide);
+    let even = lead.iter().zip(strides).zip(&dense).all(|((&n, &s), &d)| n <= 1 || s == d);
+    (ld >= k && even).then_some((m, usize::try_from(ld).ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rows_of;
+
+    #[test]
+    fn rows_of_contiguous_and_sliced_views() {
+        assert_eq!(rows_of(&[2, 3, 4], &[12, 4, 1]), Some((6, 4)));
+        // A chunk of 4 of 10 channels-last channels, moved last: [N, H, W, 4] at row 10.
+        assert_eq!(rows_of(&[2, 5, 7, 4], &[350, 70, 10, 1]), Some((70, 10)));
+        // A gap between images too, or a strided last dimension: not evenly apart.
+        assert_eq!(rows_of(&[2, 5, 7, 4], &[400, 70, 10, 1]), None);
+        assert_eq!(rows_of(&[3, 4], &[8, 2]), None);
     }
 }
