@@ -1338,8 +1338,14 @@ def test_fast_concatenates_as_eager_does(layout, tmp_path):
 
 def test_outputs_in_the_arena_outlive_the_program_and_match_without_it(tmp_path):
     """kwexport's kernels write into its arena: an output stays the caller's after the
-    program is gone and other calls reuse the memory around it, and a process with the
-    arena off (`KWEXPORT_ARENA_MB=0`) computes the same bits."""
+    program is gone and other calls reuse the memory around it, what a call returns comes
+    from torch's allocator (resizable, as eager's outputs are), and a process with the arena
+    off (`KWEXPORT_ARENA_MB=0`) computes the same bits."""
+    chunked = ChunkedConv().eval()
+    y = torch.randn(2, 40, 32, 32).to(memory_format=torch.channels_last)  # outputs over 64 KiB
+    kwexport.save(kwexport.export(chunked, (y,)), tmp_path / "chunked.kwx")
+    returned = kwexport.load(tmp_path / "chunked.kwx", optimize="fast")(y)  # kwexport's `cat`
+    returned.resize_(2 * returned.numel())
     torch.manual_seed(0)
     model, x = MobileBlocks().eval(), torch.randn(2, 3, 19, 21)
     path = tmp_path / "blocks.kwx"

@@ -37,6 +37,26 @@ pub fn limit() -> usize {
     })
 }
 
+thread_local! {
+    /// Set while a node whose output goes to the caller runs (`outside`).
+    static OUTSIDE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with this thread's outputs from torch's allocator instead: a program's outputs,
+/// which the caller owns, keep a storage torch can resize (`resize_`, an `out=` argument),
+/// as eager's do; a tensor over an arena block can't be resized.
+pub fn outside<R>(f: impl FnOnce() -> R) -> R {
+    let before = OUTSIDE.with(|o| o.replace(true));
+    let result = f();
+    OUTSIDE.with(|o| o.set(before));
+    result
+}
+
+/// Whether an output made on this thread now may come from the arena.
+pub fn here() -> bool {
+    !OUTSIDE.with(std::cell::Cell::get)
+}
+
 #[derive(Default)]
 struct Arena {
     /// Free blocks by address (for merging) and by size (for best fit).
@@ -195,6 +215,18 @@ mod tests {
         let free: usize = a.by_addr.values().sum();
         assert_eq!(free, a.reserved, "every block back");
         assert!(a.reserved - reserved_before <= 2 * SLAB, "blocks reused, not new slabs per request");
+    }
+
+    #[test]
+    fn outside_holds_for_its_call_on_its_thread() {
+        assert!(here());
+        outside(|| {
+            assert!(!here());
+            outside(|| assert!(!here()));
+            assert!(!here(), "restored to the outer call's");
+            std::thread::spawn(|| assert!(here())).join().unwrap();
+        });
+        assert!(here());
     }
 
     /// Through the process's arena: a freed block is the next one a request of its size gets.

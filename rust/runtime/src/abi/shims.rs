@@ -386,7 +386,7 @@ impl Shims {
         let mut out: Raw = std::ptr::null_mut();
         let bytes = storage_elements(sizes, strides).map(|e| e.saturating_mul(width));
         let block = match (self.from_blob, bytes) {
-            (Some(f), Some(bytes)) if bytes >= arena::MIN_BYTES => arena::take(bytes).map(|b| (f, b)),
+            (Some(f), Some(bytes)) if bytes >= arena::MIN_BYTES && arena::here() => arena::take(bytes).map(|b| (f, b)),
             _ => None,
         };
         if let Some(((from_blob, strided), (data, size))) = block {

@@ -309,8 +309,12 @@ impl CStep {
         stack: &mut Vec<StableIValue>,
         direct: Direct,
     ) -> RtResult<()> {
-        self.call(abi, slots, consts, stack, direct)
-            .map_err(|e| c_error(&format!("graph.nodes[{}] ({})", self.node, self.op_name()), e))
+        let ran = if self.to_caller {
+            abi::arena::outside(|| self.call(abi, slots, consts, stack, direct))
+        } else {
+            self.call(abi, slots, consts, stack, direct)
+        };
+        ran.map_err(|e| c_error(&format!("graph.nodes[{}] ({})", self.node, self.op_name()), e))
     }
 
     fn call(

@@ -55,6 +55,7 @@ impl CStep {
             view,
             own: None,
             node: 0,
+            to_caller: false,
         })
     }
 
@@ -71,6 +72,7 @@ impl CStep {
             view: None,
             own: None,
             node: 0,
+            to_caller: false,
         }
     }
 

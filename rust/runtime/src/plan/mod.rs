@@ -135,6 +135,8 @@ pub struct CStep {
     pub(crate) own: Option<OwnOp>,
     /// The node's index in its graph, for errors.
     pub(crate) node: usize,
+    /// An output of the node is one of the graph's: made outside kwexport's arena.
+    pub(crate) to_caller: bool,
 }
 
 /// A kernel of kwexport's for a node that otherwise dispatches (`CStep::own`).
@@ -631,6 +633,13 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
     let has_direct_shims = direct(false)
         || compiled.iter().any(|c| matches!(c, Compiled::C(CStep { view: Some(_), .. } | CStep { own: Some(_), .. })));
     let autocast_probe = direct(true).then(|| cx.torch.getattr("is_autocast_enabled")).transpose()?.map(Bound::unbind);
+    let mut returned = vec![false; graph.n_slots];
+    graph.outputs.iter().for_each(|a| kwexport_core::graph::visit_slots(a, &mut |s| returned[s] = true));
+    for c in &mut compiled {
+        if let Compiled::C(step) = c {
+            step.to_caller = step.outputs.defined().any(|(_, s)| returned[s]);
+        }
+    }
     let (segments, outputs_to_py) = segments::segment(graph, compiled);
     Ok(Plan {
         n_slots: graph.n_slots,

@@ -498,6 +498,7 @@ fn conv_step(
         view: None,
         own: None,
         node: 0,
+        to_caller: false,
     })
 }
 
@@ -563,6 +564,7 @@ fn shim_step(
         view: None,
         own: None,
         node: 0,
+        to_caller: false,
     })
 }
 
@@ -592,6 +594,7 @@ fn wrapped_overload(
         view: None,
         own: None,
         node: 0,
+        to_caller: false,
     })
 }
 
