@@ -15,9 +15,11 @@
 //! [`limit`] bytes, beyond which outputs come from torch's allocator.
 
 use std::alloc::Layout;
+use std::cell::UnsafeCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::c_void;
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Once, OnceLock};
 
 /// Blocks start on 64 bytes, as torch's CPU allocator aligns; kernels assume no more.
 const ALIGN: usize = 64;
@@ -57,7 +59,6 @@ pub fn here() -> bool {
     !OUTSIDE.with(std::cell::Cell::get)
 }
 
-#[derive(Default)]
 struct Arena {
     /// Free blocks by address (for merging) and by size (for best fit).
     by_addr: BTreeMap<usize, usize>,
@@ -68,6 +69,10 @@ struct Arena {
 }
 
 impl Arena {
+    const fn new() -> Arena {
+        Arena { by_addr: BTreeMap::new(), by_size: BTreeSet::new(), slab_starts: BTreeSet::new(), reserved: 0 }
+    }
+
     fn insert(&mut self, addr: usize, size: usize) {
         self.by_addr.insert(addr, size);
         self.by_size.insert((size, addr));
@@ -109,9 +114,67 @@ impl Arena {
     }
 }
 
-fn arena() -> &'static Mutex<Arena> {
-    static ARENA: OnceLock<Mutex<Arena>> = OnceLock::new();
-    ARENA.get_or_init(Mutex::default)
+/// The process's arena behind a flag, not a `Mutex`, so that `fork()` can't copy it
+/// half-updated or held: a handler takes the flag before every fork and releases it after,
+/// in the parent and in the child (glibc's `malloc` guards its arenas the same way), where a
+/// `Mutex` another thread held at the fork would stay held in the child forever. Critical
+/// sections are a few tree operations, so waiting spins, yielding.
+struct Shared {
+    busy: AtomicBool,
+    arena: UnsafeCell<Arena>,
+}
+
+// SAFETY: `arena` is only reached through `Held`, which exists only while `busy` is set by it.
+unsafe impl Sync for Shared {}
+
+static ARENA: Shared = Shared { busy: AtomicBool::new(false), arena: UnsafeCell::new(Arena::new()) };
+
+fn acquire() {
+    while ARENA.busy.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+        std::thread::yield_now();
+    }
+}
+
+extern "C" fn release() {
+    ARENA.busy.store(false, Ordering::Release);
+}
+
+extern "C" fn before_fork() {
+    acquire();
+}
+
+/// The arena, held until dropped.
+struct Held;
+
+impl std::ops::Deref for Held {
+    type Target = Arena;
+    fn deref(&self) -> &Arena {
+        // SAFETY: this `Held` set `busy`; no other reference exists until it is dropped.
+        unsafe { &*ARENA.arena.get() }
+    }
+}
+
+impl std::ops::DerefMut for Held {
+    fn deref_mut(&mut self) -> &mut Arena {
+        // SAFETY: as for `deref`.
+        unsafe { &mut *ARENA.arena.get() }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        release();
+    }
+}
+
+fn arena() -> Held {
+    static AT_FORK: Once = Once::new();
+    AT_FORK.call_once(|| {
+        // SAFETY: handlers that only set and clear an atomic flag.
+        unsafe { libc::pthread_atfork(Some(before_fork), Some(release), Some(release)) };
+    });
+    acquire();
+    Held
 }
 
 /// The size of the block a request of `bytes` takes.
@@ -123,7 +186,7 @@ pub fn block_size(bytes: usize) -> usize {
 /// its [`limit`] or the slab's allocation fails.
 pub fn take(bytes: usize) -> Option<(*mut c_void, usize)> {
     let size = block_size(bytes);
-    let mut a = arena().lock().unwrap_or_else(|e| e.into_inner());
+    let mut a = arena();
     if let Some(addr) = a.best_fit(size) {
         return Some((addr as *mut c_void, size));
     }
@@ -151,12 +214,13 @@ pub fn take(bytes: usize) -> Option<(*mut c_void, usize)> {
 /// `data` must be a block [`take`] gave with size `ctx as usize`, not freed since, and
 /// nothing may use it after.
 pub unsafe extern "C" fn give_back(data: *mut c_void, ctx: *mut c_void) {
-    arena().lock().unwrap_or_else(|e| e.into_inner()).free(data as usize, ctx as usize);
+    arena().free(data as usize, ctx as usize);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Mutex;
 
     /// The tests of the process's arena, one at a time (each checks what it holds).
     static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -165,7 +229,7 @@ mod tests {
     /// neighbours, and never across a slab's start.
     #[test]
     fn best_fit_splits_and_frees_merge() {
-        let mut a = Arena::default();
+        let mut a = Arena::new();
         a.slab_starts.insert(1000);
         a.slab_starts.insert(2000);
         a.insert(1000, 1000);
@@ -189,7 +253,7 @@ mod tests {
     #[test]
     fn threads_share_the_arena() {
         let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-        let reserved_before = arena().lock().unwrap().reserved;
+        let reserved_before = arena().reserved;
         std::thread::scope(|s| {
             for t in 0..4usize {
                 s.spawn(move || {
@@ -210,7 +274,7 @@ mod tests {
                 });
             }
         });
-        let a = arena().lock().unwrap();
+        let a = arena();
         assert_eq!(a.by_addr.len(), a.by_size.len());
         let free: usize = a.by_addr.values().sum();
         assert_eq!(free, a.reserved, "every block back");
