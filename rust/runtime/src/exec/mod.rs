@@ -542,21 +542,19 @@ impl CStep {
         consts: &[abi::Tensor],
     ) -> Option<Result<abi::Tensor, CError>> {
         // A tensor argument's handle: `Some(None)` for an optional one not given.
-        let tensor = |i: usize| -> Option<Option<abi::Raw>> {
-            fn of(enc: &Enc, slots: &[Option<Native>], consts: &[abi::Tensor]) -> Option<Option<abi::Raw>> {
-                match enc {
-                    Enc::Slot(s) => match &slots[*s] {
-                        Some(Native::Tensor(t)) => Some(Some(t.raw())),
-                        _ => None,
-                    },
-                    Enc::Const(c) => Some(Some(consts.get(*c)?.raw())),
-                    Enc::Some(inner) => of(inner, slots, consts),
-                    Enc::Bits(0) => Some(None),
+        fn of(enc: &Enc, slots: &[Option<Native>], consts: &[abi::Tensor]) -> Option<Option<abi::Raw>> {
+            match enc {
+                Enc::Slot(s) => match &slots[*s] {
+                    Some(Native::Tensor(t)) => Some(Some(t.raw())),
                     _ => None,
-                }
+                },
+                Enc::Const(c) => Some(Some(consts.get(*c)?.raw())),
+                Enc::Some(inner) => of(inner, slots, consts),
+                Enc::Bits(0) => Some(None),
+                _ => None,
             }
-            of(&self.args.get(i)?.1, slots, consts)
-        };
+        }
+        let tensor = |i: usize| of(&self.args.get(i)?.1, slots, consts);
         match own {
             // SAFETY: live handles from slots and constants.
             OwnOp::GlobalAvgPool => unsafe { Operators(abi).global_avg_pool(tensor(0)??) },
@@ -564,17 +562,7 @@ impl CStep {
             OwnOp::Contiguous => unsafe { Operators(abi).contiguous(tensor(0)??) },
             OwnOp::Cat { dim } => {
                 let Enc::List(items) = &self.args.first()?.1 else { return None };
-                let inputs: Option<Vec<abi::Raw>> = items
-                    .iter()
-                    .map(|e| match e {
-                        Enc::Slot(s) => match &slots[*s] {
-                            Some(Native::Tensor(t)) => Some(t.raw()),
-                            _ => None,
-                        },
-                        Enc::Const(c) => Some(consts.get(*c)?.raw()),
-                        _ => None,
-                    })
-                    .collect();
+                let inputs: Option<Vec<abi::Raw>> = items.iter().map(|e| of(e, slots, consts).flatten()).collect();
                 // SAFETY: live handles from slots and constants.
                 unsafe { Operators(abi).cat(&inputs?, *dim) }
             }

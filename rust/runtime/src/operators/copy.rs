@@ -151,7 +151,7 @@ fn suggests_channels_last(sizes: &[i64], strides: &[i64]) -> bool {
 }
 
 /// Strides of a dense tensor whose dimensions are laid out in `order`, outermost first.
-fn strides_in(order: &[usize], sizes: &[i64]) -> Vec<i64> {
+pub(super) fn strides_in(order: &[usize], sizes: &[i64]) -> Vec<i64> {
     let mut strides = vec![0; sizes.len()];
     let mut step = 1;
     for &d in order.iter().rev() {
@@ -161,12 +161,13 @@ fn strides_in(order: &[usize], sizes: &[i64]) -> Vec<i64> {
     strides
 }
 
-/// How far apart a concatenation input's rows are (`place` is where the joined dimension is
-/// laid out in `order`): its row's elements where it is dense in `order`; more where the
-/// joined dimension is the innermost and the input a slice of a wider tensor along it
-/// (ShuffleNet's `chunk` of channels-last channels); `None` where its rows aren't evenly
-/// spaced runs.
-fn row_stride(order: &[usize], place: usize, sizes: &[i64], strides: &[i64]) -> Option<i64> {
+/// How far apart a tensor's rows are, a row being the elements from dimension `order[place]`
+/// in (`order`: how its dimensions are laid out, outermost first): a row's elements where it
+/// is dense in `order`; more where `place` is the innermost and the tensor a slice of a wider
+/// one along it (ShuffleNet's `chunk` of channels-last channels); `None` where its rows aren't
+/// evenly spaced runs. The one rule for every kernel that reads rows with a stride: a
+/// concatenation's inputs, a 1×1 convolution's and an int8 linear's.
+pub(super) fn row_stride(order: &[usize], place: usize, sizes: &[i64], strides: &[i64]) -> Option<i64> {
     let row = order[place..].iter().map(|&o| sizes[o]).product::<i64>();
     if dense_in(order, sizes, strides) {
         return Some(row);

@@ -213,21 +213,13 @@ impl Operators<'_> {
 }
 
 /// The rows of a `[..., k]` view whose last dimension is contiguous and whose other
-/// dimensions lay rows out evenly (contiguous but for a gap after each row): how many, and
-/// how far apart in elements. `None` for any other view.
+/// dimensions lay rows out evenly (`copy::row_stride` in their order): how many, and how far
+/// apart in elements. `None` for any other view.
 fn rows_of(sizes: &[i64], strides: &[i64]) -> Option<(usize, usize)> {
-    let (&k, lead) = sizes.split_last()?;
+    let (_, lead) = sizes.split_last()?;
     let m = usize::try_from(lead.iter().product::<i64>()).ok()?;
-    if k > 1 && *strides.last()? != 1 {
-        return None;
-    }
-    // The stride of the innermost leading dimension with more than one element.
-    let ld = lead.iter().zip(strides).rev().find(|(&n, _)| n > 1).map_or(k, |(_, &s)| s);
-    let mut wide = sizes.to_vec();
-    *wide.last_mut()? = ld;
-    let dense = crate::views::contiguous_strides(&wide);
-    let even = lead.iter().zip(strides).zip(&dense).all(|((&n, &s), &d)| n <= 1 || s == d);
-    (ld >= k && even).then_some((m, usize::try_from(ld).ok()?))
+    let order: Vec<usize> = (0..sizes.len()).collect();
+    Some((m, usize::try_from(super::copy::row_stride(&order, sizes.len() - 1, sizes, strides)?).ok()?))
 }
 
 #[cfg(test)]

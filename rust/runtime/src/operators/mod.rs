@@ -126,26 +126,13 @@ impl Operators<'_> {
     /// `x` must be a live handle, which nothing writes while the slice is used.
     unsafe fn channels_last_f32<'a>(&self, x: Raw, c: usize) -> Option<(&'a [f32], [usize; 3])> {
         // SAFETY: the caller's live handle.
-        let (sizes, strides) = unsafe {
-            if !self.0.shims.as_ref()?.is_cpu_f32(x) {
-                return None;
-            }
-            self.0.sizes_strides(x)?
-        };
-        let (&[batch, channels, h, w], c) = (sizes.as_slice(), c as i64) else { return None };
-        let want = [h * w * c, 1, w * c, c];
-        let dense = sizes.iter().zip(&strides).zip(want).all(|((&size, &stride), want)| size <= 1 || stride == want);
-        if channels != c || !dense || batch * h * w == 0 {
-            return None;
-        }
-        let dims = [usize::try_from(batch).ok()?, usize::try_from(h).ok()?, usize::try_from(w).ok()?];
-        // SAFETY: a float32 CPU tensor of that many elements from its first, densely.
-        Some((unsafe { self.floats(x, dims.iter().product::<usize>() * c as usize) }?, dims))
+        let (xs, dims, ld) = unsafe { self.channels_last_rows(x, c) }?;
+        (ld == c).then_some((xs, dims))
     }
 
     /// [`Self::channels_last_f32`] for `x` that may be a slice of a wider tensor's channels:
-    /// its pixels' `c` channels `ld` elements apart (`ld >= c`), and the elements from its
-    /// first pixel's first to its last pixel's last.
+    /// its pixels' `c` channels `ld` elements apart (`ld >= c`: `copy::row_stride`), and the
+    /// elements from its first pixel's first to its last pixel's last.
     ///
     /// # Safety
     /// `x` must be a live handle, which nothing writes while the slice is used.
@@ -157,24 +144,13 @@ impl Operators<'_> {
             }
             self.0.sizes_strides(x)?
         };
-        let (&[batch, channels, h, w], c) = (sizes.as_slice(), c as i64) else { return None };
-        // From one pixel to the next: the stride of the innermost of W, H, N that has one.
-        let ld = if w > 1 {
-            strides[3]
-        } else if h > 1 {
-            strides[2]
-        } else if batch > 1 {
-            strides[0]
-        } else {
-            c
-        };
-        let want = [h * w * ld, 1, w * ld, ld];
-        let dense = sizes.iter().zip(&strides).zip(want).all(|((&size, &stride), want)| size <= 1 || stride == want);
-        if channels != c || ld < c || !dense || batch * h * w == 0 {
+        let &[batch, channels, h, w] = sizes.as_slice() else { return None };
+        if channels != c as i64 || batch * h * w == 0 {
             return None;
         }
+        let ld = usize::try_from(copy::row_stride(&[0, 2, 3, 1], 3, &sizes, &strides)?).ok()?;
         let dims = [usize::try_from(batch).ok()?, usize::try_from(h).ok()?, usize::try_from(w).ok()?];
-        let (pixels, ld, c) = (dims.iter().product::<usize>(), usize::try_from(ld).ok()?, c as usize);
+        let pixels = dims.iter().product::<usize>();
         // SAFETY: a float32 CPU tensor whose last pixel's channels end that many elements on.
         Some((unsafe { self.floats(x, (pixels - 1) * ld + c) }?, dims, ld))
     }
