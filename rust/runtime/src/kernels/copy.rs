@@ -5,20 +5,6 @@
 
 use super::parallel;
 
-/// A pointer to the output the threads of one call share, each writing its own rows.
-#[derive(Clone, Copy)]
-struct Out(*mut f32);
-
-// SAFETY: the threads of one call write disjoint rows through it, and the call returns only
-// once every thread has finished.
-unsafe impl Sync for Out {}
-
-impl Out {
-    fn at(self, i: usize) -> *mut f32 {
-        self.0.wrapping_add(i)
-    }
-}
-
 /// One input of [`concat_rows`]: rows of `len` elements, `ld` apart (`len` where dense; more
 /// for a slice of a channels-last tensor's channels), the last ending `x`.
 #[derive(Clone, Copy)]
@@ -38,25 +24,18 @@ pub fn concat_rows(inputs: &[Strided<'_>], outer: usize, out: &mut [f32]) {
     let row: usize = inputs.iter().map(|x| x.len).sum();
     let spans = |x: &Strided<'_>| x.ld >= x.len && x.x.len() == (outer - 1) * x.ld + x.len;
     assert!(outer > 0 && out.len() == outer * row && inputs.iter().all(spans));
-    let rows = |begin: usize, end: usize, out: &mut [f32]| {
+    if row == 0 {
+        return;
+    }
+    // A copy moves an element where a GEMM does a flop: the same threshold for threads.
+    parallel::units(out, row, row, &|first, out| {
         let mut o = 0;
-        for r in begin..end {
+        for r in first..first + out.len() / row {
             for x in inputs {
                 copy(&x.x[r * x.ld..r * x.ld + x.len], &mut out[o..o + x.len]);
                 o += x.len;
             }
         }
-    };
-    let threads = parallel::share(out.len(), outer, parallel::threads());
-    if threads <= 1 {
-        return rows(0, outer, out);
-    }
-    let shared = Out(out.as_mut_ptr());
-    parallel::for_each(outer, threads, &|begin, end| {
-        // SAFETY: rows `begin..end` of `out`, written by this chunk only, while `out` is
-        // borrowed for the whole call.
-        let out = unsafe { std::slice::from_raw_parts_mut(shared.at(begin * row), (end - begin) * row) };
-        rows(begin, end, out);
     });
 }
 
@@ -101,19 +80,8 @@ pub fn swap_axes(x: &[f32], shape: [usize; 4], out: &mut [f32]) {
             }
         }
     };
-    let threads = parallel::share(x.len(), outer, parallel::threads());
-    if threads <= 1 {
+    parallel::blocks(x, out, block, block, &|x, out| {
         for (src, dst) in x.chunks_exact(block).zip(out.chunks_exact_mut(block)) {
-            one(src, dst);
-        }
-        return;
-    }
-    let shared = Out(out.as_mut_ptr());
-    parallel::for_each(outer, threads, &|begin, end| {
-        // SAFETY: blocks `begin..end` of `out`, written by this chunk only, while `out` is
-        // borrowed for the whole call.
-        let out = unsafe { std::slice::from_raw_parts_mut(shared.at(begin * block), (end - begin) * block) };
-        for (src, dst) in x[begin * block..end * block].chunks_exact(block).zip(out.chunks_exact_mut(block)) {
             one(src, dst);
         }
     });

@@ -76,10 +76,19 @@ impl Shared {
 /// threads where each thread's share holds enough work (`work` floating-point operations per
 /// unit).
 pub fn blocks(x: &[f32], out: &mut [f32], width: usize, work: usize, f: &(dyn Fn(&[f32], &mut [f32]) + Sync)) {
+    units(out, width, work, &|first, out| {
+        let from = first * width;
+        f(if x.is_empty() { x } else { &x[from..from + out.len()] }, out)
+    });
+}
+
+/// [`blocks`] for a body that reads other than `out`'s range of one input: `f(first, out)`
+/// with `first` the index of the block's first unit.
+pub fn units(out: &mut [f32], width: usize, work: usize, f: &(dyn Fn(usize, &mut [f32]) + Sync)) {
     let units = out.len().div_ceil(width.max(1));
     let threads = share(units * work, units, threads());
     if threads <= 1 {
-        return f(x, out);
+        return f(0, out);
     }
     let (len, o) = (out.len(), Shared(out.as_mut_ptr()));
     for_each(units, threads, &|begin, end| {
@@ -87,7 +96,7 @@ pub fn blocks(x: &[f32], out: &mut [f32], width: usize, work: usize, f: &(dyn Fn
         // SAFETY: `out`'s elements `from..to`, written by this chunk only, while `out` is
         // borrowed for the whole call.
         let out = unsafe { std::slice::from_raw_parts_mut(o.at(from), to - from) };
-        f(if x.is_empty() { x } else { &x[from..to] }, out);
+        f(begin, out);
     });
 }
 
