@@ -13,8 +13,9 @@ on: torchvision, timm and transformers models at other sizes (encoders and decod
 and 512 tokens, vision transformers, conv nets with grouped, depthwise and 7x7 kernels).
 
     python benches/optimize.py [--peers ort,openvino,executorch,aoti] [--threads 1,2] [--zoo]
-    python benches/optimize.py --isa avx2   # kwexport's AVX2 kernels, torch and OpenVINO
-                                            # limited to AVX2 (ONNX Runtime can't be)
+    python benches/optimize.py --isa avx2   # kwexport's AVX2 kernels, torch and OpenVINO's
+                                            # convolutions limited to AVX2 (ONNX Runtime and
+                                            # OpenVINO's FullyConnected can't be)
     python benches/optimize.py --bf16   # precision="bf16" beside OpenVINO's bf16
     python benches/optimize.py --int8   # kwexport.quantize's programs beside ONNX Runtime's
                                         # quantize_dynamic (needs torchao and onnxruntime)
@@ -28,7 +29,11 @@ import warnings
 from pathlib import Path
 
 # `--isa NAME` runs the whole table with kwexport's kernels of that family and, where the
-# peers can be limited, theirs: set before torch (oneDNN, MKL) and OpenVINO load.
+# peers can be limited, theirs: set before torch (oneDNN, MKL) and OpenVINO load. OpenVINO
+# honours ONEDNN_MAX_CPU_ISA in its convolutions (brgconv_avx2_f32) but not in its
+# FullyConnected, which runs at AVX-512's rate regardless (a 256x1024 chain at 32 rows: 220
+# GFLOP/s with the limit, where one Zen 5 core's 8-lane FMAs peak near 125): its linears,
+# like all of ONNX Runtime, are not an AVX2 server's.
 if "--isa" in sys.argv[:-1]:
     _isa = sys.argv[sys.argv.index("--isa") + 1]
     os.environ["KWEXPORT_ISA"] = _isa
