@@ -183,9 +183,19 @@ def ort_session(model, kwargs, tmp: Path, threads: int = 1):
         sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     except Exception as e:  # a peer's failure is a cell of the table
         return peer_failure(e)
-    tensors = [v.numpy() for v in kwargs.values() if isinstance(v, torch.Tensor)]
-    feed = {i.name: v for i, v in zip(sess.get_inputs(), tensors)}
-    return lambda **_kw: sess.run(None, feed)
+    return ort_runner(sess, kwargs)
+
+
+def ort_runner(sess, kwargs):
+    """An ONNX Runtime session's runner: `run()` on the bench's inputs, bound once (what is
+    timed: no conversion per call), or `run(inputs=kw)` on others (int8's top-1 agreement)."""
+
+    def feed_of(kw):
+        tensors = [v.numpy() for v in kw.values() if isinstance(v, torch.Tensor)]
+        return {i.name: v for i, v in zip(sess.get_inputs(), tensors)}
+
+    feed = feed_of(kwargs)
+    return lambda inputs=None, **_kw: sess.run(None, feed if inputs is None else feed_of(inputs))
 
 
 def openvino_model(model, kwargs, tmp: Path, precision: str = "f32", threads: int = 1, *, int8: bool = False):
@@ -224,8 +234,8 @@ def openvino_model(model, kwargs, tmp: Path, precision: str = "f32", threads: in
     except Exception as e:
         return peer_failure(e)
 
-    def run(**_kw):
-        request.infer(feed)
+    def run(inputs=None, **_kw):  # as `ort_runner`'s
+        request.infer(feed if inputs is None else [inputs[i.get_any_name()].numpy() for i in compiled.inputs])
         return [request.get_output_tensor(0).data]
 
     return run
@@ -279,6 +289,24 @@ PEERS = {
 }
 
 
+def settled(model: torch.nn.Module, make_inputs) -> torch.nn.Module:
+    """`model` in eval mode, its BatchNorm statistics (if it has any) measured on 8 random
+    inputs as a trained model's are on its data. At initialization (mean 0, variance 1) a
+    deep conv net's activations shrink layer by layer (torchvision's mobilenet_v2 returns
+    logits of 1e-9), which no trained model does: int8's scales and every error column
+    would measure nothing."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if norms:
+        for m in norms:
+            m.reset_running_stats()
+            m.momentum = None  # a cumulative average over the passes below
+        model.train()
+        with torch.no_grad():
+            for _ in range(8):
+                model(**make_inputs())
+    return model.eval()
+
+
 def saved(models: list[str] | None, tmp: Path, zoo: bool = False):
     """Each workload whose name contains one of `models` (all without; the holdout set too
     with `zoo`), built with seed 0 and saved under a folder of its own in `tmp`: `(name, set,
@@ -291,7 +319,8 @@ def saved(models: list[str] | None, tmp: Path, zoo: bool = False):
         folder.mkdir()
         torch.manual_seed(0)
         try:
-            model, kwargs = build().eval(), make_inputs()
+            model = settled(build(), make_inputs)
+            kwargs = make_inputs()
             path = folder / "m.kwx"
             kwexport.save(kwexport.export(model, (), kwargs), path)
         except Exception as e:
@@ -439,13 +468,31 @@ def ort_int8_session(model, kwargs, tmp: Path, threads: int = 1, static: bool = 
         sess = ort.InferenceSession(str(out), so, providers=["CPUExecutionProvider"])
     except Exception as e:
         return peer_failure(e)
-    feed = {i.name: v for i, v in zip(sess.get_inputs(), tensors)}
-    return lambda **_kw: sess.run(None, feed)
+    return ort_runner(sess, kwargs)
 
 
 def ort_int8_static_session(model, kwargs, tmp: Path, threads: int = 1):
     """``ort_int8_session`` with ``static``."""
     return ort_int8_session(model, kwargs, tmp, threads, static=True)
+
+
+# Kept apart from the inputs int8 is calibrated on (the bench's own).
+AGREEMENT_INPUTS = 32
+
+
+def top1_agreement(model, runners: dict, kwargs) -> dict[str, str]:
+    """For a classifier: the share of `AGREEMENT_INPUTS` random inputs (shaped as `kwargs`,
+    none of them the calibration input) on which each runner's top class is float32 eager's.
+    kwexport's programs take the inputs as the model does, the peers as `inputs=`."""
+    g = torch.Generator().manual_seed(1)
+    hits = dict.fromkeys(runners, 0)
+    for _ in range(AGREEMENT_INPUTS):
+        kw = {k: torch.randn(v.shape, generator=g) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        want = first(model(**kw)).argmax()
+        for label, f in runners.items():
+            got = f(**kw) if isinstance(f, kwexport.Program) else f(inputs=kw)
+            hits[label] += int(first(got).argmax() == want)
+    return {label: f"{h}/{AGREEMENT_INPUTS}" for label, h in hits.items()}
 
 
 def main_int8(models: list[str] | None, threads: list[int], zoo: bool, rounds: int = 3) -> None:
@@ -465,14 +512,14 @@ def main_int8(models: list[str] | None, threads: list[int], zoo: bool, rounds: i
         "OpenVINO int8",
     ]
     int8_labels = cols[2:4] + cols[5:]
-    print(f"| model | threads | {' | '.join(cols)} | errors: {', '.join(int8_labels)} |")
-    print("| --- | ---: |" + " ---: |" * (len(cols) + 1))
+    print(f"| model | threads | {' | '.join(cols)} | errors: {', '.join(int8_labels)} | top-1 agreement |")
+    print("| --- | ---: |" + " ---: |" * (len(cols) + 2))
     with tempfile.TemporaryDirectory() as tmp:
         for name, _which, model, kwargs, path in saved(models, Path(tmp), zoo):
             if model is None:
                 print(f"| {name} | – | kwexport can't export it: {kwargs} |")
                 continue
-            runners, cells, errors = {"eager f32": model}, {}, {}
+            runners, cells, errors, agree = {"eager f32": model}, {}, {}, {}
             with torch.no_grad():
                 want = first(model(**kwargs))
             runners["`fast` f32"] = kwexport.load(path, optimize="fast")
@@ -503,13 +550,16 @@ def main_int8(models: list[str] | None, threads: list[int], zoo: bool, rounds: i
                         if label in live:
                             got = first(live[label](**kwargs))
                             errors[label] = f"{((got - want).abs().max() / want.abs().max()).item():.1e}"
+                    if n == threads[0] and name.startswith(("torchvision", "timm")) and want.shape == (1, 10):
+                        agree.update(top1_agreement(model, {k: live[k] for k in int8_labels if k in live}, kwargs))
                     best: dict[str, float] = {}
                     for _ in range(rounds):
                         for label, f in live.items():
                             best[label] = min(best.get(label, float("inf")), best_time(f, kwargs))
                 row = " | ".join(f"{best[c] * 1e3:.2f} ms" if c in best else cells.get(c, "–") for c in cols)
                 errs = ", ".join(errors.get(c, "–") for c in int8_labels)
-                print(f"| {name} | {n} | {row} | {errs} |", flush=True)
+                top1 = ", ".join(agree.get(c, "–") for c in int8_labels)
+                print(f"| {name} | {n} | {row} | {errs} | {top1} |", flush=True)
 
 
 if __name__ == "__main__":
