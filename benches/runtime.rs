@@ -157,7 +157,9 @@ fn kernels(c: &mut Criterion) {
             let weight = Packed { words: &words, layout };
             group.throughput(Throughput::Elements((2 * m * k * n) as u64));
             group.bench_function(format!("linear_int8_{layout:?}/{m}x{k}x{n}").to_lowercase(), |b| {
-                b.iter(|| linear((&x, k), [m, k, n], &quant, weight, &scale, Some(&bias), Epilogue::None, &mut out))
+                b.iter(|| {
+                    linear((&x, k), [m, k, n], &quant, weight, &scale, Some(&bias), (Epilogue::None, None), &mut out)
+                })
             });
         }
     }

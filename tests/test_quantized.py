@@ -155,6 +155,7 @@ def test_the_int8_linears_python_form_is_the_ops_it_replaced():
     w_scale, w_zp, bias = torch.rand(8) / 50, torch.randint(-3, 3, (8,)), torch.randn(8)
     wd = qd.dequantize_per_channel(w, w_scale, w_zp, 0, -128, 127, torch.int8)
     xd = qd.dequantize_per_tensor(qd.quantize_per_tensor(x, 0.03, 7, 0, 255, torch.uint8), 0.03, 7, 0, 255, torch.uint8)
+    xd_static = xd
     got = torch.ops.kwexport.linear_int8(x, 0.03, 7, 0, 255, w, w_scale, w_zp, bias, "none", None)
     assert torch.equal(got, torch.nn.functional.linear(xd, wd, bias))
     s, z = qd.choose_qparams.tensor(x, 0, 255, 1e-5, torch.uint8)
@@ -171,6 +172,45 @@ def test_the_int8_linears_python_form_is_the_ops_it_replaced():
         x, 0, 255, 1e-5, torch.uint8, w[..., None, None], w_scale, w_zp, None, "hardtanh", None
     )
     assert torch.equal(got, torch.nn.functional.relu6(torch.nn.functional.linear(xd, wd)))
+    # The fake quantization of the result moved into it (`linear_int8_output`), after the
+    # activation.
+    got = torch.ops.kwexport.linear_int8(x, 0.03, 7, 0, 255, w, w_scale, w_zp, bias, "hardtanh", None, 0.05, 3, 0, 255)
+    y = torch.nn.functional.relu6(torch.nn.functional.linear(xd_static, wd, bias))
+    assert torch.equal(got, torch.fake_quantize_per_tensor_affine(y, 0.05, 3, 0, 255))
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block: a 1×1 expansion with ReLU6 into a depthwise convolution (which no
+    int8 kernel takes, so its input is fake-quantized), then a 1×1 projection; a 3×3 first,
+    so that the expansion's input is channels-last."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+        self.expand = nn.Sequential(nn.Conv2d(8, 32, 1), nn.ReLU6())
+        self.depthwise = nn.Sequential(nn.Conv2d(32, 32, 3, padding=1, groups=32), nn.ReLU6())
+        self.project = nn.Conv2d(32, 8, 1)
+
+    def forward(self, x):
+        return self.project(self.depthwise(self.expand(self.stem(x))))
+
+
+def test_fast_fake_quantizes_an_int8_linears_result_as_its_gemm_stores_it(tmp_path):
+    """The expansion's result, fake-quantized for the depthwise convolution, is quantized by
+    the int8 GEMM as it stores it: the only fake quantization left is the stem's input's, and
+    the result is the reference's within a quantization step, on the kernel and (autograd)
+    on the op's Python form."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 12, 12)
+    q = quantized(InvertedResidual(), x, dynamic=False)
+    fast = kwexport.load(saved(tmp_path, q, x), optimize="fast")
+    ran = [n["op"] for n in fast.profile(x) if "::" in n["op"]]
+    assert ran.count("kwexport::linear_int8.default") == 2, ran
+    assert ran.count("aten::fake_quantize_per_tensor_affine.default") == 1, ran
+    for inputs in [x, torch.randn(2, 3, 12, 12) * 3]:
+        want = q(inputs)
+        for got in [fast(inputs), fast(inputs.clone().requires_grad_()).detach()]:
+            assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
 
 
 def test_a_pt2e_conv_net_loads_without_flags_and_gives_the_references_bits(tmp_path):

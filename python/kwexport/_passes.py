@@ -135,6 +135,10 @@ def linear_int8(  # noqa: PLR0917 (the op's schema, positionally)
     bias: Any,
     attr: str,
     algorithm: str | None,
+    out_scale: float | None = None,
+    out_zero_point: int = 0,
+    out_qmin: int = 0,
+    out_qmax: int = 255,
 ) -> Any:
     """``kwexport::linear_int8`` off the runtime's int8 kernel (autograd, another dtype or
     device, a weight zero point that isn't 0): the ops the pass replaced
@@ -142,7 +146,8 @@ def linear_int8(  # noqa: PLR0917 (the op's schema, positionally)
     (``torch/ao/quantization/fx/_decomposed.py``), so the same bits: the input quantized per
     tensor and dequantized, the int8 weight dequantized per output channel, then the linear
     and the activation fused with it (``attr`` and ``algorithm``, as ``mkldnn::_linear_pointwise``
-    names them).
+    names them), then, where ``out_scale`` is given, the fake quantization of the result that
+    ``linear_int8_output`` moved into it (rust/core/src/passes/linear_int8_output.rs).
     The cast to the 8-bit dtype between is left out: the clamped values are its integers."""
     import torch
 
@@ -153,7 +158,10 @@ def linear_int8(  # noqa: PLR0917 (the op's schema, positionally)
     wd = ((w - w_zero_point.unsqueeze(1)) * w_scale.unsqueeze(1)).to(torch.float32)
     # ReLU6, the one activation with scalars the pass fuses, is named without its bounds.
     scalars = [0.0, 6.0] if attr == "hardtanh" else None
-    return _post_op(attr, scalars, algorithm)(torch.nn.functional.linear(xd, wd, bias))
+    y = _post_op(attr, scalars, algorithm)(torch.nn.functional.linear(xd, wd, bias))
+    if out_scale is None:
+        return y
+    return torch.fake_quantize_per_tensor_affine(y, out_scale, out_zero_point, out_qmin, out_qmax)
 
 
 def linear_int8_tensor(  # noqa: PLR0917 (the op's schema, positionally)
@@ -168,11 +176,12 @@ def linear_int8_tensor(  # noqa: PLR0917 (the op's schema, positionally)
     bias: Any,
     attr: str,
     algorithm: str | None,
+    *output: Any,
 ) -> Any:
     """``kwexport::linear_int8.tensor``: :func:`linear_int8` with the input's scale and zero
     point as one-element tensors (dynamic quantization's), read as torch's ``.tensor``
     quantize reads them (``.item()``)."""
-    args = (x_qmin, x_qmax, w, w_scale, w_zero_point, bias, attr, algorithm)
+    args = (x_qmin, x_qmax, w, w_scale, w_zero_point, bias, attr, algorithm, *output)
     return linear_int8(x, x_scale.item(), x_zero_point.item(), *args)
 
 
@@ -188,6 +197,7 @@ def linear_int8_dynamic(  # noqa: PLR0917 (the op's schema, positionally)
     bias: Any,
     attr: str,
     algorithm: str | None,
+    *output: Any,
 ) -> Any:
     """``kwexport::linear_int8.dynamic``: :func:`linear_int8_tensor` with the input's scale and
     zero point chosen from it by torch's ``choose_qparams.tensor`` (dynamic quantization)."""
@@ -195,7 +205,7 @@ def linear_int8_dynamic(  # noqa: PLR0917 (the op's schema, positionally)
     import torch.ao.quantization.fx._decomposed  # noqa: F401 (registers quantized_decomposed)
 
     scale, zero_point = torch.ops.quantized_decomposed.choose_qparams.tensor(x, x_qmin, x_qmax, eps, x_dtype)
-    args = (x_qmin, x_qmax, w, w_scale, w_zero_point, bias, attr, algorithm)
+    args = (x_qmin, x_qmax, w, w_scale, w_zero_point, bias, attr, algorithm, *output)
     return linear_int8_tensor(x, scale, zero_point, *args)
 
 
@@ -211,8 +221,11 @@ def define_ops() -> Any:
     import torch
 
     # The weight, then the activation fused with the linear as `mkldnn::_linear_pointwise` names it
-    # (one without scalars: ReLU, SiLU, GELU).
-    weight = "Tensor w, Tensor w_scale, Tensor w_zero_point, Tensor? bias, str attr, str? algorithm) -> Tensor"
+    # (one without scalars: ReLU, SiLU, GELU), then the fake quantization of its result, if any.
+    output = "float? out_scale=None, int out_zero_point=0, int out_qmin=0, int out_qmax=255"
+    weight = (
+        f"Tensor w, Tensor w_scale, Tensor w_zero_point, Tensor? bias, str attr, str? algorithm, {output}) -> Tensor"
+    )
     tail = f"int x_qmin, int x_qmax, {weight}"
     library = torch.library.Library("kwexport", "DEF")
     library.define(f"linear_int8(Tensor x, float x_scale, int x_zero_point, {tail}")

@@ -29,6 +29,8 @@
 //!   `quantized_ops` writes their quantize and dequantize ops out)
 //! - [`fake_quantize`]      a static quantize → dequantize pair as one fake quantization
 //!   (`fast`; before `quantized_ops` writes them out)
+//! - [`linear_int8_output`] the fake quantization of an int8 linear's result into the linear,
+//!   whose GEMM applies it as it stores (`fast`, at load, with the runtime's kernels)
 //! - [`linear_pointwise`]   linears (and the ReLU, SiLU or GELU after) onto oneDNN's fused
 //!   linear, whose activation the runtime's GEMM applies (`fast`, at load, with the runtime's
 //!   GEMM and oneDNN)
@@ -57,6 +59,7 @@ pub mod fake_quantize;
 pub mod gelu_tanh;
 pub mod inplace_state;
 pub mod linear_int8;
+pub mod linear_int8_output;
 pub mod linear_measured;
 pub mod linear_pointwise;
 pub mod pass;
@@ -143,9 +146,13 @@ pub struct Target {
 
 /// The passes `fast` runs before every level's: those that read torch's quantize and
 /// dequantize ops, which `quantized_ops` writes out as aten arithmetic. Linears take their
-/// pairs first.
-const FAST_FIRST: &[&dyn Pass] =
-    &[&linear_int8::LinearInt8, &fake_quantize::FakeQuantize, &dequantize_weights::DequantizeWeights];
+/// pairs first, then the fake quantizations of their results.
+const FAST_FIRST: &[&dyn Pass] = &[
+    &linear_int8::LinearInt8,
+    &fake_quantize::FakeQuantize,
+    &linear_int8_output::LinearInt8Output,
+    &dequantize_weights::DequantizeWeights,
+];
 
 /// The passes every level runs, in the order a sweep runs them.
 const EXACT: &[&dyn Pass] = &[&quantized_ops::QuantizedOps, &dead_code::DeadCode, &inplace_state::InplaceState];

@@ -613,7 +613,7 @@ impl CStep {
                 unsafe {
                     let (n, k, scale, bias) = (l.n, l.k, tensor(6)??, tensor(8)?);
                     let weight = crate::operators::Int8Weight { panels, layout, n, k, scale, bias };
-                    ops.linear_int8(tensor(0)??, input, weight, l.epilogue)
+                    ops.linear_int8(tensor(0)??, input, weight, (l.epilogue, l.output))
                 }
             }
         }

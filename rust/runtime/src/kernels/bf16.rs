@@ -139,7 +139,7 @@ fn shape(
 ) -> Shape {
     let at = |s: Option<&[f32]>| s.map_or(std::ptr::null(), |s| s.as_ptr());
     let (scale, sums) = (std::ptr::null(), std::ptr::null());
-    Shape { taps, cin: pairs, n, ldo: n, bias: at(bias), scale, sums, residual: at(residual), epilogue }
+    Shape { taps, cin: pairs, n, ldo: n, bias: at(bias), scale, sums, residual: at(residual), epilogue, requant: None }
 }
 
 /// Rows of `k` floats as rows of `ceil(k / 2)` pairs of bfloat16 (low half first; the last

@@ -95,7 +95,7 @@ pub fn gemm_f32_rows(
     let t = super::table_if(fits)?;
     let (bias, residual) = addends((bias, residual));
     let (scale, sums) = (std::ptr::null(), std::ptr::null());
-    let shape = Shape { taps: 1, cin: k, n, ldo: n, bias, scale, sums, residual, epilogue };
+    let shape = Shape { taps: 1, cin: k, n, ldo: n, bias, scale, sums, residual, epilogue, requant: None };
     // SAFETY: the table's functions run on this CPU; every slice holds what the shapes say
     // (checked).
     unsafe { columns(t.gemm_block, Source::Dense(Dense { x: x.as_ptr(), ld }), m, &shape, panels, out) };
@@ -128,6 +128,7 @@ pub(super) unsafe fn product(
         sums: std::ptr::null(),
         residual: null,
         epilogue: Epilogue::None,
+        requant: None,
     };
     // SAFETY: as the caller guarantees.
     unsafe { columns(block, Source::Dense(Dense { x: x.as_ptr(), ld: k }), m, &shape, panels, out) }
@@ -198,7 +199,7 @@ pub fn indirect_f32(
     let (bias, residual) = addends((bias, residual));
     let (per_in, per_out) = (cin / groups, n / groups);
     let (scale, sums) = (std::ptr::null(), std::ptr::null());
-    let shape = Shape { taps, cin: per_in, n: per_out, ldo: n, bias, scale, sums, residual, epilogue };
+    let shape = Shape { taps, cin: per_in, n: per_out, ldo: n, bias, scale, sums, residual, epilogue, requant: None };
     let table = Table { table: table.as_ptr(), taps, offset: 0 };
     if groups == 1 {
         // SAFETY: the table's functions run on this CPU; every pointer of the table starts
@@ -503,6 +504,9 @@ pub(super) struct Shape {
     /// `m * n` values added to the results before the epilogue, or null.
     pub(super) residual: *const f32,
     pub(super) epilogue: Epilogue,
+    /// A fake quantization of each result after the epilogue (the int8 linear's `output`), or
+    /// none.
+    pub(super) requant: Option<super::int8::Requant>,
 }
 
 /// A bias and a residual as the tiles read them (null where absent).
@@ -578,8 +582,8 @@ pub(super) unsafe fn columns<X: Sync>(
 }
 
 /// Rows `range` times the column block from `j`, then GELU over their results while they
-/// are in cache (the other epilogues are applied as the tiles store): the kernel table's
-/// [`Block`].
+/// are in cache (the other epilogues are applied as the tiles store), and after it the
+/// requantization if any: the kernel table's [`Block`].
 ///
 /// # Safety
 /// `S`'s features must be enabled; the rows, the block's columns and its panel exist.
@@ -594,7 +598,7 @@ pub(super) unsafe fn block<S: Simd, D: Dot<S>>(
     k: usize,
 ) {
     let gelu = matches!(s.epilogue, Epilogue::Gelu | Epilogue::GeluTanh);
-    let tiles = if gelu { Shape { epilogue: Epilogue::None, ..*s } } else { *s };
+    let tiles = if gelu { Shape { epilogue: Epilogue::None, requant: None, ..*s } } else { *s };
     // SAFETY (all below): as the caller guarantees.
     unsafe {
         match source {
@@ -605,7 +609,11 @@ pub(super) unsafe fn block<S: Simd, D: Dot<S>>(
             let width = (s.n - j).min(PANEL);
             for r in range {
                 // This row's part of the block, written above and by no other thread.
-                epilogue_slice::<S>(s.epilogue, std::slice::from_raw_parts_mut(op.0.add(r * s.ldo + j), width));
+                let row = std::slice::from_raw_parts_mut(op.0.add(r * s.ldo + j), width);
+                epilogue_slice::<S>(s.epilogue, row);
+                if let Some(q) = &s.requant {
+                    q.apply_slice::<S>(row);
+                }
             }
         }
     }
@@ -774,7 +782,11 @@ unsafe fn tile<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const V: usize
                     let at = s.residual.add((i + r) * s.ldo + j + v * S::LANES);
                     y = S::add(y, S::load_masked(masks[v], at));
                 }
-                S::store_masked(out.add(r * s.ldo + j + v * S::LANES), masks[v], apply::<S>(s.epilogue, y));
+                let mut y = apply::<S>(s.epilogue, y);
+                if let Some(q) = &s.requant {
+                    y = q.apply::<S>(y);
+                }
+                S::store_masked(out.add(r * s.ldo + j + v * S::LANES), masks[v], y);
             }
         }
     }

@@ -123,6 +123,57 @@ pub(super) struct Levels {
     qmax: f32,
 }
 
+/// A fake quantization (`dequantize(quantize(y))` per tensor) of results as a GEMM stores
+/// them ([`linear`]'s `output`, `passes::linear_int8_output`): the quantize's float32
+/// operands and the dequantize's scale.
+#[derive(Clone, Copy)]
+pub(super) struct Requant {
+    levels: Levels,
+    scale: f32,
+}
+
+impl Requant {
+    fn of(quant: &Quant) -> Requant {
+        Requant { levels: quant.levels(), scale: quant.scale as f32 }
+    }
+
+    /// Each lane's level as [`quantize`] takes it (`clamp(round(y * (1.0 / scale)) +
+    /// zero_point, qmin, qmax)`, in float32; a NaN to `qmin`), then `(level - zero_point) *
+    /// scale`: exact integers until the scale's one rounding, so the bits of torch's two ops.
+    ///
+    /// # Safety
+    /// `S`'s features must be enabled.
+    #[inline(always)]
+    pub(super) unsafe fn apply<S: Simd>(&self, y: S::V) -> S::V {
+        let q = &self.levels;
+        // SAFETY (all below): the caller's.
+        unsafe {
+            let (inv, zp, lo, hi) = (S::splat(q.inv), S::splat(q.zero_point), S::splat(q.qmin), S::splat(q.qmax));
+            // `max` gives its second operand for a NaN: `qmin`.
+            let level = S::min(S::max(S::add(S::round(S::mul(y, inv)), zp), lo), hi);
+            S::mul(S::sub(level, zp), S::splat(self.scale))
+        }
+    }
+
+    /// [`Requant::apply`] to each of `y`'s values, in place.
+    ///
+    /// # Safety
+    /// `S`'s features must be enabled.
+    #[inline(always)]
+    pub(super) unsafe fn apply_slice<S: Simd>(&self, y: &mut [f32]) {
+        let mut c = 0;
+        // SAFETY: lanes `c..` of `y` exist up to its length, masked past.
+        unsafe {
+            while c < y.len() {
+                let lanes = S::first(y.len() - c);
+                let v = S::load_masked(lanes, y.as_ptr().add(c));
+                S::store_masked(y.as_mut_ptr().add(c), lanes, self.apply::<S>(v));
+                c += S::LANES;
+            }
+        }
+    }
+}
+
 /// An input level as a row of the int8 GEMM holds it: an int16 less the zero point (pairs)
 /// or an unsigned byte less `qmin` (quads).
 pub(super) trait Level: Copy + Default + 'static {
@@ -218,12 +269,12 @@ pub fn fake_quantize_f32(x: &[f32], quant: &Quant, out: &mut [f32]) -> Ran {
         return Err(Declined::Values);
     }
     let t = super::table_if(out.len() >= x.len())?;
-    let (levels, scale) = (quant.levels(), quant.scale as f32);
+    let requant = Requant::of(quant);
     let out = &mut out[..x.len()];
     // SAFETY: the table's functions run on this CPU; each block of `out` is as long as its
     // block of `x`.
     super::parallel::blocks(x, out, FAKE_RUN, FAKE_RUN * FAKE_WORK, &|x, out| unsafe {
-        (t.fake_quantize)(x, &levels, scale, out)
+        (t.fake_quantize)(x, &requant, out)
     });
     Ok(())
 }
@@ -233,18 +284,14 @@ pub fn fake_quantize_f32(x: &[f32], quant: &Quant, out: &mut [f32]) -> Ran {
 /// # Safety
 /// `S`'s features must be enabled; `out` is at least as long as `x`.
 #[inline(always)]
-pub(super) unsafe fn fake_quantize<S: Simd>(x: &[f32], q: &Levels, scale: f32, out: &mut [f32]) {
+pub(super) unsafe fn fake_quantize<S: Simd>(x: &[f32], q: &Requant, out: &mut [f32]) {
     // SAFETY (all below): lanes `c..` of `x` and `out` exist up to their lengths, masked past.
     unsafe {
-        let (inv, zp, lo, hi) = (S::splat(q.inv), S::splat(q.zero_point), S::splat(q.qmin), S::splat(q.qmax));
-        let scale = S::splat(scale);
         let mut c = 0;
         while c < x.len() {
             let lanes = S::first(x.len() - c);
             let v = S::load_masked(lanes, x.as_ptr().add(c));
-            // `max` gives its second operand for a NaN: `qmin`.
-            let level = S::min(S::max(S::add(S::round(S::mul(v, inv)), zp), lo), hi);
-            S::store_masked(out.as_mut_ptr().add(c), lanes, S::mul(S::sub(level, zp), scale));
+            S::store_masked(out.as_mut_ptr().add(c), lanes, q.apply::<S>(v));
             c += S::LANES;
         }
     }
@@ -320,9 +367,12 @@ pub struct Packed<'a> {
 
 /// `out[m, n] = epilogue(bias[n] + dequantize(quantize(x)) @ (w * w_scale[n]).T)`, `x` being
 /// `m` rows of `k` floats quantized by `quant` and `weight` the int8 `[n, k]` weight packed by
-/// [`Layout::pack`] (zero point 0). Declines (writing nothing) where the slices don't fit the
-/// shapes, `quant` isn't one the kernel takes ([`Quant::fits`]; for quads also a range of at
-/// most 256 levels), or the weight's layout isn't the one the kernels that run here read.
+/// [`Layout::pack`] (zero point 0); then, with an `output` quantization, each result
+/// quantized and dequantized by it as it is stored ([`fake_quantize_f32`]'s bits, with no
+/// pass over the output of its own). Declines (writing nothing) where the slices don't fit
+/// the shapes, `quant` or `output` isn't one the kernel takes ([`Quant::fits`]; for quads
+/// also a range of at most 256 levels for `quant`), or the weight's layout isn't the one the
+/// kernels that run here read.
 #[allow(clippy::too_many_arguments)]
 pub fn linear(
     (x, ld): (&[f32], usize),
@@ -331,7 +381,7 @@ pub fn linear(
     weight: Packed<'_>,
     w_scale: &[f32],
     bias: Option<&[f32]>,
-    epilogue: Epilogue,
+    (epilogue, output): (Epilogue, Option<&Quant>),
     out: &mut [f32],
 ) -> Ran {
     let spans = m == 0 || (ld >= k && x.len() >= (m - 1) * ld + k);
@@ -341,7 +391,7 @@ pub fn linear(
         && gemm::results_fit(m, n, bias, None, out.len());
     let kernel = super::isa::int8(super::table_if(fits)?);
     let x = &x[..if m == 0 { 0 } else { (m - 1) * ld + k }];
-    linear_on(kernel, (x, ld), [m, k, n], quant, weight, w_scale, bias, epilogue, out)
+    linear_on(kernel, (x, ld), [m, k, n], quant, weight, w_scale, bias, (epilogue, output), out)
 }
 
 /// [`linear`] on `kernel`, the slices checked; declines the values and layouts `linear`
@@ -355,10 +405,13 @@ fn linear_on(
     weight: Packed<'_>,
     w_scale: &[f32],
     bias: Option<&[f32]>,
-    epilogue: Epilogue,
+    (epilogue, output): (Epilogue, Option<&Quant>),
     out: &mut [f32],
 ) -> Ran {
     let layout = kernel.layout;
+    if output.is_some_and(|q| !q.fits()) {
+        return Err(Declined::Values);
+    }
     // Levels less `qmin` fit a byte for a range of 256 levels at most.
     let bytes = layout == Layout::Quads && quant.qmax - quant.qmin > 255;
     if !quant.fits() || k > MAX_K || bytes || layout != weight.layout {
@@ -399,6 +452,7 @@ fn linear_on(
         sums: if layout == Layout::Quads { sums.as_ptr() } else { std::ptr::null() },
         residual: std::ptr::null(),
         epilogue,
+        requant: output.map(Requant::of),
     };
     let source = Source::Dense(Dense { x: rows.as_ptr(), ld: words });
     // SAFETY: the block runs on this CPU and reads this layout; `rows` holds `m` rows of
@@ -538,8 +592,17 @@ mod tests {
                 let weight = Packed { words: &words, layout };
                 let run = |x: &[f32], ld: usize| {
                     let mut out = vec![f32::NAN; m * n];
-                    let ran =
-                        linear_on(kernel, (x, ld), [m, k, n], &quant, weight, &w_scale, None, Epilogue::None, &mut out);
+                    let ran = linear_on(
+                        kernel,
+                        (x, ld),
+                        [m, k, n],
+                        &quant,
+                        weight,
+                        &w_scale,
+                        None,
+                        (Epilogue::None, None),
+                        &mut out,
+                    );
                     assert_eq!(ran, Ok(()), "{isa:?}");
                     out
                 };
@@ -564,7 +627,17 @@ mod tests {
                 let weight = Packed { words: &words, layout };
                 for (epilogue, bias) in [(Epilogue::None, Some(&bias[..])), (Epilogue::Gelu, None)] {
                     let mut out = vec![f32::NAN; m * n];
-                    let ran = linear_on(kernel, (&x, k), [m, k, n], &quant, weight, &w_scale, bias, epilogue, &mut out);
+                    let ran = linear_on(
+                        kernel,
+                        (&x, k),
+                        [m, k, n],
+                        &quant,
+                        weight,
+                        &w_scale,
+                        bias,
+                        (epilogue, None),
+                        &mut out,
+                    );
                     assert_eq!(ran, Ok(()), "{isa:?}");
                     let want = reference::linear_int8(&x, [m, k, n], &quant, &w, &w_scale, bias, epilogue);
                     for (i, (got, want)) in out.iter().zip(&want).enumerate() {
@@ -575,6 +648,55 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// An output quantization gives, on every family and for an epilogue applied as the tiles
+    /// store (ReLU6) and one applied after them (GELU), the bits of the linear followed by
+    /// [`fake_quantize_f32`]; one the kernel can't take declines.
+    #[test]
+    fn an_output_quantization_gives_the_bits_of_a_fake_quantize_after() {
+        let output = Quant { scale: 0.0137, zero_point: 3, qmin: 0, qmax: 255 };
+        for (isa, kernel) in variants() {
+            let layout = kernel.layout;
+            for ([m, k, n], quant) in cases() {
+                let mut x: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0).collect();
+                x[0] = f32::NAN;
+                let w: Vec<i8> = (0..n * k).map(|i| ((i * 53 % 256) as i32 - 128) as i8).collect();
+                let w_scale: Vec<f32> = (0..n).map(|i| 0.001 + i as f32 / 7000.0).collect();
+                let bias: Vec<f32> = (0..n).map(|i| i as f32 / 7.0 - 1.0).collect();
+                let words = packed(&w, [n, k], layout);
+                let weight = Packed { words: &words, layout };
+                for epilogue in [Epilogue::Relu6, Epilogue::Gelu] {
+                    let run = |output: Option<&Quant>| {
+                        let mut out = vec![f32::NAN; m * n];
+                        let args = (epilogue, output);
+                        let ran = linear_on(
+                            kernel,
+                            (&x, k),
+                            [m, k, n],
+                            &quant,
+                            weight,
+                            &w_scale,
+                            Some(&bias),
+                            args,
+                            &mut out,
+                        );
+                        assert_eq!(ran, Ok(()), "{isa:?}");
+                        out
+                    };
+                    let mut want = vec![0.0; m * n];
+                    assert_eq!(fake_quantize_f32(&run(None), &output, &mut want), Ok(()));
+                    let got = run(Some(&output));
+                    let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{isa:?} {layout:?} {m}x{k}x{n} {epilogue:?}");
+                }
+                let bad = Quant { scale: 0.0, ..output };
+                let mut out = vec![0.0; m * n];
+                let args = (Epilogue::None, Some(&bad));
+                let ran = linear_on(kernel, (&x, k), [m, k, n], &quant, weight, &w_scale, None, args, &mut out);
+                assert_eq!(ran, Err(Declined::Values), "{isa:?}");
             }
         }
     }
@@ -597,7 +719,17 @@ mod tests {
                 let words = packed(&vec![w; k], [1, k], layout);
                 let mut out = [f32::NAN; 2];
                 let weight = Packed { words: &words, layout };
-                let ran = linear_on(kernel, (&x, k), [2, k, 1], &quant, weight, &[1.0], None, Epilogue::None, &mut out);
+                let ran = linear_on(
+                    kernel,
+                    (&x, k),
+                    [2, k, 1],
+                    &quant,
+                    weight,
+                    &[1.0],
+                    None,
+                    (Epilogue::None, None),
+                    &mut out,
+                );
                 assert_eq!(ran, Ok(()), "{isa:?}");
                 let want = (level - quant.zero_point) * w as i64 * k as i64;
                 assert_eq!(out, [want as f32; 2], "{isa:?} {layout:?} {quant:?}");
@@ -733,7 +865,7 @@ mod tests {
                     weight,
                     &[1.0; 2],
                     None,
-                    Epilogue::None,
+                    (Epilogue::None, None),
                     &mut [0f32; 4],
                 )
             };
@@ -755,7 +887,16 @@ mod tests {
         if let Some(layout) = Layout::current() {
             let words = vec![0u32; layout.packed_len([2, 2])];
             let weight = Packed { words: &words, layout };
-            let ran = linear((&[0.0; 4], 2), [2, 2, 2], &good, weight, &[1.0; 2], None, Epilogue::None, &mut [0f32; 3]);
+            let ran = linear(
+                (&[0.0; 4], 2),
+                [2, 2, 2],
+                &good,
+                weight,
+                &[1.0; 2],
+                None,
+                (Epilogue::None, None),
+                &mut [0f32; 3],
+            );
             assert_eq!(ran, Err(Declined::Shapes));
         }
     }

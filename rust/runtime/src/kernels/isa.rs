@@ -113,7 +113,7 @@ pub struct Table {
     /// Dynamic quantization's range of an input (`super::int8::range`).
     pub(super) range: unsafe fn(&[f32]) -> Option<(f32, f32)>,
     /// A quantize then dequantize per tensor in one pass (`super::int8::fake_quantize`).
-    pub(super) fake_quantize: unsafe fn(&[f32], &super::int8::Levels, f32, &mut [f32]),
+    pub(super) fake_quantize: unsafe fn(&[f32], &super::int8::Requant, &mut [f32]),
     pub(super) depthwise: conv::Rows<conv::Depthwise>,
     pub(super) direct: conv::Rows<conv::Conv2d>,
     pub(super) attention: unsafe fn(&attention::Operands<'_>, std::ops::Range<usize>) -> bool,
@@ -199,10 +199,10 @@ macro_rules! table {
             unsafe { super::int8::range::<S>(x) }
         }
         $(#[target_feature(enable = $features)])?
-        unsafe fn fake_quantize(x: &[f32], q: &super::int8::Levels, scale: f32, out: &mut [f32]) {
+        unsafe fn fake_quantize(x: &[f32], q: &super::int8::Requant, out: &mut [f32]) {
             // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
             // enables; the caller upholds the generic body\'s contract.
-            unsafe { super::int8::fake_quantize::<S>(x, q, scale, out) }
+            unsafe { super::int8::fake_quantize::<S>(x, q, out) }
         }
         $(#[target_feature(enable = $features)])?
         unsafe fn depthwise(ops: &conv::Operands<conv::Depthwise>, range: std::ops::Range<usize>) {

@@ -161,9 +161,9 @@ impl Operators<'_> {
 
     /// kwexport's int8 linear of `x` (float32 on the CPU, `[..., k]`: contiguous, or rows of
     /// `k` evenly apart, as a slice of a channels-last tensor's channels is), quantized as
-    /// `input` says, with `weight`, then `epilogue` (the activation fused with it): a new
-    /// `[..., n]` tensor, or `None` where the tensors or `quant` don't qualify (the caller runs
-    /// the op's Python form).
+    /// `input` says, with `weight`, then `epilogue` (the activation fused with it) and the
+    /// `output` quantization fused with it, if any: a new `[..., n]` tensor, or `None` where
+    /// the tensors or the quantizations don't qualify (the caller runs the op's Python form).
     ///
     /// # Safety
     /// Every handle must be live.
@@ -172,7 +172,7 @@ impl Operators<'_> {
         x: Raw,
         input: Int8Input,
         weight: Int8Weight,
-        epilogue: kernels::Epilogue,
+        (epilogue, output): (kernels::Epilogue, Option<Quant>),
     ) -> Option<Result<Tensor, CError>> {
         let Int8Weight { panels, layout, n, k, scale: w_scale, bias } = weight;
         let shims = self.0.shims.as_ref()?;
@@ -206,7 +206,8 @@ impl Operators<'_> {
             let len = layout.packed_len([n, k]);
             let words = std::slice::from_raw_parts(shims.data_ptr(panels)? as *const u32, len);
             let os = self.floats_mut(&mut out, m * n)?;
-            kernels::int8::linear((xs, ld), [m, k, n], &quant, Packed { words, layout }, ws, bias, epilogue, os)
+            let post = (epilogue, output.as_ref());
+            kernels::int8::linear((xs, ld), [m, k, n], &quant, Packed { words, layout }, ws, bias, post, os)
         };
         ran.ok().map(|()| Ok(out))
     }

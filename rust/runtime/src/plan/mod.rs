@@ -176,7 +176,8 @@ pub enum OwnOp {
 
 /// What an int8 linear's kernel needs besides the node's tensors: where the input's scale
 /// and zero point come from, its range, the weight's `[n, k]`, the activation fused with it,
-/// and the weight's panels.
+/// the quantization of its result fused with it (`passes::linear_int8_output`), and the
+/// weight's panels.
 #[derive(Debug)]
 pub struct Int8Linear {
     pub(crate) params: Int8Params,
@@ -184,6 +185,7 @@ pub struct Int8Linear {
     pub(crate) n: i64,
     pub(crate) k: i64,
     pub(crate) epilogue: crate::operators::Epilogue,
+    pub(crate) output: Option<crate::operators::Quant>,
     pub(crate) panels: crate::operators::Int8Panels,
 }
 

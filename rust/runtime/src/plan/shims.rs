@@ -25,7 +25,7 @@ use super::{CStep, ShimStep};
 use crate::abi::encode::{self, Enc};
 use crate::abi::shims::{Family, ShimFn};
 use crate::abi::{Abi, Ty};
-use crate::operators::Epilogue;
+use crate::operators::{Epilogue, Quant};
 use crate::ops::OpSchema;
 
 /// Comparisons whose `Scalar` overload is the `Tensor` overload on a wrapped number.
@@ -253,11 +253,21 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg], consts: &mut dyn KernelC
                 },
                 _ => return None,
             };
-            // The activation fused with it, as `mkldnn::_linear_pointwise` names it.
-            let [attr, algorithm] = post else { return None };
+            // The activation fused with it, as `mkldnn::_linear_pointwise` names it, and the
+            // quantization of its result (`passes::linear_int8_output`; a scale of None: none).
+            let [attr, algorithm, scale, zero_point, qmin, qmax] = post else { return None };
             let epilogue = fused_epilogue(attr, algorithm)?;
+            let output = match scale {
+                SlotArg::Literal(Arg::None(())) => None,
+                // One the kernel can't take leaves the node to the op's Python form.
+                SlotArg::Literal(Arg::Float(s)) => {
+                    let quant = Quant { scale: s.0, zero_point: int(zero_point)?, qmin: int(qmin)?, qmax: int(qmax)? };
+                    Some(quant.fits().then_some(quant)?)
+                }
+                _ => return None,
+            };
             let (panels, [n, k]) = consts.int8_panels(w, w_zp)?;
-            let linear = super::Int8Linear { params, range, n, k, epilogue, panels };
+            let linear = super::Int8Linear { params, range, n, k, epilogue, output, panels };
             Some(super::OwnOp::LinearInt8(std::sync::Arc::new(linear)))
         }
         // A quantize → dequantize pair (`passes::fake_quantize`), its parameters literals.
