@@ -344,7 +344,7 @@ def main(peers: list[str], models: list[str] | None, threads: list[int], zoo: bo
         f"| model | set | threads | eager | `exact` | `fast` | {' | '.join(names)} "
         "| `fast` / `exact` | `fast` / fastest peer | rel. error |"
     )
-    print("| --- | --- |" + " ---: |" * (len(names) + 8))
+    print("| --- | --- |" + " ---: |" * (len(names) + 7))
     with tempfile.TemporaryDirectory() as tmp:
         for name, which, model, kwargs, path in saved(models, Path(tmp), zoo):
             if model is None:
