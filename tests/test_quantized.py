@@ -213,6 +213,39 @@ def test_fast_fake_quantizes_an_int8_linears_result_as_its_gemm_stores_it(tmp_pa
             assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
 
 
+class GhostModule(nn.Module):
+    """GhostNet's module: a 1×1 convolution whose result a depthwise convolution and the
+    concatenation both read, so pt2e dequantizes its one quantize twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU())
+        self.primary = nn.Sequential(nn.Conv2d(16, 8, 1), nn.ReLU())
+        self.cheap = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU())
+        self.head = nn.Conv2d(16, 4, 1)
+
+    def forward(self, x):
+        x1 = self.primary(self.stem(x))
+        return self.head(torch.cat([x1, self.cheap(x1)], 1))
+
+
+def test_fast_fake_quantizes_a_value_two_ops_read_once(tmp_path):
+    """The primary convolution's result, quantized once and dequantized for each of its two
+    readers, is fake-quantized once, by the int8 GEMM as it stores it (it was twice, each its
+    own pass): the fake quantizations left are the stem's input's and the depthwise result's
+    (before the concatenation), and the result is the reference's within a quantization step."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 12, 12)
+    q = quantized(GhostModule(), x, dynamic=False)
+    fast = kwexport.load(saved(tmp_path, q, x), optimize="fast")
+    ran = [n["op"] for n in fast.profile(x) if "::" in n["op"]]
+    assert ran.count("kwexport::linear_int8.default") == 2, ran
+    assert ran.count("aten::fake_quantize_per_tensor_affine.default") == 2, ran
+    for inputs in [x, torch.randn(2, 3, 12, 12) * 3]:
+        want, got = q(inputs), fast(inputs)
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
+
+
 def test_a_pt2e_conv_net_loads_without_flags_and_gives_the_references_bits(tmp_path):
     torch.manual_seed(0)
     x = torch.randn(2, 3, 16, 16)

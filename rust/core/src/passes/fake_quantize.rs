@@ -16,6 +16,12 @@
 //! `.tensor_qparams` overload. The quantize stays where anything else reads it (then
 //! `quantized_ops` writes it out), and goes otherwise.
 //!
+//! A quantize that two ops read (GhostNet's primary convolution, quantized once for its
+//! depthwise convolution and once for the concatenation) had a dequantize for each, so it
+//! becomes two fake quantizations of one value with the same parameters: the second goes and
+//! its readers read the first (the same values; GhostNet's int8 program computed 37 of its
+//! 143 twice).
+//!
 //! It runs after `linear_int8`, which takes the pairs that feed a linear, and before
 //! `quantized_ops` (`super::registered`).
 
@@ -52,6 +58,11 @@ impl Pass for FakeQuantize {
 /// Rewrites each static dequantize of a quantize in the method's top-level graph; returns
 /// how many.
 pub fn apply(m: &mut Method) -> usize {
+    pairs(m) + merge(m)
+}
+
+/// The quantize → dequantize pairs as fake quantizations; returns how many.
+fn pairs(m: &mut Method) -> usize {
     let g = &m.graph;
     let op_of = |n: &Node| m.ops.get(n.op).map_or("", |o| o.name.as_str());
     let maker: HashMap<&str, usize> = g.nodes.iter().enumerate().filter_map(|(i, n)| Some((one(n)?, i))).collect();
@@ -97,6 +108,51 @@ pub fn apply(m: &mut Method) -> usize {
     }
     super::remove_nodes(&mut m.graph.nodes, &removed);
     found.len()
+}
+
+/// Each fake quantization of a value with the same parameters as an earlier one of it goes,
+/// its readers reading the earlier one's value (a pure op of the same arguments); not one
+/// whose value leaves the graph, which would make two outputs one tensor. Returns how many.
+fn merge(m: &mut Method) -> usize {
+    let g = &m.graph;
+    let read = readers(g);
+    let leaves =
+        |n: &Node| n.outputs.names().any(|o| read.get(o).is_some_and(|r| r.contains(&super::readers::OUTSIDE)));
+    // Each kept one's op, arguments and value (arguments hold floats: compared, not hashed).
+    let mut first: Vec<(usize, &[Arg], &str)> = Vec::new();
+    let mut renamed: HashMap<String, String> = HashMap::new();
+    let mut removed = vec![false; g.nodes.len()];
+    for (i, n) in g.nodes.iter().enumerate() {
+        let fake = m.ops.get(n.op).is_some_and(|o| o.name == FAKE || o.name == FAKE_TENSOR);
+        let Some(out) = one(n).filter(|_| fake && n.kwargs.is_empty()) else { continue };
+        match first.iter().find(|(op, args, _)| *op == n.op && *args == n.args.as_slice()).map(|f| f.2) {
+            Some(kept) if !leaves(n) => {
+                renamed.insert(out.to_owned(), kept.to_owned());
+                removed[i] = true;
+            }
+            Some(_) => {}
+            None => first.push((n.op, n.args.as_slice(), out)),
+        }
+    }
+    if renamed.is_empty() {
+        return 0;
+    }
+    fn rename(a: &mut Arg, to: &HashMap<String, String>) {
+        match a {
+            Arg::Ref(r) => {
+                if let Some(x) = to.get(r.as_str()) {
+                    r.clone_from(x);
+                }
+            }
+            Arg::List(items) => items.iter_mut().for_each(|i| rename(i, to)),
+            _ => {}
+        }
+    }
+    for n in &mut m.graph.nodes {
+        n.args.iter_mut().chain(n.kwargs.values_mut()).for_each(|a| rename(a, &renamed));
+    }
+    super::remove_nodes(&mut m.graph.nodes, &removed);
+    renamed.len()
 }
 
 #[cfg(test)]
@@ -148,6 +204,37 @@ mod tests {
         let mut m = method(|m| m["graph"]["outputs"] = json!([{"ref": "y"}, {"ref": "q"}]));
         assert_eq!(apply(&mut m), 1);
         assert_eq!(m.graph.nodes.len(), 3);
+    }
+
+    #[test]
+    fn a_quantize_read_by_two_dequantizes_becomes_one_fake_quantize_both_read() {
+        let second = |m: &mut serde_json::Value| {
+            let nodes = m["graph"]["nodes"].as_array_mut().unwrap();
+            let mut dq = nodes[1].clone();
+            dq["outputs"] = json!({"one": "xd2"});
+            nodes.insert(2, dq);
+            nodes.push(json!({"op": 2, "args": [{"ref": "xd2"}], "outputs": {"one": "y2"}}));
+            m["graph"]["outputs"] = json!([{"ref": "y"}, {"ref": "y2"}]);
+        };
+        let mut m = method(second);
+        let (p, g) = (pairs(&mut m), merge(&mut m));
+        assert_eq!((p, g), (2, 1), "two pairs, one merged");
+        let ops: Vec<&str> = m.graph.nodes.iter().map(|n| m.ops[n.op].name.as_str()).collect();
+        assert_eq!(ops, [FAKE, "aten::relu.default", "aten::relu.default"]);
+        assert!(m.graph.nodes[1..].iter().all(|n| n.args == [Arg::Ref("xd".into())]));
+        assert_eq!(apply(&mut m), 0);
+        // A second fake quantization whose value is an output stays.
+        let mut m = method(|m| {
+            second(m);
+            m["graph"]["outputs"] = json!([{"ref": "y"}, {"ref": "xd2"}]);
+        });
+        assert_eq!(apply(&mut m), 2);
+        assert_eq!(m.graph.nodes.iter().filter(|n| m.ops[n.op].name == FAKE).count(), 2);
+        // One of other parameters (a fake quantization in the file) stays.
+        let mut m = method(second);
+        pairs(&mut m);
+        m.graph.nodes[1].args[1] = Arg::Float(crate::schema::Float(0.03));
+        assert_eq!(merge(&mut m), 0);
     }
 
     #[test]
