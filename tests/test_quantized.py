@@ -246,6 +246,36 @@ def test_fast_fake_quantizes_a_value_two_ops_read_once(tmp_path):
         assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
 
 
+class PooledNet(nn.Module):
+    """SqueezeNet's stem: a convolution, then a max pool of its quantized result."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, stride=2), nn.ReLU())
+        self.pool = nn.MaxPool2d(3, 2, ceil_mode=True)
+        self.conv = nn.Conv2d(16, 8, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(self.pool(self.stem(x)))
+
+
+def test_fast_fake_quantizes_after_a_max_pool_over_fewer_values(tmp_path):
+    """The stem's result is fake-quantized after the max pool rather than before it (the two
+    commute), and once: pt2e quantizes the pool's result again with the same parameters,
+    which changes nothing. The same values as the reference's, within a quantization step."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 33, 33)
+    q = quantized(PooledNet(), x, dynamic=False)
+    fast = kwexport.load(saved(tmp_path, q, x), optimize="fast")
+    ran = [n["op"] for n in fast.profile(x) if "::" in n["op"]]
+    pool = ran.index("aten::max_pool2d.default")
+    fake = "aten::fake_quantize_per_tensor_affine.default"
+    assert ran[pool - 1] != fake and ran[pool + 1] == fake and ran[pool + 2] != fake, ran
+    for inputs in [x, torch.randn(2, 3, 33, 33) * 3]:
+        want, got = q(inputs), fast(inputs)
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
+
+
 def test_a_pt2e_conv_net_loads_without_flags_and_gives_the_references_bits(tmp_path):
     torch.manual_seed(0)
     x = torch.randn(2, 3, 16, 16)
