@@ -215,25 +215,27 @@ def test_fast_fake_quantizes_an_int8_linears_result_as_its_gemm_stores_it(tmp_pa
 
 class GhostModule(nn.Module):
     """GhostNet's module: a 1×1 convolution whose result a depthwise convolution and the
-    concatenation both read, so pt2e dequantizes its one quantize twice."""
+    concatenation both read, so pt2e dequantizes its one quantize twice; the concatenation's
+    first channels kept (its `[:, :oup]`), so pt2e quantizes its result too."""
 
     def __init__(self):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU())
         self.primary = nn.Sequential(nn.Conv2d(16, 8, 1), nn.ReLU())
         self.cheap = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU())
-        self.head = nn.Conv2d(16, 4, 1)
+        self.head = nn.Conv2d(12, 4, 1)
 
     def forward(self, x):
         x1 = self.primary(self.stem(x))
-        return self.head(torch.cat([x1, self.cheap(x1)], 1))
+        return self.head(torch.cat([x1, self.cheap(x1)], 1)[:, :12])
 
 
 def test_fast_fake_quantizes_a_value_two_ops_read_once(tmp_path):
     """The primary convolution's result, quantized once and dequantized for each of its two
     readers, is fake-quantized once, by the int8 GEMM as it stores it (it was twice, each its
-    own pass): the fake quantizations left are the stem's input's and the depthwise result's
-    (before the concatenation), and the result is the reference's within a quantization step."""
+    own pass), and the concatenation of values already on its levels isn't again: the fake
+    quantizations left are the stem's input's and the depthwise result's (before the
+    concatenation), and the result is the reference's within a quantization step."""
     torch.manual_seed(0)
     x = torch.randn(2, 3, 12, 12)
     q = quantized(GhostModule(), x, dynamic=False)

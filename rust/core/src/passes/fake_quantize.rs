@@ -22,6 +22,9 @@
 //! its readers read the first (the same values; GhostNet's int8 program computed 37 of its
 //! 143 twice).
 //!
+//! A fake quantization of a concatenation of values each fake-quantized with its parameters
+//! goes too (pt2e quantizes a `cat`'s inputs and result alike: GhostNet's 32).
+//!
 //! A fake quantization that only a max pool reads runs after the pool instead, over a
 //! quarter of the values or fewer (SqueezeNet's stem: 1.2 M): the two commute, fake
 //! quantization being monotone (the same values; where the input holds a NaN, which the
@@ -63,7 +66,60 @@ impl Pass for FakeQuantize {
 /// Rewrites each static dequantize of a quantize in the method's top-level graph; returns
 /// how many.
 pub fn apply(m: &mut Method) -> usize {
-    pairs(m) + merge(m) + after_pools(m)
+    pairs(m) + merge(m) + of_quantized_cats(m) + after_pools(m)
+}
+
+/// Each static fake quantization of a `cat` whose inputs are each a fake quantization's value
+/// with the same parameters goes, its readers reading the `cat` (already on those levels:
+/// quantizing is idempotent); not one whose value leaves the graph. Returns how many.
+fn of_quantized_cats(m: &mut Method) -> usize {
+    let g = &m.graph;
+    let op_of = |n: &Node| m.ops.get(n.op).map_or("", |o| o.name.as_str());
+    let read = readers(g);
+    let maker: HashMap<&str, usize> = g.nodes.iter().enumerate().filter_map(|(i, n)| Some((one(n)?, i))).collect();
+    let made_by = |r: &Arg| match r {
+        Arg::Ref(r) => maker.get(r.as_str()).map(|&i| &g.nodes[i]),
+        _ => None,
+    };
+    let mut renamed: HashMap<String, String> = HashMap::new();
+    let mut removed = vec![false; g.nodes.len()];
+    for (i, f) in g.nodes.iter().enumerate() {
+        let [x @ Arg::Ref(c), Arg::Float(_), ..] = &f.args[..] else { continue };
+        let Some(out) = one(f).filter(|_| op_of(f) == FAKE && f.kwargs.is_empty()) else { continue };
+        let leaves = read.get(out).is_some_and(|r| r.contains(&super::readers::OUTSIDE));
+        let Some(cat) = made_by(x).filter(|n| op_of(n) == "aten::cat.default" && n.kwargs.is_empty()) else { continue };
+        let Some(Arg::List(inputs)) = cat.args.first() else { continue };
+        let quantized = |a: &Arg| made_by(a).is_some_and(|q| op_of(q) == FAKE && q.args[1..] == f.args[1..]);
+        if !leaves && !inputs.is_empty() && inputs.iter().all(quantized) {
+            renamed.insert(out.to_owned(), c.clone());
+            removed[i] = true;
+        }
+    }
+    rename_refs(m, &renamed, &removed)
+}
+
+/// Points every reference to a key of `renamed` at its value and drops the `removed` nodes;
+/// returns how many values were renamed.
+fn rename_refs(m: &mut Method, renamed: &HashMap<String, String>, removed: &[bool]) -> usize {
+    if renamed.is_empty() {
+        return 0;
+    }
+    fn rename(a: &mut Arg, to: &HashMap<String, String>) {
+        match a {
+            Arg::Ref(r) => {
+                if let Some(x) = to.get(r.as_str()) {
+                    r.clone_from(x);
+                }
+            }
+            Arg::List(items) => items.iter_mut().for_each(|i| rename(i, to)),
+            _ => {}
+        }
+    }
+    for n in &mut m.graph.nodes {
+        n.args.iter_mut().chain(n.kwargs.values_mut()).for_each(|a| rename(a, renamed));
+    }
+    super::remove_nodes(&mut m.graph.nodes, removed);
+    renamed.len()
 }
 
 /// The quantize → dequantize pairs as fake quantizations; returns how many.
@@ -146,25 +202,7 @@ fn merge(m: &mut Method) -> usize {
             None => first.push((n.op, n.args.as_slice(), out)),
         }
     }
-    if renamed.is_empty() {
-        return 0;
-    }
-    fn rename(a: &mut Arg, to: &HashMap<String, String>) {
-        match a {
-            Arg::Ref(r) => {
-                if let Some(x) = to.get(r.as_str()) {
-                    r.clone_from(x);
-                }
-            }
-            Arg::List(items) => items.iter_mut().for_each(|i| rename(i, to)),
-            _ => {}
-        }
-    }
-    for n in &mut m.graph.nodes {
-        n.args.iter_mut().chain(n.kwargs.values_mut()).for_each(|a| rename(a, &renamed));
-    }
-    super::remove_nodes(&mut m.graph.nodes, &removed);
-    renamed.len()
+    rename_refs(m, &renamed, &removed)
 }
 
 /// Each fake quantization a max pool alone reads, moved after the pool: the pool reads its
@@ -289,6 +327,36 @@ mod tests {
         pairs(&mut m);
         m.graph.nodes[1].args[1] = Arg::Float(crate::schema::Float(0.03));
         assert_eq!(merge(&mut m), 0);
+    }
+
+    #[test]
+    fn a_fake_quantization_of_a_cat_of_values_quantized_alike_goes() {
+        // y = relu(xd) becomes c = cat([xd, xd], 1), then yq = fake_quantize(c, same), read by
+        // a relu.
+        let cat = |params: serde_json::Value| {
+            move |m: &mut serde_json::Value| {
+                m["ops"][2]["name"] = json!("aten::cat.default");
+                m["ops"].as_array_mut().unwrap().push(json!({"name": FAKE, "schema": "s"}));
+                m["ops"].as_array_mut().unwrap().push(json!({"name": "aten::relu.default", "schema": "s"}));
+                m["graph"]["nodes"][2] = json!({"op": 2, "args": [{"list": [{"ref": "xd"}, {"ref": "xd"}]}, {"int": 1}], "outputs": {"one": "c"}});
+                let mut args = vec![json!({"ref": "c"})];
+                args.extend(params.as_array().unwrap().iter().cloned());
+                let nodes = m["graph"]["nodes"].as_array_mut().unwrap();
+                nodes.push(json!({"op": 3, "args": args, "outputs": {"one": "yq"}}));
+                nodes.push(json!({"op": 4, "args": [{"ref": "yq"}], "outputs": {"one": "y"}}));
+            }
+        };
+        let same = json!([{"float": 0.02}, {"int": 131}, {"int": 0}, {"int": 255}]);
+        let mut m = method(cat(same));
+        apply(&mut m);
+        let ops: Vec<&str> = m.graph.nodes.iter().map(|n| m.ops[n.op].name.as_str()).collect();
+        assert_eq!(ops, [FAKE, "aten::cat.default", "aten::relu.default"]);
+        assert_eq!(m.graph.nodes[2].args, [Arg::Ref("c".into())]);
+        // Another scale: the values aren't on its levels, it stays.
+        let other = json!([{"float": 0.03}, {"int": 131}, {"int": 0}, {"int": 255}]);
+        let mut m = method(cat(other));
+        apply(&mut m);
+        assert_eq!(m.graph.nodes.iter().filter(|n| m.ops[n.op].name == FAKE).count(), 2);
     }
 
     #[test]
