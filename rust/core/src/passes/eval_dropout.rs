@@ -31,22 +31,8 @@ fn rewrite(m: &mut Method) -> usize {
     if input_of.is_empty() {
         return 0;
     }
-    fn rename(a: &mut Arg, input_of: &HashMap<String, String>) {
-        match a {
-            Arg::Ref(r) => {
-                if let Some(x) = input_of.get(r.as_str()) {
-                    r.clone_from(x);
-                }
-            }
-            Arg::List(items) => items.iter_mut().for_each(|i| rename(i, input_of)),
-            _ => {}
-        }
-    }
     let g = &mut m.graph;
-    for n in &mut g.nodes {
-        n.args.iter_mut().chain(n.kwargs.values_mut()).for_each(|a| rename(a, &input_of));
-    }
-    g.outputs.iter_mut().chain(g.mutations.iter_mut().map(|w| &mut w.value)).for_each(|a| rename(a, &input_of));
+    super::redirect(g, &input_of);
     super::remove_nodes(&mut g.nodes, &removed);
     input_of.len()
 }

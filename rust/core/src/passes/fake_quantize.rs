@@ -98,26 +98,10 @@ fn of_quantized_cats(m: &mut Method) -> usize {
     rename_refs(m, &renamed, &removed)
 }
 
-/// Points every reference to a key of `renamed` at its value and drops the `removed` nodes;
-/// returns how many values were renamed.
+/// Redirects the readers of each key of `renamed` to its value and drops the `removed`
+/// nodes; returns how many values were renamed.
 fn rename_refs(m: &mut Method, renamed: &HashMap<String, String>, removed: &[bool]) -> usize {
-    if renamed.is_empty() {
-        return 0;
-    }
-    fn rename(a: &mut Arg, to: &HashMap<String, String>) {
-        match a {
-            Arg::Ref(r) => {
-                if let Some(x) = to.get(r.as_str()) {
-                    r.clone_from(x);
-                }
-            }
-            Arg::List(items) => items.iter_mut().for_each(|i| rename(i, to)),
-            _ => {}
-        }
-    }
-    for n in &mut m.graph.nodes {
-        n.args.iter_mut().chain(n.kwargs.values_mut()).for_each(|a| rename(a, renamed));
-    }
+    super::redirect(&mut m.graph, renamed);
     super::remove_nodes(&mut m.graph.nodes, removed);
     renamed.len()
 }

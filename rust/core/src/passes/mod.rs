@@ -258,6 +258,27 @@ fn replace_chains(nodes: &mut Vec<crate::schema::Node>, chains: Vec<(Vec<usize>,
     splice_nodes(nodes, at, &removed);
 }
 
+/// Points every reference to a key of `to` (in the nodes' arguments, the graph's outputs and
+/// its mutations' values) at its value: the readers of a node a pass drops reading the value
+/// that stands for it.
+fn redirect(g: &mut crate::schema::Graph, to: &std::collections::HashMap<String, String>) {
+    fn rename(a: &mut crate::schema::Arg, to: &std::collections::HashMap<String, String>) {
+        match a {
+            crate::schema::Arg::Ref(r) => {
+                if let Some(x) = to.get(r.as_str()) {
+                    r.clone_from(x);
+                }
+            }
+            crate::schema::Arg::List(items) => items.iter_mut().for_each(|i| rename(i, to)),
+            _ => {}
+        }
+    }
+    for n in &mut g.nodes {
+        n.args.iter_mut().chain(n.kwargs.values_mut()).for_each(|a| rename(a, to));
+    }
+    g.outputs.iter_mut().chain(g.mutations.iter_mut().map(|w| &mut w.value)).for_each(|a| rename(a, to));
+}
+
 /// Removes the nodes `removed` marks.
 fn remove_nodes(nodes: &mut Vec<crate::schema::Node>, removed: &[bool]) {
     let mut i = 0;

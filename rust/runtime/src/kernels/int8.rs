@@ -570,6 +570,16 @@ mod tests {
         isa::supported().into_iter().flat_map(each).collect()
     }
 
+    /// The tests' operands for an `[m, k, n]` linear: rows of values on both sides of 0, an
+    /// int8 weight over its whole range, per-column scales and a bias.
+    fn operands([m, k, n]: [usize; 3]) -> (Vec<f32>, Vec<i8>, Vec<f32>, Vec<f32>) {
+        let x = (0..m * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0).collect();
+        let w = (0..n * k).map(|i| ((i * 53 % 256) as i32 - 128) as i8).collect();
+        let w_scale = (0..n).map(|i| 0.001 + i as f32 / 7000.0).collect();
+        let bias = (0..n).map(|i| i as f32 / 7.0 - 1.0).collect();
+        (x, w, w_scale, bias)
+    }
+
     fn packed(w: &[i8], [n, k]: [usize; 2], layout: Layout) -> Vec<u32> {
         let mut words = vec![0u32; layout.packed_len([n, k])];
         layout.pack(w, [n, k], [k, 1], &mut words);
@@ -619,10 +629,7 @@ mod tests {
         for (isa, kernel) in variants() {
             let layout = kernel.layout;
             for ([m, k, n], quant) in cases() {
-                let x: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0).collect();
-                let w: Vec<i8> = (0..n * k).map(|i| ((i * 53 % 256) as i32 - 128) as i8).collect();
-                let w_scale: Vec<f32> = (0..n).map(|i| 0.001 + i as f32 / 7000.0).collect();
-                let bias: Vec<f32> = (0..n).map(|i| i as f32 / 7.0 - 1.0).collect();
+                let (x, w, w_scale, bias) = operands([m, k, n]);
                 let words = packed(&w, [n, k], layout);
                 let weight = Packed { words: &words, layout };
                 for (epilogue, bias) in [(Epilogue::None, Some(&bias[..])), (Epilogue::Gelu, None)] {
@@ -661,11 +668,8 @@ mod tests {
         for (isa, kernel) in variants() {
             let layout = kernel.layout;
             for ([m, k, n], quant) in cases() {
-                let mut x: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0).collect();
+                let (mut x, w, w_scale, bias) = operands([m, k, n]);
                 x[0] = f32::NAN;
-                let w: Vec<i8> = (0..n * k).map(|i| ((i * 53 % 256) as i32 - 128) as i8).collect();
-                let w_scale: Vec<f32> = (0..n).map(|i| 0.001 + i as f32 / 7000.0).collect();
-                let bias: Vec<f32> = (0..n).map(|i| i as f32 / 7.0 - 1.0).collect();
                 let words = packed(&w, [n, k], layout);
                 let weight = Packed { words: &words, layout };
                 for epilogue in [Epilogue::Relu6, Epilogue::Gelu] {
