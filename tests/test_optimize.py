@@ -1373,3 +1373,65 @@ def test_outputs_in_the_arena_outlive_the_program_and_match_without_it(tmp_path)
         assert r.returncode == 0, r.stderr
         outs.append(torch.load(dst))
     assert torch.equal(outs[0], outs[1])
+
+
+class ConcatenatedConvolutions(nn.Module):
+    """Concatenations of convolutions' outputs: GhostNet's module (a 1×1, then a depthwise
+    3×3 of its output, joined; the join then added to in place), SqueezeNet's fire (a 1×1
+    and a 3×3 of one input, joined), and a GhostNet module whose first part is read again
+    after the join was changed in place, which must see its own values."""
+
+    def __init__(self):
+        super().__init__()
+
+        def conv(cin, cout, k, groups=1):
+            return nn.Sequential(
+                nn.Conv2d(cin, cout, k, padding=k // 2, groups=groups, bias=False), nn.BatchNorm2d(cout), nn.ReLU()
+            )
+
+        self.primary, self.cheap = conv(24, 12, 1), conv(12, 12, 3, groups=12)
+        self.squeeze, self.expand1, self.expand3 = conv(24, 8, 1), conv(8, 16, 1), conv(8, 16, 3)
+        self.primary2, self.cheap2 = conv(32, 20, 1), conv(20, 20, 3, groups=20)
+
+    def forward(self, x):
+        x1 = self.primary(x)
+        ghost = torch.cat([x1, self.cheap(x1)], 1)
+        ghost += x
+        s = self.squeeze(ghost)
+        fire = torch.cat([self.expand1(s), self.expand3(s)], 1)
+        y1 = self.primary2(fire)
+        again = torch.cat([y1, self.cheap2(y1)], 1)
+        again *= 2
+        return again, y1 + 1
+
+
+def test_fast_writes_convolutions_into_their_concatenation(tmp_path):
+    """`plan::concat`: the convolutions write their parts of the `cat` (kwexport's kernels,
+    forced), or the `cat` copies what oneDNN made into them (torch's, forced); either way
+    eager's values, and a part read after the join was changed keeps its own."""
+    torch.manual_seed(0)
+    model = ConcatenatedConvolutions().eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(2, 24, 13, 17)
+    path = tmp_path / "concat.kwx"
+    kwexport.save(kwexport.export(model, (x,)), path)
+    torch.save(x, tmp_path / "x.pt")
+    script = (
+        "import sys, torch, kwexport\n"
+        f"x = torch.load({str(tmp_path / 'x.pt')!r})\n"
+        f"prog = kwexport.load({str(path)!r}, optimize='fast')\n"
+        "first = prog(x)\n"
+        "torch.set_num_threads(2)\n"
+        "torch.save((first, prog(x)), sys.argv[1])\n"
+    )
+    outs = with_each_kernel(tmp_path, script)
+    with torch.no_grad():
+        want = model(x)
+    for kernel, calls in outs.items():
+        for got in calls:
+            for g, w in zip(got, want):
+                assert g.shape == w.shape and rel_err(g, w) < 1e-5, kernel

@@ -453,7 +453,13 @@ impl Abi {
     ///
     /// # Safety
     /// `base` must be a live handle.
-    unsafe fn reinterpret_raw(&self, base: Raw, sizes: &[i64], strides: &[i64], offset: i64) -> Result<Tensor, CError> {
+    pub(crate) unsafe fn reinterpret_raw(
+        &self,
+        base: Raw,
+        sizes: &[i64],
+        strides: &[i64],
+        offset: i64,
+    ) -> Result<Tensor, CError> {
         let f = self.reinterpret.ok_or_else(|| CError::Internal("no _reinterpret_tensor".into()))?;
         if sizes.len() != strides.len() {
             return Err(CError::Internal("sizes and strides differ in length".into()));

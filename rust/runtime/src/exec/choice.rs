@@ -120,27 +120,31 @@ impl CStep {
             // SAFETY: a live handle.
             let pixels = unsafe { abi.sizes_strides(t[0]) }.map(|(s, _)| s[0] * s[2] * s[3]);
             let adds = (bias, residual);
-            // SAFETY: live handles: the input, the bias, the residual and the packed weight (a
-            // const of the plan).
+            // This node's channels of a concatenation made in place (`plan::concat`).
+            let part = self.part.and_then(|p| self.concat_buffer(abi, conv, t[0], p, slots));
+            // SAFETY: live handles: the input, the bias, the residual, the packed weight (a
+            // const of the plan) and the concatenation's buffer (in its slot).
             let ours = || unsafe {
                 match &own.kernel {
                     OwnKernel::Gemm { panels, n } => {
-                        Operators(abi).conv1x1(t[0], panels.get(abi, consts)?, *n, adds, own.epilogue, panels.bf16)
+                        let panels_of = panels.get(abi, consts)?;
+                        Operators(abi).conv1x1(t[0], panels_of, *n, adds, own.epilogue, panels.bf16, part)
                     }
                     OwnKernel::Depthwise { taps, geometry } if residual.is_none() => {
-                        Operators(abi).depthwise(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
+                        Operators(abi).depthwise(t[0], consts[*taps].raw(), geometry, bias, own.epilogue, part)
                     }
                     OwnKernel::Direct { taps, geometry } if residual.is_none() => {
                         Operators(abi).direct_conv(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
                     }
                     OwnKernel::Indirect { weight, geometry, winograd: Some(w), .. } if pixels? >= w.min_pixels => {
                         let panels = w.panels.get_or_init(|| Operators(abi).pack_winograd(&consts[*weight]));
-                        Operators(abi).winograd_conv(t[0], panels.as_ref()?.raw(), geometry, adds, own.epilogue)
+                        Operators(abi).winograd_conv(t[0], panels.as_ref()?.raw(), geometry, adds, own.epilogue, part)
                     }
                     OwnKernel::Indirect { weight, geometry, panels, bf16, .. } => {
                         let panels = panels
                             .get_or_init(|| Operators(abi).pack_conv_panels(&consts[*weight], geometry.groups, *bf16));
-                        Operators(abi).indirect_conv(t[0], panels.as_ref()?.raw(), geometry, adds, own.epilogue, *bf16)
+                        let panels = panels.as_ref()?.raw();
+                        Operators(abi).indirect_conv(t[0], panels, geometry, adds, own.epilogue, *bf16, part)
                     }
                     _ => None,
                 }
@@ -152,6 +156,36 @@ impl CStep {
         }
         self.finish(slots, onednn()?);
         Ok(())
+    }
+}
+
+impl CStep {
+    /// The buffer of the concatenation this convolution writes a part of (`plan::concat`),
+    /// as a part: the one in the `cat`'s slot, or (the first of its convolutions to run) a
+    /// new channels-last tensor of the concatenation's sizes put there. `None` where the
+    /// output's sizes can't be read or the buffer can't be made (the node writes a tensor of
+    /// its own).
+    fn concat_buffer(
+        &self,
+        abi: &Abi,
+        conv: &crate::plan::Conv,
+        x: abi::Raw,
+        part: crate::plan::PartOf,
+        slots: &mut [Option<Native>],
+    ) -> Option<operators::Part> {
+        let buffer = match &slots[part.slot] {
+            Some(Native::Tensor(b)) => b.raw(),
+            _ => {
+                // SAFETY: the node's live input.
+                let sizes = unsafe { conv.output_sizes(abi, x) }?;
+                let [n, _, h, w] = <[i64; 4]>::try_from(sizes).ok()?.map(|d| usize::try_from(d).ok());
+                let made = Operators(abi).concat_buffer([n?, part.total, h?, w?]).ok()?;
+                let raw = made.raw();
+                slots[part.slot] = Some(Native::Tensor(made));
+                raw
+            }
+        };
+        Some(operators::Part { buffer, offset: part.offset })
     }
 }
 

@@ -562,9 +562,20 @@ impl CStep {
             OwnOp::Contiguous => unsafe { Operators(abi).contiguous(tensor(0)??) },
             OwnOp::Cat { dim } => {
                 let Enc::List(items) = &self.args.first()?.1 else { return None };
-                let inputs: Option<Vec<abi::Raw>> = items.iter().map(|e| of(e, slots, consts).flatten()).collect();
+                let inputs: Vec<abi::Raw> =
+                    items.iter().map(|e| of(e, slots, consts).flatten()).collect::<Option<_>>()?;
+                // A concatenation made in place (`plan::concat`): its convolutions made its
+                // result, in its slot, and wrote their parts there.
+                if let (1, SlotOutputs::One(Some(o))) = (dim, &self.outputs) {
+                    if let Some(Native::Tensor(buffer)) = &slots[*o] {
+                        // SAFETY: live handles from slots and constants.
+                        if let Some(done) = unsafe { Operators(abi).cat_into(&inputs, buffer) } {
+                            return Some(done);
+                        }
+                    }
+                }
                 // SAFETY: live handles from slots and constants.
-                unsafe { Operators(abi).cat(&inputs?, *dim) }
+                unsafe { Operators(abi).cat(&inputs, *dim) }
             }
             // SAFETY: as above.
             OwnOp::MeanPixels { keepdim } => unsafe { Operators(abi).mean_pixels(tensor(0)??, *keepdim) },

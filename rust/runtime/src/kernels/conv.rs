@@ -122,6 +122,9 @@ pub(super) struct Operands<G> {
     dims: [usize; 3],
     /// The input's element strides (batch, channel, row, column): the direct kernel's only.
     strides: [usize; 4],
+    /// How far apart the input's pixels and the output's are (`c` where dense; more for a
+    /// slice of a wider tensor's channels): the depthwise kernel's only.
+    pixels: [usize; 2],
     taps: *const f32,
     g: G,
     /// The output's height and width.
@@ -158,7 +161,7 @@ unsafe fn by_rows<G: Sync>(rows: Rows<G>, ops: &Operands<G>, flops: usize) {
 #[allow(clippy::too_many_arguments)]
 pub fn depthwise_f32(
     x: &[f32],
-    [batch, h, w]: [usize; 3],
+    dims: [usize; 3],
     taps: &[f32],
     g: &Depthwise,
     bias: Option<&[f32]>,
@@ -166,25 +169,54 @@ pub fn depthwise_f32(
     out: &mut [f32],
 ) -> Ran {
     let c = g.channels;
+    let [ho, wo] = g.output(dims[1], dims[2]).ok_or(Declined::Shapes)?;
+    if x.len() < dims.iter().product::<usize>() * c || out.len() < dims[0] * ho * wo * c {
+        return Err(Declined::Shapes);
+    }
+    // SAFETY: the slices hold the pixels (checked), dense; `out` is borrowed mutably, so
+    // `x` can't share its memory.
+    unsafe { depthwise_f32_strided((x.as_ptr(), c), dims, taps, g, bias, epilogue, (out.as_mut_ptr(), c)) }
+}
+
+/// [`depthwise_f32`] with the input's pixels `x.1` elements apart and the output's `out.1`
+/// (each at least `c`): the channels of each a slice of a wider channels-last tensor's, as
+/// a convolution that writes into its part of a concatenation leaves them
+/// (`plan::concat`), possibly the same tensor's (GhostNet's cheap operation reads the
+/// channels before the ones it writes). Pointers, not slices, for that reason.
+///
+/// # Safety
+/// `x.0` must be readable for every input pixel's `c` channels and `out.0` writable for every
+/// output pixel's, and no element read may be one written; nothing else may write either
+/// while this runs.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn depthwise_f32_strided(
+    (x, lx): (*const f32, usize),
+    [batch, h, w]: [usize; 3],
+    taps: &[f32],
+    g: &Depthwise,
+    bias: Option<&[f32]>,
+    epilogue: Epilogue,
+    (out, lo): (*mut f32, usize),
+) -> Ran {
+    let c = g.channels;
     let Some([ho, wo]) = g.output(h, w) else { return Err(Declined::Shapes) };
-    let fits = x.len() >= batch * h * w * c
-        && taps.len() >= g.kernel[0] * g.kernel[1] * c
-        && out.len() >= batch * ho * wo * c
-        && bias.is_none_or(|b| b.len() >= c);
+    let fits = lx >= c && lo >= c && taps.len() >= g.kernel[0] * g.kernel[1] * c && bias.is_none_or(|b| b.len() >= c);
     let t = super::table_if(fits)?;
     let ops = Operands {
-        x: x.as_ptr(),
+        x,
         dims: [batch, h, w],
         strides: [0; 4],
+        pixels: [lx, lo],
         taps: taps.as_ptr(),
         g: *g,
         hw: [ho, wo],
         bias: bias.map_or(std::ptr::null(), |b| b.as_ptr()),
         epilogue,
-        out: out.as_mut_ptr(),
+        out,
     };
     let flops = 2 * batch * ho * wo * c * g.kernel[0] * g.kernel[1];
-    // SAFETY: the table's functions run on this CPU; the slices hold what the shapes say.
+    // SAFETY: the table's functions run on this CPU; the pointers reach what the shapes say
+    // (the caller's contract).
     unsafe { by_rows(t.depthwise, &ops, flops) };
     Ok(())
 }
@@ -216,6 +248,7 @@ pub fn direct_f32(
         x: x.as_ptr(),
         dims: [batch, h, w],
         strides,
+        pixels: [0; 2],
         taps: taps.as_ptr(),
         g: *g,
         hw: [ho, wo],
@@ -242,7 +275,7 @@ fn four_inside(ox: usize, wo: usize, cols: (usize, usize), [sw, pw, kw, w]: [usi
 /// `S`'s features must be enabled; the operands hold what their sizes say.
 #[inline(always)]
 pub(super) unsafe fn depthwise<S: Simd>(ops: &Operands<Depthwise>, range: std::ops::Range<usize>) {
-    let (g, [_, h, w], [ho, wo]) = (&ops.g, ops.dims, ops.hw);
+    let (g, [_, h, w], [ho, wo], [lx, lo]) = (&ops.g, ops.dims, ops.hw, ops.pixels);
     let c = g.channels;
     let ([kh, kw], [sh, sw], [ph, pw]) = (g.kernel, g.stride, g.padding);
     let (xp, tp, op, bp, epilogue) = (ops.x, ops.taps, ops.out, ops.bias, ops.epilogue);
@@ -273,8 +306,8 @@ pub(super) unsafe fn depthwise<S: Simd>(ops: &Operands<Depthwise>, range: std::o
             // arithmetic from an origin that may lie in the padding; and the output pixels.
             unsafe {
                 let first_tap = ((b * h) as isize + iy) * w as isize + ix;
-                let (x0, o) = (xp.wrapping_offset(first_tap * c as isize), op.add(((b * ho + oy) * wo + ox) * c));
-                let d = Taps { rows: [i0, i1], cols: [j0, j1], kw, c, row: w * c, step: sw * c };
+                let (x0, o) = (xp.wrapping_offset(first_tap * lx as isize), op.add(((b * ho + oy) * wo + ox) * lo));
+                let d = Taps { rows: [i0, i1], cols: [j0, j1], kw, c, lx, lo, row: w * lx, step: sw * lx };
                 let mut c0 = 0;
                 if slides {
                     let row = Slide { origin: x0, column: ix, width: w, pixels };
@@ -325,13 +358,15 @@ pub(super) unsafe fn depthwise<S: Simd>(ops: &Operands<Depthwise>, range: std::o
 }
 
 /// Where a depthwise tile's taps are: the kernel rows and columns inside the image, the
-/// kernel's width, the channels, and the strides (in elements) of an input row and of
-/// one output pixel's step along it.
+/// kernel's width, the channels (the taps' stride), the strides (in elements) of an input
+/// pixel and an output pixel, of an input row and of one output pixel's step along it.
 struct Taps {
     rows: [usize; 2],
     cols: [usize; 2],
     kw: usize,
     c: usize,
+    lx: usize,
+    lo: usize,
     row: usize,
     step: usize,
 }
@@ -369,12 +404,12 @@ unsafe fn dw_slide<S: Simd, const KW: usize, const ST: usize>(
         for i in d.rows[0]..d.rows[1] {
             let (xr, wr) = (row.origin.wrapping_add(i * d.row + c0), taps.add(i * KW * d.c + c0));
             let ws: [S::V; KW] = std::array::from_fn(|j| S::load_masked(mask, wr.add(j * d.c)));
-            // Positions 0 .. 3 ST + KW of the row, `d.c` apart (ST = 2: at most 11).
+            // Positions 0 .. 3 ST + KW of the row, `d.lx` apart (ST = 2: at most 11).
             let mut xs = [S::zero(); 11];
             let inside = row.column >= 0 && row.column as usize + 3 * ST + KW <= row.width;
             for (q, v) in xs.iter_mut().enumerate().take(3 * ST + KW) {
                 if inside || (0..row.width as isize).contains(&(row.column + q as isize)) {
-                    *v = S::load_masked(mask, xr.wrapping_add(q * d.c));
+                    *v = S::load_masked(mask, xr.wrapping_add(q * d.lx));
                 }
             }
             for (p, a) in acc.iter_mut().enumerate() {
@@ -384,7 +419,7 @@ unsafe fn dw_slide<S: Simd, const KW: usize, const ST: usize>(
             }
         }
         for (p, a) in acc.iter().enumerate().take(row.pixels) {
-            S::store_masked(out.add(p * d.c + c0), mask, apply::<S>(epilogue, *a));
+            S::store_masked(out.add(p * d.lo + c0), mask, apply::<S>(epilogue, *a));
         }
     }
 }
@@ -418,7 +453,7 @@ unsafe fn dw_pair<S: Simd, const KW: usize, const ST: usize, const CHECK: bool>(
                 let w = [S::load(wr.add(j * d.c)), S::load(wr.add(j * d.c + S::LANES))];
                 for (p, a) in acc.iter_mut().enumerate() {
                     if !CHECK || inside[p * ST + j] {
-                        let x = xr.wrapping_add((p * ST + j) * d.c);
+                        let x = xr.wrapping_add((p * ST + j) * d.lx);
                         a[0] = S::fma(S::load(x), w[0], a[0]);
                         a[1] = S::fma(S::load(x.wrapping_add(S::LANES)), w[1], a[1]);
                     }
@@ -427,7 +462,7 @@ unsafe fn dw_pair<S: Simd, const KW: usize, const ST: usize, const CHECK: bool>(
         }
         for (p, a) in acc.iter().enumerate().take(row.pixels) {
             for (v, y) in a.iter().enumerate() {
-                S::store(out.add(p * d.c + c0 + v * S::LANES), apply::<S>(epilogue, *y));
+                S::store(out.add(p * d.lo + c0 + v * S::LANES), apply::<S>(epilogue, *y));
             }
         }
     }
@@ -460,7 +495,7 @@ unsafe fn dw_tile<S: Simd, const P: usize, const B: usize>(
         }
         for i in d.rows[0]..d.rows[1] {
             for j in d.cols[0]..d.cols[1] {
-                let (xt, wt) = (x0.wrapping_add(i * d.row + j * d.c + c0), taps.add((i * d.kw + j) * d.c + c0));
+                let (xt, wt) = (x0.wrapping_add(i * d.row + j * d.lx + c0), taps.add((i * d.kw + j) * d.c + c0));
                 let wv: [S::V; B] = std::array::from_fn(|v| S::load_masked(masks[v], wt.add(v * S::LANES)));
                 for (p, px) in acc.iter_mut().enumerate() {
                     for v in 0..B {
@@ -472,7 +507,7 @@ unsafe fn dw_tile<S: Simd, const P: usize, const B: usize>(
         }
         for (p, px) in acc.iter().enumerate() {
             for v in 0..B {
-                S::store_masked(out.add(p * d.c + c0 + v * S::LANES), masks[v], apply::<S>(epilogue, px[v]));
+                S::store_masked(out.add(p * d.lo + c0 + v * S::LANES), masks[v], apply::<S>(epilogue, px[v]));
             }
         }
     }

@@ -39,6 +39,24 @@ pub fn concat_rows(inputs: &[Strided<'_>], outer: usize, out: &mut [f32]) {
     });
 }
 
+/// Writes `x`'s `outer` rows into rows of `out.0` that are `out.1` apart (`>= x.len`): one
+/// input of a concatenation copied into its place in the result where the others are
+/// there already (`plan::concat`). `out.0` spans the rows, from the first's first element
+/// to the last's last. Split across threads by rows as [`concat_rows`] is.
+pub fn place_rows(x: Strided<'_>, outer: usize, (out, ldo): (&mut [f32], usize)) {
+    let spans = |len: usize, ld: usize| outer > 0 && ld >= x.len && len == (outer - 1) * ld + x.len;
+    assert!(spans(x.x.len(), x.ld) && spans(out.len(), ldo));
+    if x.len == 0 {
+        return;
+    }
+    parallel::units(out, ldo, x.len, &|first, out| {
+        // The rows that start in this share (the last one may end in the next's gap).
+        for (i, r) in (first..outer).take(out.len().div_ceil(ldo)).enumerate() {
+            copy(&x.x[r * x.ld..r * x.ld + x.len], &mut out[i * ldo..i * ldo + x.len]);
+        }
+    });
+}
+
 /// `dst.copy_from_slice(src)`, inline for the short runs a channels-last concatenation along
 /// channels copies (GhostNet's: 8 to 80 floats, 12544 rows), where a `memcpy` call per run
 /// cost more than the copy.

@@ -76,11 +76,13 @@ pub fn gemm_f32(
     epilogue: Epilogue,
     out: &mut [f32],
 ) -> Ran {
-    gemm_f32_rows(x, k, [m, k, n], panels, (bias, residual), epilogue, out)
+    gemm_f32_rows(x, k, [m, k, n], panels, (bias, residual), epilogue, (out, n))
 }
 
-/// [`gemm_f32`] over rows of `x` that are `ld` elements apart (`ld >= k`): a 1×1
-/// convolution on a channel slice of a channels-last tensor (a `chunk` of its channels).
+/// [`gemm_f32`] over rows of `x` that are `ld` elements apart (`ld >= k`: a 1×1
+/// convolution on a channel slice of a channels-last tensor, a `chunk` of its channels),
+/// into rows of `out.0` that are `out.1` apart (`>= n`: a convolution writing its channels
+/// of a concatenation, `plan::concat`; a residual is laid out as `out`).
 pub fn gemm_f32_rows(
     x: &[f32],
     ld: usize,
@@ -88,14 +90,18 @@ pub fn gemm_f32_rows(
     panels: &[f32],
     (bias, residual): (Option<&[f32]>, Option<&[f32]>),
     epilogue: Epilogue,
-    out: &mut [f32],
+    (out, ldo): (&mut [f32], usize),
 ) -> Ran {
-    let spans = m == 0 || (ld >= k && x.len() >= (m - 1) * ld + k);
-    let fits = spans && panels.len() >= panels_len(k, n) && results_fit(m, n, bias, residual, out.len());
+    let spans = |len: usize, ld: usize, row: usize| m == 0 || (ld >= row && len >= (m - 1) * ld + row);
+    let fits = spans(x.len(), ld, k)
+        && panels.len() >= panels_len(k, n)
+        && spans(out.len(), ldo, n)
+        && residual.is_none_or(|r| spans(r.len(), ldo, n))
+        && bias.is_none_or(|b| b.len() >= n);
     let t = super::table_if(fits)?;
     let (bias, residual) = addends((bias, residual));
     let (scale, sums) = (std::ptr::null(), std::ptr::null());
-    let shape = Shape { taps: 1, cin: k, n, ldo: n, bias, scale, sums, residual, epilogue, requant: None };
+    let shape = Shape { taps: 1, cin: k, n, ldo, bias, scale, sums, residual, epilogue, requant: None };
     // SAFETY: the table's functions run on this CPU; every slice holds what the shapes say
     // (checked).
     unsafe { columns(t.gemm_block, Source::Dense(Dense { x: x.as_ptr(), ld }), m, &shape, panels, out) };
@@ -174,7 +180,7 @@ pub(super) fn tap_table<T>(
 #[allow(clippy::too_many_arguments)]
 pub fn indirect_f32(
     x: &[f32],
-    [batch, h, w]: [usize; 3],
+    dims: [usize; 3],
     panels: &[f32],
     g: &Conv2d,
     bias: Option<&[f32]>,
@@ -182,13 +188,31 @@ pub fn indirect_f32(
     epilogue: Epilogue,
     out: &mut [f32],
 ) -> Ran {
+    indirect_f32_strided(x, dims, panels, g, (bias, residual), epilogue, (out, g.out_channels))
+}
+
+/// [`indirect_f32`] into output pixels `out.1` elements apart (`>= out_channels`: a
+/// convolution writing its channels of a concatenation, `plan::concat`); a residual is laid
+/// out as `out`.
+pub fn indirect_f32_strided(
+    x: &[f32],
+    [batch, h, w]: [usize; 3],
+    panels: &[f32],
+    g: &Conv2d,
+    (bias, residual): (Option<&[f32]>, Option<&[f32]>),
+    epilogue: Epilogue,
+    (out, ldo): (&mut [f32], usize),
+) -> Ran {
     let (cin, n, k, groups) = (g.in_channels, g.out_channels, g.taps(), g.groups);
     let Some([ho, wo]) = g.output(h, w) else { return Err(Declined::Shapes) };
     let m = batch * ho * wo;
     let packed = grouped_pack_size([n, cin / groups, g.kernel[0], g.kernel[1]], groups);
+    let spans = |len: usize| m == 0 || (ldo >= n && len >= (m - 1) * ldo + n);
     let fits = x.len() >= batch * h * w * cin
         && panels.len() >= packed.iter().product()
-        && results_fit(m, n, bias, residual, out.len());
+        && spans(out.len())
+        && residual.is_none_or(|r| spans(r.len()))
+        && bias.is_none_or(|b| b.len() >= n);
     let t = super::table_if(fits)?;
     let taps = g.kernel[0] * g.kernel[1];
     let zeros = vec![0f32; cin];
@@ -199,7 +223,7 @@ pub fn indirect_f32(
     let (bias, residual) = addends((bias, residual));
     let (per_in, per_out) = (cin / groups, n / groups);
     let (scale, sums) = (std::ptr::null(), std::ptr::null());
-    let shape = Shape { taps, cin: per_in, n: per_out, ldo: n, bias, scale, sums, residual, epilogue, requant: None };
+    let shape = Shape { taps, cin: per_in, n: per_out, ldo, bias, scale, sums, residual, epilogue, requant: None };
     let table = Table { table: table.as_ptr(), taps, offset: 0 };
     if groups == 1 {
         // SAFETY: the table's functions run on this CPU; every pointer of the table starts

@@ -25,14 +25,16 @@ pub mod winograd;
 #[cfg(test)]
 mod nonfinite_tests;
 #[cfg(test)]
+mod parts_tests;
+#[cfg(test)]
 mod reference;
 #[cfg(test)]
 mod tests;
 
 pub use activation::{epilogue_f32, gelu_f32, Epilogue};
 pub use attention::{attention_f32, Attention, AttentionMask};
-pub use conv::{depthwise_f32, direct_f32, Conv2d, Depthwise};
-pub use gemm::{gemm_f32, indirect_f32, linear_f32, pack_conv_panels, panels_len, PANEL};
+pub use conv::{depthwise_f32, depthwise_f32_strided, direct_f32, Conv2d, Depthwise};
+pub use gemm::{gemm_f32, indirect_f32, indirect_f32_strided, linear_f32, pack_conv_panels, panels_len, PANEL};
 pub use pool::{max_pool_f32, mean_pixels_f32, MaxPool};
 
 /// RMS normalization over rows of `n = w.len()` values: `w * (x * rsqrt(mean(x^2) + eps))`,

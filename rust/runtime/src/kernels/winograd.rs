@@ -72,7 +72,7 @@ pub fn takes(g: &Conv2d) -> bool {
 #[allow(clippy::too_many_arguments)]
 pub fn conv(
     x: &[f32],
-    [batch, h, w]: [usize; 3],
+    dims: [usize; 3],
     panels: &[f32],
     g: &Conv2d,
     bias: Option<&[f32]>,
@@ -80,12 +80,29 @@ pub fn conv(
     epilogue: Epilogue,
     out: &mut [f32],
 ) -> Ran {
+    conv_strided(x, dims, panels, g, (bias, residual), epilogue, (out, g.out_channels))
+}
+
+/// [`conv`] into output pixels `out.1` elements apart (`>= out_channels`: a convolution
+/// writing its channels of a concatenation, `plan::concat`), without a residual there.
+pub fn conv_strided(
+    x: &[f32],
+    [batch, h, w]: [usize; 3],
+    panels: &[f32],
+    g: &Conv2d,
+    (bias, residual): (Option<&[f32]>, Option<&[f32]>),
+    epilogue: Epilogue,
+    (out, ldo): (&mut [f32], usize),
+) -> Ran {
     let (cin, cout) = (g.in_channels, g.out_channels);
     let Some([ho, wo]) = g.output(h, w) else { return Err(Declined::Shapes) };
+    let pixels = batch * ho * wo;
     let fits = takes(g)
         && x.len() >= batch * h * w * cin
         && panels.len() >= panels_len(cin, cout)
-        && super::gemm::results_fit(batch * ho * wo, cout, bias, residual, out.len());
+        && (ldo == cout || (ldo > cout && residual.is_none()))
+        && (pixels == 0 || out.len() >= (pixels - 1) * ldo + cout)
+        && super::gemm::results_fit(pixels, cout, bias, residual, if ldo == cout { out.len() } else { usize::MAX });
     let t = super::table_if(fits)?;
     if !super::all_finite(&x[..batch * h * w * cin]) {
         return Err(Declined::Values);
@@ -100,7 +117,7 @@ pub fn conv(
     let band = blocks.div_ceil(per_image);
     let bands = blocks.div_ceil(band);
     let (add, gemm, out_ptr) = ((bias, residual), t.gemm_block, out.as_mut_ptr());
-    let ops = Operands { x, dims: [batch, h, w], panels, g, add, band, gemm, out: out_ptr };
+    let ops = Operands { x, dims: [batch, h, w], panels, g, add, band, gemm, out: out_ptr, ldo };
     let flops = 2 * 16 * batch * bands * band * cin * cout;
     let threads = super::parallel::share(flops, batch * bands, super::parallel::threads());
     // SAFETY: the table's functions run on this CPU; the slices hold what the shapes say,
@@ -110,7 +127,12 @@ pub fn conv(
     // transform's loop it measured slower.
     match epilogue {
         Epilogue::None => Ok(()),
-        _ => super::epilogue_f32(epilogue, &mut out[..batch * ho * wo * cout]),
+        _ if pixels == 0 => Ok(()),
+        _ if ldo == cout => super::epilogue_f32(epilogue, &mut out[..pixels * cout]),
+        // Per pixel: the channels between belong to the concatenation's other parts.
+        _ => out[..(pixels - 1) * ldo + cout]
+            .chunks_mut(ldo)
+            .try_for_each(|pixel| super::epilogue_f32(epilogue, &mut pixel[..cout])),
     }
 }
 
@@ -132,6 +154,8 @@ pub(super) struct Operands<'a> {
     /// The GEMM of the table the call runs on, for the 16 products.
     gemm: super::gemm::Block<f32>,
     out: *mut f32,
+    /// How far apart the output's pixels are.
+    ldo: usize,
 }
 
 // SAFETY: the inputs are read only; the threads of one call write the outputs of disjoint
@@ -199,7 +223,7 @@ pub(super) unsafe fn bands(ops: &Operands<'_>, range: std::ops::Range<usize>) {
                     let at = ((b * ho + oy) * wo + ox) * cout;
                     // SAFETY: this block's output pixel, inside the output (the caller's
                     // sizes) and written by this band only.
-                    let o = unsafe { std::slice::from_raw_parts_mut(ops.out.add(at), cout) };
+                    let o = unsafe { std::slice::from_raw_parts_mut(ops.out.add(at / cout * ops.ldo), cout) };
                     let y = &rows[k * cout..(k + 1) * cout];
                     match (bias, residual) {
                         (Some(bias), Some(r)) => {

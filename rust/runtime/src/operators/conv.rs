@@ -1,6 +1,7 @@
 //! Convolutions on channels-last tensors (1×1 as a GEMM, depthwise, direct, indirect,
 //! Winograd) and the packing of their weights.
 
+use super::concat::Part;
 use super::{four, Operators};
 use crate::abi::{CError, Raw, Tensor};
 use crate::kernels;
@@ -12,11 +13,13 @@ impl Operators<'_> {
     /// its pixels with the weight's `panels` (`[ceil(n / 64), C, 64]`, the `[C, n]` transpose
     /// of the `[n, C, 1, 1]` weight packed), `bias` (`[n]`), the `residual` to add (the
     /// output's shape, channels-last) and `epilogue`: a new channels-last `[N, n, H, W]`
-    /// tensor, the layout torch's convolution gives a channels-last weight. `None` where the
+    /// tensor, the layout torch's convolution gives a channels-last weight (or, without a
+    /// residual, its `part` of a concatenation where that has room). `None` where the
     /// tensors don't qualify or the CPU lacks the kernel.
     ///
     /// # Safety
-    /// `x`, `panels`, `bias` and `residual` must be live handles.
+    /// `x`, `panels`, `bias`, `residual` and the part's buffer must be live handles.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn conv1x1(
         &self,
         x: Raw,
@@ -25,6 +28,7 @@ impl Operators<'_> {
         (bias, residual): (Option<Raw>, Option<Raw>),
         epilogue: kernels::Epilogue,
         bf16: bool,
+        part: Option<Part>,
     ) -> Option<Result<Tensor, CError>> {
         let n = usize::try_from(n).ok()?;
         // SAFETY: live handles.
@@ -35,7 +39,8 @@ impl Operators<'_> {
             let c = usize::try_from(self.0.size(x, 1)?).ok()?;
             let (xs, [batch, h, w], ld) = self.channels_last_rows(x, c)?;
             let rs = self.residual_f32(residual, [batch, n, h, w])?;
-            let out = || self.empty_channels_last([batch, n, h, w]);
+            let part = part.filter(|_| residual.is_none() && !bf16);
+            let out = || self.conv_output([batch, n, h, w], part);
             self.gemm((xs, ld), [batch * h * w, c, n], (panels, bf16), bias, rs, epilogue, out)
         }
     }
@@ -59,11 +64,13 @@ impl Operators<'_> {
 
     /// A depthwise convolution (`kernels::depthwise_f32`) on `x`, a float32 CPU `[N, C, H, W]`
     /// tensor laid out channels-last, with the weight as `taps` (`[kh * kw, C]`), `bias`
-    /// (`[C]`) and `epilogue`: a new channels-last `[N, C, Ho, Wo]` tensor. `None` where the
-    /// tensors don't qualify or the CPU lacks the kernel.
+    /// (`[C]`) and `epilogue`: a new channels-last `[N, C, Ho, Wo]` tensor, or its `part` of
+    /// a concatenation where that has room. `x` may be a slice of a wider tensor's channels,
+    /// that concatenation's included. `None` where the tensors don't qualify or the CPU
+    /// lacks the kernel.
     ///
     /// # Safety
-    /// `x`, `taps` and `bias` must be live handles.
+    /// `x`, `taps`, `bias` and the part's buffer must be live handles.
     pub unsafe fn depthwise(
         &self,
         x: Raw,
@@ -71,23 +78,34 @@ impl Operators<'_> {
         g: &kernels::Depthwise,
         bias: Option<Raw>,
         epilogue: kernels::Epilogue,
+        part: Option<Part>,
     ) -> Option<Result<Tensor, CError>> {
         let c = g.channels;
         // SAFETY: live handles.
-        let (xs, [batch, h, w], ts, bs) = unsafe {
+        let (xs, [batch, h, w], ld, ts, bs) = unsafe {
             let ts = self.contiguous_f32(taps, &[(g.kernel[0] * g.kernel[1]) as i64, c as i64])?;
             let bs = self.bias_f32(bias, c)?;
-            let (xs, dims) = self.channels_last_f32(x, c)?;
-            (xs, dims, ts, bs)
+            let (xs, dims, ld) = self.channels_last_rows(x, c)?;
+            (xs, dims, ld, ts, bs)
         };
         let [ho, wo] = g.output(h, w)?;
-        let mut out = match self.empty_channels_last([batch, c, ho, wo]) {
+        // SAFETY: the part's live buffer.
+        let out = match unsafe { self.conv_output([batch, c, ho, wo], part) }? {
             Ok(out) => out,
             Err(e) => return Some(Err(e)),
         };
-        // SAFETY: the new output of that many elements.
-        let os = unsafe { self.floats_mut(&mut out, batch * ho * wo * c) }?;
-        kernels::depthwise_f32(xs, [batch, h, w], ts, g, bs, epilogue, os).ok().map(|()| Ok(out))
+        // The input may be a part of the concatenation the output is part of (GhostNet's
+        // cheap operation reads the channels before its own): then only other channels.
+        if out.overlaps(xs, batch * ho * wo, c) && !super::concat::apart(xs.as_ptr(), ld, out.ptr, out.ld, c) {
+            return None;
+        }
+        // SAFETY: `xs` spans the input's pixels and `out` the output's, which share no
+        // element (checked); nothing else writes either while the kernel runs.
+        let ran = unsafe {
+            let x = (xs.as_ptr(), ld);
+            kernels::depthwise_f32_strided(x, [batch, h, w], ts, g, bs, epilogue, (out.ptr, out.ld))
+        };
+        ran.ok().map(|()| Ok(out.tensor))
     }
 
     /// A direct convolution (`kernels::direct_f32`) on `x`, a float32 CPU `[N, C, H, W]`
@@ -138,11 +156,13 @@ impl Operators<'_> {
     /// A convolution (`kernels::indirect_f32`) on `x`, a float32 CPU `[N, C, H, W]` tensor laid
     /// out channels-last, with the weight's `panels` (`kernels::pack_conv_panels`), `bias`
     /// (`[out]`), the `residual` to add (the output's shape, channels-last) and `epilogue`: a
-    /// new channels-last `[N, out, Ho, Wo]` tensor. `None` where the tensors don't qualify or
-    /// the CPU lacks the kernel.
+    /// new channels-last `[N, out, Ho, Wo]` tensor, or (float32, without a residual) its
+    /// `part` of a concatenation where that has room. `None` where the tensors don't qualify
+    /// or the CPU lacks the kernel.
     ///
     /// # Safety
-    /// `x`, `panels`, `bias` and `residual` must be live handles.
+    /// `x`, `panels`, `bias`, `residual` and the part's buffer must be live handles.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn indirect_conv(
         &self,
         x: Raw,
@@ -151,6 +171,7 @@ impl Operators<'_> {
         adds: (Option<Raw>, Option<Raw>),
         epilogue: kernels::Epilogue,
         bf16: bool,
+        part: Option<Part>,
     ) -> Option<Result<Tensor, CError>> {
         if bf16 && !kernels::bf16::available() {
             return None;
@@ -160,13 +181,14 @@ impl Operators<'_> {
             if bf16 { kernels::bf16::pack_size(shape) } else { kernels::gemm::grouped_pack_size(shape, g.groups) };
         // SAFETY: the caller's live handles.
         unsafe {
-            self.conv_channels_last(x, (panels, sizes), g, adds, |xs, dims, ps, bs, rs, os| {
+            let part = part.filter(|_| !bf16 && adds.1.is_none());
+            self.conv_channels_last(x, (panels, sizes), g, adds, part, |xs, dims, ps, bs, rs, (os, ldo)| {
                 if bf16 {
                     // SAFETY: the panels' float32 elements, read as the pairs of bfloat16 they hold.
                     let pairs = std::slice::from_raw_parts(ps.as_ptr() as *const u32, ps.len());
                     kernels::bf16::indirect(xs, dims, pairs, g, bs, rs, epilogue, os)
                 } else {
-                    kernels::indirect_f32(xs, dims, ps, g, bs, rs, epilogue, os)
+                    kernels::indirect_f32_strided(xs, dims, ps, g, (bs, rs), epilogue, (os, ldo))
                 }
             })
         }
@@ -174,19 +196,22 @@ impl Operators<'_> {
 
     /// What the channels-last convolution kernels share: `x` (a float32 CPU `[N, C, H, W]`
     /// tensor laid out channels-last), the weight's `panels` (contiguous float32 of `sizes`),
-    /// the bias and the residual as slices, and a new channels-last `[N, out, Ho, Wo]` output
-    /// for `run` to fill (`run(x, [N, H, W], panels, bias, residual, out)`, or decline). `None` where a tensor doesn't qualify or `run` declines.
+    /// the bias and the residual as slices, and a channels-last `[N, out, Ho, Wo]` output
+    /// (a new tensor, or `part` of a concatenation where that has room) for `run` to fill
+    /// (`run(x, [N, H, W], panels, bias, residual, (out, its pixels' stride))`, or decline).
+    /// `None` where a tensor doesn't qualify or `run` declines.
     ///
     /// # Safety
-    /// `x`, `panels` and the bias and residual must be live handles.
-    #[allow(clippy::type_complexity)]
+    /// `x`, `panels`, the bias and residual, and the part's buffer must be live handles.
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     unsafe fn conv_channels_last(
         &self,
         x: Raw,
         (panels, sizes): (Raw, [usize; 3]),
         g: &kernels::Conv2d,
         (bias, residual): (Option<Raw>, Option<Raw>),
-        run: impl FnOnce(&[f32], [usize; 3], &[f32], Option<&[f32]>, Option<&[f32]>, &mut [f32]) -> kernels::Ran,
+        part: Option<Part>,
+        run: impl FnOnce(&[f32], [usize; 3], &[f32], Option<&[f32]>, Option<&[f32]>, (&mut [f32], usize)) -> kernels::Ran,
     ) -> Option<Result<Tensor, CError>> {
         let cout = g.out_channels;
         // SAFETY: the caller's live handles.
@@ -199,13 +224,20 @@ impl Operators<'_> {
         let [ho, wo] = g.output(h, w)?;
         // SAFETY: a live handle.
         let rs = unsafe { self.residual_f32(residual, [batch, cout, ho, wo]) }?;
-        let mut out = match self.empty_channels_last([batch, cout, ho, wo]) {
+        // SAFETY: the part's live buffer.
+        let out = match unsafe { self.conv_output([batch, cout, ho, wo], part) }? {
             Ok(out) => out,
             Err(e) => return Some(Err(e)),
         };
-        // SAFETY: the new output of that many elements.
-        let os = unsafe { self.floats_mut(&mut out, batch * ho * wo * cout) }?;
-        run(xs, [batch, h, w], ps, bs, rs, os).ok().map(|()| Ok(out))
+        let pixels = batch * ho * wo;
+        if out.overlaps(xs, pixels, cout) {
+            return None;
+        }
+        // SAFETY: the output's elements, of a new tensor or of this node's channels of a
+        // concatenation's, which the input doesn't share (checked) and nothing else reads or
+        // writes while the kernel runs.
+        let os = unsafe { std::slice::from_raw_parts_mut(out.ptr, out.span(pixels, cout)) };
+        run(xs, [batch, h, w], ps, bs, rs, (os, out.ld)).ok().map(|()| Ok(out.tensor))
     }
 
     /// A float32 CPU `[out, in, 3, 3]` weight (any strides) transformed and packed for
@@ -221,10 +253,11 @@ impl Operators<'_> {
     }
 
     /// A 3×3 convolution at stride 1 by Winograd's F(2×2, 3×3) (`kernels::winograd::conv`) on
-    /// `x`, as [`Operators::indirect_conv`] takes it, with the weight from [`Operators::pack_winograd`].
+    /// `x`, as [`Operators::indirect_conv`] takes it (its `part` too, without a residual),
+    /// with the weight from [`Operators::pack_winograd`].
     ///
     /// # Safety
-    /// `x`, `panels`, `bias` and `residual` must be live handles.
+    /// `x`, `panels`, `bias`, `residual` and the part's buffer must be live handles.
     pub unsafe fn winograd_conv(
         &self,
         x: Raw,
@@ -232,12 +265,14 @@ impl Operators<'_> {
         g: &kernels::Conv2d,
         adds: (Option<Raw>, Option<Raw>),
         epilogue: kernels::Epilogue,
+        part: Option<Part>,
     ) -> Option<Result<Tensor, CError>> {
         let sizes = kernels::winograd::pack_size(g.in_channels, g.out_channels);
         // SAFETY: the caller's live handles.
         unsafe {
-            self.conv_channels_last(x, (panels, sizes), g, adds, |xs, dims, ps, bs, rs, os| {
-                kernels::winograd::conv(xs, dims, ps, g, bs, rs, epilogue, os)
+            let part = part.filter(|_| adds.1.is_none());
+            self.conv_channels_last(x, (panels, sizes), g, adds, part, |xs, dims, ps, bs, rs, (os, ldo)| {
+                kernels::winograd::conv_strided(xs, dims, ps, g, (bs, rs), epilogue, (os, ldo))
             })
         }
     }

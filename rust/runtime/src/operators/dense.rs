@@ -154,7 +154,7 @@ impl Operators<'_> {
             (self.contiguous_f32(x, &[m, k])?, [usize::try_from(m).ok()?, usize::try_from(k).ok()?])
         };
         let n = usize::try_from(n).ok()?;
-        let out = || self.owned(shims.empty_f32(&[m as i64, n as i64]));
+        let out = || self.output_of(self.owned(shims.empty_f32(&[m as i64, n as i64])), n);
         // SAFETY: the caller's live handles.
         unsafe { self.gemm((xs, k), [m, k, n], (panels, bf16), bias, None, epilogue, out) }
     }
@@ -191,11 +191,12 @@ impl Operators<'_> {
     /// kwexport's GEMM (`kernels::gemm_f32`) of `xs` (`m` rows of `k`) with the weight's
     /// `panels` (`[ceil(n / 64), k, 64]`; or, with `bf16`, `kernels::bf16::gemm` on its
     /// `[ceil(n / 64), ceil(k / 2), 64]` pairs), `bias` (`[n]`), `residual` (`m * n`) and
-    /// `epilogue` into the tensor `out` makes (`m * n` elements in row order), once the weight
-    /// and bias qualify; `None` where they don't or the CPU lacks the kernel.
+    /// `epilogue` into the output `out` makes (`m` rows of `n`, `ld` apart: a new tensor's, or
+    /// a convolution's part of a concatenation, with no residual), once the weight and bias
+    /// qualify; `None` where they don't or the CPU lacks the kernel.
     ///
     /// # Safety
-    /// `panels` and `bias` must be live handles; `out` must make a new float32 CPU tensor.
+    /// `panels` and `bias` must be live handles; `out` must make a float32 CPU output.
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn gemm(
         &self,
@@ -205,7 +206,7 @@ impl Operators<'_> {
         bias: Option<Raw>,
         residual: Option<&[f32]>,
         epilogue: kernels::Epilogue,
-        out: impl FnOnce() -> Result<Tensor, CError>,
+        out: impl FnOnce() -> Option<Result<super::concat::Output, CError>>,
     ) -> Option<Result<Tensor, CError>> {
         // The bfloat16 GEMM converts dense rows only.
         if m == 0 || n == 0 || (bf16 && (!kernels::bf16::available() || ld != k)) {
@@ -218,21 +219,28 @@ impl Operators<'_> {
             let ps = self.contiguous_f32(panels, &sizes.map(|s| s as i64))?;
             (ps, self.bias_f32(bias, n)?)
         };
-        let mut out = match out() {
+        let out = match out()? {
             Ok(out) => out,
             Err(e) => return Some(Err(e)),
         };
-        // SAFETY: the new output of `m * n` elements.
-        let os = unsafe { self.floats_mut(&mut out, m * n) }?;
+        // Rows `ldo` apart: a part of a concatenation (`super::concat`), which the input
+        // mustn't share, and which only the float32 GEMM writes.
+        let ldo = out.ld;
+        if (bf16 && ldo != n) || out.overlaps(xs, m, n) {
+            return None;
+        }
+        // SAFETY: the output's elements, of a new tensor or of this node's channels of a
+        // concatenation's, which nothing else reads or writes while the kernel runs.
+        let os = unsafe { std::slice::from_raw_parts_mut(out.ptr, out.span(m, n)) };
         let done = if bf16 {
             // The panels' float32 elements hold pairs of bfloat16 (`pack_bf16_panels_of`).
             // SAFETY: the same memory, read as the 4-byte words it is.
             let pairs = unsafe { std::slice::from_raw_parts(ps.as_ptr() as *const u32, ps.len()) };
             kernels::bf16::gemm(xs, m, k, pairs, n, bs, residual, epilogue, os)
         } else {
-            kernels::gemm::gemm_f32_rows(xs, ld, [m, k, n], ps, (bs, residual), epilogue, os)
+            kernels::gemm::gemm_f32_rows(xs, ld, [m, k, n], ps, (bs, residual), epilogue, (os, ldo))
         };
-        done.ok().map(|()| Ok(out))
+        done.ok().map(|()| Ok(out.tensor))
     }
 
     /// Scaled dot-product attention (`kernels::attention_f32`) over float32 CPU `[batch,

@@ -4,6 +4,7 @@
 //! where the tensors don't qualify (the caller runs torch's op). The binding to torch's C ABI
 //! is `abi`, which knows no kernel; the kernels know no tensor.
 
+mod concat;
 mod conv;
 mod copy;
 mod dense;
@@ -16,6 +17,7 @@ use std::sync::OnceLock;
 use crate::abi::{Abi, CError, Raw, StableIValue, Status, Tensor};
 use crate::kernels;
 
+pub use concat::Part;
 pub use int8::{Int8Input, Int8Panels, Int8Weight};
 pub use kernels::int8::Quant;
 pub use kernels::winograd::{takes as winograd_takes, MIN_PIXELS as WINOGRAD_MIN_PIXELS};

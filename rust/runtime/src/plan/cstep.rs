@@ -56,6 +56,7 @@ impl CStep {
             own: None,
             node: 0,
             to_caller: false,
+            part: None,
         })
     }
 
@@ -73,6 +74,7 @@ impl CStep {
             own: None,
             node: 0,
             to_caller: false,
+            part: None,
         }
     }
 

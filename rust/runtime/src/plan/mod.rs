@@ -12,6 +12,7 @@
 //! - `segments`  grouping by path, and the crossings each segment needs
 //! - `fold`      the nodes that read only constants, run once at load (`fast`)
 
+mod concat;
 mod consts;
 mod cost;
 mod cstep;
@@ -34,6 +35,8 @@ use crate::abi::shims::{Family, ShimFn};
 use crate::abi::{self, Abi, Ty};
 use crate::errors::RtResult;
 use crate::ops::ResolvedOp;
+
+pub use concat::PartOf;
 
 /// Which dispatch paths a plan may use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,6 +140,9 @@ pub struct CStep {
     pub(crate) node: usize,
     /// An output of the node is one of the graph's: made outside kwexport's arena.
     pub(crate) to_caller: bool,
+    /// For a convolution whose output is one of the inputs of a concatenation made in place
+    /// (`concat`): where it goes in the concatenation's result.
+    pub(crate) part: Option<concat::PartOf>,
 }
 
 /// A kernel of kwexport's for a node that otherwise dispatches (`CStep::own`).
@@ -641,6 +647,9 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
         if let Compiled::C(step) = c {
             step.to_caller = step.outputs.defined().any(|(_, s)| returned[s]);
         }
+    }
+    if cx.fast && cx.on_cpu {
+        concat::in_place(graph, &mut compiled);
     }
     let (segments, outputs_to_py) = segments::segment(graph, compiled);
     Ok(Plan {

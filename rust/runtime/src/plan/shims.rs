@@ -509,6 +509,7 @@ fn conv_step(
         own: None,
         node: 0,
         to_caller: false,
+        part: None,
     })
 }
 
@@ -575,6 +576,7 @@ fn shim_step(
         own: None,
         node: 0,
         to_caller: false,
+        part: None,
     })
 }
 
@@ -605,6 +607,7 @@ fn wrapped_overload(
         own: None,
         node: 0,
         to_caller: false,
+        part: None,
     })
 }
 
