@@ -101,16 +101,33 @@ pub(super) unsafe fn max_pool_rows<S: Simd>(ops: &Operands, range: std::ops::Ran
                 let o = ops.out.add(((b * ho + oy) * wo + ox) * c);
                 let mut ch = 0;
                 // Four vectors of channels at a time: four independent chains of comparisons
-                // through the window (one chain waits on each comparison's latency).
+                // through the window (one chain waits on each comparison's latency). `max`
+                // keeps the earlier of equal values, as torch's `v > m`, but drops a NaN: the
+                // window's NaNs are noted on the side, and a window that has one (rare) is
+                // taken again the exact way, which keeps the NaN torch keeps.
                 while ch + 4 * S::LANES <= c {
                     let mut m = [neg_inf; 4];
+                    let mut nan = S::first(0);
                     for ky in ky0..ky1 {
                         let line = image.add((y0 + ky as isize) as usize * w * c);
                         for kx in kx0..kx1 {
                             let p = line.add((x0 + kx as isize) as usize * c + ch);
                             for (j, m) in m.iter_mut().enumerate() {
                                 let v = S::load(p.add(j * S::LANES));
-                                *m = S::select(S::or(S::gt(v, *m), S::nan(v)), v, *m);
+                                *m = S::max(v, *m);
+                                nan = S::or(nan, S::nan(v));
+                            }
+                        }
+                    }
+                    if S::any(nan) {
+                        for (j, m) in m.iter_mut().enumerate() {
+                            *m = neg_inf;
+                            for ky in ky0..ky1 {
+                                let line = image.add((y0 + ky as isize) as usize * w * c);
+                                for kx in kx0..kx1 {
+                                    let v = S::load(line.add((x0 + kx as isize) as usize * c + ch + j * S::LANES));
+                                    *m = S::select(S::or(S::gt(v, *m), S::nan(v)), v, *m);
+                                }
                             }
                         }
                     }
