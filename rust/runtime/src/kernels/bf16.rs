@@ -75,7 +75,7 @@ pub fn gemm(
 ) -> Ran {
     let fits = x.len() >= m * k
         && panels.len() >= pack_size([n, k, 1, 1]).iter().product()
-        && gemm::results_fit(m, n, bias, residual, out.len());
+        && gemm::results_fit([m, n], n, bias, residual, out.len());
     let t = super::table_if(fits)?;
     let (block, native) = super::isa::bf16_block(t);
     let xb = pairs_of_rows(&x[..m * k], k, native);
@@ -109,7 +109,7 @@ pub fn indirect(
     let (m, pairs) = (batch * ho * wo, cin.div_ceil(2));
     let fits = x.len() >= batch * h * w * cin
         && panels.len() >= pack_size([n, cin, g.kernel[0], g.kernel[1]]).iter().product()
-        && gemm::results_fit(m, n, bias, residual, out.len());
+        && gemm::results_fit([m, n], n, bias, residual, out.len());
     let t = super::table_if(fits)?;
     let (block, native) = super::isa::bf16_block(t);
     let xb = pairs_of_rows(&x[..batch * h * w * cin], cin, native);

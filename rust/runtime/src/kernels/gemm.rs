@@ -28,10 +28,26 @@ pub fn grouped_pack_size([n, cin, kh, kw]: [usize; 4], groups: usize) -> [usize;
     [panels * groups, k, width]
 }
 
-/// Whether a GEMM's `m × n` result fits `out`, with `n` biases and an `m × n` residual where
-/// given: what every GEMM-shaped kernel checks besides its input and panels.
-pub(super) fn results_fit(m: usize, n: usize, bias: Option<&[f32]>, residual: Option<&[f32]>, out: usize) -> bool {
-    out >= m * n && bias.is_none_or(|b| b.len() >= n) && residual.is_none_or(|r| r.len() >= m * n)
+/// Whether `len` elements hold `m` rows of `n`, `ld` apart (`ld >= n`), from the first row's
+/// first element to the last row's last: a GEMM's input rows, or its output's where they are
+/// a slice of wider ones (a part of a concatenation, `plan::concat`).
+pub(super) fn rows_fit(len: usize, [m, n]: [usize; 2], ld: usize) -> bool {
+    m == 0 || (ld >= n && len >= (m - 1) * ld + n)
+}
+
+/// Whether a GEMM's `m × n` result fits `out` with its rows `ldo` apart, with `n` biases and
+/// a residual laid out as the result where given: what every GEMM-shaped kernel checks
+/// besides its input and panels.
+pub(super) fn results_fit(
+    [m, n]: [usize; 2],
+    ldo: usize,
+    bias: Option<&[f32]>,
+    residual: Option<&[f32]>,
+    out: usize,
+) -> bool {
+    rows_fit(out, [m, n], ldo)
+        && bias.is_none_or(|b| b.len() >= n)
+        && residual.is_none_or(|r| rows_fit(r.len(), [m, n], ldo))
 }
 
 /// The elements of the panels of a `[k, n]` matrix ([`pack_size`] of `[n, k, 1, 1]`).
@@ -92,12 +108,9 @@ pub fn gemm_f32_rows(
     epilogue: Epilogue,
     (out, ldo): (&mut [f32], usize),
 ) -> Ran {
-    let spans = |len: usize, ld: usize, row: usize| m == 0 || (ld >= row && len >= (m - 1) * ld + row);
-    let fits = spans(x.len(), ld, k)
+    let fits = rows_fit(x.len(), [m, k], ld)
         && panels.len() >= panels_len(k, n)
-        && spans(out.len(), ldo, n)
-        && residual.is_none_or(|r| spans(r.len(), ldo, n))
-        && bias.is_none_or(|b| b.len() >= n);
+        && results_fit([m, n], ldo, bias, residual, out.len());
     let t = super::table_if(fits)?;
     let (bias, residual) = addends((bias, residual));
     let (scale, sums) = (std::ptr::null(), std::ptr::null());
@@ -207,12 +220,9 @@ pub fn indirect_f32_strided(
     let Some([ho, wo]) = g.output(h, w) else { return Err(Declined::Shapes) };
     let m = batch * ho * wo;
     let packed = grouped_pack_size([n, cin / groups, g.kernel[0], g.kernel[1]], groups);
-    let spans = |len: usize| m == 0 || (ldo >= n && len >= (m - 1) * ldo + n);
     let fits = x.len() >= batch * h * w * cin
         && panels.len() >= packed.iter().product()
-        && spans(out.len())
-        && residual.is_none_or(|r| spans(r.len()))
-        && bias.is_none_or(|b| b.len() >= n);
+        && results_fit([m, n], ldo, bias, residual, out.len());
     let t = super::table_if(fits)?;
     let taps = g.kernel[0] * g.kernel[1];
     let zeros = vec![0f32; cin];

@@ -384,11 +384,10 @@ pub fn linear(
     (epilogue, output): (Epilogue, Option<&Quant>),
     out: &mut [f32],
 ) -> Ran {
-    let spans = m == 0 || (ld >= k && x.len() >= (m - 1) * ld + k);
-    let fits = spans
+    let fits = gemm::rows_fit(x.len(), [m, k], ld)
         && weight.words.len() >= weight.layout.packed_len([n, k])
         && w_scale.len() >= n
-        && gemm::results_fit(m, n, bias, None, out.len());
+        && gemm::results_fit([m, n], n, bias, None, out.len());
     let kernel = super::isa::int8(super::table_if(fits)?);
     let x = &x[..if m == 0 { 0 } else { (m - 1) * ld + k }];
     linear_on(kernel, (x, ld), [m, k, n], quant, weight, w_scale, bias, (epilogue, output), out)

@@ -100,9 +100,9 @@ pub fn conv_strided(
     let fits = takes(g)
         && x.len() >= batch * h * w * cin
         && panels.len() >= panels_len(cin, cout)
-        && (ldo == cout || (ldo > cout && residual.is_none()))
-        && (pixels == 0 || out.len() >= (pixels - 1) * ldo + cout)
-        && super::gemm::results_fit(pixels, cout, bias, residual, if ldo == cout { out.len() } else { usize::MAX });
+        // The residual is read densely: only with a dense output.
+        && (ldo == cout || residual.is_none())
+        && super::gemm::results_fit([pixels, cout], ldo, bias, residual, out.len());
     let t = super::table_if(fits)?;
     if !super::all_finite(&x[..batch * h * w * cin]) {
         return Err(Declined::Values);

@@ -69,11 +69,11 @@ fn parts_of(
         let Enc::Slot(s) = item else { return None };
         let p = producer[*s]?;
         let channels = writes_parts(&compiled[p])?;
-        // Read by this `cat` once and otherwise only as convolutions' inputs, before it; and
-        // no other input of the `cat` is the same value.
+        // Read by this `cat` once (no other of its inputs is the same value, so none is the
+        // same convolution's) and otherwise only as convolutions' inputs, before it.
         let read_by_cat = readers[*s].iter().filter(|&&r| r == cat).count() == 1;
         let others = readers[*s].iter().filter(|&&r| r != cat).all(|&r| r < cat && reads_as_input(&compiled[r], *s));
-        if !read_by_cat || !others || parts.iter().any(|&(q, _)| q == p) {
+        if !read_by_cat || !others {
             return None;
         }
         parts.push((p, PartOf { slot: *slot, offset, total: 0 }));
