@@ -184,6 +184,28 @@ mod tests {
         assert_eq!(run(&mut d).0, 0, "nothing is found twice");
     }
 
+    /// At `fast` on a CPU with oneDNN, the passes before this one found the readers of the
+    /// graph with the dequantize in it; the convolution then lowered after it, with its ReLU,
+    /// must find them again (they were stale: a ReLU at an index past the graph's end, a panic
+    /// on every ResNet quantized by pt2e's x86 flow).
+    #[test]
+    fn the_passes_after_it_see_the_graph_without_the_dequantize() {
+        let mut d = doc(|d| {
+            let nodes = d["methods"]["forward"]["graph"]["nodes"].as_array_mut().unwrap();
+            nodes.push(json!({"op": 2, "args": [{"ref": "y"}], "outputs": {"one": "r"}}));
+            d["methods"]["forward"]["graph"]["outputs"] = json!([{"ref": "r"}]);
+        });
+        // With the GEMM, which lowers this 1×1 convolution.
+        let target = Target { onednn: true, gemm: true, ..Target::default() };
+        let rewrites = super::super::apply(&mut d, super::super::Level::Fast, target);
+        assert_eq!(rewrites.counts["dequantize_weights"], 1);
+        assert_eq!(rewrites.counts["conv_pointwise"], 1);
+        let m = &d.methods["forward"];
+        let ops: Vec<&str> = m.graph.nodes.iter().map(|n| m.ops[n.op].name.as_str()).collect();
+        assert_eq!(ops, [super::super::conv_pointwise::FUSED]);
+        assert_eq!(m.graph.nodes[0].args[7], Arg::Str("relu".into()));
+    }
+
     #[test]
     fn a_weight_or_value_something_else_reads_stays() {
         let cases: [fn(&mut serde_json::Value); 4] = [

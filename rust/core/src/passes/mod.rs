@@ -202,6 +202,11 @@ pub fn apply(doc: &mut Document, level: Level, target: Target) -> Rewrites {
         for &pass in &passes {
             let made = pass.apply(&mut cx);
             cx.count(pass, made);
+            if made > 0 {
+                // A pass may change a method without `each_method` (`dequantize_weights` edits
+                // every method's graph): no method's readers are known any more.
+                cx.forget_readers();
+            }
             changed |= made > 0;
         }
         if !changed {

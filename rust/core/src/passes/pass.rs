@@ -61,6 +61,11 @@ impl<'a> Ctx<'a> {
         total
     }
 
+    /// Drops every method's readers, after a pass changed graphs (the next pass finds them again).
+    pub(super) fn forget_readers(&mut self) {
+        self.readers.clear();
+    }
+
     /// Counts a pass's rewrites under its name.
     pub(super) fn count(&mut self, pass: &dyn Pass, made: usize) {
         *self.rewrites.counts.entry(pass.name()).or_default() += made;
