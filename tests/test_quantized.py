@@ -289,10 +289,11 @@ def test_a_pt2e_conv_net_loads_without_flags_and_gives_the_references_bits(tmp_p
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
 
 
-def test_fast_runs_a_static_int8_conv_net_on_float32_kernels_with_one_pass_fake_quantization(tmp_path):
-    """At `fast`, each quantize → dequantize pair is one fake quantization (kwexport's kernel,
-    the pair's bits) and the convolutions of int8 weights are lowered as float32 ones, on
-    weights dequantized once at load: no plain `conv2d` is left, and no quantize arithmetic."""
+def test_fast_runs_a_static_int8_conv_nets_stem_on_float32_kernels_with_one_pass_fake_quantization(tmp_path):
+    """At `fast`, the stem's quantize → dequantize pair (an image's 3 channels) is one fake
+    quantization (kwexport's kernel, the pair's bits) and its convolution of an int8 weight is
+    lowered as a float32 one, on a weight dequantized once at load; the next convolution runs
+    on the int8 kernel. No plain `conv2d` is left, and no quantize arithmetic."""
     torch.manual_seed(0)
     x = torch.randn(2, 3, 16, 16)
     q = quantized(ConvNet(), x, dynamic=False)
@@ -300,14 +301,57 @@ def test_fast_runs_a_static_int8_conv_net_on_float32_kernels_with_one_pass_fake_
     exact, fast = kwexport.load(path), kwexport.load(path, optimize="fast")
     ran = [n["op"] for n in fast.profile(x) if "::" in n["op"]]
     assert "aten::conv2d.default" not in ran and "aten::round.default" not in ran, ran
-    assert ran.count("mkldnn::_convolution_pointwise.default") == 2, ran
-    # Before each convolution and the flatten (whose linear then isn't one the int8 GEMM takes).
-    assert ran.count("aten::fake_quantize_per_tensor_affine.default") == 3, ran
+    assert ran.count("mkldnn::_convolution_pointwise.default") == 1, ran
+    assert ran.count("kwexport::conv_int8.default") == 1, ran
+    assert ran.count("aten::fake_quantize_per_tensor_affine.default") == 1, ran
     for inputs in [x, torch.randn(2, 3, 16, 16) * 3]:
         want = q(inputs)
         assert torch.equal(exact(inputs), want)
         # Float32 convolutions in another order: within a quantization step of the reference.
         assert ((fast(inputs) - want).abs().max() / want.abs().max()).item() < 1e-2
+
+
+class SpatialNet(nn.Module):
+    """Spatial convolutions of int8 weights: on the NCHW input, strided past one panel of
+    output channels, with channels that don't fill a word (10), a 5×3 kernel, and one whose
+    result a depthwise convolution (float32) reads, so its quantization goes into it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(8, 10, 3, padding=1)
+        self.b = nn.Sequential(nn.Conv2d(10, 80, 3, stride=2, padding=1), nn.ReLU())
+        self.c = nn.Conv2d(80, 80, 3, padding=1, groups=80)
+        self.d = nn.Sequential(nn.Conv2d(80, 24, (5, 3), padding=(2, 1)), nn.ReLU())
+
+    def forward(self, x):
+        return self.d(self.c(self.b(self.a(x))))
+
+
+def test_fast_runs_spatial_int8_convolutions_on_the_int8_kernel(tmp_path):
+    """Each spatial convolution with 8 input channels or more becomes the int8 convolution,
+    run on kwexport's kernel (torch's profiler records no Python form), its ReLU and the
+    quantization of a result the depthwise convolution reads fused with it; within a
+    quantization step of the reference, channels-last; off the kernel (autograd), the op's
+    Python form: the reference's ops."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 14, 13)
+    q = quantized(SpatialNet(), x, dynamic=False)
+    path = saved(tmp_path, q, x)
+    exact, fast = kwexport.load(path), kwexport.load(path, optimize="fast")
+    ran = [n["op"] for n in fast.profile(x) if "::" in n["op"]]
+    assert ran.count("kwexport::conv_int8.default") == 3 and "aten::conv2d.default" not in ran, ran
+    assert "aten::relu.default" not in ran and "aten::fake_quantize_per_tensor_affine.default" not in ran, ran
+    with torch.profiler.profile() as prof:
+        fast(x)
+    if kwexport.kernel_info()["isa"] is not None:
+        assert not [e.name for e in prof.events() if "conv_int8" in e.name]
+    for inputs in [x, torch.randn(2, 8, 14, 13) * 3]:
+        want, got = q(inputs), fast(inputs)
+        assert got.shape == want.shape and got.is_contiguous(memory_format=torch.channels_last)
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
+        with torch.enable_grad():
+            graded = fast(inputs.clone().requires_grad_()).detach()
+        assert ((graded - exact(inputs)).abs().max() / want.abs().max()).item() < 1e-5
 
 
 class PointwiseNet(nn.Module):

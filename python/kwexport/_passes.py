@@ -153,15 +153,64 @@ def linear_int8(  # noqa: PLR0917 (the op's schema, positionally)
 
     if w.dim() == 4:  # a 1×1 convolution's [n, k, 1, 1] weight, over channels-last pixels
         w = w.flatten(1)
-    q = torch.clamp(torch.round(x * (1.0 / x_scale)) + x_zero_point, x_qmin, x_qmax)
-    xd = (q - x_zero_point) * x_scale
-    wd = ((w - w_zero_point.unsqueeze(1)) * w_scale.unsqueeze(1)).to(torch.float32)
+    xd, wd = _dequantized(x, (x_scale, x_zero_point, x_qmin, x_qmax), w, w_scale, w_zero_point)
+    y = torch.nn.functional.linear(xd, wd, bias)
+    return _int8_post(y, attr, algorithm, (out_scale, out_zero_point, out_qmin, out_qmax))
+
+
+def _dequantized(x: Any, quant: tuple[float, int, int, int], w: Any, w_scale: Any, w_zero_point: Any) -> Any:
+    """The float32 operands of an int8 linear or convolution as torch's ops define them: the
+    input quantized per tensor and dequantized, the int8 weight dequantized per output channel
+    (dimension 0). The cast to the 8-bit dtype between is left out: the clamped values are its
+    integers."""
+    import torch
+
+    scale, zero_point, qmin, qmax = quant
+    q = torch.clamp(torch.round(x * (1.0 / scale)) + zero_point, qmin, qmax)
+    per_channel = [-1] + [1] * (w.dim() - 1)
+    wd = (w - w_zero_point.reshape(per_channel)) * w_scale.reshape(per_channel)
+    return (q - zero_point) * scale, wd.to(torch.float32)
+
+
+def _int8_post(y: Any, attr: str, algorithm: str | None, output: tuple[float | None, int, int, int]) -> Any:
+    """An int8 op's result after its product: the activation fused with it, then the fake
+    quantization of the result ``linear_int8_output`` moved into it, where its scale is given."""
+    import torch
+
     # ReLU6, the one activation with scalars the pass fuses, is named without its bounds.
-    scalars = [0.0, 6.0] if attr == "hardtanh" else None
-    y = _post_op(attr, scalars, algorithm)(torch.nn.functional.linear(xd, wd, bias))
-    if out_scale is None:
-        return y
-    return torch.fake_quantize_per_tensor_affine(y, out_scale, out_zero_point, out_qmin, out_qmax)
+    y = _post_op(attr, [0.0, 6.0] if attr == "hardtanh" else None, algorithm)(y)
+    scale, zero_point, qmin, qmax = output
+    return y if scale is None else torch.fake_quantize_per_tensor_affine(y, scale, zero_point, qmin, qmax)
+
+
+def conv_int8(  # noqa: PLR0917 (the op's schema, positionally)
+    x: Any,
+    x_scale: float,
+    x_zero_point: int,
+    x_qmin: int,
+    x_qmax: int,
+    w: Any,
+    w_scale: Any,
+    w_zero_point: Any,
+    bias: Any,
+    stride: list[int],
+    padding: list[int],
+    attr: str,
+    algorithm: str | None,
+    out_scale: float | None = None,
+    out_zero_point: int = 0,
+    out_qmin: int = 0,
+    out_qmax: int = 255,
+) -> Any:
+    """``kwexport::conv_int8`` off the runtime's int8 kernel (autograd, another dtype or
+    device, a weight zero point that isn't 0): the ops the ``linear_int8`` pass replaced
+    (rust/core/src/passes/linear_int8.rs) as torch defines them, as :func:`linear_int8` for
+    a ``conv2d`` of this stride and padding (one group, dilation 1)."""
+    import torch
+
+    xd, wd = _dequantized(x, (x_scale, x_zero_point, x_qmin, x_qmax), w, w_scale, w_zero_point)
+    y = torch.nn.functional.conv2d(xd, wd, bias, stride, padding)
+    return _int8_post(y, attr, algorithm, (out_scale, out_zero_point, out_qmin, out_qmax))
 
 
 def linear_int8_tensor(  # noqa: PLR0917 (the op's schema, positionally)
@@ -212,8 +261,8 @@ def linear_int8_dynamic(  # noqa: PLR0917 (the op's schema, positionally)
 @functools.cache
 def define_ops() -> Any:
     """Defines kwexport's own ops in torch's registry (once per process), so that the runtime
-    resolves and dispatches them as it does torch's: ``kwexport::linear_int8``, which only the
-    ``linear_int8`` load-time pass writes, ``kwexport::linear_measured``, which only
+    resolves and dispatches them as it does torch's: ``kwexport::linear_int8`` and
+    ``kwexport::conv_int8``, which only the ``linear_int8`` load-time pass writes, ``kwexport::linear_measured``, which only
     ``linear_measured`` writes (``kwexport._cuda_gemm``), and the fused elementwise ops the
     ``add_norm`` and ``rotary`` passes write (``kwexport._cuda_fused``). Each runs its Python form through
     the dispatcher; the runtime's kernels take the calls they can. Returns torch's library object,
@@ -234,6 +283,10 @@ def define_ops() -> Any:
     library.define(f"linear_int8.dynamic(Tensor x, int x_qmin, int x_qmax, float eps, ScalarType x_dtype, {weight}")
     library.impl("linear_int8.tensor", linear_int8_tensor, "CompositeExplicitAutograd")
     library.impl("linear_int8.dynamic", linear_int8_dynamic, "CompositeExplicitAutograd")
+    quant = "Tensor x, float x_scale, int x_zero_point, int x_qmin, int x_qmax"
+    conv = "Tensor w, Tensor w_scale, Tensor w_zero_point, Tensor? bias, int[2] stride, int[2] padding"
+    library.define(f"conv_int8({quant}, {conv}, str attr, str? algorithm, {output}) -> Tensor")
+    library.impl("conv_int8", conv_int8, "CompositeExplicitAutograd")
     # Composite: autograd sees the aten ops the form runs.
     library.define("linear_measured(Tensor input, Tensor weight, Tensor bias) -> Tensor")
     library.define("linear_measured.addmm(Tensor self, Tensor mat1, Tensor mat2) -> Tensor")

@@ -44,6 +44,18 @@ pub const FUSED: &str = crate::tables::PASS_OPS[3];
 pub const FUSED_TENSOR: &str = crate::tables::PASS_OPS[4];
 /// The fused op, choosing the parameters from its input (dynamic quantization).
 pub const FUSED_DYNAMIC: &str = crate::tables::PASS_OPS[5];
+/// The int8 convolution (a spatial kernel), with float and int parameters (a static scale).
+pub const CONV: &str = crate::tables::PASS_OPS[11];
+
+/// The fused ops whose argument list ends in `attr, algorithm` (then the output's
+/// quantization, `super::linear_int8_output`).
+pub const FUSED_OPS: [&str; 4] = [FUSED, FUSED_TENSOR, FUSED_DYNAMIC, CONV];
+
+/// The fewest input channels of a spatial convolution the int8 convolution takes. An image's
+/// (a network's stem: 3) fill less than a word per tap and quantize a pixel at a time; the
+/// float32 kernel for them (`kernels::direct_f32`) ran GhostNet's stem in 100 µs where the
+/// int8 convolution took 530.
+const MIN_CONV_IN_CHANNELS: i64 = 8;
 
 /// The pass (`fast`, on a loader's CPU with the runtime's kernels).
 pub struct LinearInt8;
@@ -152,8 +164,7 @@ fn absorb_activations(m: &mut Method) -> usize {
     let absorbed: Vec<(usize, usize, Node)> = (g.nodes.iter().enumerate())
         .filter_map(|(i, node)| {
             let len = node.args.len();
-            let fused = [FUSED, FUSED_TENSOR, FUSED_DYNAMIC].contains(&name(node));
-            if !fused || len < 2 || node.args[len - 2] != Arg::Str("none".into()) {
+            if !FUSED_OPS.contains(&name(node)) || len < 2 || node.args[len - 2] != Arg::Str("none".into()) {
                 return None;
             }
             let ai = sole_reader(&read, node)?;
@@ -226,11 +237,12 @@ fn find(m: &Method, weights: &Weights) -> Vec<Found> {
     };
     let mut found = Vec::new();
     for (i, linear) in g.nodes.iter().enumerate() {
-        let conv = op_of(linear) == "aten::conv2d.default" && is_pointwise_conv(linear);
-        if !(op_of(linear) == "aten::linear.default" || conv) || !linear.kwargs.is_empty() {
+        let conv = op_of(linear) == "aten::conv2d.default";
+        let is_linear = op_of(linear) == "aten::linear.default";
+        if !(is_linear || conv) || !linear.kwargs.is_empty() {
             continue;
         }
-        if !conv && linear.args.len() > 3 {
+        if is_linear && linear.args.len() > 3 {
             continue;
         }
         let bias = match linear.args.get(2) {
@@ -264,11 +276,23 @@ fn find(m: &Method, weights: &Weights) -> Vec<Found> {
         };
         let [w, w_scale, w_zp, Arg::Int(0), _, _, Arg::Dtype(w_dtype)] = &wd.args[..] else { continue };
         // A linear's `[n, k]` weight, or a 1×1 convolution's `[n, k, 1, 1]`.
-        let matrix = match (conv, w) {
-            (false, _) => tensor(w, &["int8"], 2),
-            (true, Arg::Ref(v)) => (weight_of.get(v.as_str()).and_then(|w| weights.tensors.get(*w)))
-                .is_some_and(|t| tensor(w, &["int8"], 4) && t.shape[2..] == [1, 1]),
+        // Any other convolution without groups or dilation is the int8 convolution, of its
+        // stride and padding (`spatial`).
+        let one_by_one = match w {
+            Arg::Ref(v) => (weight_of.get(v.as_str()).and_then(|w| weights.tensors.get(*w)))
+                .is_some_and(|t| t.shape.len() == 4 && t.shape[2..] == [1, 1]),
             _ => false,
+        };
+        let deep = match w {
+            Arg::Ref(v) => (weight_of.get(v.as_str()).and_then(|w| weights.tensors.get(*w)))
+                .is_some_and(|t| t.shape.get(1).is_some_and(|&c| c >= MIN_CONV_IN_CHANNELS)),
+            _ => false,
+        };
+        let pointwise = one_by_one && is_pointwise_conv(linear);
+        let spatial = if conv && !pointwise && deep { dense_conv(linear) } else { None };
+        let matrix = match is_linear {
+            true => tensor(w, &["int8"], 2),
+            false => tensor(w, &["int8"], 4) && (pointwise || spatial.is_some()),
         };
         let weight_ok =
             w_dtype == "int8" && matrix && tensor(w_scale, &["float32"], 1) && tensor(w_zp, &["int64", "int32"], 1);
@@ -298,8 +322,14 @@ fn find(m: &Method, weights: &Weights) -> Vec<Found> {
                 _ => None,
             }
         });
-        let (op, args) = match (overload, dynamic) {
-            ("tensor", Some((c, eps, d))) => {
+        let (op, args) = match (overload, dynamic, spatial) {
+            // The int8 convolution takes a static scale only.
+            ("default", _, Some(geometry)) => {
+                let params = vec![x.clone(), scale.clone(), zp.clone(), Arg::Int(*qmin), Arg::Int(*qmax)];
+                (CONV, [params, weight.to_vec(), geometry.to_vec()].concat())
+            }
+            (_, _, Some(_)) => continue,
+            ("tensor", Some((c, eps, d)), None) => {
                 replaced.push(c);
                 (FUSED_DYNAMIC, [vec![x.clone(), Arg::Int(*qmin), Arg::Int(*qmax), eps, d], weight.to_vec()].concat())
             }
@@ -314,6 +344,29 @@ fn find(m: &Method, weights: &Weights) -> Vec<Found> {
         found.push(Found { linear: i, node, op, replaced });
     }
     found
+}
+
+/// A `conv2d` node's stride and padding as two-element literal lists, where it has one group
+/// and dilation 1 (as literals or left to their defaults): the int8 convolution's geometry.
+fn dense_conv(n: &Node) -> Option<[Arg; 2]> {
+    let pair = |i: usize, default: i64| -> Option<Arg> {
+        let ints = match n.args.get(i) {
+            None => vec![default],
+            Some(Arg::List(items)) => {
+                items.iter().map(|a| if let Arg::Int(v) = a { Some(*v) } else { None }).collect::<Option<Vec<_>>>()?
+            }
+            Some(_) => return None,
+        };
+        let pair = match ints[..] {
+            [v] => [v, v],
+            [a, b] => [a, b],
+            _ => return None,
+        };
+        Some(Arg::List(pair.map(Arg::Int).to_vec()))
+    };
+    let ones = pair(5, 1)? == Arg::List(vec![Arg::Int(1), Arg::Int(1)]);
+    let groups = matches!(n.args.get(6), None | Some(Arg::Int(1)));
+    (n.args.len() <= 7 && ones && groups).then_some([pair(3, 1)?, pair(4, 0)?])
 }
 
 /// Whether a `conv2d` node is a 1×1 convolution's product over pixels: stride 1, no padding,
@@ -490,14 +543,54 @@ mod tests {
         assert_eq!(back.outputs, crate::schema::Outputs::One("a".into()));
         assert_eq!(apply(&mut m, &w), 0, "nothing is found twice");
         assert_eq!(m.graph.nodes.len(), 3, "nor wrapped twice");
-        // A spatial kernel, a stride, padding or groups: another convolution, left alone.
-        let strided = json!([{"list": [{"int": 2}, {"int": 2}]}]);
-        let padded = json!([{"list": [{"int": 1}, {"int": 1}]}, {"list": [{"int": 1}, {"int": 1}]}]);
-        let grouped = json!([{"list": [{"int": 1}]}, {"list": [{"int": 0}]}, {"list": [{"int": 1}]}, {"int": 2}]);
-        for (kernel, geometry) in [(3, pointwise), (1, strided), (1, padded), (1, grouped)] {
+    }
+
+    /// A convolution with a spatial kernel, a stride or padding becomes the int8 convolution,
+    /// its stride and padding as pairs, its ReLU taken; groups or dilation leave it alone, and
+    /// so does a dynamic quantization's.
+    #[test]
+    fn a_spatial_convolution_becomes_the_int8_convolution() {
+        let ints = |v: &[i64]| Arg::List(v.iter().map(|&i| Arg::Int(i)).collect());
+        let strided = json!([{"list": [{"int": 2}]}]);
+        let padded = json!([{"list": [{"int": 1}, {"int": 2}]}, {"list": [{"int": 1}, {"int": 0}]}]);
+        for (kernel, geometry, stride, padding) in
+            [(3, json!([]), [1, 1], [0, 0]), (1, strided, [2, 2], [0, 0]), (3, padded, [1, 2], [1, 0])]
+        {
             let (mut m, w) = conv(kernel, geometry.clone());
-            assert_eq!(apply(&mut m, &w), 0, "{kernel} {geometry}");
+            assert_eq!(apply(&mut m, &w), 2, "{geometry}");
+            let [fused] = &m.graph.nodes[..] else { panic!("{geometry}: {:?}", m.graph.nodes) };
+            assert_eq!(m.ops[fused.op].name, CONV);
+            let r = |v: &str| Arg::Ref(v.into());
+            let want = [
+                r("x"),
+                Arg::Float(crate::schema::Float(0.02)),
+                Arg::Int(131),
+                Arg::Int(0),
+                Arg::Int(255),
+                r("w"),
+                r("ws"),
+                r("wz"),
+                r("b"),
+                ints(&stride),
+                ints(&padding),
+                Arg::Str("relu".into()),
+                Arg::None(()),
+            ];
+            assert_eq!(fused.args, want, "{geometry}");
+            assert_eq!(fused.outputs, crate::schema::Outputs::One("a".into()));
         }
+        let grouped = json!([{"list": [{"int": 1}]}, {"list": [{"int": 0}]}, {"list": [{"int": 1}]}, {"int": 2}]);
+        let dilated = json!([{"list": [{"int": 1}]}, {"list": [{"int": 0}]}, {"list": [{"int": 2}]}]);
+        for geometry in [grouped, dilated] {
+            let (mut m, w) = conv(3, geometry.clone());
+            assert_eq!(apply(&mut m, &w), 0, "{geometry}");
+        }
+        let mut m = serde_json::to_value(method(true)).unwrap();
+        m["ops"][3] = json!({"name": "aten::conv2d.default", "schema": "s"});
+        let mut w = weights();
+        w.tensors.get_mut("w").unwrap().shape = vec![8, 16, 3, 3];
+        let mut m: Method = serde_json::from_value(m).unwrap();
+        assert_eq!(apply(&mut m, &w), 0, "a dynamic quantization");
     }
 
     /// The static method with `activation(y, *args)` after the linear, the graph's output.

@@ -22,14 +22,15 @@
 //! makes the node (`super::registered`).
 
 use super::fake_quantize::FAKE;
-use super::linear_int8::{FUSED, FUSED_DYNAMIC, FUSED_TENSOR};
+use super::linear_int8::{CONV, FUSED_OPS};
 use super::pass::{Ctx, Pass};
 use super::readers::{one, readers, sole_reader};
 use super::{Level, Target};
 use crate::schema::{Arg, Method, Node};
 
 /// The arguments of the fused op before the output's quantization: the input and its
-/// parameters (five), the weight, its scales and zero points, the bias, `attr, algorithm`.
+/// parameters (five), the weight, its scales and zero points, the bias, `attr, algorithm`
+/// (the convolution's stride and padding before those: two more).
 const ARGS: usize = 11;
 
 /// The pass (`fast`, where the runtime has its kernels).
@@ -81,8 +82,8 @@ pub fn apply(m: &mut Method) -> usize {
             _ => p,
         };
         let l = &g.nodes[linear];
-        let fused = [FUSED, FUSED_TENSOR, FUSED_DYNAMIC].contains(&op_of(l));
-        if fused && l.args.len() == ARGS && l.kwargs.is_empty() {
+        let args = if op_of(l) == CONV { ARGS + 2 } else { ARGS };
+        if FUSED_OPS.contains(&op_of(l)) && l.args.len() == args && l.kwargs.is_empty() {
             found.push((linear, p, i));
         }
     }
@@ -99,6 +100,7 @@ pub fn apply(m: &mut Method) -> usize {
 
 #[cfg(test)]
 mod tests {
+    use super::super::linear_int8::FUSED;
     use super::*;
     use serde_json::json;
 

@@ -1,5 +1,6 @@
-//! The int8 linear (`kwexport::linear_int8`, `passes::linear_int8`) on `kernels::int8`: its
-//! weight packed on the node's first call, its input quantized and multiplied per call.
+//! The int8 linear and convolution (`kwexport::linear_int8`, `kwexport::conv_int8`,
+//! `passes::linear_int8`) on `kernels::int8`: the weight packed on the node's first call, the
+//! input quantized and multiplied per call.
 
 use std::sync::OnceLock;
 
@@ -58,20 +59,22 @@ impl Int8Panels {
 }
 
 impl Operators<'_> {
-    /// An int8 CPU `[n, k]` weight (any strides; or a 1×1 convolution's `[n, k, 1, 1]`) as
-    /// `kernels::int8`'s panels in `layout`, held in a float32 tensor's bytes; `None` unless
-    /// its zero points (a CPU `[n]` int64 or int32 tensor) are all 0, the kernel's symmetric
-    /// weights.
+    /// An int8 CPU `[n, k]` weight or `[n, k, kh, kw]` convolution weight (any strides) as
+    /// `kernels::int8`'s panels in `layout` (`Layout::pack_conv`'s for a convolution, which
+    /// for 1×1 are the matrix's), held in a float32 tensor's bytes; `None` unless its zero
+    /// points (a CPU `[n]` int64 or int32 tensor) are all 0, the kernel's symmetric weights.
     fn pack_int8_panels(&self, weight: Raw, zero_point: Raw, layout: Layout) -> Option<Tensor> {
         let shims = self.0.shims.as_ref()?;
         let (int8, int64, int32) = (self.0.dtype_code("int8")?, self.0.dtype_code("int64"), self.0.dtype_code("int32"));
         // SAFETY: live handles (the plan's constants).
         let ((sizes, strides), zp_sizes) =
             unsafe { (self.0.sizes_strides(weight)?, self.0.contiguous_sizes(zero_point)?) };
-        let (n, k, s0, s1) = match (sizes.as_slice(), strides.as_slice()) {
-            (&[n, k], &[s0, s1]) | (&[n, k, 1, 1], &[s0, s1, _, _]) => (n, k, s0, s1),
+        let (shape, st) = match (sizes.as_slice(), strides.as_slice()) {
+            (&[n, k], &[s0, s1]) => ([n, k, 1, 1], [s0, s1, 0, 0]),
+            (&[n, k, kh, kw], &[s0, s1, s2, s3]) => ([n, k, kh, kw], [s0, s1, s2, s3]),
             _ => return None,
         };
+        let n = shape[0];
         // SAFETY: live handles.
         let on_cpu = |t: Raw| unsafe { shims.is_cpu(t) };
         let zp_dtype = shims.dtype(zero_point);
@@ -79,9 +82,15 @@ impl Operators<'_> {
         if shims.dtype(weight) != Some(int8) || !on_cpu(weight) || !on_cpu(zero_point) || !zp_int || zp_sizes != [n] {
             return None;
         }
-        let [n, k, s0, s1] = [n, k, s0, s1].map(|v| usize::try_from(v).ok());
-        let ([n, k], [s0, s1]) = ([n?, k?], [s0?, s1?]);
-        if n == 0 || k == 0 || k > kernels::int8::MAX_K {
+        let (shape, st) = (shape.map(|v| usize::try_from(v).ok()), st.map(|v| usize::try_from(v).ok()));
+        let (Some(shape), Some(st)) =
+            (shape.into_iter().collect::<Option<Vec<_>>>(), st.into_iter().collect::<Option<Vec<_>>>())
+        else {
+            return None;
+        };
+        let (shape, st): ([usize; 4], [usize; 4]) = (shape.try_into().ok()?, st.try_into().ok()?);
+        let n = shape[0];
+        if shape.contains(&0) || layout.conv_depth(shape) > kernels::int8::MAX_K {
             return None;
         }
         // SAFETY: the zero points are `n` contiguous integers of the dtype just checked.
@@ -95,15 +104,15 @@ impl Operators<'_> {
         if !zeros {
             return None;
         }
-        let len = layout.packed_len([n, k]);
+        let len = layout.conv_packed_len(shape);
         let out = self.owned(shims.empty_f32(&[i64::try_from(len).ok()?])).ok()?;
-        let span = 1 + (n - 1) * s0 + (k - 1) * s1;
+        let span = 1 + (0..4).map(|d| (shape[d] - 1) * st[d]).sum::<usize>();
         // SAFETY: an int8 CPU tensor spanning `span` elements from its first at these strides
         // (checked above), and the fresh output, which aliases nothing, as 4-byte words.
         unsafe {
             let src = std::slice::from_raw_parts(shims.data_ptr(weight)? as *const i8, span);
             let dst = std::slice::from_raw_parts_mut(shims.data_ptr(out.raw())? as *mut u32, len);
-            layout.pack(src, [n, k], [s0, s1], dst);
+            layout.pack_conv(src, shape, st, dst);
         }
         Some(out)
     }
@@ -208,6 +217,66 @@ impl Operators<'_> {
             let os = self.floats_mut(&mut out, m * n)?;
             let post = (epilogue, output.as_ref());
             kernels::int8::linear((xs, ld), [m, k, n], &quant, Packed { words, layout }, ws, bias, post, os)
+        };
+        ran.ok().map(|()| Ok(out))
+    }
+}
+
+impl Operators<'_> {
+    /// kwexport's int8 convolution (`kernels::int8::conv`) of `x`, a float32 CPU `[N, C, H,
+    /// W]` tensor (channels-last, or a slice of a wider one's channels; a contiguous one is
+    /// transposed to that first: an image), quantized by `input`, with `weight` (its panels
+    /// packed for `g`), then `epilogue` and the `output` quantization fused with it: a new
+    /// channels-last `[N, n, Ho, Wo]` tensor, or `None` where the tensors don't qualify (the
+    /// caller runs the op's Python form).
+    ///
+    /// # Safety
+    /// Every handle must be live.
+    pub unsafe fn conv_int8(
+        &self,
+        x: Raw,
+        input: Quant,
+        weight: Int8Weight,
+        g: &kernels::Conv2d,
+        (epilogue, output): (kernels::Epilogue, Option<Quant>),
+    ) -> Option<Result<Tensor, CError>> {
+        let Int8Weight { panels, layout, scale: w_scale, bias, .. } = weight;
+        let (cin, n) = (g.in_channels, g.out_channels);
+        let shims = self.0.shims.as_ref()?;
+        let image: Vec<f32>;
+        // SAFETY: live handles.
+        let ((xs, [batch, h, w], ld), ws, bias) = unsafe {
+            let rows = match self.channels_last_rows(x, cin) {
+                Some(rows) => rows,
+                None => {
+                    let sizes = self.0.contiguous_sizes(x)?;
+                    let &[batch, c, h, w] = sizes.as_slice() else { return None };
+                    let dims = [batch, c, h * w].map(|v| usize::try_from(v).ok());
+                    let [Some(batch), Some(c), Some(pixels)] = dims else { return None };
+                    let xs = self.contiguous_f32(x, &sizes)?;
+                    let mut copy = vec![0f32; xs.len()];
+                    kernels::copy::swap_axes(xs, [batch, c, pixels, 1], &mut copy);
+                    image = copy;
+                    (&image[..], [batch, h as usize, w as usize], cin)
+                }
+            };
+            (rows, self.contiguous_f32(w_scale, &[n as i64])?, self.bias_f32(bias, n)?)
+        };
+        let [ho, wo] = g.output(h, w)?;
+        let mut out = match self.empty_channels_last([batch, n, ho, wo]) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        // SAFETY: the panels are `layout.conv_packed_len` words for this weight
+        // (`pack_int8_panels` made them), and the new output has its floats, which nothing
+        // else holds.
+        let ran = unsafe {
+            let len = layout.conv_packed_len([n, cin, g.kernel[0], g.kernel[1]]);
+            let words = std::slice::from_raw_parts(shims.data_ptr(panels)? as *const u32, len);
+            let os = self.floats_mut(&mut out, batch * ho * wo * n)?;
+            let post = (epilogue, output.as_ref());
+            let weight = Packed { words, layout };
+            kernels::int8::conv((xs, ld), [batch, h, w], g, &input, weight, ws, bias, post, os)
         };
         ran.ok().map(|()| Ok(out))
     }

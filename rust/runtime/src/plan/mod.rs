@@ -169,8 +169,8 @@ pub enum OwnOp {
     /// (`kernels::max_pool_f32`; torch's channels-last kernel sets up per call and runs at a
     /// fifth of the speed on resnet18's stem pooling).
     MaxPool(crate::operators::MaxPool),
-    /// `kwexport::linear_int8` (`passes::linear_int8`) on a float32 CPU input and the
-    /// weight's panels (`kernels::int8`).
+    /// `kwexport::linear_int8` and `kwexport::conv_int8` (`passes::linear_int8`) on a float32
+    /// CPU input and the weight's panels (`kernels::int8`).
     LinearInt8(std::sync::Arc<Int8Linear>),
     /// `fake_quantize_per_tensor_affine` with literal parameters (`passes::fake_quantize`) on
     /// a dense float32 CPU tensor (`kernels::int8::fake_quantize_f32`, through `operators`).
@@ -183,9 +183,10 @@ pub enum OwnOp {
 /// What an int8 linear's kernel needs besides the node's tensors: where the input's scale
 /// and zero point come from, its range, the weight's `[n, k]`, the activation fused with it,
 /// the quantization of its result fused with it (`passes::linear_int8_output`), and the
-/// weight's panels.
+/// weight's panels; for an int8 convolution, its geometry (`k` then its input channels).
 #[derive(Debug)]
 pub struct Int8Linear {
+    pub(crate) conv: Option<crate::operators::Conv2d>,
     pub(crate) params: Int8Params,
     pub(crate) range: [i64; 2],
     pub(crate) n: i64,

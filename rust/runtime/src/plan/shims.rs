@@ -212,6 +212,27 @@ pub(super) fn compile(
     shim_step(abi, op, node, bound, is_tensor, consts, uses)
 }
 
+/// What an int8 linear or convolution applies to its results (its last six arguments): the
+/// activation fused with it, as `mkldnn::_linear_pointwise` names it, and the quantization
+/// of its result (`passes::linear_int8_output`; a scale of None: none). `None` where the
+/// kernel can't take them (the node then runs the op's Python form).
+fn int8_post(post: &[&SlotArg]) -> Option<(crate::operators::Epilogue, Option<Quant>)> {
+    let int = |a: &SlotArg| match a {
+        SlotArg::Literal(Arg::Int(i)) => Some(*i),
+        _ => None,
+    };
+    let [attr, algorithm, scale, zero_point, qmin, qmax] = post else { return None };
+    let output = match scale {
+        SlotArg::Literal(Arg::None(())) => None,
+        SlotArg::Literal(Arg::Float(s)) => {
+            let quant = Quant { scale: s.0, zero_point: int(zero_point)?, qmin: int(qmin)?, qmax: int(qmax)? };
+            Some(quant.fits().then_some(quant)?)
+        }
+        _ => return None,
+    };
+    Some((fused_epilogue(attr, algorithm)?, output))
+}
+
 /// The epilogue a fused linear's literal `attr` and `algorithm` (oneDNN's names for a post-op
 /// and GELU's approximation) ask for; `None` where they aren't literals kwexport applies.
 fn fused_epilogue(attr: &SlotArg, algorithm: &SlotArg) -> Option<crate::operators::Epilogue> {
@@ -253,21 +274,26 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg], consts: &mut dyn KernelC
                 },
                 _ => return None,
             };
-            // The activation fused with it, as `mkldnn::_linear_pointwise` names it, and the
-            // quantization of its result (`passes::linear_int8_output`; a scale of None: none).
-            let [attr, algorithm, scale, zero_point, qmin, qmax] = post else { return None };
-            let epilogue = fused_epilogue(attr, algorithm)?;
-            let output = match scale {
-                SlotArg::Literal(Arg::None(())) => None,
-                // One the kernel can't take leaves the node to the op's Python form.
-                SlotArg::Literal(Arg::Float(s)) => {
-                    let quant = Quant { scale: s.0, zero_point: int(zero_point)?, qmin: int(qmin)?, qmax: int(qmax)? };
-                    Some(quant.fits().then_some(quant)?)
-                }
-                _ => return None,
+            let (epilogue, output) = int8_post(post)?;
+            let (panels, [n, k, 1, 1]) = consts.int8_panels(w, w_zp)? else { return None };
+            let linear = super::Int8Linear { conv: None, params, range, n, k, epilogue, output, panels };
+            Some(super::OwnOp::LinearInt8(std::sync::Arc::new(linear)))
+        }
+        // The same pass's int8 convolution: a static scale, then the stride and padding.
+        (
+            ("kwexport::conv_int8", ""),
+            [SlotArg::Value(_), SlotArg::Literal(Arg::Float(scale)), SlotArg::Literal(Arg::Int(zp)), SlotArg::Literal(Arg::Int(qmin)), SlotArg::Literal(Arg::Int(qmax)), SlotArg::Value(ValueRef::Weight(w)), SlotArg::Value(ValueRef::Weight(_)), SlotArg::Value(ValueRef::Weight(w_zp)), _, stride, padding, post @ ..],
+        ) => {
+            let (Some(&[sh, sw]), Some(&[ph, pw])) = (ints(stride).as_deref(), ints(padding).as_deref()) else {
+                return None;
             };
-            let (panels, [n, k]) = consts.int8_panels(w, w_zp)?;
-            let linear = super::Int8Linear { params, range, n, k, epilogue, output, panels };
+            let (epilogue, output) = int8_post(post)?;
+            let (panels, shape) = consts.int8_panels(w, w_zp)?;
+            let conv = crate::operators::Conv2d::new(shape, [sh, sw], [ph, pw])?;
+            let params = super::Int8Params::Literal(scale.0, *zp);
+            let [n, k] = [shape[0], shape[1]];
+            let linear =
+                super::Int8Linear { conv: Some(conv), params, range: [*qmin, *qmax], n, k, epilogue, output, panels };
             Some(super::OwnOp::LinearInt8(std::sync::Arc::new(linear)))
         }
         // A quantize → dequantize pair (`passes::fake_quantize`), its parameters literals.

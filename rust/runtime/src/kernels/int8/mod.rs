@@ -15,6 +15,10 @@
 //! - [`Layout::Pairs`] (every family: `vpmaddwd` on AVX2 and AVX-512, two products per lane):
 //!   the input's levels less the zero point and the weight both as pairs of int16.
 
+mod conv;
+
+pub use conv::conv;
+
 use super::activation::Epilogue;
 use super::gemm::{self, Dense, Shape, Source};
 use super::simd::Simd;
@@ -315,7 +319,7 @@ impl Layout {
     }
 
     /// Input channels per 32-bit word.
-    fn per_word(self) -> usize {
+    pub(super) fn per_word(self) -> usize {
         match self {
             Layout::Pairs => 2,
             Layout::Quads => 4,
@@ -408,14 +412,7 @@ fn linear_on(
     out: &mut [f32],
 ) -> Ran {
     let layout = kernel.layout;
-    if output.is_some_and(|q| !q.fits()) {
-        return Err(Declined::Values);
-    }
-    // Levels less `qmin` fit a byte for a range of 256 levels at most.
-    let bytes = layout == Layout::Quads && quant.qmax - quant.qmin > 255;
-    if !quant.fits() || k > MAX_K || bytes || layout != weight.layout {
-        return Err(Declined::Values);
-    }
+    Products { kernel, quant, weight, w_scale, bias, post: (epilogue, output) }.check(k)?;
     let words = k.div_ceil(layout.per_word());
     let mut rows = vec![0u32; m * words];
     let levels = quant.levels();
@@ -431,34 +428,77 @@ fn linear_on(
             unsafe { (kernel.quantize)(&x[r * ld..r * ld + k], k, &levels, row) };
         }
     }
-    // The input's scale as the dequantize applies it (a float32 operand), times each column's.
-    let scale: Vec<f32> = w_scale[..n].iter().map(|&s| quant.scale as f32 * s).collect();
-    // Quads sum `(q - qmin) * w`: each column starts from `-(zero_point - qmin) * sum(w)`
-    // (within int32 for `k <= MAX_K`: `255 * 128 * k < 2^31`).
-    let offset = (quant.zero_point - quant.qmin) as i32;
-    let panels_len = n.div_ceil(PANEL) * words * PANEL;
-    let sums: Vec<i32> = match layout {
-        Layout::Pairs => Vec::new(),
-        Layout::Quads => weight.words[panels_len..][..n].iter().map(|&s| (s as i32).wrapping_mul(-offset)).collect(),
-    };
-    let shape = Shape {
-        taps: 1,
-        cin: words,
-        n,
-        ldo: n,
-        bias: bias.map_or(std::ptr::null(), |b| b.as_ptr()),
-        scale: scale.as_ptr(),
-        sums: if layout == Layout::Quads { sums.as_ptr() } else { std::ptr::null() },
-        residual: std::ptr::null(),
-        epilogue,
-        requant: output.map(Requant::of),
-    };
     let source = Source::Dense(Dense { x: rows.as_ptr(), ld: words });
-    // SAFETY: the block runs on this CPU and reads this layout; `rows` holds `m` rows of
-    // `words` words, the weight its panels, `scale`, the sums and the bias `n` values, `out`
-    // `m * n` (checked).
-    unsafe { gemm::columns(kernel.block, source, m, &shape, &weight.words[..panels_len], out) };
+    let products = Products { kernel, quant, weight, w_scale, bias, post: (epilogue, output) };
+    // SAFETY: `rows` holds `m` rows of `words` words, the weight its panels for `[n, k]`,
+    // `w_scale` and the bias `n` values, `out` `m * n` (the caller's).
+    unsafe { products.run(source, [m, 1, words, n], out) };
     Ok(())
+}
+
+/// What a product of quantized rows with an int8 weight takes besides its rows: the GEMM's
+/// kernel (of the weight's layout), the rows' quantization, the weight and its per-column
+/// scales, the bias, and the epilogue and output quantization.
+pub(super) struct Products<'a> {
+    pub(super) kernel: super::isa::Int8,
+    pub(super) quant: &'a Quant,
+    pub(super) weight: Packed<'a>,
+    pub(super) w_scale: &'a [f32],
+    pub(super) bias: Option<&'a [f32]>,
+    pub(super) post: (Epilogue, Option<&'a Quant>),
+}
+
+impl Products<'_> {
+    /// Declines a quantization the kernel can't take exactly, or a weight of another layout.
+    pub(super) fn check(&self, k: usize) -> Ran {
+        let layout = self.kernel.layout;
+        // Levels less `qmin` fit a byte for a range of 256 levels at most.
+        let bytes = layout == Layout::Quads && self.quant.qmax - self.quant.qmin > 255;
+        let output = self.post.1.is_some_and(|q| !q.fits());
+        if !self.quant.fits() || k > MAX_K || bytes || output || layout != self.weight.layout {
+            return Err(Declined::Values);
+        }
+        Ok(())
+    }
+
+    /// `m` rows of `source` (`taps` runs of `words` words each: levels as [`quantize`] writes
+    /// them) times the weight's `[n, taps * words * per word]` panels, each column's sum
+    /// scaled by the input's scale and its own, plus the bias, then the epilogue and the
+    /// output quantization, into `out`'s rows of `n`.
+    ///
+    /// # Safety
+    /// [`Products::check`] passed; the source's rows hold what the shape says, the weight
+    /// its panels, `w_scale` and the bias `n` values, `out` `m * n`.
+    pub(super) unsafe fn run(&self, source: Source<u32>, [m, taps, words, n]: [usize; 4], out: &mut [f32]) {
+        let layout = self.kernel.layout;
+        // The input's scale as the dequantize applies it (a float32 operand), times each column's.
+        let scale: Vec<f32> = self.w_scale[..n].iter().map(|&s| self.quant.scale as f32 * s).collect();
+        // Quads sum `(q - qmin) * w`: each column starts from `-(zero_point - qmin) * sum(w)`
+        // (within int32 for `k <= MAX_K`: `255 * 128 * k < 2^31`).
+        let offset = (self.quant.zero_point - self.quant.qmin) as i32;
+        let panels_len = n.div_ceil(PANEL) * taps * words * PANEL;
+        let sums: Vec<i32> = match layout {
+            Layout::Pairs => Vec::new(),
+            Layout::Quads => {
+                self.weight.words[panels_len..][..n].iter().map(|&s| (s as i32).wrapping_mul(-offset)).collect()
+            }
+        };
+        let (epilogue, output) = self.post;
+        let shape = Shape {
+            taps,
+            cin: words,
+            n,
+            ldo: n,
+            bias: self.bias.map_or(std::ptr::null(), |b| b.as_ptr()),
+            scale: scale.as_ptr(),
+            sums: if layout == Layout::Quads { sums.as_ptr() } else { std::ptr::null() },
+            residual: std::ptr::null(),
+            epilogue,
+            requant: output.map(Requant::of),
+        };
+        // SAFETY: the block runs on this CPU and reads this layout; the rest is the caller's.
+        unsafe { gemm::columns(self.kernel.block, source, m, &shape, &self.weight.words[..panels_len], out) };
+    }
 }
 
 /// VNNI's byte products (`vpdpbusd`: AVX512-VNNI on 512 bits, AVX-VNNI on 256) as the GEMM

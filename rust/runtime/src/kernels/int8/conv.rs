@@ -1,0 +1,251 @@
+//! An int8 convolution (`kwexport::conv_int8`, `passes::linear_int8`) as the int8 GEMM over a
+//! table of pointers, the float32 indirect convolution's way (`gemm::indirect_f32`): each
+//! input pixel's channels are quantized once into a row of words, and the GEMM reads each
+//! output pixel's taps through a table of pointers to those rows, so no patch is copied. A
+//! tap in the padding reads a row at the zero point's level, whose products the columns'
+//! zero-point correction cancels, as a float32 zero would give. Each tap's channels are
+//! rounded up to whole words (their weights zero), so the weight is packed as the `[n, taps *
+//! words * per word]` matrix [`Layout::pack_conv`] makes.
+
+use super::super::gemm::{self, tap_table, Source, Table};
+use super::super::{Conv2d, Declined, Ran};
+use super::{Layout, Packed, Products, Quant};
+use crate::kernels::activation::Epilogue;
+
+impl Layout {
+    /// The depth of the matrix a `[n, cin, kh, kw]` convolution weight packs as: per tap,
+    /// `cin` rounded up to whole words.
+    pub fn conv_depth(self, [_, cin, kh, kw]: [usize; 4]) -> usize {
+        kh * kw * cin.next_multiple_of(self.per_word())
+    }
+
+    /// The words of a packed convolution weight ([`Layout::pack_conv`]).
+    pub fn conv_packed_len(self, shape: [usize; 4]) -> usize {
+        self.packed_len([shape[0], self.conv_depth(shape)])
+    }
+
+    /// An int8 `[n, cin, kh, kw]` weight (at element `strides`) as the panels of its `[n,
+    /// conv_depth]` matrix, whose column `(i * kw + j) * cin_words + c` holds input channel
+    /// `c` at tap `(i, j)` (zero for `c >= cin`), packed by [`Layout::pack`]. A 1×1 weight
+    /// packs as its `[n, cin]` matrix does. `packed` holds [`Layout::conv_packed_len`]'s words.
+    pub fn pack_conv(self, w: &[i8], shape: [usize; 4], strides: [usize; 4], packed: &mut [u32]) {
+        let [n, cin, kh, kw] = shape;
+        let (k, per_tap) = (self.conv_depth(shape), cin.next_multiple_of(self.per_word()));
+        let mut matrix = vec![0i8; n * k];
+        for (o, row) in matrix.chunks_exact_mut(k).enumerate() {
+            for (tap, run) in row.chunks_exact_mut(per_tap).enumerate() {
+                let (i, j) = (tap / kw, tap % kw);
+                for (c, v) in run[..cin].iter_mut().enumerate() {
+                    *v = w[o * strides[0] + c * strides[1] + i * strides[2] + j * strides[3]];
+                }
+            }
+        }
+        debug_assert_eq!(matrix.len(), n * kh * kw * per_tap);
+        self.pack(&matrix, [n, k], [k, 1], packed);
+    }
+}
+
+/// `out[pixel, n] = epilogue(bias[n] + conv(dequantize(quantize(x)), w * w_scale[n]))` for
+/// one group: `x` the channels-last pixels of `[batch, h, w]` images, each `g.in_channels`
+/// floats with pixels `ld` elements apart, quantized by `quant`; `weight` the int8 `[n, cin,
+/// kh, kw]` weight packed by [`Layout::pack_conv`] (zero point 0); `out` the channels-last
+/// `[batch, ho, wo, n]` result; then, with an `output` quantization, each result quantized
+/// and dequantized by it as it is stored. The same sums as the linear's ([`super::linear`]),
+/// exact. Declines (writing nothing) where the slices don't fit, the convolution has groups,
+/// or the quantizations or the layout aren't ones the kernels here take.
+#[allow(clippy::too_many_arguments)]
+pub fn conv(
+    x: (&[f32], usize),
+    dims: [usize; 3],
+    g: &Conv2d,
+    quant: &Quant,
+    weight: Packed<'_>,
+    w_scale: &[f32],
+    bias: Option<&[f32]>,
+    post: (Epilogue, Option<&Quant>),
+    out: &mut [f32],
+) -> Ran {
+    let kernel = super::super::isa::int8(super::super::table_if(true)?);
+    conv_with(kernel, x, dims, g, quant, weight, w_scale, bias, post, out)
+}
+
+/// [`conv`] on `kernel`.
+#[allow(clippy::too_many_arguments)]
+fn conv_with(
+    kernel: super::super::isa::Int8,
+    (x, ld): (&[f32], usize),
+    [batch, h, w]: [usize; 3],
+    g: &Conv2d,
+    quant: &Quant,
+    weight: Packed<'_>,
+    w_scale: &[f32],
+    bias: Option<&[f32]>,
+    post: (Epilogue, Option<&Quant>),
+    out: &mut [f32],
+) -> Ran {
+    let (cin, n, layout) = (g.in_channels, g.out_channels, weight.layout);
+    let Some([ho, wo]) = g.output(h, w).filter(|_| g.groups == 1) else { return Err(Declined::Shapes) };
+    let shape = [n, cin, g.kernel[0], g.kernel[1]];
+    let (pixels, m, k) = (batch * h * w, batch * ho * wo, layout.conv_depth(shape));
+    let fits = gemm::rows_fit(x.len(), [pixels, cin], ld)
+        && weight.words.len() >= layout.conv_packed_len(shape)
+        && w_scale.len() >= n
+        && gemm::results_fit([m, n], n, bias, None, out.len());
+    if !fits {
+        return Err(Declined::Shapes);
+    }
+    let products = Products { kernel, quant, weight, w_scale, bias, post };
+    products.check(k)?;
+    let words = cin.div_ceil(layout.per_word());
+    // Each pixel's levels, then the padding's row: the zero point's level less the base
+    // (`Level::base`: 0 for pairs, `zero_point - qmin` in each byte for quads).
+    let mut rows = vec![0u32; (pixels + 1) * words];
+    let levels = quant.levels();
+    let (pixel_rows, padding) = rows.split_at_mut(pixels * words);
+    if layout == Layout::Quads {
+        padding.fill(u32::from_le_bytes([(quant.zero_point - quant.qmin) as u8; 4]));
+    }
+    if ld == cin {
+        // SAFETY: the quantizer runs on this CPU; `x` holds `pixels` rows of `cin`, the rows
+        // as many of `words`; the range fits the layout (`check`).
+        unsafe { (kernel.quantize)(&x[..pixels * cin], cin, &levels, pixel_rows) };
+    } else {
+        for (p, row) in pixel_rows.chunks_exact_mut(words).enumerate() {
+            // SAFETY: as above, for one pixel (`rows_fit`).
+            unsafe { (kernel.quantize)(&x[p * ld..p * ld + cin], cin, &levels, row) };
+        }
+    }
+    let table = tap_table(m, [h, w], [ho, wo], g, |pixel| match pixel {
+        Some(p) => rows[p * words..].as_ptr(),
+        None => rows[pixels * words..].as_ptr(),
+    });
+    let taps = g.kernel[0] * g.kernel[1];
+    let source = Source::Table(Table { table: table.as_ptr(), taps, offset: 0 });
+    // SAFETY: every pointer of the table starts `words` words of `rows`, alive until the end
+    // of this function; the weight holds its panels for `[n, taps * words * per word]`, and
+    // the other slices what the shapes say (checked).
+    unsafe { products.run(source, [m, taps, words, n], out) };
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::super::{isa, reference};
+    use super::*;
+
+    /// Geometries: a 3×3 with padding (SqueezeNet's expansions), a strided one, a 5×5 over
+    /// channels that don't fill a word, a 1×1 and a wide one past one panel of columns.
+    fn cases() -> Vec<(Conv2d, [usize; 3], Quant)> {
+        let conv = |[n, c, kh, kw]: [i64; 4], stride, padding| Conv2d::new([n, c, kh, kw], stride, padding).unwrap();
+        let u8 = |scale, zero_point| Quant { scale, zero_point, qmin: 0, qmax: 255 };
+        vec![
+            (conv([16, 8, 3, 3], [1, 1], [1, 1]), [1, 6, 7], u8(0.05, 128)),
+            (conv([24, 13, 3, 3], [2, 2], [1, 1]), [2, 9, 8], u8(0.03, 7)),
+            (
+                conv([5, 3, 5, 5], [1, 2], [2, 1]),
+                [1, 7, 6],
+                Quant { scale: 0.02, zero_point: -3, qmin: -128, qmax: 127 },
+            ),
+            (conv([70, 20, 1, 1], [1, 1], [0, 0]), [1, 4, 5], u8(0.1, 255)),
+            (conv([130, 16, 3, 3], [1, 1], [0, 0]), [1, 5, 5], u8(0.011, 0)),
+        ]
+    }
+
+    /// The convolution as its im2col matrix times the weight, by the linear's reference.
+    #[allow(clippy::too_many_arguments)]
+    fn want(
+        x: &[f32],
+        dims: [usize; 3],
+        g: &Conv2d,
+        q: &Quant,
+        w: &[i8],
+        ws: &[f32],
+        b: &[f32],
+        e: Epilogue,
+    ) -> Vec<f64> {
+        let ([batch, h, wd], [kh, kw], cin) = (dims, g.kernel, g.in_channels);
+        let [ho, wo] = g.output(h, wd).unwrap();
+        let k = cin * kh * kw;
+        // The zero point's float value (0) in the padding.
+        let mut patches = vec![0f32; batch * ho * wo * k];
+        for (p, patch) in patches.chunks_exact_mut(k).enumerate() {
+            let (b, oy, ox) = (p / (ho * wo), p / wo % ho, p % wo);
+            for (c, i, j) in (0..cin).flat_map(|c| (0..kh).flat_map(move |i| (0..kw).map(move |j| (c, i, j)))) {
+                let iy = (oy * g.stride[0] + i).checked_sub(g.padding[0]).filter(|&y| y < h);
+                let ix = (ox * g.stride[1] + j).checked_sub(g.padding[1]).filter(|&v| v < wd);
+                if let (Some(iy), Some(ix)) = (iy, ix) {
+                    patch[(c * kh + i) * kw + j] = x[((b * h + iy) * wd + ix) * cin + c];
+                }
+            }
+        }
+        reference::linear_int8(&patches, [batch * ho * wo, k, g.out_channels], q, w, ws, Some(b), e)
+    }
+
+    /// Each int8 GEMM of each family against the im2col reference (exact sums, float32
+    /// rounding of the scaling apart), with pixels dense and `ld` apart.
+    #[test]
+    fn each_family_computes_the_quantized_convolution() {
+        let each = |i: isa::Isa| isa::int8_variants(i.table().unwrap()).into_iter().map(move |v| (i, v));
+        for (isa, kernel) in isa::supported().into_iter().flat_map(each) {
+            let layout = kernel.layout;
+            for (g, dims @ [batch, h, w], quant) in cases() {
+                let (cin, n) = (g.in_channels, g.out_channels);
+                let shape = [n, cin, g.kernel[0], g.kernel[1]];
+                let [ho, wo] = g.output(h, w).unwrap();
+                let len = n * cin * g.kernel[0] * g.kernel[1];
+                let wt: Vec<i8> = (0..len).map(|i| ((i * 53 % 256) as i32 - 128) as i8).collect();
+                let ws: Vec<f32> = (0..n).map(|i| 0.001 + i as f32 / 7000.0).collect();
+                let bias: Vec<f32> = (0..n).map(|i| i as f32 / 7.0 - 1.0).collect();
+                let mut words = vec![0u32; layout.conv_packed_len(shape)];
+                let strides = [cin * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1];
+                layout.pack_conv(&wt, shape, strides, &mut words);
+                let weight = Packed { words: &words, layout };
+                for ld in [cin, cin + 3] {
+                    let pixels = batch * h * w;
+                    let x: Vec<f32> = (0..pixels * ld).map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0).collect();
+                    let dense: Vec<f32> = x.chunks(ld).flat_map(|r| r[..cin].iter().copied()).collect();
+                    for epilogue in [Epilogue::None, Epilogue::Relu] {
+                        let mut out = vec![f32::NAN; batch * ho * wo * n];
+                        let post = (epilogue, None);
+                        let ran =
+                            conv_with(kernel, (&x, ld), dims, &g, &quant, weight, &ws, Some(&bias), post, &mut out);
+                        assert_eq!(ran, Ok(()), "{isa:?}");
+                        let want = want(&dense, dims, &g, &quant, &wt, &ws, &bias, epilogue);
+                        for (i, (got, want)) in out.iter().zip(&want).enumerate() {
+                            let (got, want) = (*got as f64, *want);
+                            let close = (got - want).abs() <= 1e-5 * (1.0 + want.abs());
+                            assert!(close, "{isa:?} {layout:?} {g:?} ld {ld} [{i}]: {got} vs {want}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_one_by_one_weight_packs_as_its_matrix() {
+        let w: Vec<i8> = (0..70 * 9).map(|i| (i % 200) as i8).collect();
+        for layout in [Layout::Pairs, Layout::Quads] {
+            let (mut conv, mut matrix) =
+                (vec![0; layout.conv_packed_len([70, 9, 1, 1])], vec![0; layout.packed_len([70, 9])]);
+            layout.pack_conv(&w, [70, 9, 1, 1], [9, 1, 1, 1], &mut conv);
+            layout.pack(&w, [70, 9], [9, 1], &mut matrix);
+            assert_eq!(conv, matrix, "{layout:?}");
+        }
+    }
+
+    #[test]
+    fn declines_groups_and_short_slices() {
+        let Some(layout) = Layout::current() else { return };
+        let g = Conv2d::grouped([4, 2, 3, 3], [1, 1], [1, 1], 2).unwrap();
+        let words = vec![0u32; layout.conv_packed_len([4, 2, 3, 3])];
+        let q = Quant { scale: 0.1, zero_point: 0, qmin: 0, qmax: 255 };
+        let weight = Packed { words: &words, layout };
+        let run = |g: &Conv2d, out: &mut [f32]| {
+            conv((&[0.0; 36], 4), [1, 3, 3], g, &q, weight, &[1.0; 4], None, (Epilogue::None, None), out)
+        };
+        assert_eq!(run(&g, &mut [0.0; 36]), Err(Declined::Shapes));
+        let dense = Conv2d::new([4, 4, 3, 3], [1, 1], [1, 1]).unwrap();
+        assert_eq!(run(&dense, &mut [0.0; 35]), Err(Declined::Shapes));
+    }
+}
