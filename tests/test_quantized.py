@@ -511,6 +511,36 @@ def test_quantize_makes_an_int8_program_that_keeps_the_signature(tmp_path, activ
     assert ((prog(x) - ref).abs().max() / ref.abs().max()).item() < 0.05
 
 
+class BasicBlock(nn.Module):
+    """torchvision's ResNet block: one ReLU module called twice, a residual add."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(16, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 16, 3, padding=1)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.conv2(self.relu(self.conv1(x)))
+        out += x
+        return self.relu(out)
+
+
+def test_quantize_takes_a_module_called_twice(tmp_path):
+    """The x86 quantizer raised "Input partition has more than one output node" on a module
+    called twice (every torchvision ResNet); each call is now quantized as its own, and both
+    convolutions run on the int8 kernel at `fast`, within int8's step of float32."""
+    torch.manual_seed(0)
+    model, x = BasicBlock().eval(), torch.randn(2, 16, 10, 10)
+    ex = kwexport.quantize(model, (x,))
+    kwexport.save(ex, tmp_path / "int8.kwx")
+    fast = kwexport.load(tmp_path / "int8.kwx", optimize="fast")
+    assert [n["op"] for n in fast.profile(x)].count("kwexport::conv_int8.default") == 2
+    with torch.no_grad():
+        ref = model(x.clone())
+    assert ((fast(x) - ref).abs().max() / ref.abs().max()).item() < 0.05
+
+
 def test_quantize_refuses_a_calibration_call_of_another_structure():
     with pytest.raises(kwexport.SignatureError, match="calibration call"):
         calibration = [((torch.randn(2, 32),), {"mask": torch.ones(2, 8)})]

@@ -43,13 +43,32 @@ def quantize(
     quantizer.set_function_type_qconfig(torch.mul, None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torchao's deprecation notes about torch internals
-        prepared = prepare_pt2e(_addmm_as_linear(traced.exported_program.module()), quantizer)
+        graph = _calls_apart(_addmm_as_linear(traced.exported_program.module()))
+        prepared = prepare_pt2e(graph, quantizer)
         with torch.no_grad():
             for leaves in calls:
                 prepared(*leaves)
         converted = convert_pt2e(prepared)
         ep = torch.export.export(converted, tuple(traced.leaves), dynamic_shapes=traced.dynamic_shapes())
     return traced.encode(ep)
+
+
+def _calls_apart(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Each call of a module called more than once as a source of its own. Without a
+    ``source_fn_stack`` (torch.export's graphs now), the quantizer's partitions group nodes by
+    their innermost module's path (``nn_module_stack``), so torchvision's ResNet blocks, which
+    call one ``ReLU`` twice, made one partition of two outputs, and the x86 quantizer raised
+    "Input partition has more than one output node" on every ResNet. The stack's key already
+    tells the calls apart (``layer1.0.relu@1``): its suffix goes into the path."""
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if node.op != "call_function" or not stack:
+            continue
+        key, (path, cls) = list(stack.items())[-1]
+        _, at, call = key.rpartition("@")
+        if at and call.isdigit():
+            node.meta["nn_module_stack"] = {**stack, key: (f"{path}@{call}", cls)}
+    return gm
 
 
 def _addmm_as_linear(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
