@@ -114,10 +114,7 @@ pub fn indirect(
     let (block, native) = super::isa::bf16_block(t);
     let xb = pairs_of_rows(&x[..batch * h * w * cin], cin, native);
     let zeros = vec![0u32; pairs];
-    let table = gemm::tap_table(m, [h, w], [ho, wo], g, |pixel| match pixel {
-        Some(p) => xb[p * pairs..].as_ptr(),
-        None => zeros.as_ptr(),
-    });
+    let table = gemm::tap_table(m, [h, w], [ho, wo], g, (xb.as_ptr(), pairs, zeros.as_ptr()));
     let shape = shape(taps, pairs, n, bias, residual, epilogue);
     // SAFETY: the block runs on this CPU; every pointer of the table starts `pairs` readable
     // pairs (of `xb`, or of `zeros`, alive until the end of this function), and the other
