@@ -313,8 +313,9 @@ def test_fast_runs_a_static_int8_conv_nets_stem_on_float32_kernels_with_one_pass
 
 class SpatialNet(nn.Module):
     """Spatial convolutions of int8 weights: on the NCHW input, strided past one panel of
-    output channels, with channels that don't fill a word (10), a 5×3 kernel, and one whose
-    result a depthwise convolution (float32) reads, so its quantization goes into it."""
+    output channels, with channels that don't fill a word (10), a 5×3 kernel, one whose
+    result a depthwise convolution (float32) reads, so its quantization goes into it, and
+    one of 3 groups of 8 channels (RegNet's)."""
 
     def __init__(self):
         super().__init__()
@@ -322,13 +323,14 @@ class SpatialNet(nn.Module):
         self.b = nn.Sequential(nn.Conv2d(10, 80, 3, stride=2, padding=1), nn.ReLU())
         self.c = nn.Conv2d(80, 80, 3, padding=1, groups=80)
         self.d = nn.Sequential(nn.Conv2d(80, 24, (5, 3), padding=(2, 1)), nn.ReLU())
+        self.e = nn.Conv2d(24, 48, 3, padding=1, groups=3)
 
     def forward(self, x):
-        return self.d(self.c(self.b(self.a(x))))
+        return self.e(self.d(self.c(self.b(self.a(x)))))
 
 
 def test_fast_runs_spatial_int8_convolutions_on_the_int8_kernel(tmp_path):
-    """Each spatial convolution with 8 input channels or more becomes the int8 convolution,
+    """Each spatial convolution with 8 input channels (per group) or more becomes the int8 convolution,
     run on kwexport's kernel (torch's profiler records no Python form), its ReLU and the
     quantization of a result the depthwise convolution reads fused with it; within a
     quantization step of the reference, channels-last; off the kernel (autograd), the op's
@@ -339,7 +341,7 @@ def test_fast_runs_spatial_int8_convolutions_on_the_int8_kernel(tmp_path):
     path = saved(tmp_path, q, x)
     exact, fast = kwexport.load(path), kwexport.load(path, optimize="fast")
     ran = [n["op"] for n in fast.profile(x) if "::" in n["op"]]
-    assert ran.count("kwexport::conv_int8.default") == 3 and "aten::conv2d.default" not in ran, ran
+    assert ran.count("kwexport::conv_int8.default") == 4 and "aten::conv2d.default" not in ran, ran
     assert "aten::relu.default" not in ran and "aten::fake_quantize_per_tensor_affine.default" not in ran, ran
     with torch.profiler.profile() as prof:
         fast(x)

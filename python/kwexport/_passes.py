@@ -195,6 +195,7 @@ def conv_int8(  # noqa: PLR0917 (the op's schema, positionally)
     bias: Any,
     stride: list[int],
     padding: list[int],
+    groups: int,
     attr: str,
     algorithm: str | None,
     out_scale: float | None = None,
@@ -205,11 +206,11 @@ def conv_int8(  # noqa: PLR0917 (the op's schema, positionally)
     """``kwexport::conv_int8`` off the runtime's int8 kernel (autograd, another dtype or
     device, a weight zero point that isn't 0): the ops the ``linear_int8`` pass replaced
     (rust/core/src/passes/linear_int8.rs) as torch defines them, as :func:`linear_int8` for
-    a ``conv2d`` of this stride and padding (one group, dilation 1)."""
+    a ``conv2d`` of this stride, padding and groups (dilation 1)."""
     import torch
 
     xd, wd = _dequantized(x, (x_scale, x_zero_point, x_qmin, x_qmax), w, w_scale, w_zero_point)
-    y = torch.nn.functional.conv2d(xd, wd, bias, stride, padding)
+    y = torch.nn.functional.conv2d(xd, wd, bias, stride, padding, 1, groups)
     return _int8_post(y, attr, algorithm, (out_scale, out_zero_point, out_qmin, out_qmax))
 
 
@@ -284,7 +285,7 @@ def define_ops() -> Any:
     library.impl("linear_int8.tensor", linear_int8_tensor, "CompositeExplicitAutograd")
     library.impl("linear_int8.dynamic", linear_int8_dynamic, "CompositeExplicitAutograd")
     quant = "Tensor x, float x_scale, int x_zero_point, int x_qmin, int x_qmax"
-    conv = "Tensor w, Tensor w_scale, Tensor w_zero_point, Tensor? bias, int[2] stride, int[2] padding"
+    conv = "Tensor w, Tensor w_scale, Tensor w_zero_point, Tensor? bias, int[2] stride, int[2] padding, int groups"
     library.define(f"conv_int8({quant}, {conv}, str attr, str? algorithm, {output}) -> Tensor")
     library.impl("conv_int8", conv_int8, "CompositeExplicitAutograd")
     # Composite: autograd sees the aten ops the form runs.

@@ -51,7 +51,8 @@ pub const CONV: &str = crate::tables::PASS_OPS[11];
 /// quantization, `super::linear_int8_output`).
 pub const FUSED_OPS: [&str; 4] = [FUSED, FUSED_TENSOR, FUSED_DYNAMIC, CONV];
 
-/// The fewest input channels of a spatial convolution the int8 convolution takes. An image's
+/// The fewest input channels (per group) of a spatial convolution the int8 convolution takes
+/// (a depthwise one's 1 stays float32 too). An image's
 /// (a network's stem: 3) fill less than a word per tap, so each tap costs the GEMM a pointer
 /// and a word: GhostNet's 3×3 stem took 321 µs on it against 100 for the float32 kernel
 /// for few channels (`kernels::direct_f32`), ResNet-18's 7×7 at 224 pixels 840 against
@@ -284,13 +285,21 @@ fn find(m: &Method, weights: &Weights) -> Vec<Found> {
                 .is_some_and(|t| t.shape.len() == 4 && t.shape[2..] == [1, 1]),
             _ => false,
         };
-        let deep = match w {
+        // Its weight's input channels per group and output channels.
+        let channels = match w {
             Arg::Ref(v) => (weight_of.get(v.as_str()).and_then(|w| weights.tensors.get(*w)))
-                .is_some_and(|t| t.shape.get(1).is_some_and(|&c| c >= MIN_CONV_IN_CHANNELS)),
-            _ => false,
+                .and_then(|t| Some((*t.shape.get(1)?, *t.shape.first()?))),
+            _ => None,
         };
         let pointwise = one_by_one && is_pointwise_conv(linear);
-        let spatial = if conv && !pointwise && deep { dense_conv(linear) } else { None };
+        let geometry = if conv && !pointwise { conv_geometry(linear) } else { None };
+        // Groups start on a word of 4 channels, and divide the output channels.
+        let spatial = geometry.filter(|[_, _, groups]| match (channels, groups) {
+            (Some((per_group, n)), Arg::Int(g)) => {
+                per_group >= MIN_CONV_IN_CHANNELS && (*g == 1 || (per_group % 4 == 0 && n % g == 0))
+            }
+            _ => false,
+        });
         let matrix = match is_linear {
             true => tensor(w, &["int8"], 2),
             false => tensor(w, &["int8"], 4) && (pointwise || spatial.is_some()),
@@ -347,9 +356,9 @@ fn find(m: &Method, weights: &Weights) -> Vec<Found> {
     found
 }
 
-/// A `conv2d` node's stride and padding as two-element literal lists, where it has one group
-/// and dilation 1 (as literals or left to their defaults): the int8 convolution's geometry.
-fn dense_conv(n: &Node) -> Option<[Arg; 2]> {
+/// A `conv2d` node's stride and padding as two-element literal lists, and its groups, where
+/// its dilation is 1 (as literals or left to their defaults): the int8 convolution's geometry.
+fn conv_geometry(n: &Node) -> Option<[Arg; 3]> {
     let pair = |i: usize, default: i64| -> Option<Arg> {
         let ints = match n.args.get(i) {
             None => vec![default],
@@ -366,8 +375,12 @@ fn dense_conv(n: &Node) -> Option<[Arg; 2]> {
         Some(Arg::List(pair.map(Arg::Int).to_vec()))
     };
     let ones = pair(5, 1)? == Arg::List(vec![Arg::Int(1), Arg::Int(1)]);
-    let groups = matches!(n.args.get(6), None | Some(Arg::Int(1)));
-    (n.args.len() <= 7 && ones && groups).then_some([pair(3, 1)?, pair(4, 0)?])
+    let groups = match n.args.get(6) {
+        None => 1,
+        Some(Arg::Int(g)) if *g > 0 => *g,
+        Some(_) => return None,
+    };
+    (n.args.len() <= 7 && ones).then_some([pair(3, 1)?, pair(4, 0)?, Arg::Int(groups)])
 }
 
 /// Whether a `conv2d` node is a 1×1 convolution's product over pixels: stride 1, no padding,
@@ -547,8 +560,9 @@ mod tests {
     }
 
     /// A convolution with a spatial kernel, a stride or padding becomes the int8 convolution,
-    /// its stride and padding as pairs, its ReLU taken; groups or dilation leave it alone, and
-    /// so does a dynamic quantization's.
+    /// its stride and padding as pairs, its ReLU taken; so does one of groups of 8 channels;
+    /// groups of 2 channels (not whole words), a dilation or a dynamic quantization leave it
+    /// alone.
     #[test]
     fn a_spatial_convolution_becomes_the_int8_convolution() {
         let ints = |v: &[i64]| Arg::List(v.iter().map(|&i| Arg::Int(i)).collect());
@@ -574,6 +588,7 @@ mod tests {
                 r("b"),
                 ints(&stride),
                 ints(&padding),
+                Arg::Int(1),
                 Arg::Str("relu".into()),
                 Arg::None(()),
             ];
@@ -581,10 +596,14 @@ mod tests {
             assert_eq!(fused.outputs, crate::schema::Outputs::One("a".into()));
         }
         let grouped = json!([{"list": [{"int": 1}]}, {"list": [{"int": 0}]}, {"list": [{"int": 1}]}, {"int": 2}]);
+        let (mut m, w) = conv(3, grouped.clone());
+        assert_eq!(apply(&mut m, &w), 2, "groups of the weight's 16 channels");
+        assert_eq!(m.graph.nodes[0].args[11], Arg::Int(2));
+        let mut narrow = conv(3, grouped.clone());
+        narrow.1.tensors.get_mut("w").unwrap().shape = vec![8, 2, 3, 3];
         let dilated = json!([{"list": [{"int": 1}]}, {"list": [{"int": 0}]}, {"list": [{"int": 2}]}]);
-        for geometry in [grouped, dilated] {
-            let (mut m, w) = conv(3, geometry.clone());
-            assert_eq!(apply(&mut m, &w), 0, "{geometry}");
+        for (mut m, w) in [narrow, conv(3, dilated)] {
+            assert_eq!(apply(&mut m, &w), 0);
         }
         let mut m = serde_json::to_value(method(true)).unwrap();
         m["ops"][3] = json!({"name": "aten::conv2d.default", "schema": "s"});

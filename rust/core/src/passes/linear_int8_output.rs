@@ -30,7 +30,7 @@ use crate::schema::{Arg, Method, Node};
 
 /// The arguments of the fused op before the output's quantization: the input and its
 /// parameters (five), the weight, its scales and zero points, the bias, `attr, algorithm`
-/// (the convolution's stride and padding before those: two more).
+/// (the convolution's stride, padding and groups before those: three more).
 const ARGS: usize = 11;
 
 /// The pass (`fast`, where the runtime has its kernels).
@@ -82,7 +82,7 @@ pub fn apply(m: &mut Method) -> usize {
             _ => p,
         };
         let l = &g.nodes[linear];
-        let args = if op_of(l) == CONV { ARGS + 2 } else { ARGS };
+        let args = if op_of(l) == CONV { ARGS + 3 } else { ARGS };
         if FUSED_OPS.contains(&op_of(l)) && l.args.len() == args && l.kwargs.is_empty() {
             found.push((linear, p, i));
         }

@@ -31,18 +31,20 @@ pub struct Int8Weight {
     pub bias: Option<Raw>,
 }
 
-/// An int8 linear's weight packed for the kernel on its first call (as [`super::Panels`]):
-/// the int8 `[n, k]` weight and its zero points, as constants of the plan.
+/// An int8 linear's or convolution's weight packed for the kernel on its first call (as
+/// [`super::Panels`]): the int8 weight and its zero points, as constants of the plan, and
+/// the convolution's groups (1 for a linear).
 #[derive(Debug)]
 pub struct Int8Panels {
     weight: usize,
     zero_point: usize,
+    groups: usize,
     packed: OnceLock<Option<(Tensor, Layout)>>,
 }
 
 impl Int8Panels {
-    pub fn new(weight: usize, zero_point: usize) -> Int8Panels {
-        Int8Panels { weight, zero_point, packed: OnceLock::new() }
+    pub fn new(weight: usize, zero_point: usize, groups: usize) -> Int8Panels {
+        Int8Panels { weight, zero_point, groups, packed: OnceLock::new() }
     }
 
     /// The packed panels and their layout (the one the kernels that run here read), packed now
@@ -52,18 +54,19 @@ impl Int8Panels {
         let packed = self.packed.get_or_init(|| {
             let layout = Layout::current()?;
             let (weight, zero_point) = (consts.get(self.weight)?.raw(), consts.get(self.zero_point)?.raw());
-            Some((Operators(abi).pack_int8_panels(weight, zero_point, layout)?, layout))
+            Some((Operators(abi).pack_int8_panels(weight, zero_point, layout, self.groups)?, layout))
         });
         packed.as_ref().map(|(t, layout)| (t.raw(), *layout))
     }
 }
 
 impl Operators<'_> {
-    /// An int8 CPU `[n, k]` weight or `[n, k, kh, kw]` convolution weight (any strides) as
-    /// `kernels::int8`'s panels in `layout` (`Layout::pack_conv`'s for a convolution, which
-    /// for 1×1 are the matrix's), held in a float32 tensor's bytes; `None` unless its zero
-    /// points (a CPU `[n]` int64 or int32 tensor) are all 0, the kernel's symmetric weights.
-    fn pack_int8_panels(&self, weight: Raw, zero_point: Raw, layout: Layout) -> Option<Tensor> {
+    /// An int8 CPU `[n, k]` weight or `[n, k, kh, kw]` convolution weight of `groups` groups
+    /// (any strides) as `kernels::int8`'s panels in `layout` (`Layout::pack_conv`'s for a
+    /// convolution, which for 1×1 are the matrix's), held in a float32 tensor's bytes; `None`
+    /// unless its zero points (a CPU `[n]` int64 or int32 tensor) are all 0, the kernel's
+    /// symmetric weights, and the groups divide `n`.
+    fn pack_int8_panels(&self, weight: Raw, zero_point: Raw, layout: Layout, groups: usize) -> Option<Tensor> {
         let shims = self.0.shims.as_ref()?;
         let (int8, int64, int32) = (self.0.dtype_code("int8")?, self.0.dtype_code("int64"), self.0.dtype_code("int32"));
         // SAFETY: live handles (the plan's constants).
@@ -90,7 +93,7 @@ impl Operators<'_> {
         };
         let (shape, st): ([usize; 4], [usize; 4]) = (shape.try_into().ok()?, st.try_into().ok()?);
         let n = shape[0];
-        if shape.contains(&0) || layout.conv_depth(shape) > kernels::int8::MAX_K {
+        if shape.contains(&0) || layout.conv_depth(shape) > kernels::int8::MAX_K || !n.is_multiple_of(groups) {
             return None;
         }
         // SAFETY: the zero points are `n` contiguous integers of the dtype just checked.
@@ -104,7 +107,7 @@ impl Operators<'_> {
         if !zeros {
             return None;
         }
-        let len = layout.conv_packed_len(shape);
+        let len = layout.conv_packed_len(shape, groups);
         let out = self.owned(shims.empty_f32(&[i64::try_from(len).ok()?])).ok()?;
         let span = 1 + (0..4).map(|d| (shape[d] - 1) * st[d]).sum::<usize>();
         // SAFETY: an int8 CPU tensor spanning `span` elements from its first at these strides
@@ -112,7 +115,7 @@ impl Operators<'_> {
         unsafe {
             let src = std::slice::from_raw_parts(shims.data_ptr(weight)? as *const i8, span);
             let dst = std::slice::from_raw_parts_mut(shims.data_ptr(out.raw())? as *mut u32, len);
-            layout.pack_conv(src, shape, st, dst);
+            layout.pack_conv(src, shape, st, groups, dst);
         }
         Some(out)
     }
@@ -271,7 +274,7 @@ impl Operators<'_> {
         // (`pack_int8_panels` made them), and the new output has its floats, which nothing
         // else holds.
         let ran = unsafe {
-            let len = layout.conv_packed_len([n, cin, g.kernel[0], g.kernel[1]]);
+            let len = layout.conv_packed_len([n, cin / g.groups, g.kernel[0], g.kernel[1]], g.groups);
             let words = std::slice::from_raw_parts(shims.data_ptr(panels)? as *const u32, len);
             let os = self.floats_mut(&mut out, batch * ho * wo * n)?;
             let post = (epilogue, output.as_ref());

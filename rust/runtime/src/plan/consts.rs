@@ -299,10 +299,15 @@ pub(crate) trait KernelConsts: Consts {
     /// out]` tensor of taps (each tap's output channels contiguous: `kernels::depthwise_f32`,
     /// `kernels::direct_f32`), and the weight's shape; `None` for any other weight.
     fn conv_taps(&mut self, name: &str) -> Option<(usize, [i64; 4])>;
-    /// An int8 `[n, k]` or `[n, k, kh, kw]` weight and its zero points, to pack for the int8
-    /// GEMM on first use (`operators::Int8Panels`), and its shape (`[n, k, 1, 1]` for a
-    /// matrix); `None` for a weight of another dtype or rank.
-    fn int8_panels(&mut self, weight: &str, zero_point: &str) -> Option<(crate::operators::Int8Panels, [i64; 4])>;
+    /// An int8 `[n, k]` or `[n, k, kh, kw]` weight (of `groups` groups) and its zero points,
+    /// to pack for the int8 GEMM on first use (`operators::Int8Panels`), and its shape (`[n,
+    /// k, 1, 1]` for a matrix); `None` for a weight of another dtype or rank.
+    fn int8_panels(
+        &mut self,
+        weight: &str,
+        zero_point: &str,
+        groups: usize,
+    ) -> Option<(crate::operators::Int8Panels, [i64; 4])>;
 }
 
 impl KernelConsts for ConstTable<'_, '_> {
@@ -335,7 +340,12 @@ impl KernelConsts for ConstTable<'_, '_> {
         self.bf16
     }
 
-    fn int8_panels(&mut self, weight: &str, zero_point: &str) -> Option<(crate::operators::Int8Panels, [i64; 4])> {
+    fn int8_panels(
+        &mut self,
+        weight: &str,
+        zero_point: &str,
+        groups: usize,
+    ) -> Option<(crate::operators::Int8Panels, [i64; 4])> {
         let w = self.weights.get(weight)?.bind(self.py);
         let is_int8 = w.getattr("dtype").ok()?.eq(self.torch.getattr("int8").ok()?).ok()?;
         let shape = match w.getattr("shape").ok()?.extract::<Vec<i64>>().ok()?.as_slice() {
@@ -346,7 +356,7 @@ impl KernelConsts for ConstTable<'_, '_> {
         if !is_int8 || self.abi.is_none() || !self.weights.contains_key(zero_point) {
             return None;
         }
-        let panels = crate::operators::Int8Panels::new(self.weight(weight), self.weight(zero_point));
+        let panels = crate::operators::Int8Panels::new(self.weight(weight), self.weight(zero_point), groups);
         Some((panels, shape))
     }
 

@@ -275,21 +275,21 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg], consts: &mut dyn KernelC
                 _ => return None,
             };
             let (epilogue, output) = int8_post(post)?;
-            let (panels, [n, k, 1, 1]) = consts.int8_panels(w, w_zp)? else { return None };
+            let (panels, [n, k, 1, 1]) = consts.int8_panels(w, w_zp, 1)? else { return None };
             let linear = super::Int8Linear { conv: None, params, range, n, k, epilogue, output, panels };
             Some(super::OwnOp::LinearInt8(std::sync::Arc::new(linear)))
         }
-        // The same pass's int8 convolution: a static scale, then the stride and padding.
+        // The same pass's int8 convolution: a static scale, then the stride, padding and groups.
         (
             ("kwexport::conv_int8", ""),
-            [SlotArg::Value(_), SlotArg::Literal(Arg::Float(scale)), SlotArg::Literal(Arg::Int(zp)), SlotArg::Literal(Arg::Int(qmin)), SlotArg::Literal(Arg::Int(qmax)), SlotArg::Value(ValueRef::Weight(w)), SlotArg::Value(ValueRef::Weight(_)), SlotArg::Value(ValueRef::Weight(w_zp)), _, stride, padding, post @ ..],
+            [SlotArg::Value(_), SlotArg::Literal(Arg::Float(scale)), SlotArg::Literal(Arg::Int(zp)), SlotArg::Literal(Arg::Int(qmin)), SlotArg::Literal(Arg::Int(qmax)), SlotArg::Value(ValueRef::Weight(w)), SlotArg::Value(ValueRef::Weight(_)), SlotArg::Value(ValueRef::Weight(w_zp)), _, stride, padding, SlotArg::Literal(Arg::Int(groups)), post @ ..],
         ) => {
             let (Some(&[sh, sw]), Some(&[ph, pw])) = (ints(stride).as_deref(), ints(padding).as_deref()) else {
                 return None;
             };
             let (epilogue, output) = int8_post(post)?;
-            let (panels, shape) = consts.int8_panels(w, w_zp)?;
-            let conv = crate::operators::Conv2d::new(shape, [sh, sw], [ph, pw])?;
+            let (panels, shape) = consts.int8_panels(w, w_zp, usize::try_from(*groups).ok()?)?;
+            let conv = crate::operators::Conv2d::grouped(shape, [sh, sw], [ph, pw], *groups)?;
             let params = super::Int8Params::Literal(scale.0, *zp);
             let [n, k] = [shape[0], shape[1]];
             let linear =

@@ -7,7 +7,8 @@
 //! rounded up to whole words (their weights zero), so the weight is packed as the `[n, taps *
 //! words * per word]` matrix [`Layout::pack_conv`] makes.
 
-use super::super::gemm::{self, tap_table, Source, Table};
+use super::super::gemm::{self, tap_table, Out, Shape, Source, Table};
+use super::super::{parallel, PANEL};
 use super::super::{Conv2d, Declined, Ran};
 use super::{Layout, Packed, Products, Quant};
 use crate::kernels::activation::Epilogue;
@@ -19,40 +20,46 @@ impl Layout {
         kh * kw * cin.next_multiple_of(self.per_word())
     }
 
-    /// The words of a packed convolution weight ([`Layout::pack_conv`]).
-    pub fn conv_packed_len(self, shape: [usize; 4]) -> usize {
-        self.packed_len([shape[0], self.conv_depth(shape)])
+    /// The words of a convolution weight [`Layout::pack_conv`] packs: one packed matrix per
+    /// group.
+    pub fn conv_packed_len(self, shape: [usize; 4], groups: usize) -> usize {
+        groups * self.packed_len([shape[0] / groups, self.conv_depth(shape)])
     }
 
-    /// An int8 `[n, cin, kh, kw]` weight (at element `strides`) as the panels of its `[n,
-    /// conv_depth]` matrix, whose column `(i * kw + j) * cin_words + c` holds input channel
-    /// `c` at tap `(i, j)` (zero for `c >= cin`), packed by [`Layout::pack`]. A 1×1 weight
-    /// packs as its `[n, cin]` matrix does. `packed` holds [`Layout::conv_packed_len`]'s words.
-    pub fn pack_conv(self, w: &[i8], shape: [usize; 4], strides: [usize; 4], packed: &mut [u32]) {
-        let [n, cin, kh, kw] = shape;
-        let (k, per_tap) = (self.conv_depth(shape), cin.next_multiple_of(self.per_word()));
-        let mut matrix = vec![0i8; n * k];
-        for (o, row) in matrix.chunks_exact_mut(k).enumerate() {
-            for (tap, run) in row.chunks_exact_mut(per_tap).enumerate() {
-                let (i, j) = (tap / kw, tap % kw);
-                for (c, v) in run[..cin].iter_mut().enumerate() {
-                    *v = w[o * strides[0] + c * strides[1] + i * strides[2] + j * strides[3]];
+    /// An int8 `[n, cin, kh, kw]` weight of `groups` groups (`cin` channels each, at element
+    /// `strides`) as, per group, the panels of its `[n / groups, conv_depth]` matrix, whose
+    /// column `(i * kw + j) * cin_words + c` holds input channel `c` at tap `(i, j)` (zero
+    /// for `c >= cin`), packed by [`Layout::pack`]. A 1×1 weight packs as its `[n, cin]`
+    /// matrix does. `packed` holds [`Layout::conv_packed_len`]'s words.
+    pub fn pack_conv(self, w: &[i8], shape: [usize; 4], strides: [usize; 4], groups: usize, packed: &mut [u32]) {
+        let [n, cin, _, kw] = shape;
+        let (k, per_tap, per_out) = (self.conv_depth(shape), cin.next_multiple_of(self.per_word()), n / groups);
+        let len = self.packed_len([per_out, k]);
+        for (group, packed) in packed.chunks_exact_mut(len).take(groups).enumerate() {
+            let mut matrix = vec![0i8; per_out * k];
+            for (o, row) in matrix.chunks_exact_mut(k).enumerate() {
+                let o = group * per_out + o;
+                for (tap, run) in row.chunks_exact_mut(per_tap).enumerate() {
+                    let (i, j) = (tap / kw, tap % kw);
+                    for (c, v) in run[..cin].iter_mut().enumerate() {
+                        *v = w[o * strides[0] + c * strides[1] + i * strides[2] + j * strides[3]];
+                    }
                 }
             }
+            self.pack(&matrix, [per_out, k], [k, 1], packed);
         }
-        debug_assert_eq!(matrix.len(), n * kh * kw * per_tap);
-        self.pack(&matrix, [n, k], [k, 1], packed);
     }
 }
 
-/// `out[pixel, n] = epilogue(bias[n] + conv(dequantize(quantize(x)), w * w_scale[n]))` for
-/// one group: `x` the channels-last pixels of `[batch, h, w]` images, each `g.in_channels`
-/// floats with pixels `ld` elements apart, quantized by `quant`; `weight` the int8 `[n, cin,
-/// kh, kw]` weight packed by [`Layout::pack_conv`] (zero point 0); `out` the channels-last
+/// `out[pixel, n] = epilogue(bias[n] + conv(dequantize(quantize(x)), w * w_scale[n]))`: `x`
+/// the channels-last pixels of `[batch, h, w]` images, each `g.in_channels` floats with
+/// pixels `ld` elements apart, quantized by `quant`; `weight` the int8 `[n, cin / groups, kh,
+/// kw]` weight packed by [`Layout::pack_conv`] (zero point 0); `out` the channels-last
 /// `[batch, ho, wo, n]` result; then, with an `output` quantization, each result quantized
 /// and dequantized by it as it is stored. The same sums as the linear's ([`super::linear`]),
-/// exact. Declines (writing nothing) where the slices don't fit, the convolution has groups,
-/// or the quantizations or the layout aren't ones the kernels here take.
+/// exact. With groups, one GEMM per group over its channels of each pixel's row (the threads
+/// take whole groups), which must start on a word: declines otherwise, where the slices
+/// don't fit, or where the quantizations or the layout aren't ones the kernels here take.
 #[allow(clippy::too_many_arguments)]
 pub fn conv(
     x: (&[f32], usize),
@@ -83,12 +90,13 @@ fn conv_with(
     post: (Epilogue, Option<&Quant>),
     out: &mut [f32],
 ) -> Ran {
-    let (cin, n, layout) = (g.in_channels, g.out_channels, weight.layout);
-    let Some([ho, wo]) = g.output(h, w).filter(|_| g.groups == 1) else { return Err(Declined::Shapes) };
-    let shape = [n, cin, g.kernel[0], g.kernel[1]];
+    let (cin, n, layout, groups) = (g.in_channels, g.out_channels, weight.layout, g.groups);
+    let whole_words = groups == 1 || (cin / groups).is_multiple_of(layout.per_word());
+    let Some([ho, wo]) = g.output(h, w).filter(|_| whole_words) else { return Err(Declined::Shapes) };
+    let shape = [n, cin / groups, g.kernel[0], g.kernel[1]];
     let (pixels, m, k) = (batch * h * w, batch * ho * wo, layout.conv_depth(shape));
     let fits = gemm::rows_fit(x.len(), [pixels, cin], ld)
-        && weight.words.len() >= layout.conv_packed_len(shape)
+        && weight.words.len() >= layout.conv_packed_len(shape, groups)
         && w_scale.len() >= n
         && gemm::results_fit([m, n], n, bias, None, out.len());
     if !fits {
@@ -136,11 +144,40 @@ fn conv_with(
     }
     let table = tap_table(m, [h, w], [ho, wo], g, (rows.as_ptr(), words, rows[pixels * words..].as_ptr()));
     let taps = g.kernel[0] * g.kernel[1];
-    let source = Source::Table(Table { table: table.as_ptr(), taps, offset: 0 });
-    // SAFETY: every pointer of the table starts `words` words of `rows`, alive until the end
-    // of this function; the weight holds its panels for `[n, taps * words * per word]`, and
-    // the other slices what the shapes say (checked).
-    unsafe { products.run(source, [m, taps, words, n], out) };
+    let table = Table { table: table.as_ptr(), taps, offset: 0 };
+    if groups == 1 {
+        // SAFETY: every pointer of the table starts `words` words of `rows`, alive until the
+        // end of this function; the weight holds its panels for `[n, taps * words * per
+        // word]`, and the other slices what the shapes say (checked).
+        unsafe { products.run(Source::Table(table), [m, taps, words, n], out) };
+        return Ok(());
+    }
+    let (per_out, group_words) = (n / groups, words / groups);
+    let group_len = layout.conv_packed_len([per_out, shape[1], shape[2], shape[3]], 1);
+    let panels_len = per_out.div_ceil(PANEL) * taps * group_words * PANEL;
+    let sum = |c: usize| weight.words[c / per_out * group_len + panels_len + c % per_out];
+    let factors = products.columns(n, sum);
+    let shape = products.shape([taps, group_words, per_out, n], (&factors.0, &factors.1));
+    let (op, block, depth) = (Out(out.as_mut_ptr()), kernel.block, taps * group_words);
+    let threads = parallel::share(2 * m * k * n, groups, parallel::threads());
+    parallel::for_each(groups, threads, &|begin, end| {
+        // Whole values, not their fields (raw pointers), cross to the threads.
+        let (Out(out), table, shape) = (op, table, shape);
+        for group in begin..end {
+            let columns = group * per_out;
+            let at = |p: *const f32| if p.is_null() { p } else { p.wrapping_add(columns) };
+            let sums = if shape.sums.is_null() { shape.sums } else { shape.sums.wrapping_add(columns) };
+            let s = Shape { bias: at(shape.bias), scale: at(shape.scale), sums, ..shape };
+            let rows = Source::Table(Table { offset: group * group_words, ..table });
+            let panels = &weight.words[group * group_len..][..panels_len];
+            for j in (0..per_out).step_by(PANEL) {
+                // SAFETY: as for one group, with the table's pointers moved to the group's
+                // words (`offset`, inside each pixel's row), the bias, factors and output to
+                // its columns, and its own panels; no other group writes those columns.
+                unsafe { block(rows, 0..m, &s, panels, Out(out.add(columns)), j, depth) };
+            }
+        }
+    });
     Ok(())
 }
 
@@ -153,6 +190,8 @@ mod tests {
     /// channels that don't fill a word, a 1×1 and a wide one past one panel of columns.
     fn cases() -> Vec<(Conv2d, [usize; 3], Quant)> {
         let conv = |[n, c, kh, kw]: [i64; 4], stride, padding| Conv2d::new([n, c, kh, kw], stride, padding).unwrap();
+        let grouped =
+            |shape: [i64; 4], stride, padding, groups| Conv2d::grouped(shape, stride, padding, groups).unwrap();
         let u8 = |scale, zero_point| Quant { scale, zero_point, qmin: 0, qmax: 255 };
         vec![
             (conv([16, 8, 3, 3], [1, 1], [1, 1]), [1, 6, 7], u8(0.05, 128)),
@@ -166,10 +205,14 @@ mod tests {
             (conv([130, 16, 3, 3], [1, 1], [0, 0]), [1, 5, 5], u8(0.011, 0)),
             // A ResNet's stem: an image's 3 channels.
             (conv([64, 3, 7, 7], [2, 2], [3, 3]), [1, 20, 18], u8(0.02, 100)),
+            // RegNet's groups of 8 channels, and groups past one panel of columns.
+            (grouped([48, 8, 3, 3], [1, 1], [1, 1], 6), [2, 7, 6], u8(0.04, 9)),
+            (grouped([160, 12, 3, 3], [2, 2], [1, 1], 2), [1, 9, 9], u8(0.03, 200)),
         ]
     }
 
-    /// The convolution as its im2col matrix times the weight, by the linear's reference.
+    /// The convolution as its im2col matrix times the weight, by the linear's reference, per
+    /// group.
     #[allow(clippy::too_many_arguments)]
     fn want(
         x: &[f32],
@@ -181,22 +224,33 @@ mod tests {
         b: &[f32],
         e: Epilogue,
     ) -> Vec<f64> {
-        let ([batch, h, wd], [kh, kw], cin) = (dims, g.kernel, g.in_channels);
+        let ([batch, h, wd], [kh, kw], groups) = (dims, g.kernel, g.groups);
+        let (cin, per_in, per_out) = (g.in_channels, g.in_channels / groups, g.out_channels / groups);
         let [ho, wo] = g.output(h, wd).unwrap();
-        let k = cin * kh * kw;
-        // The zero point's float value (0) in the padding.
-        let mut patches = vec![0f32; batch * ho * wo * k];
-        for (p, patch) in patches.chunks_exact_mut(k).enumerate() {
-            let (b, oy, ox) = (p / (ho * wo), p / wo % ho, p % wo);
-            for (c, i, j) in (0..cin).flat_map(|c| (0..kh).flat_map(move |i| (0..kw).map(move |j| (c, i, j)))) {
-                let iy = (oy * g.stride[0] + i).checked_sub(g.padding[0]).filter(|&y| y < h);
-                let ix = (ox * g.stride[1] + j).checked_sub(g.padding[1]).filter(|&v| v < wd);
-                if let (Some(iy), Some(ix)) = (iy, ix) {
-                    patch[(c * kh + i) * kw + j] = x[((b * h + iy) * wd + ix) * cin + c];
+        let (k, m) = (per_in * kh * kw, batch * ho * wo);
+        let mut out = vec![0.0; m * g.out_channels];
+        for group in 0..groups {
+            // The zero point's float value (0) in the padding.
+            let mut patches = vec![0f32; m * k];
+            for (p, patch) in patches.chunks_exact_mut(k).enumerate() {
+                let (b, oy, ox) = (p / (ho * wo), p / wo % ho, p % wo);
+                for (c, i, j) in (0..per_in).flat_map(|c| (0..kh).flat_map(move |i| (0..kw).map(move |j| (c, i, j)))) {
+                    let iy = (oy * g.stride[0] + i).checked_sub(g.padding[0]).filter(|&y| y < h);
+                    let ix = (ox * g.stride[1] + j).checked_sub(g.padding[1]).filter(|&v| v < wd);
+                    if let (Some(iy), Some(ix)) = (iy, ix) {
+                        patch[(c * kh + i) * kw + j] = x[((b * h + iy) * wd + ix) * cin + group * per_in + c];
+                    }
                 }
             }
+            let cols = group * per_out..(group + 1) * per_out;
+            let wg = &w[cols.start * k..cols.end * k];
+            let got =
+                reference::linear_int8(&patches, [m, k, per_out], q, wg, &ws[cols.clone()], Some(&b[cols.clone()]), e);
+            for (r, row) in got.chunks_exact(per_out).enumerate() {
+                out[r * g.out_channels + cols.start..][..per_out].copy_from_slice(row);
+            }
         }
-        reference::linear_int8(&patches, [batch * ho * wo, k, g.out_channels], q, w, ws, Some(b), e)
+        out
     }
 
     /// Each int8 GEMM of each family against the im2col reference (exact sums, float32
@@ -208,15 +262,15 @@ mod tests {
             let layout = kernel.layout;
             for (g, dims @ [batch, h, w], quant) in cases() {
                 let (cin, n) = (g.in_channels, g.out_channels);
-                let shape = [n, cin, g.kernel[0], g.kernel[1]];
+                let shape = [n, cin / g.groups, g.kernel[0], g.kernel[1]];
                 let [ho, wo] = g.output(h, w).unwrap();
-                let len = n * cin * g.kernel[0] * g.kernel[1];
+                let len = n * shape[1] * g.kernel[0] * g.kernel[1];
                 let wt: Vec<i8> = (0..len).map(|i| ((i * 53 % 256) as i32 - 128) as i8).collect();
                 let ws: Vec<f32> = (0..n).map(|i| 0.001 + i as f32 / 7000.0).collect();
                 let bias: Vec<f32> = (0..n).map(|i| i as f32 / 7.0 - 1.0).collect();
-                let mut words = vec![0u32; layout.conv_packed_len(shape)];
-                let strides = [cin * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1];
-                layout.pack_conv(&wt, shape, strides, &mut words);
+                let mut words = vec![0u32; layout.conv_packed_len(shape, g.groups)];
+                let strides = [shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1];
+                layout.pack_conv(&wt, shape, strides, g.groups, &mut words);
                 let weight = Packed { words: &words, layout };
                 for ld in [cin, cin + 3] {
                     let pixels = batch * h * w;
@@ -245,8 +299,8 @@ mod tests {
         let w: Vec<i8> = (0..70 * 9).map(|i| (i % 200) as i8).collect();
         for layout in [Layout::Pairs, Layout::Quads] {
             let (mut conv, mut matrix) =
-                (vec![0; layout.conv_packed_len([70, 9, 1, 1])], vec![0; layout.packed_len([70, 9])]);
-            layout.pack_conv(&w, [70, 9, 1, 1], [9, 1, 1, 1], &mut conv);
+                (vec![0; layout.conv_packed_len([70, 9, 1, 1], 1)], vec![0; layout.packed_len([70, 9])]);
+            layout.pack_conv(&w, [70, 9, 1, 1], [9, 1, 1, 1], 1, &mut conv);
             layout.pack(&w, [70, 9], [9, 1], &mut matrix);
             assert_eq!(conv, matrix, "{layout:?}");
         }
@@ -255,15 +309,17 @@ mod tests {
     #[test]
     fn declines_groups_and_short_slices() {
         let Some(layout) = Layout::current() else { return };
-        let g = Conv2d::grouped([4, 2, 3, 3], [1, 1], [1, 1], 2).unwrap();
-        let words = vec![0u32; layout.conv_packed_len([4, 2, 3, 3])];
+        // Groups of 3 channels: not whole words of pairs or quads.
+        let g = Conv2d::grouped([6, 3, 3, 3], [1, 1], [1, 1], 2).unwrap();
+        let words = vec![0u32; layout.conv_packed_len([6, 6, 3, 3], 1)];
         let q = Quant { scale: 0.1, zero_point: 0, qmin: 0, qmax: 255 };
         let weight = Packed { words: &words, layout };
         let run = |g: &Conv2d, out: &mut [f32]| {
-            conv((&[0.0; 36], 4), [1, 3, 3], g, &q, weight, &[1.0; 4], None, (Epilogue::None, None), out)
+            conv((&[0.0; 54], 6), [1, 3, 3], g, &q, weight, &[1.0; 6], None, (Epilogue::None, None), out)
         };
-        assert_eq!(run(&g, &mut [0.0; 36]), Err(Declined::Shapes));
-        let dense = Conv2d::new([4, 4, 3, 3], [1, 1], [1, 1]).unwrap();
-        assert_eq!(run(&dense, &mut [0.0; 35]), Err(Declined::Shapes));
+        assert_eq!(run(&g, &mut [0.0; 54]), Err(Declined::Shapes));
+        let dense = Conv2d::new([6, 6, 3, 3], [1, 1], [1, 1]).unwrap();
+        assert_eq!(run(&dense, &mut [0.0; 53]), Err(Declined::Shapes));
+        assert_eq!(run(&dense, &mut [0.0; 54]), Ok(()));
     }
 }

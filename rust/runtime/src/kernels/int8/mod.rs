@@ -461,6 +461,39 @@ impl Products<'_> {
         Ok(())
     }
 
+    /// Each of `n` columns' factors: the input's scale times its own (the dequantizes'
+    /// float32 product), and, for quads, the int32 its sums start from, `-(zero_point - qmin)
+    /// * sum(w)` with `sum(w)` its weights' sum `weight_sum(column)` (so that the sums of `(q
+    /// - qmin) * w` end as those of `(q - zero_point) * w`: within int32 for `k <= MAX_K`,
+    /// `255 * 128 * k < 2^31`); no sums for pairs.
+    pub(super) fn columns(&self, n: usize, weight_sum: impl Fn(usize) -> u32) -> (Vec<f32>, Vec<i32>) {
+        let scale = self.w_scale[..n].iter().map(|&s| self.quant.scale as f32 * s).collect();
+        let offset = (self.quant.zero_point - self.quant.qmin) as i32;
+        let sums = match self.kernel.layout {
+            Layout::Pairs => Vec::new(),
+            Layout::Quads => (0..n).map(|c| (weight_sum(c) as i32).wrapping_mul(-offset)).collect(),
+        };
+        (scale, sums)
+    }
+
+    /// The GEMM's shape for rows of `taps` runs of `words` words and `n` columns whose
+    /// results are `ldo` apart, with the column factors of [`Products::columns`].
+    pub(super) fn shape(&self, [taps, words, n, ldo]: [usize; 4], (scale, sums): (&[f32], &[i32])) -> Shape {
+        let (epilogue, output) = self.post;
+        Shape {
+            taps,
+            cin: words,
+            n,
+            ldo,
+            bias: self.bias.map_or(std::ptr::null(), |b| b.as_ptr()),
+            scale: scale.as_ptr(),
+            sums: if sums.is_empty() { std::ptr::null() } else { sums.as_ptr() },
+            residual: std::ptr::null(),
+            epilogue,
+            requant: output.map(Requant::of),
+        }
+    }
+
     /// `m` rows of `source` (`taps` runs of `words` words each: levels as [`quantize`] writes
     /// them) times the weight's `[n, taps * words * per word]` panels, each column's sum
     /// scaled by the input's scale and its own, plus the bias, then the epilogue and the
@@ -470,32 +503,9 @@ impl Products<'_> {
     /// [`Products::check`] passed; the source's rows hold what the shape says, the weight
     /// its panels, `w_scale` and the bias `n` values, `out` `m * n`.
     pub(super) unsafe fn run(&self, source: Source<u32>, [m, taps, words, n]: [usize; 4], out: &mut [f32]) {
-        let layout = self.kernel.layout;
-        // The input's scale as the dequantize applies it (a float32 operand), times each column's.
-        let scale: Vec<f32> = self.w_scale[..n].iter().map(|&s| self.quant.scale as f32 * s).collect();
-        // Quads sum `(q - qmin) * w`: each column starts from `-(zero_point - qmin) * sum(w)`
-        // (within int32 for `k <= MAX_K`: `255 * 128 * k < 2^31`).
-        let offset = (self.quant.zero_point - self.quant.qmin) as i32;
         let panels_len = n.div_ceil(PANEL) * taps * words * PANEL;
-        let sums: Vec<i32> = match layout {
-            Layout::Pairs => Vec::new(),
-            Layout::Quads => {
-                self.weight.words[panels_len..][..n].iter().map(|&s| (s as i32).wrapping_mul(-offset)).collect()
-            }
-        };
-        let (epilogue, output) = self.post;
-        let shape = Shape {
-            taps,
-            cin: words,
-            n,
-            ldo: n,
-            bias: self.bias.map_or(std::ptr::null(), |b| b.as_ptr()),
-            scale: scale.as_ptr(),
-            sums: if layout == Layout::Quads { sums.as_ptr() } else { std::ptr::null() },
-            residual: std::ptr::null(),
-            epilogue,
-            requant: output.map(Requant::of),
-        };
+        let factors = self.columns(n, |c| self.weight.words[panels_len + c]);
+        let shape = self.shape([taps, words, n, n], (&factors.0, &factors.1));
         // SAFETY: the block runs on this CPU and reads this layout; the rest is the caller's.
         unsafe { gemm::columns(self.kernel.block, source, m, &shape, &self.weight.words[..panels_len], out) };
     }
