@@ -57,16 +57,22 @@ pub fn for_each(n: usize, threads: usize, body: Body<'_>) {
 }
 
 /// A pointer to the output the threads of one call share, each writing its own elements.
-#[derive(Clone, Copy)]
-struct Shared(*mut f32);
+struct Shared<T>(*mut T);
 
-// SAFETY: the threads of one call write disjoint elements through it (`blocks`), and the call
+impl<T> Clone for Shared<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Shared<T> {}
+
+// SAFETY: the threads of one call write disjoint elements through it (`units`), and the call
 // returns only once every thread has finished.
-unsafe impl Sync for Shared {}
+unsafe impl<T> Sync for Shared<T> {}
 
-impl Shared {
+impl<T> Shared<T> {
     /// Element `i` (a method, so closures capture the whole `Sync` wrapper).
-    fn at(self, i: usize) -> *mut f32 {
+    fn at(self, i: usize) -> *mut T {
         self.0.wrapping_add(i)
     }
 }
@@ -84,7 +90,7 @@ pub fn blocks(x: &[f32], out: &mut [f32], width: usize, work: usize, f: &(dyn Fn
 
 /// [`blocks`] for a body that reads other than `out`'s range of one input: `f(first, out)`
 /// with `first` the index of the block's first unit.
-pub fn units(out: &mut [f32], width: usize, work: usize, f: &(dyn Fn(usize, &mut [f32]) + Sync)) {
+pub fn units<T>(out: &mut [T], width: usize, work: usize, f: &(dyn Fn(usize, &mut [T]) + Sync)) {
     let units = out.len().div_ceil(width.max(1));
     let threads = share(units * work, units, threads());
     if threads <= 1 {

@@ -13,6 +13,9 @@ use super::super::{Conv2d, Declined, Ran};
 use super::{Layout, Packed, Products, Quant};
 use crate::kernels::activation::Epilogue;
 
+/// The work per input value [`conv`] counts for its quantization (as the fake quantization's).
+const QUANTIZE_WORK: usize = 6;
+
 impl Layout {
     /// The depth of the matrix a `[n, cin, kh, kw]` convolution weight packs as: per tap,
     /// `cin` rounded up to whole words.
@@ -114,18 +117,31 @@ fn conv_with(
         padding.fill(u32::from_le_bytes([(quant.zero_point - quant.qmin) as u8; 4]));
     }
     let per = layout.per_word();
-    if ld == cin && cin % per == 0 {
-        // Whole words per pixel: the pixels' rows are one run of levels, quantized at once.
-        // SAFETY: the quantizer runs on this CPU; `x` holds `pixels * cin` floats, the rows
-        // as many levels; the range fits the layout (`check`).
-        unsafe { (kernel.quantize)(&x[..pixels * cin], pixels * cin, &levels, pixel_rows) };
-    } else if ld == cin {
+    let quantize = kernel.quantize;
+    if ld != cin || cin % per == 0 {
+        // Split across threads by pixels; whole words per pixel make a dense input's rows one
+        // run of levels, quantized at once.
+        parallel::units(pixel_rows, words, QUANTIZE_WORK * cin, &|first, rows| {
+            let count = rows.len() / words;
+            if ld == cin {
+                // SAFETY: the quantizer runs on this CPU; `x` holds these pixels' `count * cin`
+                // floats, `rows` as many levels; the range fits the layout (`check`).
+                unsafe { quantize(&x[first * cin..][..count * cin], count * cin, &levels, rows) };
+                return;
+            }
+            for (p, row) in (first..).zip(rows.chunks_exact_mut(words)) {
+                // SAFETY: as above, for one pixel (`rows_fit`).
+                unsafe { quantize(&x[p * ld..p * ld + cin], cin, &levels, row) };
+            }
+        });
+    } else {
         // A pixel's channels end inside a word (an image's 3): quantized as one run too, then
         // each pixel's levels moved to its row (a row at a time cost 10 ns a pixel, 400 µs on
         // GhostNet's stem).
         let mut run = vec![0u32; (pixels * cin).div_ceil(per)];
-        // SAFETY: as above, into one row of `pixels * cin` levels.
-        unsafe { (kernel.quantize)(&x[..pixels * cin], pixels * cin, &levels, &mut run) };
+        // SAFETY: the quantizer runs on this CPU, into one row of `pixels * cin` levels; the
+        // range fits the layout (`check`).
+        unsafe { quantize(&x[..pixels * cin], pixels * cin, &levels, &mut run) };
         let (bytes, row) = (cin * 4 / per, words * 4);
         // SAFETY: the same memory as bytes, which `u32`'s alignment covers; the two buffers
         // are distinct allocations.
@@ -135,11 +151,6 @@ fn conv_with(
         };
         for (p, dst) in rows.chunks_exact_mut(row).enumerate() {
             dst[..bytes].copy_from_slice(&run[p * bytes..][..bytes]);
-        }
-    } else {
-        for (p, row) in pixel_rows.chunks_exact_mut(words).enumerate() {
-            // SAFETY: as above, for one pixel (`rows_fit`).
-            unsafe { (kernel.quantize)(&x[p * ld..p * ld + cin], cin, &levels, row) };
         }
     }
     let table = tap_table(m, [h, w], [ho, wo], g, (rows.as_ptr(), words, rows[pixels * words..].as_ptr()));
@@ -208,6 +219,8 @@ mod tests {
             // RegNet's groups of 8 channels, and groups past one panel of columns.
             (grouped([48, 8, 3, 3], [1, 1], [1, 1], 6), [2, 7, 6], u8(0.04, 9)),
             (grouped([160, 12, 3, 3], [2, 2], [1, 1], 2), [1, 9, 9], u8(0.03, 200)),
+            // Large enough that the quantization and the table split across threads.
+            (conv([64, 64, 3, 3], [1, 1], [1, 1]), [1, 48, 48], u8(0.05, 128)),
         ]
     }
 
@@ -254,9 +267,11 @@ mod tests {
     }
 
     /// Each int8 GEMM of each family against the im2col reference (exact sums, float32
-    /// rounding of the scaling apart), with pixels dense and `ld` apart.
+    /// rounding of the scaling apart), with pixels dense and `ld` apart, on the tests' pool
+    /// of threads.
     #[test]
     fn each_family_computes_the_quantized_convolution() {
+        super::super::super::parallel::tests::install_test_pool();
         let each = |i: isa::Isa| isa::int8_variants(i.table().unwrap()).into_iter().map(move |v| (i, v));
         for (isa, kernel) in isa::supported().into_iter().flat_map(each) {
             let layout = kernel.layout;
