@@ -76,6 +76,24 @@ impl From<RtError> for PyErr {
     }
 }
 
+/// The core's graph passes at `level` for `target`, a panic in one of them (a kwexport bug)
+/// an internal error naming it rather than an exception no `except Exception` catches: a
+/// pass found readers that no longer matched its graph on every quantized ResNet once.
+pub fn apply_passes(
+    doc: &mut kwexport_core::schema::Document,
+    level: kwexport_core::passes::Level,
+    target: kwexport_core::passes::Target,
+) -> RtResult<kwexport_core::passes::Rewrites> {
+    let applied =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| kwexport_core::passes::apply(doc, level, target)));
+    applied.map_err(|panic| {
+        let what = (panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        RtError::Internal(format!("a graph pass failed: {what}"))
+    })
+}
+
 /// Turning a core error into its Python exception.
 pub trait IntoPyErr {
     /// The exception of the error's class, with its message.

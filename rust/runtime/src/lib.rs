@@ -223,7 +223,7 @@ fn optimize_header<'py>(
         .ok_or_else(|| PyValueError::new_err(format!("optimize must be 'exact' or 'fast', not '{level}'")))?;
     let mut doc: kwexport_core::schema::Document =
         serde_json::from_str(header).map_err(|e| Error::Schema { message: e.to_string() }.into_py_err())?;
-    let rewrites = kwexport_core::passes::apply(&mut doc, level, kwexport_core::passes::Target::default());
+    let rewrites = errors::apply_passes(&mut doc, level, kwexport_core::passes::Target::default())?;
     let json = serde_json::to_string(&doc).map_err(|e| RtError::Internal(format!("optimize: {e}")))?;
     Ok((json, rewrites.channels_last, weights::folds_to_py(py, &rewrites.folds)?))
 }

@@ -194,7 +194,8 @@ fn load_mapped(py: Python<'_>, path: &str, map: Arc<memmap2::MmapMut>, options: 
     let onednn = fast && placement.target == "cpu" && onednn(py, &torch)?;
     let cuda_graphs = fast && options.cuda_graphs.is_some();
     let target = passes::Target { in_place: true, onednn, gemm: onednn && crate::kernels::available(), cuda_graphs };
-    let rewrites = passes::apply(&mut parsed.document, options.optimize, target);
+    // The document is dropped with the load if a pass fails: nothing half-optimized runs.
+    let rewrites = crate::errors::apply_passes(&mut parsed.document, options.optimize, target)?;
     let (channels_last, mut in_place, folds) = (rewrites.channels_last, rewrites.in_place, rewrites.folds);
     let dequantized = rewrites.dequantized;
     let several = parsed.document.methods.len() > 1;
