@@ -259,6 +259,23 @@ def linear_int8_dynamic(  # noqa: PLR0917 (the op's schema, positionally)
     return linear_int8_tensor(x, scale, zero_point, *args)
 
 
+def conv_int8_dynamic(  # noqa: PLR0917 (the op's schema, positionally)
+    x: Any,
+    x_qmin: int,
+    x_qmax: int,
+    eps: float,
+    x_dtype: Any,
+    *rest: Any,
+) -> Any:
+    """``kwexport::conv_int8.dynamic``: :func:`conv_int8` with the input's scale and zero point
+    chosen from it by torch's ``choose_qparams.tensor`` (dynamic quantization)."""
+    import torch
+    import torch.ao.quantization.fx._decomposed  # noqa: F401 (registers quantized_decomposed)
+
+    scale, zero_point = torch.ops.quantized_decomposed.choose_qparams.tensor(x, x_qmin, x_qmax, eps, x_dtype)
+    return conv_int8(x, scale.item(), zero_point.item(), x_qmin, x_qmax, *rest)
+
+
 @functools.cache
 def define_ops() -> Any:
     """Defines kwexport's own ops in torch's registry (once per process), so that the runtime
@@ -288,6 +305,9 @@ def define_ops() -> Any:
     conv = "Tensor w, Tensor w_scale, Tensor w_zero_point, Tensor? bias, int[2] stride, int[2] padding, int groups"
     library.define(f"conv_int8({quant}, {conv}, str attr, str? algorithm, {output}) -> Tensor")
     library.impl("conv_int8", conv_int8, "CompositeExplicitAutograd")
+    chosen = "Tensor x, int x_qmin, int x_qmax, float eps, ScalarType x_dtype"
+    library.define(f"conv_int8.dynamic({chosen}, {conv}, str attr, str? algorithm, {output}) -> Tensor")
+    library.impl("conv_int8.dynamic", conv_int8_dynamic, "CompositeExplicitAutograd")
     # Composite: autograd sees the aten ops the form runs.
     library.define("linear_measured(Tensor input, Tensor weight, Tensor bias) -> Tensor")
     library.define("linear_measured.addmm(Tensor self, Tensor mat1, Tensor mat2) -> Tensor")

@@ -72,7 +72,7 @@ pub const DEFAULT_NAMESPACES: &[&str] = &["aten", "prims"];
 /// convolution (`passes::conv_pointwise`), linear (`passes::linear_pointwise`), convolution
 /// with a residual add (`passes::conv_residual`), and kwexport's int8 linear
 /// (`passes::linear_int8`: the input's scale and zero point as literals, as tensors, or
-/// chosen from the input) and convolution (the same pass: a static scale); and kwexport's biased linear and `addmm` whose GEMM is chosen on
+/// chosen from the input) and convolution (the same pass: a static scale, or chosen); and kwexport's biased linear and `addmm` whose GEMM is chosen on
 /// the device (`passes::linear_measured`: the exported op's arguments and values); and its
 /// fused elementwise ops for CUDA (`passes::add_norm`, `passes::rotary`).
 pub const PASS_OPS: &[&str] = &[
@@ -88,6 +88,7 @@ pub const PASS_OPS: &[&str] = &[
     "kwexport::add_norm.rms_norm",
     "kwexport::rotary_embedding.default",
     "kwexport::conv_int8.default",
+    "kwexport::conv_int8.dynamic",
 ];
 
 /// torch's quantize and dequantize ops (`torch.ao.quantization.fx._decomposed`; torchao's pt2e

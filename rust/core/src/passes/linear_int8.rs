@@ -46,10 +46,12 @@ pub const FUSED_TENSOR: &str = crate::tables::PASS_OPS[4];
 pub const FUSED_DYNAMIC: &str = crate::tables::PASS_OPS[5];
 /// The int8 convolution (a spatial kernel), with float and int parameters (a static scale).
 pub const CONV: &str = crate::tables::PASS_OPS[11];
+/// The int8 convolution, choosing the parameters from its input (dynamic quantization).
+pub const CONV_DYNAMIC: &str = crate::tables::PASS_OPS[12];
 
 /// The fused ops whose argument list ends in `attr, algorithm` (then the output's
 /// quantization, `super::linear_int8_output`).
-pub const FUSED_OPS: [&str; 4] = [FUSED, FUSED_TENSOR, FUSED_DYNAMIC, CONV];
+pub const FUSED_OPS: [&str; 5] = [FUSED, FUSED_TENSOR, FUSED_DYNAMIC, CONV, CONV_DYNAMIC];
 
 /// The fewest input channels (per group) of a spatial convolution the int8 convolution takes
 /// (a depthwise one's 1 stays float32 too). An image's
@@ -333,10 +335,15 @@ fn find(m: &Method, weights: &Weights) -> Vec<Found> {
             }
         });
         let (op, args) = match (overload, dynamic, spatial) {
-            // The int8 convolution takes a static scale only.
+            // The int8 convolution takes a static scale or one it chooses.
             ("default", _, Some(geometry)) => {
                 let params = vec![x.clone(), scale.clone(), zp.clone(), Arg::Int(*qmin), Arg::Int(*qmax)];
                 (CONV, [params, weight.to_vec(), geometry.to_vec()].concat())
+            }
+            ("tensor", Some((c, eps, d)), Some(geometry)) => {
+                replaced.push(c);
+                let params = vec![x.clone(), Arg::Int(*qmin), Arg::Int(*qmax), eps, d];
+                (CONV_DYNAMIC, [params, weight.to_vec(), geometry.to_vec()].concat())
             }
             (_, _, Some(_)) => continue,
             ("tensor", Some((c, eps, d)), None) => {
@@ -502,6 +509,35 @@ mod tests {
         serde_json::from_value(m).unwrap()
     }
 
+    /// A dynamically quantized 3×3 convolution becomes the int8 convolution that chooses its
+    /// parameters; the `choose_qparams`, quantize and dequantizes go.
+    #[test]
+    fn a_dynamic_convolution_chooses_its_parameters_itself() {
+        let mut m = serde_json::to_value(dynamic("x", 255)).unwrap();
+        m["ops"][3] = json!({"name": "aten::conv2d.default", "schema": "s"});
+        let mut m: Method = serde_json::from_value(m).unwrap();
+        let mut w = weights();
+        w.tensors.get_mut("w").unwrap().shape = vec![8, 16, 3, 3];
+        assert_eq!(apply(&mut m, &w), 1);
+        let [fused] = &m.graph.nodes[..] else { panic!("{:?}", m.graph.nodes) };
+        assert_eq!(m.ops[fused.op].name, CONV_DYNAMIC);
+        let ints = |v: &[i64]| Arg::List(v.iter().map(|&i| Arg::Int(i)).collect());
+        assert_eq!(
+            fused.args[..5],
+            [
+                Arg::Ref("x".into()),
+                Arg::Int(0),
+                Arg::Int(255),
+                Arg::Float(crate::schema::Float(1e-5)),
+                Arg::Dtype("uint8".into())
+            ]
+        );
+        assert_eq!(
+            fused.args[9..],
+            [ints(&[1, 1]), ints(&[0, 0]), Arg::Int(1), Arg::Str("none".into()), Arg::None(())]
+        );
+    }
+
     #[test]
     fn a_dynamic_linear_chooses_its_parameters_itself() {
         let mut m = dynamic("x", 255);
@@ -605,12 +641,13 @@ mod tests {
         for (mut m, w) in [narrow, conv(3, dilated)] {
             assert_eq!(apply(&mut m, &w), 0);
         }
+        // Tensor parameters not chosen from the input.
         let mut m = serde_json::to_value(method(true)).unwrap();
         m["ops"][3] = json!({"name": "aten::conv2d.default", "schema": "s"});
         let mut w = weights();
         w.tensors.get_mut("w").unwrap().shape = vec![8, 16, 3, 3];
         let mut m: Method = serde_json::from_value(m).unwrap();
-        assert_eq!(apply(&mut m, &w), 0, "a dynamic quantization");
+        assert_eq!(apply(&mut m, &w), 0, "tensor parameters");
     }
 
     /// The static method with `activation(y, *args)` after the linear, the graph's output.

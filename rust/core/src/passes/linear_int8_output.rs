@@ -22,7 +22,7 @@
 //! makes the node (`super::registered`).
 
 use super::fake_quantize::FAKE;
-use super::linear_int8::{CONV, FUSED_OPS};
+use super::linear_int8::{CONV, CONV_DYNAMIC, FUSED_OPS};
 use super::pass::{Ctx, Pass};
 use super::readers::{one, readers, sole_reader};
 use super::{Level, Target};
@@ -82,7 +82,7 @@ pub fn apply(m: &mut Method) -> usize {
             _ => p,
         };
         let l = &g.nodes[linear];
-        let args = if op_of(l) == CONV { ARGS + 3 } else { ARGS };
+        let args = if [CONV, CONV_DYNAMIC].contains(&op_of(l)) { ARGS + 3 } else { ARGS };
         if FUSED_OPS.contains(&op_of(l)) && l.args.len() == args && l.kwargs.is_empty() {
             found.push((linear, p, i));
         }

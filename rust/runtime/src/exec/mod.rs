@@ -624,12 +624,9 @@ impl CStep {
                 unsafe {
                     let (n, k, scale, bias) = (l.n, l.k, tensor(6)??, tensor(8)?);
                     let weight = crate::operators::Int8Weight { panels, layout, n, k, scale, bias };
-                    match (&l.conv, input) {
-                        (Some(g), crate::operators::Int8Input::Given(q)) => {
-                            ops.conv_int8(tensor(0)??, q, weight, g, (l.epilogue, l.output))
-                        }
-                        (Some(_), _) => None,
-                        (None, input) => ops.linear_int8(tensor(0)??, input, weight, (l.epilogue, l.output)),
+                    match &l.conv {
+                        Some(g) => ops.conv_int8(tensor(0)??, input, weight, g, (l.epilogue, l.output)),
+                        None => ops.linear_int8(tensor(0)??, input, weight, (l.epilogue, l.output)),
                     }
                 }
             }

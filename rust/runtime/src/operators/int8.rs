@@ -228,7 +228,8 @@ impl Operators<'_> {
 impl Operators<'_> {
     /// kwexport's int8 convolution (`kernels::int8::conv`) of `x`, a float32 CPU `[N, C, H,
     /// W]` tensor (channels-last, or a slice of a wider one's channels; a contiguous one is
-    /// transposed to that first: an image), quantized by `input`, with `weight` (its panels
+    /// transposed to that first: an image), quantized as `input` says (parameters chosen from
+    /// a dense tensor's values only: a slice's gaps would take part), with `weight` (its panels
     /// packed for `g`), then `epilogue` and the `output` quantization fused with it: a new
     /// channels-last `[N, n, Ho, Wo]` tensor, or `None` where the tensors don't qualify (the
     /// caller runs the op's Python form).
@@ -238,7 +239,7 @@ impl Operators<'_> {
     pub unsafe fn conv_int8(
         &self,
         x: Raw,
-        input: Quant,
+        input: Int8Input,
         weight: Int8Weight,
         g: &kernels::Conv2d,
         (epilogue, output): (kernels::Epilogue, Option<Quant>),
@@ -264,6 +265,11 @@ impl Operators<'_> {
                 }
             };
             (rows, self.contiguous_f32(w_scale, &[n as i64])?, self.bias_f32(bias, n)?)
+        };
+        let input = match input {
+            Int8Input::Given(q) => q,
+            Int8Input::Chosen { .. } if ld != cin => return None,
+            Int8Input::Chosen { qmin, qmax, eps } => Quant::choose(&xs[..batch * h * w * cin], qmin, qmax, eps)?,
         };
         let [ho, wo] = g.output(h, w)?;
         let mut out = match self.empty_channels_last([batch, n, ho, wo]) {

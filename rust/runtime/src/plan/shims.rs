@@ -279,21 +279,29 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg], consts: &mut dyn KernelC
             let linear = super::Int8Linear { conv: None, params, range, n, k, epilogue, output, panels };
             Some(super::OwnOp::LinearInt8(std::sync::Arc::new(linear)))
         }
-        // The same pass's int8 convolution: a static scale, then the stride, padding and groups.
+        // The same pass's int8 convolution: a static scale (`.default`) or `eps` and a dtype
+        // (`.dynamic`), then the stride, padding and groups.
         (
-            ("kwexport::conv_int8", ""),
-            [SlotArg::Value(_), SlotArg::Literal(Arg::Float(scale)), SlotArg::Literal(Arg::Int(zp)), SlotArg::Literal(Arg::Int(qmin)), SlotArg::Literal(Arg::Int(qmax)), SlotArg::Value(ValueRef::Weight(w)), SlotArg::Value(ValueRef::Weight(_)), SlotArg::Value(ValueRef::Weight(w_zp)), _, stride, padding, SlotArg::Literal(Arg::Int(groups)), post @ ..],
+            ("kwexport::conv_int8", overload @ ("" | "dynamic")),
+            [SlotArg::Value(_), SlotArg::Literal(a), SlotArg::Literal(b), SlotArg::Literal(c), SlotArg::Literal(d), SlotArg::Value(ValueRef::Weight(w)), SlotArg::Value(ValueRef::Weight(_)), SlotArg::Value(ValueRef::Weight(w_zp)), _, stride, padding, SlotArg::Literal(Arg::Int(groups)), post @ ..],
         ) => {
+            let (params, range) = match (overload, a, b, c, d) {
+                ("", Arg::Float(scale), Arg::Int(zp), Arg::Int(qmin), Arg::Int(qmax)) => {
+                    (super::Int8Params::Literal(scale.0, *zp), [*qmin, *qmax])
+                }
+                ("dynamic", Arg::Int(qmin), Arg::Int(qmax), Arg::Float(eps), _) => {
+                    (super::Int8Params::Chosen(eps.0), [*qmin, *qmax])
+                }
+                _ => return None,
+            };
             let (Some(&[sh, sw]), Some(&[ph, pw])) = (ints(stride).as_deref(), ints(padding).as_deref()) else {
                 return None;
             };
             let (epilogue, output) = int8_post(post)?;
             let (panels, shape) = consts.int8_panels(w, w_zp, usize::try_from(*groups).ok()?)?;
             let conv = crate::operators::Conv2d::grouped(shape, [sh, sw], [ph, pw], *groups)?;
-            let params = super::Int8Params::Literal(scale.0, *zp);
             let [n, k] = [shape[0], shape[1]];
-            let linear =
-                super::Int8Linear { conv: Some(conv), params, range: [*qmin, *qmax], n, k, epilogue, output, panels };
+            let linear = super::Int8Linear { conv: Some(conv), params, range, n, k, epilogue, output, panels };
             Some(super::OwnOp::LinearInt8(std::sync::Arc::new(linear)))
         }
         // A quantize → dequantize pair (`passes::fake_quantize`), its parameters literals.
