@@ -361,6 +361,23 @@ def test_fast_runs_spatial_int8_convolutions_on_the_int8_kernel(tmp_path, dynami
         assert ((graded - exact(inputs)).abs().max() / want.abs().max()).item() < 1e-5
 
 
+def test_fast_runs_a_resnets_7x7_stem_on_the_int8_kernel_and_a_3x3_stem_in_float32(tmp_path):
+    """An image's 3 channels in a 7×7 kernel (147 values a patch, ResNet's stem) run on the
+    int8 convolution, its patches gathered into dense rows; in a 3×3 one (27 values) the
+    float32 kernel is faster and runs it. Both within a quantization step of the reference."""
+    torch.manual_seed(0)
+    for kernel, want_int8 in [(7, 2), (3, 1)]:
+        model = nn.Sequential(nn.Conv2d(3, 16, kernel, stride=2, padding=kernel // 2), nn.ReLU(), nn.Conv2d(16, 8, 3))
+        x = torch.randn(2, 3, 20, 19)
+        q = quantized(model, x, dynamic=False)
+        fast = kwexport.load(saved(tmp_path, q, x), optimize="fast")
+        ran = [n["op"] for n in fast.profile(x)]
+        assert ran.count("kwexport::conv_int8.default") == want_int8, (kernel, ran)
+        for inputs in [x, torch.randn(2, 3, 20, 19) * 3]:
+            want = q(inputs)
+            assert ((fast(inputs) - want).abs().max() / want.abs().max()).item() < 1e-2, kernel
+
+
 class PointwiseNet(nn.Module):
     """1×1 convolutions (MobileNet's expand and project), the first on the NCHW input."""
 

@@ -53,13 +53,14 @@ pub const CONV_DYNAMIC: &str = crate::tables::PASS_OPS[12];
 /// quantization, `super::linear_int8_output`).
 pub const FUSED_OPS: [&str; 5] = [FUSED, FUSED_TENSOR, FUSED_DYNAMIC, CONV, CONV_DYNAMIC];
 
-/// The fewest input channels (per group) of a spatial convolution the int8 convolution takes
-/// (a depthwise one's 1 stays float32 too). An image's
-/// (a network's stem: 3) fill less than a word per tap, so each tap costs the GEMM a pointer
-/// and a word: GhostNet's 3×3 stem took 321 µs on it against 100 for the float32 kernel
-/// for few channels (`kernels::direct_f32`), ResNet-18's 7×7 at 224 pixels 840 against
-/// oneDNN's 1095, and the whole programs were no faster.
+/// Below this many input channels per group (a network's stem: an image's 3), a convolution
+/// goes to the int8 convolution only where its patch (channels times taps) holds at least
+/// [`MIN_STEM_PATCH`] values. The kernel gathers such a convolution's patches into dense rows:
+/// ResNet-18's 7×7 stem at 224 pixels (147 values) took 626 µs on it against oneDNN's 1095,
+/// but GhostNet's 3×3 (27 values, 16 output channels) 192 against 100 for kwexport's float32
+/// kernel for few channels.
 const MIN_CONV_IN_CHANNELS: i64 = 8;
+const MIN_STEM_PATCH: i64 = 64;
 
 /// The pass (`fast`, on a loader's CPU with the runtime's kernels).
 pub struct LinearInt8;
@@ -287,19 +288,20 @@ fn find(m: &Method, weights: &Weights) -> Vec<Found> {
                 .is_some_and(|t| t.shape.len() == 4 && t.shape[2..] == [1, 1]),
             _ => false,
         };
-        // Its weight's input channels per group and output channels.
+        // Its weight's input channels per group, output channels and patch (input channels
+        // per group times taps).
         let channels = match w {
             Arg::Ref(v) => (weight_of.get(v.as_str()).and_then(|w| weights.tensors.get(*w)))
-                .and_then(|t| Some((*t.shape.get(1)?, *t.shape.first()?))),
+                .and_then(|t| Some((*t.shape.get(1)?, *t.shape.first()?, t.shape.iter().skip(1).product::<i64>()))),
             _ => None,
         };
         let pointwise = one_by_one && is_pointwise_conv(linear);
         let geometry = if conv && !pointwise { conv_geometry(linear) } else { None };
-        // Groups start on a word of 4 channels, and divide the output channels.
+        // Groups start on a word of 4 channels (a depthwise convolution's stay float32), and
+        // divide the output channels.
         let spatial = geometry.filter(|[_, _, groups]| match (channels, groups) {
-            (Some((per_group, n)), Arg::Int(g)) => {
-                per_group >= MIN_CONV_IN_CHANNELS && (*g == 1 || (per_group % 4 == 0 && n % g == 0))
-            }
+            (Some((per_group, _, patch)), _) if per_group < MIN_CONV_IN_CHANNELS && patch < MIN_STEM_PATCH => false,
+            (Some((per_group, n, _)), Arg::Int(g)) => *g == 1 || (per_group % 4 == 0 && n % g == 0),
             _ => false,
         });
         let matrix = match is_linear {

@@ -7,7 +7,7 @@
 //! rounded up to whole words (their weights zero), so the weight is packed as the `[n, taps *
 //! words * per word]` matrix [`Layout::pack_conv`] makes.
 
-use super::super::gemm::{self, tap_table, Out, Shape, Source, Table};
+use super::super::gemm::{self, tap_table, Dense, Out, Shape, Source, Table};
 use super::super::{parallel, PANEL};
 use super::super::{Conv2d, Declined, Ran};
 use super::{Layout, Packed, Products, Quant};
@@ -17,10 +17,23 @@ use crate::kernels::activation::Epilogue;
 const QUANTIZE_WORK: usize = 6;
 
 impl Layout {
+    /// Whether a `[n, cin, kh, kw]` weight's taps are packed as whole patches: where `cin`
+    /// ends inside a word (an image's 3 channels) and there are several taps, each output
+    /// pixel's patch is gathered into one dense row (`kh * kw * cin` levels, then words)
+    /// rather than a word or more per tap through the pointer table (ResNet-18's 7×7 stem:
+    /// 49 words and pointers a pixel against 37 words).
+    pub fn patches(self, [_, cin, kh, kw]: [usize; 4]) -> bool {
+        !cin.is_multiple_of(self.per_word()) && kh * kw > 1
+    }
+
     /// The depth of the matrix a `[n, cin, kh, kw]` convolution weight packs as: per tap,
-    /// `cin` rounded up to whole words.
-    pub fn conv_depth(self, [_, cin, kh, kw]: [usize; 4]) -> usize {
-        kh * kw * cin.next_multiple_of(self.per_word())
+    /// `cin` rounded up to whole words; or, for [`Layout::patches`], the patch's levels
+    /// rounded up to whole words.
+    pub fn conv_depth(self, shape @ [_, cin, kh, kw]: [usize; 4]) -> usize {
+        match self.patches(shape) {
+            true => (kh * kw * cin).next_multiple_of(self.per_word()),
+            false => kh * kw * cin.next_multiple_of(self.per_word()),
+        }
     }
 
     /// The words of a convolution weight [`Layout::pack_conv`] packs: one packed matrix per
@@ -32,17 +45,19 @@ impl Layout {
     /// An int8 `[n, cin, kh, kw]` weight of `groups` groups (`cin` channels each, at element
     /// `strides`) as, per group, the panels of its `[n / groups, conv_depth]` matrix, whose
     /// column `(i * kw + j) * cin_words + c` holds input channel `c` at tap `(i, j)` (zero
-    /// for `c >= cin`), packed by [`Layout::pack`]. A 1×1 weight packs as its `[n, cin]`
-    /// matrix does. `packed` holds [`Layout::conv_packed_len`]'s words.
+    /// for `c >= cin`; `cin_words` is `cin` itself for [`Layout::patches`]), packed by
+    /// [`Layout::pack`]. A 1×1 weight packs as its `[n, cin]` matrix does. `packed` holds
+    /// [`Layout::conv_packed_len`]'s words.
     pub fn pack_conv(self, w: &[i8], shape: [usize; 4], strides: [usize; 4], groups: usize, packed: &mut [u32]) {
-        let [n, cin, _, kw] = shape;
-        let (k, per_tap, per_out) = (self.conv_depth(shape), cin.next_multiple_of(self.per_word()), n / groups);
+        let [n, cin, kh, kw] = shape;
+        let per_tap = if self.patches(shape) { cin } else { cin.next_multiple_of(self.per_word()) };
+        let (k, per_out) = (self.conv_depth(shape), n / groups);
         let len = self.packed_len([per_out, k]);
         for (group, packed) in packed.chunks_exact_mut(len).take(groups).enumerate() {
             let mut matrix = vec![0i8; per_out * k];
             for (o, row) in matrix.chunks_exact_mut(k).enumerate() {
                 let o = group * per_out + o;
-                for (tap, run) in row.chunks_exact_mut(per_tap).enumerate() {
+                for (tap, run) in row.chunks_exact_mut(per_tap).take(kh * kw).enumerate() {
                     let (i, j) = (tap / kw, tap % kw);
                     for (c, v) in run[..cin].iter_mut().enumerate() {
                         *v = w[o * strides[0] + c * strides[1] + i * strides[2] + j * strides[3]];
@@ -107,6 +122,9 @@ fn conv_with(
     }
     let products = Products { kernel, quant, weight, w_scale, bias, post };
     products.check(k)?;
+    if layout.patches(shape) {
+        return patches(&products, (x, ld), [batch, h, w], g, out);
+    }
     let words = cin.div_ceil(layout.per_word());
     // Each pixel's levels, then the padding's row: the zero point's level less the base
     // (`Level::base`: 0 for pairs, `zero_point - qmin` in each byte for quads).
@@ -189,6 +207,61 @@ fn conv_with(
             }
         }
     });
+    Ok(())
+}
+
+/// [`conv_with`] for [`Layout::patches`] (one group, checked): the input's levels as one dense
+/// run, then each output pixel's patch gathered into a row of words (a tap in the padding at
+/// the zero point's level, as the table's padding row), multiplied as a dense GEMM.
+fn patches(p: &Products<'_>, (x, ld): (&[f32], usize), [batch, h, w]: [usize; 3], g: &Conv2d, out: &mut [f32]) -> Ran {
+    let (cin, n, layout, quant) = (g.in_channels, g.out_channels, p.weight.layout, p.quant);
+    let Some([ho, wo]) = g.output(h, w) else { return Err(Declined::Shapes) };
+    let ([kh, kw], [sh, sw], [ph, pw]) = (g.kernel, g.stride, g.padding);
+    let (per, pixels, m) = (layout.per_word(), batch * h * w, batch * ho * wo);
+    let words = layout.conv_depth([n, cin, kh, kw]) / per;
+    let dense: std::borrow::Cow<'_, [f32]> = match ld == cin {
+        true => x[..pixels * cin].into(),
+        false => (0..pixels).flat_map(|p| x[p * ld..p * ld + cin].iter().copied()).collect(),
+    };
+    let mut levels = vec![0u32; (pixels * cin).div_ceil(per)];
+    // SAFETY: the quantizer runs on this CPU, into one row of `pixels * cin` levels; the
+    // range fits the layout (`check`).
+    unsafe { (p.kernel.quantize)(&dense, pixels * cin, &quant.levels(), &mut levels) };
+    // A pixel's levels, in bytes; the padding's level less the base (`Level::base`) in each
+    // level of a word: `zero_point - qmin` bytes for quads, int16 zeros for pairs.
+    let run = cin * 4 / per;
+    let pad = match layout {
+        Layout::Quads => u32::from_le_bytes([(quant.zero_point - quant.qmin) as u8; 4]),
+        Layout::Pairs => 0,
+    };
+    let mut rows = vec![pad; m * words];
+    // SAFETY: the same memory as bytes, which `u32`'s alignment covers.
+    let src = unsafe { std::slice::from_raw_parts(levels.as_ptr().cast::<u8>(), levels.len() * 4) };
+    parallel::units(&mut rows, words, 20 * kh * kw, &|first, rows| {
+        // SAFETY: this chunk's rows as bytes, written by it only.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(rows.as_mut_ptr().cast::<u8>(), rows.len() * 4) };
+        for (pixel, dst) in (first..).zip(bytes.chunks_exact_mut(words * 4)) {
+            let (b, oy, ox) = (pixel / (ho * wo), pixel / wo % ho, pixel % wo);
+            // The first input column, where the kernel's columns all lie inside the image.
+            let x0 = (ox * sw).checked_sub(pw).filter(|&x0| x0 + kw <= w);
+            for i in 0..kh {
+                let Some(iy) = (oy * sh + i).checked_sub(ph).filter(|&y| y < h) else { continue };
+                let at = |ix: usize| ((b * h + iy) * w + ix) * run;
+                if let Some(x0) = x0 {
+                    dst[i * kw * run..][..kw * run].copy_from_slice(&src[at(x0)..][..kw * run]);
+                    continue;
+                }
+                for j in 0..kw {
+                    if let Some(ix) = (ox * sw + j).checked_sub(pw).filter(|&x| x < w) {
+                        dst[(i * kw + j) * run..][..run].copy_from_slice(&src[at(ix)..][..run]);
+                    }
+                }
+            }
+        }
+    });
+    // SAFETY: `rows` holds `m` rows of `words` words; the weight its panels for `[n, words *
+    // per word]` (`Layout::pack_conv`), the rest what the shapes say (the caller's checks).
+    unsafe { p.run(Source::Dense(Dense { x: rows.as_ptr(), ld: words }), [m, 1, words, n], out) };
     Ok(())
 }
 
