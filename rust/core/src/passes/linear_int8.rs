@@ -280,21 +280,17 @@ fn find(m: &Method, weights: &Weights) -> Vec<Found> {
             continue;
         };
         let [w, w_scale, w_zp, Arg::Int(0), _, _, Arg::Dtype(w_dtype)] = &wd.args[..] else { continue };
-        // A linear's `[n, k]` weight, or a 1×1 convolution's `[n, k, 1, 1]`.
-        // Any other convolution without groups or dilation is the int8 convolution, of its
-        // stride and padding (`spatial`).
-        let one_by_one = match w {
-            Arg::Ref(v) => (weight_of.get(v.as_str()).and_then(|w| weights.tensors.get(*w)))
-                .is_some_and(|t| t.shape.len() == 4 && t.shape[2..] == [1, 1]),
-            _ => false,
-        };
-        // Its weight's input channels per group, output channels and patch (input channels
-        // per group times taps).
-        let channels = match w {
-            Arg::Ref(v) => (weight_of.get(v.as_str()).and_then(|w| weights.tensors.get(*w)))
-                .and_then(|t| Some((*t.shape.get(1)?, *t.shape.first()?, t.shape.iter().skip(1).product::<i64>()))),
+        // A linear's `[n, k]` weight, or a 1×1 convolution's `[n, k, 1, 1]`; any other
+        // convolution without dilation is the int8 convolution, of its stride, padding and
+        // groups (`spatial`).
+        let w_shape = match w {
+            Arg::Ref(v) => weight_of.get(v.as_str()).and_then(|w| weights.tensors.get(*w)).map(|t| t.shape.as_slice()),
             _ => None,
         };
+        let one_by_one = w_shape.is_some_and(|s| s.len() == 4 && s[2..] == [1, 1]);
+        // Its weight's input channels per group, output channels and patch (input channels
+        // per group times taps).
+        let channels = w_shape.and_then(|s| Some((*s.get(1)?, *s.first()?, s[1..].iter().product::<i64>())));
         let pointwise = one_by_one && is_pointwise_conv(linear);
         let geometry = if conv && !pointwise { conv_geometry(linear) } else { None };
         // Groups start on a word of 4 channels (a depthwise convolution's stay float32), and

@@ -167,11 +167,11 @@ pub(super) fn tap_table<T>(
     (first, stride, padding): (*const T, usize, *const T),
 ) -> Vec<*const T> {
     let ([kh, kw], [sh, sw], [ph, pw]) = (g.kernel, g.stride, g.padding);
-    let first = First(first);
+    let first = super::parallel::Shared(first.cast_mut());
     let mut table = vec![padding; m * kh * kw];
     // An entry costs about what 20 of the GEMM's flops do (0.5 ns).
     super::parallel::units(&mut table, kh * kw, 20 * kh * kw, &|start, entries| {
-        let at = |p: usize| first.get().wrapping_add(p * stride);
+        let at = |p: usize| first.at(p * stride).cast_const();
         for (pixel, entries) in (start..).zip(entries.chunks_exact_mut(kh * kw)) {
             let (b, oy, ox) = (pixel / (ho * wo), pixel / wo % ho, pixel % wo);
             // The first input column, where the kernel's columns all lie inside the image.
@@ -191,26 +191,6 @@ pub(super) fn tap_table<T>(
         }
     });
     table
-}
-
-/// [`tap_table`]'s first row, as its threads read it.
-struct First<T>(*const T);
-
-impl<T> Clone for First<T> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<T> Copy for First<T> {}
-
-// SAFETY: an address the threads only offset (`wrapping_add`), never dereference.
-unsafe impl<T> Sync for First<T> {}
-
-impl<T> First<T> {
-    /// The address (a method, so closures capture the whole `Sync` wrapper).
-    fn get(self) -> *const T {
-        self.0
-    }
 }
 
 /// A convolution over channels-last images (`x`: `[batch, h, w, cin]`) as an indirect GEMM:

@@ -56,8 +56,9 @@ pub fn for_each(n: usize, threads: usize, body: Body<'_>) {
     }
 }
 
-/// A pointer to the output the threads of one call share, each writing its own elements.
-struct Shared<T>(*mut T);
+/// A pointer the threads of one call share: each writes its own elements through it
+/// (`units`), or only offsets it (`gemm::tap_table`'s first row).
+pub(super) struct Shared<T>(pub(super) *mut T);
 
 impl<T> Clone for Shared<T> {
     fn clone(&self) -> Self {
@@ -66,13 +67,13 @@ impl<T> Clone for Shared<T> {
 }
 impl<T> Copy for Shared<T> {}
 
-// SAFETY: the threads of one call write disjoint elements through it (`units`), and the call
-// returns only once every thread has finished.
+// SAFETY: the threads of one call write disjoint elements through it (`units`) or only offset
+// it, and the call returns only once every thread has finished.
 unsafe impl<T> Sync for Shared<T> {}
 
 impl<T> Shared<T> {
     /// Element `i` (a method, so closures capture the whole `Sync` wrapper).
-    fn at(self, i: usize) -> *mut T {
+    pub(super) fn at(self, i: usize) -> *mut T {
         self.0.wrapping_add(i)
     }
 }

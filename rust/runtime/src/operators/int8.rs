@@ -85,13 +85,7 @@ impl Operators<'_> {
         if shims.dtype(weight) != Some(int8) || !on_cpu(weight) || !on_cpu(zero_point) || !zp_int || zp_sizes != [n] {
             return None;
         }
-        let (shape, st) = (shape.map(|v| usize::try_from(v).ok()), st.map(|v| usize::try_from(v).ok()));
-        let (Some(shape), Some(st)) =
-            (shape.into_iter().collect::<Option<Vec<_>>>(), st.into_iter().collect::<Option<Vec<_>>>())
-        else {
-            return None;
-        };
-        let (shape, st): ([usize; 4], [usize; 4]) = (shape.try_into().ok()?, st.try_into().ok()?);
+        let (shape, st) = (unsigned(shape)?, unsigned(st)?);
         let n = shape[0];
         if shape.contains(&0) || layout.conv_depth(shape) > kernels::int8::MAX_K || !n.is_multiple_of(groups) {
             return None;
@@ -289,6 +283,12 @@ impl Operators<'_> {
         };
         ran.ok().map(|()| Ok(out))
     }
+}
+
+/// Four sizes or strides as `usize`s, `None` where one is negative.
+fn unsigned(v: [i64; 4]) -> Option<[usize; 4]> {
+    let u = |i: usize| usize::try_from(v[i]).ok();
+    Some([u(0)?, u(1)?, u(2)?, u(3)?])
 }
 
 /// The rows of a `[..., k]` view whose last dimension is contiguous and whose other

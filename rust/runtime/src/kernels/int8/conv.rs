@@ -18,12 +18,12 @@ const QUANTIZE_WORK: usize = 6;
 
 impl Layout {
     /// Whether a `[n, cin, kh, kw]` weight's taps are packed as whole patches: where `cin`
-    /// ends inside a word (an image's 3 channels) and there are several taps, each output
-    /// pixel's patch is gathered into one dense row (`kh * kw * cin` levels, then words)
-    /// rather than a word or more per tap through the pointer table (ResNet-18's 7×7 stem:
-    /// 49 words and pointers a pixel against 37 words).
-    pub fn patches(self, [_, cin, kh, kw]: [usize; 4]) -> bool {
-        !cin.is_multiple_of(self.per_word()) && kh * kw > 1
+    /// ends inside a word (an image's 3 channels), each output pixel's patch is gathered into
+    /// one dense row (`kh * kw * cin` levels, then words) rather than a word or more per tap
+    /// through the pointer table (ResNet-18's 7×7 stem: 49 words and pointers a pixel against
+    /// 37 words). A 1×1 weight packs alike either way.
+    pub fn patches(self, [_, cin, _, _]: [usize; 4]) -> bool {
+        !cin.is_multiple_of(self.per_word())
     }
 
     /// The depth of the matrix a `[n, cin, kh, kw]` convolution weight packs as: per tap,
@@ -134,43 +134,22 @@ fn conv_with(
     if layout == Layout::Quads {
         padding.fill(u32::from_le_bytes([(quant.zero_point - quant.qmin) as u8; 4]));
     }
-    let per = layout.per_word();
     let quantize = kernel.quantize;
-    if ld != cin || cin % per == 0 {
-        // Split across threads by pixels; whole words per pixel make a dense input's rows one
-        // run of levels, quantized at once.
-        parallel::units(pixel_rows, words, QUANTIZE_WORK * cin, &|first, rows| {
-            let count = rows.len() / words;
-            if ld == cin {
-                // SAFETY: the quantizer runs on this CPU; `x` holds these pixels' `count * cin`
-                // floats, `rows` as many levels; the range fits the layout (`check`).
-                unsafe { quantize(&x[first * cin..][..count * cin], count * cin, &levels, rows) };
-                return;
-            }
-            for (p, row) in (first..).zip(rows.chunks_exact_mut(words)) {
-                // SAFETY: as above, for one pixel (`rows_fit`).
-                unsafe { quantize(&x[p * ld..p * ld + cin], cin, &levels, row) };
-            }
-        });
-    } else {
-        // A pixel's channels end inside a word (an image's 3): quantized as one run too, then
-        // each pixel's levels moved to its row (a row at a time cost 10 ns a pixel, 400 µs on
-        // GhostNet's stem).
-        let mut run = vec![0u32; (pixels * cin).div_ceil(per)];
-        // SAFETY: the quantizer runs on this CPU, into one row of `pixels * cin` levels; the
-        // range fits the layout (`check`).
-        unsafe { quantize(&x[..pixels * cin], pixels * cin, &levels, &mut run) };
-        let (bytes, row) = (cin * 4 / per, words * 4);
-        // SAFETY: the same memory as bytes, which `u32`'s alignment covers; the two buffers
-        // are distinct allocations.
-        let (run, rows) = unsafe {
-            let run = std::slice::from_raw_parts(run.as_ptr().cast::<u8>(), run.len() * 4);
-            (run, std::slice::from_raw_parts_mut(pixel_rows.as_mut_ptr().cast::<u8>(), pixel_rows.len() * 4))
-        };
-        for (p, dst) in rows.chunks_exact_mut(row).enumerate() {
-            dst[..bytes].copy_from_slice(&run[p * bytes..][..bytes]);
+    // Split across threads by pixels; whole words per pixel make a dense input's rows one run
+    // of levels, quantized at once.
+    parallel::units(pixel_rows, words, QUANTIZE_WORK * cin, &|first, rows| {
+        let count = rows.len() / words;
+        if ld == cin {
+            // SAFETY: the quantizer runs on this CPU; `x` holds these pixels' `count * cin`
+            // floats, `rows` as many levels; the range fits the layout (`check`).
+            unsafe { quantize(&x[first * cin..][..count * cin], count * cin, &levels, rows) };
+            return;
         }
-    }
+        for (p, row) in (first..).zip(rows.chunks_exact_mut(words)) {
+            // SAFETY: as above, for one pixel (`rows_fit`).
+            unsafe { quantize(&x[p * ld..p * ld + cin], cin, &levels, row) };
+        }
+    });
     let table = tap_table(m, [h, w], [ho, wo], g, (rows.as_ptr(), words, rows[pixels * words..].as_ptr()));
     let taps = g.kernel[0] * g.kernel[1];
     let table = Table { table: table.as_ptr(), taps, offset: 0 };
@@ -287,6 +266,8 @@ mod tests {
             ),
             (conv([70, 20, 1, 1], [1, 1], [0, 0]), [1, 4, 5], u8(0.1, 255)),
             (conv([130, 16, 3, 3], [1, 1], [0, 0]), [1, 5, 5], u8(0.011, 0)),
+            // A strided 1×1 whose channels end inside a word.
+            (conv([12, 10, 1, 1], [2, 2], [0, 0]), [1, 7, 6], u8(0.03, 40)),
             // A ResNet's stem: an image's 3 channels.
             (conv([64, 3, 7, 7], [2, 2], [3, 3]), [1, 20, 18], u8(0.02, 100)),
             // RegNet's groups of 8 channels, and groups past one panel of columns.
