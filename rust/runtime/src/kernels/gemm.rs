@@ -157,8 +157,10 @@ pub(super) unsafe fn product(
 /// images) and each tap of the kernel, `first + p * stride` for the input pixel `p` it reads
 /// (of `[h, w]` images, counted across the batch), or `padding` for a tap in the padding;
 /// split across threads. A tap row whose taps all lie inside the image is a run of
-/// consecutive pixels (measured: 1.7 ns an entry with a bounds check per tap, 48 µs of a
-/// 310 µs int8 convolution).
+/// consecutive pixels, and each pixel's position is counted on from the last, not divided
+/// out (measured: 1.7 ns an entry with a bounds check per tap, 48 µs of a 310 µs int8
+/// convolution; 15% of a 16 → 64 channel 3×3 convolution's time at 55×55 before the
+/// counting, 8% after).
 pub(super) fn tap_table<T>(
     m: usize,
     [h, w]: [usize; 2],
@@ -171,21 +173,37 @@ pub(super) fn tap_table<T>(
     let mut table = vec![padding; m * kh * kw];
     // An entry costs about what 20 of the GEMM's flops do (0.5 ns).
     super::parallel::units(&mut table, kh * kw, 20 * kh * kw, &|start, entries| {
-        let at = |p: usize| first.at(p * stride).cast_const();
-        for (pixel, entries) in (start..).zip(entries.chunks_exact_mut(kh * kw)) {
-            let (b, oy, ox) = (pixel / (ho * wo), pixel / wo % ho, pixel % wo);
+        // The chunk's first output pixel; the later ones by counting (no division per pixel).
+        let (mut b, mut oy, mut ox) = (start / (ho * wo), start / wo % ho, start % wo);
+        for entries in entries.chunks_exact_mut(kh * kw) {
             // The first input column, where the kernel's columns all lie inside the image.
             let x0 = (ox * sw).checked_sub(pw).filter(|&x0| x0 + kw <= w);
             for (i, row) in entries.chunks_exact_mut(kw).enumerate() {
                 let Some(iy) = (oy * sh + i).checked_sub(ph).filter(|&y| y < h) else { continue };
-                for (j, e) in row.iter_mut().enumerate() {
-                    let ix = match x0 {
-                        Some(x0) => Some(x0 + j),
-                        None => (ox * sw + j).checked_sub(pw).filter(|&x| x < w),
-                    };
-                    if let Some(ix) = ix {
-                        *e = at((b * h + iy) * w + ix);
+                let line = (b * h + iy) * w;
+                match x0 {
+                    // A run of consecutive input pixels.
+                    Some(x0) => {
+                        let mut p = first.at((line + x0) * stride).cast_const();
+                        for e in row {
+                            *e = p;
+                            p = p.wrapping_add(stride);
+                        }
                     }
+                    None => {
+                        for (j, e) in row.iter_mut().enumerate() {
+                            if let Some(ix) = (ox * sw + j).checked_sub(pw).filter(|&x| x < w) {
+                                *e = first.at((line + ix) * stride).cast_const();
+                            }
+                        }
+                    }
+                }
+            }
+            ox += 1;
+            if ox == wo {
+                (ox, oy) = (0, oy + 1);
+                if oy == ho {
+                    (oy, b) = (0, b + 1);
                 }
             }
         }

@@ -455,7 +455,7 @@ fn conv_step(
                 }
                 (1, None) => {
                     let (panels, bf16) = (std::sync::OnceLock::new(), consts.bf16());
-                    let winograd = (!bf16 && crate::operators::winograd_takes(&geometry)).then(|| super::Winograd {
+                    let winograd = (!bf16 && crate::operators::winograd_pays(&geometry)).then(|| super::Winograd {
                         panels: std::sync::OnceLock::new(),
                         min_pixels: crate::operators::WINOGRAD_MIN_PIXELS as i64,
                     });
