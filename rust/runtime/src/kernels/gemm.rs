@@ -270,27 +270,56 @@ pub fn indirect_f32_strided(
         unsafe { columns(t.gemm_block, Source::Table(table), m, &shape, panels, out) };
         return Ok(());
     }
-    // One GEMM per group, over the group's channels of each pixel, into the group's output
-    // columns (rows `n` apart); the threads take whole groups.
-    let (op, group_panels) = (Out(out.as_mut_ptr()), panels_len(k, per_out));
-    let threads = super::parallel::share(2 * m * k * n, groups, super::parallel::threads());
+    let group_panels = panels_len(k, per_out);
+    // SAFETY: as for one group; each group's panels are `group_panels` floats from its first.
+    unsafe {
+        let geometry = [groups, per_in, k, 2 * m * k * n];
+        grouped(t.gemm_block, table, m, &shape, geometry, (panels, group_panels, group_panels), out)
+    };
+    Ok(())
+}
+
+/// A grouped convolution's GEMMs, one per group: the rows of `table` from the group's first
+/// element (`per_in` elements a group, inside each pixel's row) times the group's panels (the
+/// first `len` of `stride` elements a group), `depth` deep, into the group's `s.n` output
+/// columns of rows `s.ldo` apart (all groups' columns), the bias, residual, scales and sums
+/// moved to those columns; the threads take whole groups, as many as `flops` (the whole
+/// convolution's multiply-adds, twice) give work.
+///
+/// # Safety
+/// `block` runs on this CPU; every pointer of the table starts a row holding all `groups *
+/// per_in` elements; `panels` holds `groups` groups' panels, `s`'s per-column values and
+/// residual all groups' columns, `out` `m` rows of `s.ldo`.
+pub(super) unsafe fn grouped<X: Sync>(
+    block: Block<X>,
+    table: Table<X>,
+    m: usize,
+    s: &Shape,
+    [groups, per_in, depth, flops]: [usize; 4],
+    (panels, stride, len): (&[X], usize, usize),
+    out: &mut [f32],
+) {
+    let (per_out, op, shape) = (s.n, Out(out.as_mut_ptr()), *s);
+    let threads = super::parallel::share(flops, groups, super::parallel::threads());
     super::parallel::for_each(groups, threads, &|begin, end| {
         // Whole values, not their fields (raw pointers), cross to the threads.
         let (Out(out), table, shape) = (op, table, shape);
         for group in begin..end {
-            let at = |p: *const f32| if p.is_null() { p } else { p.wrapping_add(group * per_out) };
-            let s = Shape { bias: at(shape.bias), residual: at(shape.residual), ..shape };
+            let columns = group * per_out;
+            let at = |p: *const f32| if p.is_null() { p } else { p.wrapping_add(columns) };
+            let sums = if shape.sums.is_null() { shape.sums } else { shape.sums.wrapping_add(columns) };
+            let (bias, scale, residual) = (at(shape.bias), at(shape.scale), at(shape.residual));
+            let s = Shape { bias, scale, sums, residual, ..shape };
             let rows = Source::Table(Table { offset: group * per_in, ..table });
-            let ps = &panels[group * group_panels..][..group_panels];
+            let ps = &panels[group * stride..][..len];
             for j in (0..per_out).step_by(PANEL) {
-                // SAFETY: as for one group, with the table's pointers moved to the group's
-                // channels (`offset`, inside each pixel's `cin`), the bias, the residual and
-                // the output to its columns, and its own panels; no other group writes them.
-                unsafe { (t.gemm_block)(rows, 0..m, &s, ps, Out(out.add(group * per_out)), j, k) };
+                // SAFETY: as for one GEMM, with the table's pointers moved to the group's
+                // elements, the per-column values, the residual and the output to its
+                // columns, and its own panels; no other group writes those columns.
+                unsafe { block(rows, 0..m, &s, ps, Out(out.add(columns)), j, depth) };
             }
         }
     });
-    Ok(())
 }
 
 /// A convolution's `[out, in, kh, kw]` weight (at element `strides`: contiguous or

@@ -7,7 +7,7 @@
 //! rounded up to whole words (their weights zero), so the weight is packed as the `[n, taps *
 //! words * per word]` matrix [`Layout::pack_conv`] makes.
 
-use super::super::gemm::{self, tap_table, Dense, Out, Shape, Source, Table};
+use super::super::gemm::{self, tap_table, Dense, Source, Table};
 use super::super::{parallel, PANEL};
 use super::super::{Conv2d, Declined, Ran};
 use super::{Layout, Packed, Products, Quant};
@@ -166,26 +166,12 @@ fn conv_with(
     let sum = |c: usize| weight.words[c / per_out * group_len + panels_len + c % per_out];
     let factors = products.columns(n, sum);
     let shape = products.shape([taps, group_words, per_out, n], (&factors.0, &factors.1));
-    let (op, block, depth) = (Out(out.as_mut_ptr()), kernel.block, taps * group_words);
-    let threads = parallel::share(2 * m * k * n, groups, parallel::threads());
-    parallel::for_each(groups, threads, &|begin, end| {
-        // Whole values, not their fields (raw pointers), cross to the threads.
-        let (Out(out), table, shape) = (op, table, shape);
-        for group in begin..end {
-            let columns = group * per_out;
-            let at = |p: *const f32| if p.is_null() { p } else { p.wrapping_add(columns) };
-            let sums = if shape.sums.is_null() { shape.sums } else { shape.sums.wrapping_add(columns) };
-            let s = Shape { bias: at(shape.bias), scale: at(shape.scale), sums, ..shape };
-            let rows = Source::Table(Table { offset: group * group_words, ..table });
-            let panels = &weight.words[group * group_len..][..panels_len];
-            for j in (0..per_out).step_by(PANEL) {
-                // SAFETY: as for one group, with the table's pointers moved to the group's
-                // words (`offset`, inside each pixel's row), the bias, factors and output to
-                // its columns, and its own panels; no other group writes those columns.
-                unsafe { block(rows, 0..m, &s, panels, Out(out.add(columns)), j, depth) };
-            }
-        }
-    });
+    // SAFETY: as for one group; each group's panels are the first `panels_len` of its
+    // `group_len` words (its column sums after them).
+    unsafe {
+        let geometry = [groups, group_words, taps * group_words, 2 * m * k * n];
+        gemm::grouped(kernel.block, table, m, &shape, geometry, (weight.words, group_len, panels_len), out)
+    };
     Ok(())
 }
 
