@@ -269,6 +269,27 @@ def test_both_linear_kernels_run_in_place_of_each_other(tmp_path):
         assert not torch.equal(outs["kwexport"], want)  # it did run: other rounding
 
 
+def test_a_large_weights_kernels_take_turns_over_the_first_calls(tmp_path):
+    """A linear whose weight a core's L2 doesn't hold (1 MiB or more) is measured in the model:
+    its first ten calls run kwexport's GEMM and torch's in turn, each call's result the kernel
+    that ran it (torch's: eager's bits), then the choice runs."""
+    torch.manual_seed(0)
+    model = nn.Linear(512, 1024).eval()  # 2 MiB
+    x = torch.randn(8, 512)
+    path = tmp_path / "wide.kwx"
+    kwexport.save(kwexport.export(model, (x,)), path)
+    prog = kwexport.load(path, optimize="fast")
+    with torch.no_grad():
+        want = model(x)
+    got = [prog(x) for _ in range(12)]
+    assert all(rel_err(g, want) < 1e-5 for g in got)
+    if own_kernels():
+        bits = [torch.equal(g, want) for g in got[:10]]
+        assert bits[1::2] == [True] * 5, "torch's turns give eager's bits"
+        assert bits[0::2] == [False] * 5, "kwexport's turns round otherwise"
+        assert torch.equal(got[10], got[11]), "then one kernel runs"
+
+
 class ConvBlocks(nn.Module):
     """What `fast` folds and lowers, beside what it must leave alone: a 3×3 conv + BN + ReLU,
     a 1×1 conv with a bias + BN (no affine) + hardswish, a depthwise 5×5 conv + BN, two convs

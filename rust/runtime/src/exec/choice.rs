@@ -119,6 +119,7 @@ impl CStep {
         if let Some(own) = conv.own.as_deref() {
             // SAFETY: a live handle.
             let pixels = unsafe { abi.sizes_strides(t[0]) }.map(|(s, _)| s[0] * s[2] * s[3]);
+            let conv_bytes = conv.shape.iter().map(|&d| usize::try_from(d).unwrap_or(0)).product::<usize>() * 4;
             let adds = (bias, residual);
             // This node's channels of a concatenation made in place (`plan::concat`).
             let part = self.part.and_then(|p| self.concat_buffer(abi, conv, t[0], p, slots));
@@ -149,7 +150,7 @@ impl CStep {
                     _ => None,
                 }
             };
-            if let Some(result) = pixels.and_then(|p| choose(&own.choices, p, ours, onednn)) {
+            if let Some(result) = pixels.and_then(|p| choose(&own.choices, (p, conv_bytes), ours, onednn)) {
                 self.finish(slots, result?);
                 return Ok(());
             }
@@ -223,22 +224,40 @@ pub(super) unsafe fn choose_linear(
     let input = packed.input;
     let bias = (input == 1).then_some(t[0]);
     // SAFETY: live handles (the caller's).
-    let rows = *unsafe { abi.contiguous_sizes(t[input]) }?.first()?;
+    let sizes = unsafe { abi.contiguous_sizes(t[input]) }?;
+    let (rows, k) = (*sizes.first()?, *sizes.last()?);
     let bf16 = packed.panels.bf16;
     // Packed on the node's first call: a copy of the weight, kept whichever kernel wins.
     let panels = packed.panels.get(abi, consts)?;
     let ours = || unsafe { Operators(abi).linear(t[input], panels, packed.n, bias, epilogue, bf16) };
-    choose(&packed.choices, rows, ours, torch)
+    let bytes = usize::try_from(packed.n.saturating_mul(k)).unwrap_or(usize::MAX).saturating_mul(4);
+    choose(&packed.choices, (rows, bytes), ours, torch)
 }
 
+/// Weights of at least this many bytes are measured in the model ([`choose`]): more than a
+/// core's L2 holds (1 MiB on the Zen 4 and 5 measured; 1.25–2 MiB on recent Intel cores).
+pub(super) const STREAMED_WEIGHT_BYTES: usize = 1 << 20;
+
 /// kwexport's GEMM (`ours`) or the other kernel (`theirs`) for a node, whichever measured
-/// faster for this number of rows the first time it came (best of five runs of each,
-/// interleaved; kwexport's must be 5% faster; per process): `ours`'s result where it is
-/// chosen, `None` where the other is (or `ours` can't take the tensors), for the caller to
-/// run.
+/// faster for this number of rows (per process): `ours`'s result where it is chosen, `None`
+/// where the other is (or `ours` can't take the tensors), for the caller to run. kwexport's
+/// must be 5% faster: at a tie the two are within the noise of the runs, and torch's kernel
+/// gives eager's bits.
+///
+/// A node whose weight fits a core's L2 measures the two on its first call, back to back
+/// (the best of five runs of each, interleaved). A node with a larger weight (`weight_bytes`
+/// at least [`STREAMED_WEIGHT_BYTES`]) is measured in the model instead: back to back each
+/// run finds the weight where the last one left it, so a layer that streams megabytes of
+/// weight from memory in the model measured as if it ran from cache, and the kernel that
+/// computes faster from cache won where the one that streams better is faster in the model
+/// (resnet18 at 64×64's 512-channel 3×3s, 9.4 MB each, at two threads). Over the node's first
+/// calls with a number of rows, each call runs one kernel in turn
+/// ([`crate::plan::TRIAL_RUNS`] each, the call's result that kernel's) and times it; then the
+/// fastest run of each decides. Smaller weights keep the back-to-back runs, which are less
+/// noisy than a few calls' (in-model trials for every node made RegNet's choices worse).
 fn choose(
     choices: &crate::plan::Choices,
-    rows: i64,
+    (rows, weight_bytes): (i64, usize),
     ours: impl Fn() -> Option<Result<abi::Tensor, CError>>,
     theirs: impl Fn() -> Result<abi::Tensor, CError>,
 ) -> Option<Result<abi::Tensor, CError>> {
@@ -247,9 +266,20 @@ fn choose(
     // so that a model called at many lengths measures a few times, not once per length.
     let rows = if rows <= 16 { rows } else { (rows as u64).next_power_of_two().min(1 << 40) as i64 };
     let rows = rows.saturating_mul(64).saturating_add(operators::threads().min(63) as i64);
+    let faster =
+        |ours: std::time::Duration, theirs: std::time::Duration| ours.as_secs_f64() * 1.05 < theirs.as_secs_f64();
     match forced_linear_kernel().or_else(|| choices.choice(rows)) {
         Some(true) => ours(),
         Some(false) => None,
+        None if weight_bytes >= STREAMED_WEIGHT_BYTES => {
+            let is_ours = choices.next_is_ours(rows);
+            let start = std::time::Instant::now();
+            let result = if is_ours { ours()? } else { theirs() };
+            if result.is_ok() {
+                choices.add_run(rows, is_ours, start.elapsed(), faster);
+            }
+            Some(result)
+        }
         None => {
             let time = |f: &dyn Fn() -> Option<Result<abi::Tensor, CError>>| {
                 let start = std::time::Instant::now();
@@ -266,9 +296,7 @@ fn choose(
                     Err(e) => return Some(Err(e)),
                 });
             }
-            // Only a clear win counts: at a tie the two are within the noise of five runs, and
-            // torch's kernel gives eager's bits.
-            let won = best_ours.as_secs_f64() * 1.05 < best_theirs.as_secs_f64();
+            let won = faster(best_ours, best_theirs);
             if choices.record(rows, won) && won {
                 ours()
             } else {

@@ -12,6 +12,7 @@
 //! - `segments`  grouping by path, and the crossings each segment needs
 //! - `fold`      the nodes that read only constants, run once at load (`fast`)
 
+mod choices;
 mod concat;
 mod consts;
 mod cost;
@@ -36,6 +37,7 @@ use crate::abi::{self, Abi, Ty};
 use crate::errors::RtResult;
 use crate::ops::ResolvedOp;
 
+pub use choices::{Choices, TRIAL_RUNS};
 pub use concat::PartOf;
 
 /// Which dispatch paths a plan may use.
@@ -351,36 +353,6 @@ pub struct Packed {
     /// Which of the step's tensors is the input matrix (a bias, if any, is tensor 0 before it).
     pub(crate) input: usize,
     pub(crate) choices: Choices,
-}
-
-/// Which kernel won for each number of rows (or pixels) and thread count a node has seen (the
-/// key `exec::choose` makes of both), per process.
-pub struct Choices {
-    /// Each `rows * 2 + (1 if kwexport's kernel won)`, or -1 for a free slot: atomics read
-    /// with plain loads, so threads calling one program share them without contending (a
-    /// lock here would bounce between cores on every node).
-    slots: [std::sync::atomic::AtomicI64; 16],
-}
-
-impl Default for Choices {
-    fn default() -> Self {
-        Choices { slots: std::array::from_fn(|_| std::sync::atomic::AtomicI64::new(-1)) }
-    }
-}
-
-impl Choices {
-    /// The choice made for `rows`, if one was.
-    pub(crate) fn choice(&self, rows: i64) -> Option<bool> {
-        use std::sync::atomic::Ordering::Relaxed;
-        self.slots.iter().map(|c| c.load(Relaxed)).find(|&c| c >= 0 && c / 2 == rows).map(|c| c % 2 == 1)
-    }
-
-    /// Records a choice; returns false where every slot is taken (the caller keeps torch's).
-    pub(crate) fn record(&self, rows: i64, ours: bool) -> bool {
-        use std::sync::atomic::Ordering::Relaxed;
-        let code = rows * 2 + ours as i64;
-        self.slots.iter().any(|c| c.compare_exchange(-1, code, Relaxed, Relaxed).is_ok() || c.load(Relaxed) == code)
-    }
 }
 
 /// Why a node runs on the Python path, as `Program.dispatch` reports it.
