@@ -674,6 +674,52 @@ torch.save((fast(x), [n["op"] for n in fast.profile(x)]), sys.argv[1])
             assert "aten::gelu.default" not in ran, (kernel, ran)
 
 
+class PatchEmbeddings(nn.Module):
+    """Vision transformers' stems: 16×16 patches at stride 16 (with GELU after one), and a
+    4×4 one over 3 channels, too few values a patch for the GEMM (the direct kernel keeps it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.vit = nn.Conv2d(3, 40, 16, stride=16)
+        self.gelu = nn.Sequential(nn.Conv2d(3, 24, 16, stride=16, bias=False), nn.GELU())
+        self.small = nn.Conv2d(3, 8, 4, stride=4)
+
+    def forward(self, x):
+        return self.vit(x), self.gelu(x), self.small(x)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_fast_runs_patch_embeddings_as_a_gemm(layout, tmp_path):
+    """A convolution whose kernel tiles the image (ViT's patch embedding) runs as the GEMM over
+    each patch gathered into a row, from an image in either layout: within tolerance of eager
+    with each kernel forced, and differing from oneDNN's where kwexport's ran."""
+    torch.manual_seed(0)
+    model = PatchEmbeddings().eval()
+    x = torch.randn(2, 3, 48, 64)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    path = tmp_path / "patches.kwx"
+    kwexport.save(kwexport.export(model, (x,)), path)
+    torch.save(x, tmp_path / "x.pt")
+    script = f"""
+import sys, torch, kwexport
+fast = kwexport.load({str(path)!r}, optimize="fast")
+x = torch.load({str(tmp_path / "x.pt")!r})
+torch.save((fast(x), [n["op"] for n in fast.profile(x)]), sys.argv[1])
+"""
+    with torch.no_grad():
+        want = model(x)
+    outs = with_each_kernel(tmp_path, script)
+    for kernel, (got, ran) in outs.items():
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and rel_err(g, w) < 1e-5, kernel
+        if torch.backends.mkldnn.is_available():
+            assert "aten::gelu.default" not in ran, (kernel, ran)
+    if torch.backends.mkldnn.is_available() and own_kernels():
+        for ours, theirs in zip(outs["kwexport"][0], outs["torch"][0]):
+            assert not torch.equal(ours, theirs)  # kwexport's kernels ran
+
+
 class MaskedAttention(nn.Module):
     """What transformers build from the traced sizes on every call: a causal mask from
     `arange`s and a rotary table in a no-grad region, read by the layer."""

@@ -134,6 +134,10 @@ impl CStep {
                     OwnKernel::Depthwise { taps, geometry } if residual.is_none() => {
                         Operators(abi).depthwise(t[0], consts[*taps].raw(), geometry, bias, own.epilogue, part)
                     }
+                    OwnKernel::Patches { weight, geometry, panels } if residual.is_none() => {
+                        let panels = panels.get_or_init(|| Operators(abi).pack_patch_panels(&consts[*weight]));
+                        Operators(abi).patches_conv(t[0], panels.as_ref()?.raw(), geometry, bias, own.epilogue)
+                    }
                     OwnKernel::Direct { taps, geometry } if residual.is_none() => {
                         Operators(abi).direct_conv(t[0], consts[*taps].raw(), geometry, bias, own.epilogue)
                     }

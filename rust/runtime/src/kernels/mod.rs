@@ -18,6 +18,7 @@ pub mod gemm;
 pub mod int8;
 pub mod isa;
 pub mod parallel;
+pub mod patches;
 pub mod pool;
 pub mod simd;
 pub mod winograd;
@@ -35,6 +36,7 @@ pub use activation::{epilogue_f32, gelu_f32, Epilogue};
 pub use attention::{attention_f32, Attention, AttentionMask};
 pub use conv::{depthwise_f32, depthwise_f32_strided, direct_f32, Conv2d, Depthwise};
 pub use gemm::{gemm_f32, indirect_f32, indirect_f32_strided, linear_f32, pack_conv_panels, panels_len, PANEL};
+pub use patches::{pack_patch_panels, patches_f32};
 pub use pool::{max_pool_f32, mean_pixels_f32, MaxPool};
 
 /// RMS normalization over rows of `n = w.len()` values: `w * (x * rsqrt(mean(x^2) + eps))`,

@@ -153,6 +153,52 @@ impl Operators<'_> {
         kernels::direct_f32(xs, [batch, h, w], strides, ts, g, bs, epilogue, os).ok().map(|()| Ok(out))
     }
 
+    /// A patch embedding (`kernels::patches_f32`: a kernel that tiles the image) of `x`, a
+    /// float32 CPU `[N, C, H, W]` tensor in any layout, with the weight's `panels`
+    /// ([`Operators::pack_patch_panels`]), `bias` (`[out]`) and `epilogue`: a new channels-last
+    /// `[N, out, Ho, Wo]` tensor, or `None` where the tensors don't qualify or the CPU lacks
+    /// the kernel.
+    ///
+    /// # Safety
+    /// `x`, `panels` and `bias` must be live handles.
+    pub unsafe fn patches_conv(
+        &self,
+        x: Raw,
+        panels: Raw,
+        g: &kernels::Conv2d,
+        bias: Option<Raw>,
+        epilogue: kernels::Epilogue,
+    ) -> Option<Result<Tensor, CError>> {
+        let shims = self.0.shims.as_ref()?;
+        let (cin, cout) = (g.in_channels, g.out_channels);
+        let sizes = kernels::gemm::pack_size([cout, cin, g.kernel[0], g.kernel[1]]);
+        // SAFETY: live handles.
+        let (ps, bs, sizes, strides) = unsafe {
+            let ps = self.contiguous_f32(panels, &sizes.map(|d| d as i64))?;
+            let bs = self.bias_f32(bias, cout)?;
+            if !shims.is_cpu_f32(x) {
+                return None;
+            }
+            let (sizes, strides) = self.0.sizes_strides(x)?;
+            (ps, bs, sizes, strides)
+        };
+        let ([batch, c, h, w], strides) = (four(&sizes)?, four(&strides)?);
+        if c != cin || batch == 0 || h == 0 || w == 0 {
+            return None;
+        }
+        let [ho, wo] = g.output(h, w)?;
+        let span = 1 + [batch, c, h, w].iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>();
+        // SAFETY: a float32 CPU tensor spanning `span` elements from its first.
+        let xs = unsafe { self.floats(x, span) }?;
+        let mut out = match self.empty_channels_last([batch, cout, ho, wo]) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        // SAFETY: the new output of that many elements.
+        let os = unsafe { self.floats_mut(&mut out, batch * ho * wo * cout) }?;
+        kernels::patches_f32(xs, [batch, h, w], strides, ps, g, bs, epilogue, os).ok().map(|()| Ok(out))
+    }
+
     /// A convolution (`kernels::indirect_f32`) on `x`, a float32 CPU `[N, C, H, W]` tensor laid
     /// out channels-last, with the weight's `panels` (`kernels::pack_conv_panels`), `bias`
     /// (`[out]`), the `residual` to add (the output's shape, channels-last) and `epilogue`: a
@@ -297,6 +343,18 @@ impl Operators<'_> {
                 })
             }
         }
+    }
+
+    /// `kernels::pack_patch_panels` of a float32 CPU `[n, cin, kh, kw]` weight (a patch
+    /// embedding's, [`Operators::patches_conv`]).
+    pub fn pack_patch_panels(&self, weight: &Tensor) -> Option<Tensor> {
+        // SAFETY: a live handle.
+        let (sizes, strides) = unsafe { self.0.sizes_strides(weight.raw()) }?;
+        let (shape, strides) = (four(&sizes)?, four(&strides)?);
+        let sizes = kernels::gemm::pack_size(shape);
+        self.packed(weight.raw(), shape, strides, sizes, |src, dst| {
+            kernels::pack_patch_panels(src, shape, strides, dst)
+        })
     }
 
     /// `kernels::bf16::pack_panels` of a float32 CPU `[n, cin, kh, kw]` weight at `strides`:

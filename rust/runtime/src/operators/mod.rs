@@ -20,6 +20,7 @@ use crate::kernels;
 pub use concat::Part;
 pub use int8::{Int8Input, Int8Panels, Int8Weight};
 pub use kernels::int8::Quant;
+pub use kernels::patches::tiles as patches_tile;
 pub use kernels::winograd::{pays as winograd_pays, MIN_PIXELS as WINOGRAD_MIN_PIXELS};
 pub use kernels::{Conv2d, Depthwise, Epilogue, MaxPool};
 

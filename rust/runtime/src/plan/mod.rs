@@ -318,6 +318,14 @@ pub enum OwnKernel {
     /// A convolution over few input channels (a stem's: `kernels::Conv2d::MAX_DIRECT_IN_CHANNELS`),
     /// one group, on an input of any layout: its weight as `[in * kh * kw, out]` taps.
     Direct { taps: usize, geometry: crate::operators::Conv2d },
+    /// A patch embedding (`kernels::patches::tiles`: the kernel tiles the image, ViT's
+    /// 16×16 at stride 16), on an input of any layout: each patch gathered into a dense row,
+    /// then the GEMM, on the weight packed into panels on the node's first call.
+    Patches {
+        weight: usize,
+        geometry: crate::operators::Conv2d,
+        panels: std::sync::OnceLock<Option<crate::abi::Tensor>>,
+    },
     /// Any other convolution with one group: the GEMM over channels-last patches read in
     /// place (`kernels::indirect_f32`), on the plain weight packed into panels on the node's first
     /// call (`kernels::pack_conv_panels`), as oneDNN's is: a load shouldn't pay for every

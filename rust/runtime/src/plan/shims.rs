@@ -450,6 +450,9 @@ fn conv_step(
             let gemm = (pointwise && *groups == 1).then(|| consts.weight_panels(w, true)).flatten();
             let kernel = match (*groups, gemm) {
                 (1, Some((panels, n))) => super::OwnKernel::Gemm { panels, n },
+                (1, None) if crate::operators::patches_tile(&geometry) => {
+                    super::OwnKernel::Patches { weight, geometry, panels: std::sync::OnceLock::new() }
+                }
                 (1, None) if geometry.in_channels <= Conv2d::MAX_DIRECT_IN_CHANNELS && !pointwise => {
                     super::OwnKernel::Direct { taps: consts.conv_taps(w)?.0, geometry }
                 }
@@ -476,7 +479,7 @@ fn conv_step(
             // Only the GEMM's blocks apply GELU (a pass over each block's results); the other
             // kernels' epilogues don't, so oneDNN's post-op runs it there.
             let gelu = matches!(epilogue, Epilogue::Gelu | Epilogue::GeluTanh);
-            if gelu && !matches!(kernel, super::OwnKernel::Gemm { .. }) {
+            if gelu && !matches!(kernel, super::OwnKernel::Gemm { .. } | super::OwnKernel::Patches { .. }) {
                 return None;
             }
             Some(Box::new(super::OwnConv { kernel, epilogue, choices: Default::default() }))
