@@ -23,7 +23,8 @@ pub enum ViewKind {
     View,
     /// `permute(self, dims)`
     Permute,
-    /// `alias(self)`
+    /// `alias(self)`, and `detach(self)`, which differs from it only in what autograd
+    /// records (calls that record nothing compute views here).
     Alias,
 }
 
@@ -38,7 +39,7 @@ impl ViewKind {
             ("aten::expand", "") => ViewKind::Expand,
             ("aten::view" | "aten::_unsafe_view" | "aten::reshape", "") => ViewKind::View,
             ("aten::permute", "") => ViewKind::Permute,
-            ("aten::alias", "") => ViewKind::Alias,
+            ("aten::alias" | "aten::detach", "") => ViewKind::Alias,
             _ => return None,
         })
     }

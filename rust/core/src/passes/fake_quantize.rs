@@ -66,7 +66,47 @@ impl Pass for FakeQuantize {
 /// Rewrites each static dequantize of a quantize in the method's top-level graph; returns
 /// how many.
 pub fn apply(m: &mut Method) -> usize {
-    pairs(m) + merge(m) + of_quantized_cats(m) + after_pools(m)
+    let n = pairs(m) + merge(m) + of_quantized_cats(m) + after_pools(m);
+    detach_tensor_parameters(m);
+    n
+}
+
+/// Each fake quantization with tensor parameters reads them through `detach`: dynamic
+/// quantization chooses them from the input, so under autograd they require a gradient, which
+/// torch's op refuses ("not differentiable with respect to argument 'scale'") where the
+/// reference graph's quantize and dequantize take them. The values are the same; off autograd
+/// the runtime's kernel reads them as before.
+fn detach_tensor_parameters(m: &mut Method) {
+    const DETACH: &str = "aten::detach.default";
+    let made_by_detach: std::collections::HashSet<String> = m
+        .graph
+        .nodes
+        .iter()
+        .filter(|n| m.ops.get(n.op).is_some_and(|o| o.name == DETACH))
+        .filter_map(|n| one(n).map(str::to_owned))
+        .collect();
+    let attached = |n: &Node| {
+        m.ops.get(n.op).is_some_and(|o| o.name == FAKE_TENSOR)
+            && n.args[1..3].iter().any(|a| matches!(a, Arg::Ref(r) if !made_by_detach.contains(r)))
+    };
+    if !m.graph.nodes.iter().any(attached) {
+        return;
+    }
+    let todo: Vec<bool> = m.graph.nodes.iter().map(attached).collect();
+    let mut names = super::emit::value_names(&m.graph);
+    for (i, mut node) in std::mem::take(&mut m.graph.nodes).into_iter().enumerate() {
+        if todo[i] {
+            let base = format!("{}_param", one(&node).unwrap_or("fake_quantize"));
+            let mut e = super::emit::Emit::new(&mut m.ops, &mut names, base);
+            for a in &mut node.args[1..3] {
+                if matches!(a, Arg::Ref(r) if !made_by_detach.contains(r)) {
+                    *a = e.call(DETACH, vec![a.clone()], &[]);
+                }
+            }
+            m.graph.nodes.extend(e.nodes);
+        }
+        m.graph.nodes.push(node);
+    }
 }
 
 /// Each static fake quantization of a `cat` whose inputs are each a fake quantization's value
@@ -381,10 +421,17 @@ mod tests {
         };
         let mut m = method(tensors);
         assert_eq!(apply(&mut m), 1);
-        let node = &m.graph.nodes[0];
-        assert_eq!(m.ops[node.op].name, FAKE_TENSOR);
-        let want = [Arg::Ref("x".into()), Arg::Ref("s".into()), Arg::Ref("z".into()), Arg::Int(0), Arg::Int(255)];
-        assert_eq!(node.args, want);
+        // The parameters read through `detach` (autograd), then the fake quantization.
+        let ops: Vec<&str> = m.graph.nodes.iter().map(|n| m.ops[n.op].name.as_str()).collect();
+        assert_eq!(ops[..3], ["aten::detach.default", "aten::detach.default", FAKE_TENSOR]);
+        let detached: Vec<&Arg> = m.graph.nodes[..2].iter().map(|n| &n.args[0]).collect();
+        assert_eq!(detached, [&Arg::Ref("s".into()), &Arg::Ref("z".into())]);
+        let node = &m.graph.nodes[2];
+        let made = |i: usize| Arg::Ref(one(&m.graph.nodes[i]).unwrap().to_owned());
+        assert_eq!(node.args, [Arg::Ref("x".into()), made(0), made(1), Arg::Int(0), Arg::Int(255)]);
+        let before = m.graph.nodes.len();
+        apply(&mut m);
+        assert_eq!(m.graph.nodes.len(), before, "detached once");
         // Other tensors on the dequantize: another pair.
         let mut m = method(|m| {
             tensors(m);
