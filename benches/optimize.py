@@ -339,6 +339,14 @@ SETTLE_S = 0.3
 WARMUP_CALLS = 12
 
 
+def warm_up(runners, kwargs) -> None:
+    """Calls each runner (the callable ones) past `fast`'s kernel trials."""
+    for f in runners:
+        if callable(f):
+            for _ in range(WARMUP_CALLS):
+                f(**kwargs)
+
+
 def best_time(f, kwargs) -> float:
     """Seconds per call: the best of 5 repeats of enough calls to take ~20 ms, after a pause
     and three calls. Without the pause the runtimes measured each other's thread pools: at
@@ -391,9 +399,7 @@ def main(peers: list[str], models: list[str] | None, threads: list[int], zoo: bo
                             runners.append((p, run))
                         else:
                             cells[p] = run or "not installed"
-                    for _, f in runners:  # past `fast`'s kernel trials (its first ten calls)
-                        for _ in range(WARMUP_CALLS):
-                            f(**kwargs)
+                    warm_up([f for _, f in runners], kwargs)
                     best = {}
                     for _ in range(rounds):
                         for k, f in runners:
@@ -435,10 +441,7 @@ def main_bf16(models: list[str] | None = None, rounds: int = 3) -> None:
                     if callable(runners[k]):
                         got = torch.as_tensor(first(runners[k](**kwargs)))
                         errs[k] = ((got - want).abs().max() / want.abs().max()).item()
-                for f in runners.values():  # past `fast`'s kernel trials
-                    if callable(f):
-                        for _ in range(WARMUP_CALLS):
-                            f(**kwargs)
+                warm_up(runners.values(), kwargs)
                 best = {}
                 for _ in range(rounds):
                     for k, f in runners.items():
@@ -577,9 +580,7 @@ def main_int8(models: list[str] | None, threads: list[int], zoo: bool, rounds: i
                             errors[label] = f"{((got - want).abs().max() / want.abs().max()).item():.1e}"
                     if n == threads[0] and name.startswith(("torchvision", "timm")) and want.shape == (1, 10):
                         agree.update(top1_agreement(model, {k: live[k] for k in int8_labels if k in live}, kwargs))
-                    for f in live.values():  # past `fast`'s kernel trials
-                        for _ in range(WARMUP_CALLS):
-                            f(**kwargs)
+                    warm_up(live.values(), kwargs)
                     best: dict[str, float] = {}
                     for _ in range(rounds):
                         for label, f in live.items():

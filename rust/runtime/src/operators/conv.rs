@@ -123,34 +123,13 @@ impl Operators<'_> {
         bias: Option<Raw>,
         epilogue: kernels::Epilogue,
     ) -> Option<Result<Tensor, CError>> {
-        let shims = self.0.shims.as_ref()?;
-        let (cin, cout) = (g.in_channels, g.out_channels);
-        // SAFETY: live handles.
-        let (ts, bs, sizes, strides) = unsafe {
-            let ts = self.contiguous_f32(taps, &[g.taps() as i64, cout as i64])?;
-            let bs = self.bias_f32(bias, cout)?;
-            if !shims.is_cpu_f32(x) {
-                return None;
-            }
-            let (sizes, strides) = self.0.sizes_strides(x)?;
-            (ts, bs, sizes, strides)
-        };
-        let ([batch, c, h, w], strides) = (four(&sizes)?, four(&strides)?);
-        if c != cin || batch == 0 || h == 0 || w == 0 {
-            return None;
+        let sizes = [g.taps() as i64, g.out_channels as i64];
+        // SAFETY: the caller's live handles.
+        unsafe {
+            self.conv_any_layout(x, (taps, &sizes), g, bias, |xs, dims, strides, ts, bs, os| {
+                kernels::direct_f32(xs, dims, strides, ts, g, bs, epilogue, os)
+            })
         }
-        let [ho, wo] = g.output(h, w)?;
-        // The elements the input spans: its last one's offset, plus one.
-        let span = 1 + [batch, c, h, w].iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>();
-        // SAFETY: a float32 CPU tensor spanning `span` elements from its first.
-        let xs = unsafe { self.floats(x, span) }?;
-        let mut out = match self.empty_channels_last([batch, cout, ho, wo]) {
-            Ok(out) => out,
-            Err(e) => return Some(Err(e)),
-        };
-        // SAFETY: the new output of that many elements.
-        let os = unsafe { self.floats_mut(&mut out, batch * ho * wo * cout) }?;
-        kernels::direct_f32(xs, [batch, h, w], strides, ts, g, bs, epilogue, os).ok().map(|()| Ok(out))
     }
 
     /// A patch embedding (`kernels::patches_f32`: a kernel that tiles the image) of `x`, a
@@ -169,24 +148,49 @@ impl Operators<'_> {
         bias: Option<Raw>,
         epilogue: kernels::Epilogue,
     ) -> Option<Result<Tensor, CError>> {
+        let sizes = kernels::gemm::pack_size([g.out_channels, g.in_channels, g.kernel[0], g.kernel[1]]);
+        // SAFETY: the caller's live handles.
+        unsafe {
+            self.conv_any_layout(x, (panels, &sizes.map(|d| d as i64)), g, bias, |xs, dims, strides, ps, bs, os| {
+                kernels::patches_f32(xs, dims, strides, ps, g, bs, epilogue, os)
+            })
+        }
+    }
+
+    /// What the convolutions over an input of any layout share: `x` (a float32 CPU `[N, C, H,
+    /// W]` tensor at any strides), the weight (contiguous float32 of `sizes`) and the bias as
+    /// slices, and a new channels-last `[N, out, Ho, Wo]` output for `run` to fill (`run(x,
+    /// [N, H, W], x's strides, weight, bias, out)`, or decline). `None` where a tensor doesn't
+    /// qualify or `run` declines.
+    ///
+    /// # Safety
+    /// `x`, the weight and the bias must be live handles.
+    unsafe fn conv_any_layout(
+        &self,
+        x: Raw,
+        (weight, sizes): (Raw, &[i64]),
+        g: &kernels::Conv2d,
+        bias: Option<Raw>,
+        run: impl FnOnce(&[f32], [usize; 3], [usize; 4], &[f32], Option<&[f32]>, &mut [f32]) -> kernels::Ran,
+    ) -> Option<Result<Tensor, CError>> {
         let shims = self.0.shims.as_ref()?;
         let (cin, cout) = (g.in_channels, g.out_channels);
-        let sizes = kernels::gemm::pack_size([cout, cin, g.kernel[0], g.kernel[1]]);
         // SAFETY: live handles.
-        let (ps, bs, sizes, strides) = unsafe {
-            let ps = self.contiguous_f32(panels, &sizes.map(|d| d as i64))?;
+        let (ws, bs, sizes, strides) = unsafe {
+            let ws = self.contiguous_f32(weight, sizes)?;
             let bs = self.bias_f32(bias, cout)?;
             if !shims.is_cpu_f32(x) {
                 return None;
             }
             let (sizes, strides) = self.0.sizes_strides(x)?;
-            (ps, bs, sizes, strides)
+            (ws, bs, sizes, strides)
         };
         let ([batch, c, h, w], strides) = (four(&sizes)?, four(&strides)?);
         if c != cin || batch == 0 || h == 0 || w == 0 {
             return None;
         }
         let [ho, wo] = g.output(h, w)?;
+        // The elements the input spans: its last one's offset, plus one.
         let span = 1 + [batch, c, h, w].iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>();
         // SAFETY: a float32 CPU tensor spanning `span` elements from its first.
         let xs = unsafe { self.floats(x, span) }?;
@@ -196,7 +200,7 @@ impl Operators<'_> {
         };
         // SAFETY: the new output of that many elements.
         let os = unsafe { self.floats_mut(&mut out, batch * ho * wo * cout) }?;
-        kernels::patches_f32(xs, [batch, h, w], strides, ps, g, bs, epilogue, os).ok().map(|()| Ok(out))
+        run(xs, [batch, h, w], strides, ws, bs, os).ok().map(|()| Ok(out))
     }
 
     /// A convolution (`kernels::indirect_f32`) on `x`, a float32 CPU `[N, C, H, W]` tensor laid
