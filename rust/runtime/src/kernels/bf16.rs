@@ -36,7 +36,8 @@ pub fn pack_size([n, cin, kh, kw]: [usize; 4]) -> [usize; 3] {
 /// A `[n, cin, kh, kw]` weight (at element `strides`; a matrix is `[n, k, 1, 1]`) as the
 /// kernel's panels: per 64 output columns, for each tap `(i, j)` then each pair of input
 /// channels `(2q, 2q + 1)`, a row of 64 pairs of bfloat16 weights (low half first; zero past
-/// `cin` and `n`). `panels` holds [`pack_size`]'s pairs.
+/// `cin` and `n`), in the kernels' strips (`gemm::Strips`). `panels` holds [`pack_size`]'s
+/// pairs.
 pub fn pack_panels(w: &[f32], shape: [usize; 4], strides: [usize; 4], panels: &mut [u32]) {
     let [n, cin, kh, kw] = shape;
     let pairs = cin.div_ceil(2);
@@ -46,12 +47,14 @@ pub fn pack_panels(w: &[f32], shape: [usize; 4], strides: [usize; 4], panels: &m
         }
         round(w[o * strides[0] + c * strides[1] + tap / kw * strides[2] + tap % kw * strides[3]]) as u32
     };
-    for (p, panel) in panels.chunks_exact_mut(kh * kw * pairs * PANEL).take(n.div_ceil(PANEL)).enumerate() {
-        for (r, row) in panel.chunks_exact_mut(PANEL).enumerate() {
+    let depth = kh * kw * pairs;
+    let strips = super::gemm::Strips::current(depth);
+    for (p, panel) in panels.chunks_exact_mut(depth * PANEL).take(n.div_ceil(PANEL)).enumerate() {
+        for r in 0..depth {
             let (tap, q) = (r / pairs, r % pairs);
-            for (col, v) in row.iter_mut().enumerate() {
+            for col in 0..PANEL {
                 let o = p * PANEL + col;
-                *v = at(o, 2 * q, tap) | (at(o, 2 * q + 1, tap) << 16);
+                panel[strips.at(r, col)] = at(o, 2 * q, tap) | (at(o, 2 * q + 1, tap) << 16);
             }
         }
     }

@@ -7,12 +7,51 @@
 
 use super::activation::{apply, epilogue_slice, Epilogue};
 use super::conv::Conv2d;
-use super::simd::{prefetch, Simd};
+use super::simd::Simd;
 use super::{Declined, Ran};
 
 /// The width of a weight panel: the columns one pass of the GEMM computes, the same for every
 /// instruction set (a panel holds several register tiles' columns where vectors are narrow).
 pub const PANEL: usize = 64;
+
+/// The columns of a panel stored together ([`Strips`]) for `S`'s tiles: the whole panel where
+/// a tile is 64 columns wide (AVX-512: each row's 256 bytes in order), two vectors where it is
+/// two vectors wide (AVX2's 6 × 16 tile).
+pub(super) const fn strip<S: Simd>() -> usize {
+    if S::REGISTERS >= 32 {
+        PANEL
+    } else {
+        2 * S::LANES
+    }
+}
+
+/// Where each element of a `[depth, 64]` weight panel lies: the panel is stored in strips of
+/// the kernels' tile width, each strip's `depth` rows one after another, so that a tile
+/// reads its columns of the weight in order. With whole 64-column rows, AVX2's 16-column
+/// tiles read one cache line of each 256-byte row, and a strip of a few hundred rows
+/// crowded a sixteenth of L1's sets: BERT's linears (d=256, 32 tokens) took 1.15× their time
+/// in strips on a Zen 3, the 8 × 256 MLP at batch 4 1.3× (BENCHMARKS.md). The one place a
+/// panel's order is written: every packer places elements through [`Strips::at`], and the
+/// tiles read them as [`strip`] says.
+#[derive(Debug, Clone, Copy)]
+pub struct Strips {
+    strip: usize,
+    depth: usize,
+}
+
+impl Strips {
+    /// The layout the kernels that run here read, for panels `depth` rows deep (whole rows
+    /// where kwexport's kernels don't run: nothing reads them then).
+    pub fn current(depth: usize) -> Strips {
+        Strips { strip: super::isa::kernels().map_or(PANEL, |t| t.strip), depth }
+    }
+
+    /// The offset in its panel of row `r` (< depth), column `col` (< 64).
+    #[inline(always)]
+    pub fn at(self, r: usize, col: usize) -> usize {
+        (col / self.strip * self.depth + r) * self.strip + col % self.strip
+    }
+}
 
 /// The panels [`pack_conv_panels`] makes of a `[n, cin, kh, kw]` weight (a matrix is `[n, k,
 /// 1, 1]`): `ceil(n / 64)` panels of `[cin * kh * kw, 64]`. The one place the float32
@@ -325,16 +364,19 @@ pub(super) unsafe fn grouped<X: Sync>(
 /// A convolution's `[out, in, kh, kw]` weight (at element `strides`: contiguous or
 /// channels-last) as the GEMM's panels of its `[kh * kw * in, out]` matrix, whose rows follow
 /// [`indirect_f32`]'s patches: row `(i * kw + j) * in + c` holds the weights of input channel
-/// `c` at tap `(i, j)`. `panels` holds [`pack_size`]'s elements; past `n` they are zero.
+/// `c` at tap `(i, j)`, in the kernels' [`Strips`]. `panels` holds [`pack_size`]'s elements;
+/// past `n` they are zero.
 pub fn pack_conv_panels(w: &[f32], shape: [usize; 4], strides: [usize; 4], panels: &mut [f32]) {
     let [n, cin, kh, kw] = shape;
     let k = cin * kh * kw;
+    let strips = Strips::current(k);
     for (p, panel) in panels.chunks_exact_mut(k * PANEL).take(n.div_ceil(PANEL)).enumerate() {
-        for (r, row) in panel.chunks_exact_mut(PANEL).enumerate() {
+        for r in 0..k {
             let (i, j, c) = (r / (kw * cin), r / cin % kw, r % cin);
-            for (col, v) in row.iter_mut().enumerate() {
+            for col in 0..PANEL {
                 let o = p * PANEL + col;
-                *v = if o < n { w[o * strides[0] + c * strides[1] + i * strides[2] + j * strides[3]] } else { 0.0 };
+                panel[strips.at(r, col)] =
+                    if o < n { w[o * strides[0] + c * strides[1] + i * strides[2] + j * strides[3]] } else { 0.0 };
             }
         }
     }
@@ -626,10 +668,6 @@ unsafe impl Sync for Shape {}
 /// column block from `j` (of `k`-deep panels), into the output.
 pub(super) type Block<X> = unsafe fn(Source<X>, std::ops::Range<usize>, &Shape, &[X], Out, usize, usize);
 
-/// How many panel rows before reading one a tile that prefetches asks for it (measured: 16
-/// to 64 do alike on AVX2 with the weight in L3 or memory).
-const AHEAD: usize = 32;
-
 /// A multiple of every tile's height, to which a thread's share of the rows is rounded where
 /// it is large.
 const ROW_CHUNK: usize = 24;
@@ -711,17 +749,8 @@ pub(super) unsafe fn block<S: Simd, D: Dot<S>>(
 }
 
 /// Rows `range` times the column block from `j` (of `k`-deep panels), in column tiles as
-/// wide as the instruction set's registers hold: the whole 64 on AVX-512, 16 on AVX2.
-///
-/// A tile narrower than the panel reads one or two of the four cache lines of each panel
-/// row, a stream the hardware prefetchers follow poorly: a weight that doesn't fit in L2 (a
-/// transformer's, read once per call) ran at 60–75% of the speed it runs from L2 on AVX2. So
-/// there a tile prefetches the panel rows [`AHEAD`] rows before it reads them: with 12 rows
-/// or more, the block's first tile fetches every line of each row and the later tiles find
-/// the panel in cache; with fewer (one tile per column tile, whose prefetches would cost
-/// more than the tile's arithmetic), each column tile's own lines. Measured on AVX2 (Zen 5):
-/// linears whose weights stream from L3 or memory 10–40% faster (a 16 MB chain at 32 rows
-/// 75–80 → 110 GFLOP/s), 2–3% slower where a 2 MB chain stays in cache.
+/// wide as the instruction set's registers hold: the whole 64 on AVX-512, 16 on AVX2 (32
+/// for one or two rows), each reading its [`Strips`] of the panel in order.
 #[inline(always)]
 unsafe fn columns_block<S: Simd, D: Dot<S>, R: Rows<D::X>>(
     rows_of: R,
@@ -748,31 +777,25 @@ unsafe fn columns_block<S: Simd, D: Dot<S>, R: Rows<D::X>>(
         // A tile narrower than the widest (the last, or a small `n`: a 1x1 convolution's
         // 16-48 channels) holds fewer vectors per row, so more rows fit the registers.
         let vectors = (width - sub).min(step).div_ceil(S::LANES);
-        // The bytes of each panel row the first tile of this column tile prefetches.
-        let ahead = match (wide, range.len() >= 12) {
-            (true, _) => 0,
-            (false, true) if sub == 0 => PANEL * size_of::<D::X>(),
-            (false, true) => 0,
-            (false, false) => step * size_of::<D::X>(),
-        };
         // SAFETY: columns from j + sub and their panel exist (see the callers).
         unsafe {
-            let wp = panels.as_ptr().add(j / PANEL * k * PANEL + sub);
+            let wp = panels.as_ptr().add(j / PANEL * k * PANEL);
             let (jj, range) = (j + sub, range.clone());
             match (wide, vectors) {
-                (true, 4) => rows::<S, D, R, 6, 5, 4>(rows_of, range, wp, op, s, jj, ahead),
-                (true, 3) => rows::<S, D, R, 8, 7, 3>(rows_of, range, wp, op, s, jj, ahead),
-                (false, 3 | 4) => rows::<S, D, R, 2, 1, 4>(rows_of, range, wp, op, s, jj, ahead),
-                (_, 2) if wide => rows::<S, D, R, 12, 11, 2>(rows_of, range, wp, op, s, jj, ahead),
-                (_, 2) => rows::<S, D, R, 6, 5, 2>(rows_of, range, wp, op, s, jj, ahead),
-                _ => rows::<S, D, R, 12, 11, 1>(rows_of, range, wp, op, s, jj, ahead),
+                (true, 4) => rows::<S, D, R, 6, 5, 4>(rows_of, range, wp, op, s, jj),
+                (true, 3) => rows::<S, D, R, 8, 7, 3>(rows_of, range, wp, op, s, jj),
+                (false, 3 | 4) => rows::<S, D, R, 2, 1, 4>(rows_of, range, wp, op, s, jj),
+                (_, 2) if wide => rows::<S, D, R, 12, 11, 2>(rows_of, range, wp, op, s, jj),
+                (_, 2) => rows::<S, D, R, 6, 5, 2>(rows_of, range, wp, op, s, jj),
+                _ => rows::<S, D, R, 12, 11, 1>(rows_of, range, wp, op, s, jj),
             }
         }
         sub += step;
     }
 }
 
-/// Rows `range` times `V` vectors of the panel at `wp` (columns from `j`): tiles of `T`
+/// Rows `range` times `V` vectors of the panel at `wp` (columns from `j`, of all the
+/// panels' columns): tiles of `T`
 /// rows, then the remainder in tiles of 4 (where `T` is taller), 2 and 1. A remainder of 1
 /// to 3 rows would run on tiles of too few sums to hide the FMAs' latency (a 1-row tile at
 /// a quarter of the speed), so where every tile can be `T` or `U` (`T - 1`) rows the tiles
@@ -785,36 +808,33 @@ unsafe fn rows<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const U: usize
     op: *mut f32,
     s: &Shape,
     j: usize,
-    ahead: usize,
 ) {
     let (mut i, m) = (range.start, range.end);
     let (len, tiles) = (m - i, (m - i).div_ceil(T));
-    // Only the first tile prefetches (`columns_block`).
-    let mut ahead = ahead;
     // SAFETY (all below): rows [i, i + tile) and their outputs exist (see the callers).
     unsafe {
         if T > 4 && (1..4).contains(&(len % T)) && tiles * U <= len {
             // `tiles * T - len` tiles of `U`, then the others of `T` end exactly at `m`.
             for _ in 0..tiles * T - len {
-                tile::<S, D, R, U, V>(rows_of, i, wp, op.add(i * s.ldo), s, j, std::mem::take(&mut ahead));
+                tile::<S, D, R, U, V>(rows_of, i, wp, op.add(i * s.ldo), s, j);
                 i += U;
             }
         }
         while i + T <= m {
-            tile::<S, D, R, T, V>(rows_of, i, wp, op.add(i * s.ldo), s, j, std::mem::take(&mut ahead));
+            tile::<S, D, R, T, V>(rows_of, i, wp, op.add(i * s.ldo), s, j);
             i += T;
         }
         // Tiles of 4 only where the main tile is taller (a shorter one would spill).
         while T > 4 && i + 4 <= m {
-            tile::<S, D, R, 4, V>(rows_of, i, wp, op.add(i * s.ldo), s, j, std::mem::take(&mut ahead));
+            tile::<S, D, R, 4, V>(rows_of, i, wp, op.add(i * s.ldo), s, j);
             i += 4;
         }
         if i + 2 <= m {
-            tile::<S, D, R, 2, V>(rows_of, i, wp, op.add(i * s.ldo), s, j, std::mem::take(&mut ahead));
+            tile::<S, D, R, 2, V>(rows_of, i, wp, op.add(i * s.ldo), s, j);
             i += 2;
         }
         if i < m {
-            tile::<S, D, R, 1, V>(rows_of, i, wp, op.add(i * s.ldo), s, j, std::mem::take(&mut ahead));
+            tile::<S, D, R, 1, V>(rows_of, i, wp, op.add(i * s.ldo), s, j);
         }
     }
 }
@@ -822,8 +842,7 @@ unsafe fn rows<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const U: usize
 /// Rows `[i, i + T)` times the panel's columns `[j, j + V LANES)` (zero past `n`), plus the
 /// bias, then the epilogue, into `out` (row stride `n`, masked past `n`): `T * V`
 /// accumulators held in registers across all the rows' taps and values, each weight
-/// vector loaded once per value. `ahead` bytes of each panel row (from `panel`) are
-/// prefetched [`AHEAD`] rows before it is read (`columns_block`).
+/// vector loaded once per value from its strip ([`Strips`]).
 #[inline(always)]
 unsafe fn tile<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const V: usize>(
     rows_of: R,
@@ -832,32 +851,28 @@ unsafe fn tile<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const V: usize
     out: *mut f32,
     s: &Shape,
     j: usize,
-    ahead: usize,
 ) {
     // SAFETY (all below): T rows with `taps` runs of `cin` elements; the panel holds `taps *
-    // cin` rows of 64; the bias and scales (where given) hold `n` values; masked lanes past
-    // `n` are neither read nor written.
+    // cin` rows of 64 in strips; the bias and scales (where given) hold `n` values; masked
+    // lanes past `n` are neither read nor written.
     unsafe {
         let masks: [S::M; V] = std::array::from_fn(|v| S::first(s.n.saturating_sub(j + v * S::LANES)));
         let per_column = |p: *const f32| -> [Option<S::V>; V] {
             std::array::from_fn(|v| (!p.is_null()).then(|| S::load_masked(masks[v], p.add(j + v * S::LANES))))
         };
         let (bias, scale, sums) = (per_column(s.bias), per_column(s.scale), per_column(s.sums.cast()));
-        // The tile's own columns are fetched into L1, the rest of a row (read by the later
-        // column tiles) into L2 only, where it doesn't evict what this tile reads.
-        let own = V * S::LANES * size_of::<D::X>();
+        // Each vector's column in its strip, whose rows are `strip` elements apart.
+        let (strip, depth) = (strip::<S>(), s.taps * s.cin);
+        let column: [*const D::X; V] = std::array::from_fn(|v| {
+            let col = j % PANEL + v * S::LANES;
+            panel.add(col / strip * depth * strip + col % strip)
+        });
         let mut acc: [[D::Acc; V]; T] = [std::array::from_fn(|v| D::start(bias[v], sums[v])); T];
         for t in 0..s.taps {
             let rows: [*const D::X; T] = std::array::from_fn(|r| rows_of.at(i + r, t));
-            let wt = panel.add(t * s.cin * PANEL);
             for c in 0..s.cin {
-                if ahead > 0 && t * s.cin + c + AHEAD < s.taps * s.cin {
-                    let row = wt.add((c + AHEAD) * PANEL).cast::<u8>();
-                    for line in (0..ahead).step_by(64) {
-                        prefetch(row.add(line), line < own);
-                    }
-                }
-                let w: [D::W; V] = std::array::from_fn(|v| D::load(wt.add(c * PANEL + v * S::LANES)));
+                let at = (t * s.cin + c) * strip;
+                let w: [D::W; V] = std::array::from_fn(|v| D::load(column[v].add(at)));
                 for (r, row) in acc.iter_mut().enumerate() {
                     let a = D::splat(*rows[r].add(c));
                     for v in 0..V {

@@ -93,6 +93,9 @@ pub(super) fn torch_uses_avx512() -> bool {
 /// One instruction set's kernels (see each entry's generic body for its contract).
 pub struct Table {
     pub isa: Isa,
+    /// The columns of a weight panel stored together for this family's GEMM tiles
+    /// (`super::gemm::Strips`).
+    pub(super) strip: usize,
     /// The most keys the attention kernel takes: beyond, torch's flash kernel, blocked for
     /// long sequences, is faster (measured per family: on AVX2 at 128 tokens kwexport's took
     /// 1.44× torch's time, at 32 0.61×).
@@ -236,6 +239,7 @@ macro_rules! table {
         }
         Table {
             isa: $isa,
+            strip: super::gemm::strip::<S>(),
             attention_max_keys: $keys,
             epilogue,
             gelu,

@@ -23,51 +23,57 @@ fn add_i64_broadcasts_one_element() {
 
 /// Each packer writes exactly the elements its family's `pack_size` says, every one of them
 /// (zeros past the weight's edge), and nothing after: the size the operators allocate and
-/// check is the size the packer fills, for shapes drawn at random.
+/// check is the size the packer fills, for shapes drawn at random, in every family's strips.
 #[test]
 fn pack_size_is_what_each_packer_writes() {
-    let mut seed = 0x2545_f491_4f6c_dd1du64;
-    let mut draw = |most: usize| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        1 + (seed % most as u64) as usize
-    };
-    const EXTRA: usize = 100;
-    for _ in 0..50 {
-        let (n, cin, kh, kw) = (draw(150), draw(20), draw(3), draw(3));
-        let w: Vec<f32> = (0..n * cin * kh * kw).map(|i| 1.0 + i as f32).collect();
-        let strides = [cin * kh * kw, kh * kw, kw, 1];
-        let shape = [n, cin, kh, kw];
+    // Each family's strips (`gemm::Strips`) place the elements differently.
+    each_isa(|| {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut draw = |most: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            1 + (seed % most as u64) as usize
+        };
+        const EXTRA: usize = 100;
+        for _ in 0..50 {
+            let (n, cin, kh, kw) = (draw(150), draw(20), draw(3), draw(3));
+            let w: Vec<f32> = (0..n * cin * kh * kw).map(|i| 1.0 + i as f32).collect();
+            let strides = [cin * kh * kw, kh * kw, kw, 1];
+            let shape = [n, cin, kh, kw];
 
-        let len: usize = gemm::pack_size(shape).iter().product();
-        let mut panels = vec![f32::NAN; len + EXTRA];
-        pack_conv_panels(&w, shape, strides, &mut panels);
-        assert!(panels[..len].iter().all(|v| !v.is_nan()), "f32 {shape:?}: an element left unwritten");
-        assert!(panels[len..].iter().all(|v| v.is_nan()), "f32 {shape:?}: written past pack_size");
+            let len: usize = gemm::pack_size(shape).iter().product();
+            let mut panels = vec![f32::NAN; len + EXTRA];
+            pack_conv_panels(&w, shape, strides, &mut panels);
+            assert!(panels[..len].iter().all(|v| !v.is_nan()), "f32 {shape:?}: an element left unwritten");
+            assert!(panels[len..].iter().all(|v| v.is_nan()), "f32 {shape:?}: written past pack_size");
 
-        // The same weight as `groups` groups (of `n / groups` outputs each).
-        let groups = draw(4).min(n);
-        let grouped = [n - n % groups, cin, kh, kw];
-        let len: usize = gemm::grouped_pack_size(grouped, groups).iter().product();
-        let mut panels = vec![f32::NAN; len + EXTRA];
-        gemm::pack_grouped_panels(&w, grouped, strides, groups, &mut panels);
-        assert!(panels[..len].iter().all(|v| !v.is_nan()), "grouped {grouped:?}/{groups}: an element left unwritten");
-        assert!(panels[len..].iter().all(|v| v.is_nan()), "grouped {grouped:?}/{groups}: written past its size");
+            // The same weight as `groups` groups (of `n / groups` outputs each).
+            let groups = draw(4).min(n);
+            let grouped = [n - n % groups, cin, kh, kw];
+            let len: usize = gemm::grouped_pack_size(grouped, groups).iter().product();
+            let mut panels = vec![f32::NAN; len + EXTRA];
+            gemm::pack_grouped_panels(&w, grouped, strides, groups, &mut panels);
+            assert!(
+                panels[..len].iter().all(|v| !v.is_nan()),
+                "grouped {grouped:?}/{groups}: an element left unwritten"
+            );
+            assert!(panels[len..].iter().all(|v| v.is_nan()), "grouped {grouped:?}/{groups}: written past its size");
 
-        let len: usize = bf16::pack_size(shape).iter().product();
-        let mut pairs = vec![u32::MAX; len + EXTRA];
-        bf16::pack_panels(&w, shape, strides, &mut pairs);
-        assert!(pairs[..len].iter().all(|&v| v != u32::MAX), "bf16 {shape:?}: an element left unwritten");
-        assert!(pairs[len..].iter().all(|&v| v == u32::MAX), "bf16 {shape:?}: written past pack_size");
+            let len: usize = bf16::pack_size(shape).iter().product();
+            let mut pairs = vec![u32::MAX; len + EXTRA];
+            bf16::pack_panels(&w, shape, strides, &mut pairs);
+            assert!(pairs[..len].iter().all(|&v| v != u32::MAX), "bf16 {shape:?}: an element left unwritten");
+            assert!(pairs[len..].iter().all(|&v| v == u32::MAX), "bf16 {shape:?}: written past pack_size");
 
-        let w3: Vec<f32> = (0..n * cin * 9).map(|i| 1.0 + i as f32).collect();
-        let len: usize = winograd::pack_size(cin, n).iter().product();
-        let mut panels = vec![f32::NAN; len + EXTRA];
-        winograd::pack_weights(&w3, [n, cin], [cin * 9, 9, 3, 1], &mut panels);
-        assert!(panels[..len].iter().all(|v| !v.is_nan()), "winograd {shape:?}: an element left unwritten");
-        assert!(panels[len..].iter().all(|v| v.is_nan()), "winograd {shape:?}: written past pack_size");
-    }
+            let w3: Vec<f32> = (0..n * cin * 9).map(|i| 1.0 + i as f32).collect();
+            let len: usize = winograd::pack_size(cin, n).iter().product();
+            let mut panels = vec![f32::NAN; len + EXTRA];
+            winograd::pack_weights(&w3, [n, cin], [cin * 9, 9, 3, 1], &mut panels);
+            assert!(panels[..len].iter().all(|v| !v.is_nan()), "winograd {shape:?}: an element left unwritten");
+            assert!(panels[len..].iter().all(|v| v.is_nan()), "winograd {shape:?}: written past pack_size");
+        }
+    });
 }
 
 #[test]

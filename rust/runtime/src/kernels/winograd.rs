@@ -27,7 +27,7 @@ pub fn panels_len(cin: usize, cout: usize) -> usize {
 /// packed into [`panels_len`] floats.
 pub fn pack_weights(w: &[f32], [cout, cin]: [usize; 2], strides: [usize; 4], panels: &mut [f32]) {
     const G: [[f32; 3]; 4] = [[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]];
-    let per = super::gemm::panels_len(cin, cout);
+    let (per, strips) = (super::gemm::panels_len(cin, cout), super::gemm::Strips::current(cin));
     // Zero past `cout`: the GEMM reads whole panels.
     panels[..16 * per].fill(0.0);
     for o in 0..cout {
@@ -43,7 +43,7 @@ pub fn pack_weights(w: &[f32], [cout, cin]: [usize; 2], strides: [usize; 4], pan
             for a in 0..4 {
                 for b in 0..4 {
                     let u: f32 = (0..3).map(|j| gg[a][j] * G[b][j]).sum();
-                    panels[(a * 4 + b) * per + (o / PANEL * cin + c) * PANEL + o % PANEL] = u;
+                    panels[(a * 4 + b) * per + o / PANEL * cin * PANEL + strips.at(c, o % PANEL)] = u;
                 }
             }
         }

@@ -339,18 +339,20 @@ impl Layout {
 
     /// An int8 `[n, k]` weight (at element `strides`) as the kernel's panels: per 64 output
     /// columns, for each group of input channels (2 or 4, the first in the low bits), a row of
-    /// 64 words (zero past `k` and `n`); then, for quads, each column's sum of weights (an
-    /// int32). `packed` holds [`Layout::packed_len`]'s words.
+    /// 64 words (zero past `k` and `n`), in the kernels' strips (`gemm::Strips`); then, for
+    /// quads, each column's sum of weights (an int32). `packed` holds [`Layout::packed_len`]'s
+    /// words.
     pub fn pack(self, w: &[i8], [n, k]: [usize; 2], strides: [usize; 2], packed: &mut [u32]) {
         let at = |o: usize, c: usize| if o < n && c < k { w[o * strides[0] + c * strides[1]] } else { 0 };
         let (per, bits) = (self.per_word(), 32 / self.per_word());
         let (groups, mask) = (k.div_ceil(per), u32::MAX >> (32 - bits));
         let (panels, sums) = packed.split_at_mut(n.div_ceil(PANEL) * groups * PANEL);
+        let strips = gemm::Strips::current(groups);
         for (p, panel) in panels.chunks_exact_mut(groups * PANEL).enumerate() {
-            for (q, row) in panel.chunks_exact_mut(PANEL).enumerate() {
-                for (col, v) in row.iter_mut().enumerate() {
+            for q in 0..groups {
+                for col in 0..PANEL {
                     let word = |i: usize| (at(p * PANEL + col, per * q + i) as i32 as u32 & mask) << (bits * i);
-                    *v = (0..per).map(word).fold(0, |a, b| a | b);
+                    panel[strips.at(q, col)] = (0..per).map(word).fold(0, |a, b| a | b);
                 }
             }
         }
@@ -976,8 +978,10 @@ mod tests {
         let words = packed(&w, [2, 6], Layout::Quads);
         assert_eq!(words[0], u32::from_le_bytes([1, (-2i8) as u8, 3, 0x80]));
         assert_eq!(words[1], u32::from_le_bytes([0xFF, 0, 0, 0]));
-        assert_eq!(words[PANEL], u32::from_le_bytes([127, 5, 0, 0]));
-        assert_eq!(words[PANEL + 1], u32::from_le_bytes([0, 2, 0, 0]));
+        // The second word of each column, where the kernels' strips put it.
+        let second = |col| words[super::super::gemm::Strips::current(2).at(1, col)];
+        assert_eq!(second(0), u32::from_le_bytes([127, 5, 0, 0]));
+        assert_eq!(second(1), u32::from_le_bytes([0, 2, 0, 0]));
         assert_eq!((words[2 * PANEL] as i32, words[2 * PANEL + 1] as i32), (6, 1));
     }
 }

@@ -11,26 +11,6 @@ pub mod avx2;
 pub mod avx512;
 pub mod portable;
 
-/// Asks the CPU to bring the cache line holding `p` into its caches ahead of a load: into L1
-/// (`near`) or only into L2. A hint, which never faults (any address may be given) and does
-/// nothing off x86-64.
-#[inline(always)]
-pub fn prefetch<T>(p: *const T, near: bool) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch reads nothing the program sees and never faults, whatever the address;
-    // SSE, which it needs, is part of every x86-64 CPU.
-    unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
-        if near {
-            _mm_prefetch::<_MM_HINT_T0>(p.cast());
-        } else {
-            _mm_prefetch::<_MM_HINT_T1>(p.cast());
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, near);
-}
-
 /// A vector of `LANES` float32 lanes, the lane masks its comparisons give, and the vector of
 /// `LANES` int32 sums of 16-bit pairs that the int8 GEMM accumulates in (`super::int8`).
 ///
