@@ -29,8 +29,8 @@ pub(super) const fn strip<S: Simd>() -> usize {
 /// the kernels' tile width, each strip's `depth` rows one after another, so that a tile
 /// reads its columns of the weight in order. With whole 64-column rows, AVX2's 16-column
 /// tiles read one cache line of each 256-byte row, and a strip of a few hundred rows
-/// crowded a sixteenth of L1's sets: BERT's linears (d=256, 32 tokens) took 1.15× their time
-/// in strips on a Zen 3, the 8 × 256 MLP at batch 4 1.3× (BENCHMARKS.md). The one place a
+/// crowded a sixteenth of L1's sets: on a Zen 3, BERT (d=256, 32 tokens) took 1.15× the time
+/// it takes with strips, the 8 × 256 MLP at batch 4 1.3× (BENCHMARKS.md). The one place a
 /// panel's order is written: every packer places elements through [`Strips::at`], and the
 /// tiles read them as [`strip`] says.
 #[derive(Debug, Clone, Copy)]
