@@ -651,13 +651,10 @@ class GeluConvs(nn.Module):
         return self.fc2(nn.functional.gelu(self.fc1(y)))
 
 
-def test_fast_fuses_gelu_into_convolutions(tmp_path):
-    """GELU (either approximation) after a convolution becomes its post-op: on kwexport's
-    GEMM or oneDNN's 1×1 convolution (each forced), and oneDNN's 3×3 one, within tolerance."""
-    torch.manual_seed(0)
-    model = GeluConvs().eval()
-    x = (torch.randn(2, 8, 14, 14) * 3).contiguous(memory_format=torch.channels_last)
-    path = tmp_path / "gelu.kwx"
+def fast_with_each_kernel(model, x, tmp_path) -> dict:
+    """`model` exported on `x`, loaded at `fast` in a child process per forced kernel choice
+    (`with_each_kernel`) and called on `x`: `(result, ops the profile ran)` by choice."""
+    path = tmp_path / "m.kwx"
     kwexport.save(kwexport.export(model, (x,)), path)
     torch.save(x, tmp_path / "x.pt")
     script = f"""
@@ -666,9 +663,18 @@ fast = kwexport.load({str(path)!r}, optimize="fast")
 x = torch.load({str(tmp_path / "x.pt")!r})
 torch.save((fast(x), [n["op"] for n in fast.profile(x)]), sys.argv[1])
 """
+    return with_each_kernel(tmp_path, script)
+
+
+def test_fast_fuses_gelu_into_convolutions(tmp_path):
+    """GELU (either approximation) after a convolution becomes its post-op: on kwexport's
+    GEMM or oneDNN's 1×1 convolution (each forced), and oneDNN's 3×3 one, within tolerance."""
+    torch.manual_seed(0)
+    model = GeluConvs().eval()
+    x = (torch.randn(2, 8, 14, 14) * 3).contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         want = model(x)
-    for kernel, (got, ran) in with_each_kernel(tmp_path, script).items():
+    for kernel, (got, ran) in fast_with_each_kernel(model, x, tmp_path).items():
         assert rel_err(got, want) < 1e-5, kernel
         if torch.backends.mkldnn.is_available():
             assert "aten::gelu.default" not in ran, (kernel, ran)
@@ -698,18 +704,9 @@ def test_fast_runs_patch_embeddings_as_a_gemm(layout, tmp_path):
     x = torch.randn(2, 3, 48, 64)
     if layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
-    path = tmp_path / "patches.kwx"
-    kwexport.save(kwexport.export(model, (x,)), path)
-    torch.save(x, tmp_path / "x.pt")
-    script = f"""
-import sys, torch, kwexport
-fast = kwexport.load({str(path)!r}, optimize="fast")
-x = torch.load({str(tmp_path / "x.pt")!r})
-torch.save((fast(x), [n["op"] for n in fast.profile(x)]), sys.argv[1])
-"""
     with torch.no_grad():
         want = model(x)
-    outs = with_each_kernel(tmp_path, script)
+    outs = fast_with_each_kernel(model, x, tmp_path)
     for kernel, (got, ran) in outs.items():
         for g, w in zip(got, want):
             assert g.shape == w.shape and rel_err(g, w) < 1e-5, kernel
