@@ -181,6 +181,7 @@ mod avx512bf16 {
     // this micro-kernel only in a block compiled with both enabled, where the CPU has them.
     unsafe impl Dot<Avx512> for Native {
         type X = u32;
+        type P = u32;
         type Acc = __m512;
         type W = __m512i;
         #[inline(always)]

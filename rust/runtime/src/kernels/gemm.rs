@@ -410,8 +410,11 @@ pub fn pack_grouped_panels(
 /// The methods may use `S`'s instructions (see [`Simd`]); the pointer one reads `S::LANES`
 /// elements.
 pub(super) unsafe trait Dot<S: Simd>: Copy + 'static {
-    /// An element of a row or of a panel row: a value, or a pair.
+    /// An element of a row: a value, or a pair.
     type X: Copy + Sync + 'static;
+    /// An element of a panel row, for the row element it multiplies: the same type, except
+    /// for int8 pairs, whose weight is stored at a byte a value and widened as it loads.
+    type P: Copy + 'static;
     /// `S::LANES` sums.
     type Acc: Copy;
     /// `S::LANES` elements of a panel row, or one row element in every lane.
@@ -420,7 +423,7 @@ pub(super) unsafe trait Dot<S: Simd>: Copy + 'static {
     /// bits of int32 lanes, [`Shape::sums`]), where given.
     unsafe fn start(bias: Option<S::V>, sums: Option<S::V>) -> Self::Acc;
     /// `S::LANES` elements of a panel row.
-    unsafe fn load(p: *const Self::X) -> Self::W;
+    unsafe fn load(p: *const Self::P) -> Self::W;
     /// One element of a row, in every lane.
     unsafe fn splat(x: Self::X) -> Self::W;
     /// `acc + a * w`, per lane (a pair's two products where elements are pairs).
@@ -436,6 +439,7 @@ pub(super) struct F32;
 // SAFETY: each method is `S`'s operation of the same name.
 unsafe impl<S: Simd> Dot<S> for F32 {
     type X = f32;
+    type P = f32;
     type Acc = S::V;
     type W = S::V;
     #[inline(always)]
@@ -474,6 +478,7 @@ pub(super) struct Bf16;
 // SAFETY: each method is `S`'s operations on pairs and float32 vectors.
 unsafe impl<S: Simd> Dot<S> for Bf16 {
     type X = u32;
+    type P = u32;
     type Acc = S::V;
     type W = S::I;
     #[inline(always)]
@@ -502,14 +507,17 @@ unsafe impl<S: Simd> Dot<S> for Bf16 {
     }
 }
 
-/// Pairs of int16 (two int8 values with their zero points taken out), summed exactly in
-/// int32, then scaled per column and biased in float32 (the int8 GEMM, `super::int8`).
+/// Rows of int16 pairs (two int8 levels with their zero points taken out) times a weight of
+/// int8 pairs (a byte a value, widened to int16 as it loads: half the bytes of int16 pairs
+/// to hold and to stream), summed exactly in int32, then scaled per column and biased in
+/// float32 (the int8 GEMM, `super::int8`).
 #[derive(Clone, Copy)]
 pub(super) struct Pairs;
 
 // SAFETY: each method is `S`'s integer operations on pairs, then float32 arithmetic.
 unsafe impl<S: Simd> Dot<S> for Pairs {
     type X = u32;
+    type P = u16;
     type Acc = S::I;
     type W = S::I;
     #[inline(always)]
@@ -518,9 +526,9 @@ unsafe impl<S: Simd> Dot<S> for Pairs {
         unsafe { S::izero() }
     }
     #[inline(always)]
-    unsafe fn load(p: *const u32) -> S::I {
+    unsafe fn load(p: *const u16) -> S::I {
         // SAFETY: the trait's contract.
-        unsafe { S::load_pairs(p) }
+        unsafe { S::load_byte_pairs(p) }
     }
     #[inline(always)]
     unsafe fn splat(x: u32) -> S::I {
@@ -779,7 +787,9 @@ unsafe fn columns_block<S: Simd, D: Dot<S>, R: Rows<D::X>>(
         let vectors = (width - sub).min(step).div_ceil(S::LANES);
         // SAFETY: columns from j + sub and their panel exist (see the callers).
         unsafe {
-            let wp = panels.as_ptr().add(j / PANEL * k * PANEL);
+            // Panels of `D::P`s, in the `D::X`s they are stored in (int8 pairs two to a
+            // word), at an alignment a `D::P`'s at most.
+            let wp = panels.as_ptr().cast::<D::P>().add(j / PANEL * k * PANEL);
             let (jj, range) = (j + sub, range.clone());
             match (wide, vectors) {
                 (true, 4) => rows::<S, D, R, 6, 5, 4>(rows_of, range, wp, op, s, jj),
@@ -804,7 +814,7 @@ unsafe fn columns_block<S: Simd, D: Dot<S>, R: Rows<D::X>>(
 unsafe fn rows<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const U: usize, const V: usize>(
     rows_of: R,
     range: std::ops::Range<usize>,
-    wp: *const D::X,
+    wp: *const D::P,
     op: *mut f32,
     s: &Shape,
     j: usize,
@@ -847,7 +857,7 @@ unsafe fn rows<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const U: usize
 unsafe fn tile<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const V: usize>(
     rows_of: R,
     i: usize,
-    panel: *const D::X,
+    panel: *const D::P,
     out: *mut f32,
     s: &Shape,
     j: usize,
@@ -863,7 +873,7 @@ unsafe fn tile<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const V: usize
         let (bias, scale, sums) = (per_column(s.bias), per_column(s.scale), per_column(s.sums.cast()));
         // Each vector's column in its strip, whose rows are `strip` elements apart.
         let (strip, depth) = (strip::<S>(), s.taps * s.cin);
-        let column: [*const D::X; V] = std::array::from_fn(|v| {
+        let column: [*const D::P; V] = std::array::from_fn(|v| {
             let col = j % PANEL + v * S::LANES;
             panel.add(col / strip * depth * strip + col % strip)
         });

@@ -8,7 +8,7 @@
 //! words * per word]` matrix [`Layout::pack_conv`] makes.
 
 use super::super::gemm::{self, tap_table, Dense, Source, Table};
-use super::super::{parallel, PANEL};
+use super::super::parallel;
 use super::super::{Conv2d, Declined, Ran};
 use super::{Layout, Packed, Products, Quant};
 use crate::kernels::activation::Epilogue;
@@ -162,7 +162,7 @@ fn conv_with(
     }
     let (per_out, group_words) = (n / groups, words / groups);
     let group_len = layout.conv_packed_len([per_out, shape[1], shape[2], shape[3]], 1);
-    let panels_len = per_out.div_ceil(PANEL) * taps * group_words * PANEL;
+    let panels_len = layout.panel_words(per_out, taps * group_words);
     let sum = |c: usize| weight.words[c / per_out * group_len + panels_len + c % per_out];
     let factors = products.columns(n, sum);
     let shape = products.shape([taps, group_words, per_out, n], (&factors.0, &factors.1));

@@ -304,7 +304,8 @@ pub(super) unsafe fn fake_quantize<S: Simd>(x: &[f32], q: &Requant, out: &mut [f
 /// How an int8 weight is packed, which fixes the kernel that multiplies it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Layout {
-    /// Pairs of int16 per 32-bit word: every family's kernel.
+    /// Pairs of bytes, two to a 32-bit word, widened to int16 as the kernel loads them (rows
+    /// of int16 pairs, `vpmaddwd`): every family's kernel.
     Pairs,
     /// Four bytes per 32-bit word, then each column's sum of weights: VNNI's kernel
     /// (AVX512-VNNI, AVX-VNNI).
@@ -318,7 +319,7 @@ impl Layout {
         super::isa::kernels().map(|t| super::isa::int8(t).layout)
     }
 
-    /// Input channels per 32-bit word.
+    /// Input channels per 32-bit word of a row, and per element of a panel row.
     pub(super) fn per_word(self) -> usize {
         match self {
             Layout::Pairs => 2,
@@ -326,11 +327,22 @@ impl Layout {
         }
     }
 
-    /// The words of a packed `[n, k]` weight: `ceil(n / 64)` panels of `[ceil(k / per word),
-    /// 64]` words, then (quads) `64 * ceil(n / 64)` column sums. The one place the int8
-    /// panels' size is computed.
+    /// The 32-bit words of the panels of an `[n, k]` weight whose rows are `groups` words
+    /// (`ceil(k / per word)`): `ceil(n / 64)` panels of `groups` rows of 64 elements, an
+    /// element a word for quads and half a word (two bytes) for pairs. The one place the
+    /// int8 panels' size is computed.
+    pub(super) fn panel_words(self, n: usize, groups: usize) -> usize {
+        let elements = n.div_ceil(PANEL) * groups * PANEL;
+        match self {
+            Layout::Pairs => elements / 2,
+            Layout::Quads => elements,
+        }
+    }
+
+    /// The words of a packed `[n, k]` weight: [`Layout::panel_words`], then (quads) `64 *
+    /// ceil(n / 64)` column sums.
     pub fn packed_len(self, [n, k]: [usize; 2]) -> usize {
-        let panels = n.div_ceil(PANEL) * k.div_ceil(self.per_word()) * PANEL;
+        let panels = self.panel_words(n, k.div_ceil(self.per_word()));
         match self {
             Layout::Pairs => panels,
             Layout::Quads => panels + n.div_ceil(PANEL) * PANEL,
@@ -338,23 +350,30 @@ impl Layout {
     }
 
     /// An int8 `[n, k]` weight (at element `strides`) as the kernel's panels: per 64 output
-    /// columns, for each group of input channels (2 or 4, the first in the low bits), a row of
-    /// 64 words (zero past `k` and `n`), in the kernels' strips (`gemm::Strips`); then, for
-    /// quads, each column's sum of weights (an int32). `packed` holds [`Layout::packed_len`]'s
-    /// words.
+    /// columns, for each group of input channels (2 or 4), a row of 64 elements (zero past
+    /// `k` and `n`) in the kernels' strips (`gemm::Strips`), each element its group's bytes
+    /// in order (first channel first in memory); then, for quads, each column's sum of
+    /// weights (an int32). `packed` holds [`Layout::packed_len`]'s words.
     pub fn pack(self, w: &[i8], [n, k]: [usize; 2], strides: [usize; 2], packed: &mut [u32]) {
         let at = |o: usize, c: usize| if o < n && c < k { w[o * strides[0] + c * strides[1]] } else { 0 };
-        let (per, bits) = (self.per_word(), 32 / self.per_word());
-        let (groups, mask) = (k.div_ceil(per), u32::MAX >> (32 - bits));
-        let (panels, sums) = packed.split_at_mut(n.div_ceil(PANEL) * groups * PANEL);
+        let per = self.per_word();
+        let groups = k.div_ceil(per);
+        let (panels, sums) = packed.split_at_mut(self.panel_words(n, groups));
+        // The panels' bytes in memory order, then as the words that hold them.
+        let mut bytes = vec![0u8; panels.len() * 4];
         let strips = gemm::Strips::current(groups);
-        for (p, panel) in panels.chunks_exact_mut(groups * PANEL).enumerate() {
+        for (p, panel) in bytes.chunks_exact_mut(groups * PANEL * per).enumerate() {
             for q in 0..groups {
                 for col in 0..PANEL {
-                    let word = |i: usize| (at(p * PANEL + col, per * q + i) as i32 as u32 & mask) << (bits * i);
-                    panel[strips.at(q, col)] = (0..per).map(word).fold(0, |a, b| a | b);
+                    let element = strips.at(q, col) * per;
+                    for (i, b) in panel[element..element + per].iter_mut().enumerate() {
+                        *b = at(p * PANEL + col, per * q + i) as u8;
+                    }
                 }
             }
+        }
+        for (word, b) in panels.iter_mut().zip(bytes.chunks_exact(4)) {
+            *word = u32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
         }
         if self == Layout::Quads {
             for (o, sum) in sums.iter_mut().take(n.div_ceil(PANEL) * PANEL).enumerate() {
@@ -505,7 +524,7 @@ impl Products<'_> {
     /// [`Products::check`] passed; the source's rows hold what the shape says, the weight
     /// its panels, `w_scale` and the bias `n` values, `out` `m * n`.
     pub(super) unsafe fn run(&self, source: Source<u32>, [m, taps, words, n]: [usize; 4], out: &mut [f32]) {
-        let panels_len = n.div_ceil(PANEL) * taps * words * PANEL;
+        let panels_len = self.kernel.layout.panel_words(n, taps * words);
         let factors = self.columns(n, |c| self.weight.words[panels_len + c]);
         let shape = self.shape([taps, words, n, n], (&factors.0, &factors.1));
         // SAFETY: the block runs on this CPU and reads this layout; the rest is the caller's.
@@ -531,6 +550,7 @@ mod vnni {
     // this micro-kernel only in a block compiled with both enabled, where the CPU has them.
     unsafe impl Dot<Avx512> for Vnni {
         type X = u32;
+        type P = u32;
         type Acc = __m512i;
         type W = __m512i;
         #[inline(always)]
@@ -565,6 +585,7 @@ mod vnni {
     // micro-kernel only in a block compiled with both enabled, where the CPU has them.
     unsafe impl Dot<Avx2> for Vnni {
         type X = u32;
+        type P = u32;
         type Acc = __m256i;
         type W = __m256i;
         #[inline(always)]
@@ -983,5 +1004,22 @@ mod tests {
         assert_eq!(second(0), u32::from_le_bytes([127, 5, 0, 0]));
         assert_eq!(second(1), u32::from_le_bytes([0, 2, 0, 0]));
         assert_eq!((words[2 * PANEL] as i32, words[2 * PANEL + 1] as i32), (6, 1));
+    }
+
+    /// Pairs hold each weight as a signed byte (the kernel widens them as it loads), two
+    /// channels per element and two elements per word: a byte a weight, as in the file.
+    #[test]
+    fn pairs_hold_a_byte_per_weight() {
+        let w: Vec<i8> = vec![1, -2, 3, -128, /* column 1 */ 127, 5, -1, 0];
+        let words = packed(&w, [2, 4], Layout::Pairs);
+        assert_eq!(words.len() * 4, 2 * PANEL * 2, "two rows of 64 two-byte elements");
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        let element = |q, col| {
+            let at = super::super::gemm::Strips::current(2).at(q, col) * 2;
+            [bytes[at] as i8, bytes[at + 1] as i8]
+        };
+        assert_eq!([element(0, 0), element(1, 0)], [[1, -2], [3, -128]]);
+        assert_eq!([element(0, 1), element(1, 1)], [[127, 5], [-1, 0]]);
+        assert_eq!(element(1, 2), [0, 0], "zero past n");
     }
 }

@@ -183,6 +183,10 @@ unsafe impl Simd for Avx2 {
         unsafe { _mm256_loadu_si256(p.cast()) }
     }
     #[inline(always)]
+    unsafe fn load_byte_pairs(p: *const u16) -> __m256i {
+        unsafe { _mm256_cvtepi8_epi16(_mm_loadu_si128(p.cast())) }
+    }
+    #[inline(always)]
     unsafe fn splat_pair(pair: u32) -> __m256i {
         unsafe { _mm256_set1_epi32(pair as i32) }
     }

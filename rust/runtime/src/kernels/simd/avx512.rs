@@ -142,6 +142,11 @@ unsafe impl Simd for Avx512 {
         unsafe { _mm512_loadu_si512(p.cast()) }
     }
     #[inline(always)]
+    unsafe fn load_byte_pairs(p: *const u16) -> __m512i {
+        // `vpmovsxbw` to 512 bits is AVX512-BW's, as `dot_pairs`'s `vpmaddwd`.
+        unsafe { _mm512_cvtepi8_epi16(_mm256_loadu_si256(p.cast())) }
+    }
+    #[inline(always)]
     unsafe fn splat_pair(pair: u32) -> __m512i {
         unsafe { _mm512_set1_epi32(pair as i32) }
     }

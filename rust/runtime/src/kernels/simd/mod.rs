@@ -161,6 +161,13 @@ pub unsafe trait Simd: Copy + 'static {
     /// # Safety
     /// `LANES` values from `p` are readable; see the trait.
     unsafe fn load_pairs(p: *const u32) -> Self::I;
+    /// `LANES` pairs of int8 from `p` (two bytes each, the first in memory the low half),
+    /// each byte sign-extended to the int16 half [`Simd::load_pairs`] would read: the int8
+    /// GEMM's weight, stored at a byte per value.
+    ///
+    /// # Safety
+    /// `2 * LANES` bytes from `p` are readable; see the trait.
+    unsafe fn load_byte_pairs(p: *const u16) -> Self::I;
     /// `pair` in every lane.
     ///
     /// # Safety

@@ -179,6 +179,12 @@ unsafe impl Simd for Portable {
         unsafe { p.cast::<[i32; L]>().read_unaligned() }
     }
     #[inline(always)]
+    unsafe fn load_byte_pairs(p: *const u16) -> [i32; L] {
+        // SAFETY: `2 * L` bytes from `p` are readable (the caller's).
+        let b = unsafe { p.cast::<[[i8; 2]; L]>().read_unaligned() };
+        b.map(|[lo, hi]| ((hi as i16 as u16 as u32) << 16 | lo as i16 as u16 as u32) as i32)
+    }
+    #[inline(always)]
     unsafe fn splat_pair(pair: u32) -> [i32; L] {
         [pair as i32; L]
     }
