@@ -121,21 +121,32 @@ pub fn conv_strided(
         return Err(Declined::Values);
     }
     let (blocks, threads) = (ho.div_ceil(2) * wo.div_ceil(2), super::parallel::threads());
-    // As many bands for every thread: a 13×13 image's 49 blocks were 3 bands of 21 on two
-    // threads, one thread doing two (48 -> 192 channels: 1.12× faster on two threads).
     let mut per_image = blocks.div_ceil(band(cin, cout));
-    while !(batch * per_image).is_multiple_of(threads) && per_image < blocks {
+    // Fewer bands than threads (a 4×4 image's 4 blocks, resnet18's 256-channel 3×3s at 64×64):
+    // each thread takes a share of the output channels of every band, and so streams its
+    // share of the 16 transformed weights, where splitting the blocks had each thread stream
+    // all of them (4 MB there: no faster on two threads than on one).
+    let groups = match batch * per_image < threads {
+        true => threads.min(cout / PANEL).max(1),
+        false => 1,
+    };
+    let cols = cout.div_ceil(groups).next_multiple_of(PANEL).min(cout);
+    let groups = cout.div_ceil(cols);
+    // Otherwise as many bands for every thread: a 13×13 image's 49 blocks were 3 bands of 21
+    // on two threads, one thread doing two (48 -> 192 channels: 1.12× faster on two threads).
+    while groups == 1 && !(batch * per_image).is_multiple_of(threads) && per_image < blocks {
         per_image += 1;
     }
     let band = blocks.div_ceil(per_image);
     let bands = blocks.div_ceil(band);
     let (add, gemm, out_ptr) = ((bias, residual), t.gemm_block, out.as_mut_ptr());
-    let ops = Operands { x, dims: [batch, h, w], panels, g, add, band, gemm, out: out_ptr, ldo };
+    let ops = Operands { x, dims: [batch, h, w], panels, g, add, band, cols, gemm, out: out_ptr, ldo };
     let flops = 2 * 16 * batch * bands * band * cin * cout;
-    let threads = super::parallel::share(flops, batch * bands, super::parallel::threads());
+    let items = groups * batch * bands;
+    let threads = super::parallel::share(flops, items, super::parallel::threads());
     // SAFETY: the table's functions run on this CPU; the slices hold what the shapes say,
-    // and each band writes its own blocks' outputs.
-    super::parallel::for_each(batch * bands, threads, &|begin, end| unsafe { (t.winograd)(&ops, begin..end) });
+    // and each item writes its own blocks' outputs in its own channels.
+    super::parallel::for_each(items, threads, &|begin, end| unsafe { (t.winograd)(&ops, begin..end) });
     // One pass over the output (in cache at these sizes): applied per pixel inside the
     // transform's loop it measured slower.
     match epilogue {
@@ -164,6 +175,8 @@ pub(super) struct Operands<'a> {
     g: &'a Conv2d,
     add: (Option<&'a [f32]>, Option<&'a [f32]>),
     band: usize,
+    /// The output channels of each item, a multiple of [`PANEL`] (or all of them).
+    cols: usize,
     /// The GEMM of the table the call runs on, for the 16 products.
     gemm: super::gemm::Block<f32>,
     out: *mut f32,
@@ -178,8 +191,9 @@ unsafe impl Sync for Operands<'_> {}
 /// [`bands`] compiled for one instruction set: the kernel table's entry.
 pub(super) type Run = unsafe fn(&Operands<'_>, std::ops::Range<usize>);
 
-/// Bands `range` (counted across the batch: image `item / bands`, band `item % bands`) of
-/// [`conv`] before its epilogue, inlined into each instruction set's entry (the transforms'
+/// Items `range` of [`conv`] before its epilogue: bands counted across the batch (image
+/// `item / bands`, band `item % bands`), then again for each further group of
+/// [`Operands::cols`] output channels, inlined into each instruction set's entry (the transforms'
 /// loops over channels vectorize for it). Its 16 products run on the call's own table's
 /// GEMM block, which takes any shape: none can be declined and leave stale products.
 ///
@@ -194,10 +208,16 @@ pub(super) unsafe fn bands(ops: &Operands<'_>, range: std::ops::Range<usize>) {
     let [pt, pl] = g.padding;
     let (th, tw) = (ho.div_ceil(2), wo.div_ceil(2));
     let per_image = (th * tw).div_ceil(band);
+    let bands = ops.dims[0] * per_image;
     let mut v = vec![0f32; 16 * band * cin];
-    let mut m = vec![0f32; 16 * band * cout];
-    let (mut d, mut rows) = (vec![0f32; 16 * cin], vec![0f32; 16 * cin.max(cout)]);
+    let mut m = vec![0f32; 16 * band * ops.cols];
+    let (mut d, mut rows) = (vec![0f32; 16 * cin], vec![0f32; 16 * cin.max(ops.cols)]);
     for item in range {
+        let (c0, item) = (item / bands * ops.cols, item % bands);
+        // This item's channels `[c0, c0 + n)`: their panels start at `c0`'s (a multiple of
+        // the panels' width), their results at `c0` of each pixel.
+        let n = ops.cols.min(cout - c0);
+        let panels_of = |e: usize| &panels[e * per + c0 * cin..][..super::gemm::panels_len(cin, n)];
         let (b, t0) = (item / per_image, item % per_image * band);
         let image = &x[b * h * w * cin..(b + 1) * h * w * cin];
         {
@@ -220,34 +240,35 @@ pub(super) unsafe fn bands(ops: &Operands<'_>, range: std::ops::Range<usize>) {
             }
             // The 16 products, each over the band's blocks.
             for e in 0..16 {
-                let (ve, me) = (&v[e * band * cin..][..tiles * cin], &mut m[e * band * cout..][..tiles * cout]);
-                // SAFETY: `ve`, the panels and `me` hold `tiles * cin`, `per` and `tiles * cout`.
-                unsafe { super::gemm::product(ops.gemm, ve, tiles, cin, &panels[e * per..][..per], cout, me) };
+                let (ve, me) = (&v[e * band * cin..][..tiles * cin], &mut m[e * band * n..][..tiles * n]);
+                // SAFETY: `ve`, the panels and `me` hold `tiles * cin`, `n` columns' panels and
+                // `tiles * n`.
+                unsafe { super::gemm::product(ops.gemm, ve, tiles, cin, panels_of(e), n, me) };
             }
             // Y = Aᵀ M A, plus the bias and the residual, for the outputs inside the image.
             for t in 0..tiles {
                 let (ty, tx) = ((t0 + t) / tw, (t0 + t) % tw);
-                output_transform(&m, cout, t, band, &mut rows);
+                output_transform(&m, n, t, band, &mut rows);
                 for (k, (oy, ox)) in [(0, 0), (0, 1), (1, 0), (1, 1)].into_iter().enumerate() {
                     let (oy, ox) = (2 * ty + oy, 2 * tx + ox);
                     if oy >= ho || ox >= wo {
                         continue;
                     }
-                    let at = ((b * ho + oy) * wo + ox) * cout;
-                    // SAFETY: this block's output pixel, inside the output (the caller's
-                    // sizes) and written by this band only.
-                    let o = unsafe { std::slice::from_raw_parts_mut(ops.out.add(at / cout * ops.ldo), cout) };
-                    let y = &rows[k * cout..(k + 1) * cout];
+                    let pixel = (b * ho + oy) * wo + ox;
+                    let at = pixel * cout + c0;
+                    // SAFETY: this block's output pixel's channels of this item, inside the
+                    // output (the caller's sizes) and written by this item only.
+                    let o = unsafe { std::slice::from_raw_parts_mut(ops.out.add(pixel * ops.ldo + c0), n) };
+                    let y = &rows[k * n..(k + 1) * n];
+                    let bias = bias.map(|b| &b[c0..c0 + n]);
                     match (bias, residual) {
                         (Some(bias), Some(r)) => {
-                            for (((o, y), b), r) in o.iter_mut().zip(y).zip(bias).zip(&r[at..at + cout]) {
+                            for (((o, y), b), r) in o.iter_mut().zip(y).zip(bias).zip(&r[at..at + n]) {
                                 *o = y + b + r;
                             }
                         }
                         (Some(bias), None) => o.iter_mut().zip(y).zip(bias).for_each(|((o, y), b)| *o = y + b),
-                        (None, Some(r)) => {
-                            o.iter_mut().zip(y).zip(&r[at..at + cout]).for_each(|((o, y), r)| *o = y + r)
-                        }
+                        (None, Some(r)) => o.iter_mut().zip(y).zip(&r[at..at + n]).for_each(|((o, y), r)| *o = y + r),
                         (None, None) => o.copy_from_slice(y),
                     }
                 }
@@ -322,19 +343,22 @@ fn output_transform(m: &[f32], cout: usize, t: usize, band: usize, y: &mut [f32]
 mod tests {
     use super::*;
 
-    /// Against the reference convolution, with padding 0, 1 and 2, odd sizes (a block half
-    /// outside the image), a bias, a residual and an activation.
+    /// Against the reference convolution on the tests' three threads, with padding 0, 1 and
+    /// 2, odd sizes (a block half outside the image), a bias, a residual and an activation.
     #[test]
     fn matches_the_reference_convolution() {
+        super::super::parallel::tests::install_test_pool();
         super::super::tests::each_isa(|| {
             for (cin, cout, padding, [h, w]) in
-                // The last: 49 blocks an image, in as many bands for each of the tests' three
-                // threads.
+                // The fourth: 49 blocks an image, in as many bands for each thread. The last:
+                // one band an image, fewer than the threads, so its 200 channels split as
+                // 128 + 72 (a partial panel).
                 [
                     (5usize, 7usize, 1usize, [6usize, 7usize]),
                     (16, 70, 0, [9, 5]),
                     (33, 16, 2, [4, 4]),
                     (24, 40, 1, [13, 13]),
+                    (40, 200, 1, [4, 4]),
                 ]
             {
                 let g = Conv2d::new([cout as i64, cin as i64, 3, 3], [1, 1], [padding as i64; 2]).unwrap();
