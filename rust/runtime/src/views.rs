@@ -3,7 +3,7 @@
 //! lookup, where the geometry is a few integer operations. On calls with no autograd to
 //! record, the run loop makes the view with `_reinterpret_tensor` over the input (the same
 //! memory, so the same values at every level), and calls the op where anything is unusual
-//! (an index out of range, a non-contiguous `view`): then torch raises or decides as ever.
+//! (an index out of range, new sizes with no view of the input): then torch raises or decides as ever.
 
 /// A view op kwexport computes, by its schema's name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,8 +18,8 @@ pub enum ViewKind {
     Select,
     /// `expand(self, size, *, implicit=False)`
     Expand,
-    /// `view(self, size)`, `_unsafe_view(self, size)`, `reshape(self, shape)`: on contiguous
-    /// inputs only (where `reshape` is a view too).
+    /// `view(self, size)`, `_unsafe_view(self, size)`, `reshape(self, shape)`: where the new
+    /// sizes have a view of the input ([`view_strides`]; `reshape` copies otherwise).
     View,
     /// `permute(self, dims)`
     Permute,
@@ -99,6 +99,36 @@ pub fn dense_len(sizes: &[i64], strides: &[i64]) -> Option<usize> {
         expected = expected.checked_mul(size)?;
     }
     usize::try_from(expected).ok()
+}
+
+/// The strides of a view of `new` sizes over a tensor of these nonzero-element `sizes` and
+/// `strides`, where one exists (`None`: `view` raises and `reshape` copies), as torch's
+/// `computeStride` finds them: the old dimensions fall into chunks of memory-contiguous
+/// dimensions, and the new sizes must split each chunk exactly (a GPT-2's `split` of its
+/// fused q, k and v, rows 3 × d apart, reshaped into heads).
+pub fn view_strides(sizes: &[i64], strides: &[i64], new: &[i64]) -> Option<Vec<i64>> {
+    let Some(&last) = strides.last() else { return Some(vec![1; new.len()]) };
+    let mut new_strides = vec![0; new.len()];
+    let mut view_d = new.len();
+    let (mut base, mut chunk, mut view_numel) = (last, 1i64, 1i64);
+    for d in (0..sizes.len()).rev() {
+        chunk *= sizes[d];
+        // A chunk ends where the dimension before isn't laid out right after it.
+        if d == 0 || (sizes[d - 1] != 1 && strides[d - 1] != chunk * base) {
+            while view_d > 0 && (view_numel < chunk || new[view_d - 1] == 1) {
+                new_strides[view_d - 1] = view_numel * base;
+                view_numel *= new[view_d - 1];
+                view_d -= 1;
+            }
+            if view_numel != chunk {
+                return None;
+            }
+            if d > 0 {
+                (base, chunk, view_numel) = (strides[d - 1], 1, 1);
+            }
+        }
+    }
+    (view_d == 0).then_some(new_strides)
 }
 
 /// The strides of a contiguous tensor of these sizes, as torch computes them.
@@ -182,9 +212,6 @@ pub fn geometry(kind: ViewKind, sizes: &[i64], strides: &[i64], args: &[ViewArg]
             (sizes, strides) = (new_sizes, new_strides);
         }
         (ViewKind::View, [ViewArg::Ints(target)]) => {
-            if !is_contiguous(&sizes, &strides) {
-                return None;
-            }
             let numel: i64 = sizes.iter().product();
             let known: i64 = target.iter().filter(|&&t| t != -1).product();
             let mut new_sizes = target.clone();
@@ -198,7 +225,11 @@ pub fn geometry(kind: ViewKind, sizes: &[i64], strides: &[i64], args: &[ViewArg]
             if new_sizes.iter().any(|&s| s < 0) {
                 return None;
             }
-            let new_strides = contiguous_strides(&new_sizes);
+            let new_strides = match numel {
+                0 if is_contiguous(&sizes, &strides) => contiguous_strides(&new_sizes),
+                0 => return None,
+                _ => view_strides(&sizes, &strides, &new_sizes)?,
+            };
             (sizes, strides) = (new_sizes, new_strides);
         }
         (ViewKind::Permute, [ViewArg::Ints(dims)]) => {
@@ -267,6 +298,28 @@ mod tests {
         assert_eq!(g(ViewKind::Alias, s, st, &[]), Some((s.to_vec(), st.to_vec(), 0)));
     }
 
+    /// `view`'s strides on inputs that aren't contiguous, as torch's `computeStride` gives
+    /// them (each checked against torch 2.15: `x.view(...).stride()`).
+    #[test]
+    fn views_of_strided_inputs_take_torchs_strides() {
+        // A third of a fused `[32, 768]` projection's columns (`split`), into 4 heads of 64.
+        assert_eq!(view_strides(&[1, 32, 256], &[24576, 768, 1], &[1, 32, 4, 64]), Some(vec![24576, 768, 64, 1]));
+        // A size-1 dimension takes the stride of the chunk it closes.
+        assert_eq!(view_strides(&[4, 3], &[1, 4], &[4, 1, 3]), Some(vec![1, 12, 4]));
+        // Merging the two dimensions of a transposed matrix has no view.
+        assert_eq!(view_strides(&[4, 3], &[1, 4], &[12]), None);
+        // Merging the rows of a column slice has none either; splitting a row does.
+        assert_eq!(view_strides(&[2, 3], &[5, 1], &[6]), None);
+        assert_eq!(view_strides(&[2, 4], &[10, 1], &[2, 2, 2]), Some(vec![10, 2, 1]));
+        // A scalar's view: strides of 1.
+        assert_eq!(view_strides(&[], &[], &[1, 1]), Some(vec![1, 1]));
+        let (s, st) = (&[1, 32, 256][..], &[24576, 768, 1][..]);
+        assert_eq!(
+            g(ViewKind::View, s, st, &[Ints(vec![1, 32, -1, 64])]),
+            Some((vec![1, 32, 4, 64], vec![24576, 768, 64, 1], 0))
+        );
+    }
+
     #[test]
     fn leaves_what_torch_must_decide_to_torch() {
         let (s, st) = (&[2, 3, 4][..], &[12, 4, 1][..]);
@@ -274,7 +327,7 @@ mod tests {
         assert_eq!(g(ViewKind::Transpose, s, st, &[Int(0), Int(3)]), None);
         assert_eq!(g(ViewKind::Slice, s, st, &[Int(0), No, No, Int(0)]), None);
         assert_eq!(g(ViewKind::Expand, s, st, &[Ints(vec![2, 5, 4])]), None);
-        assert_eq!(g(ViewKind::View, &[3, 2], &[1, 3], &[Ints(vec![6])]), None); // not contiguous
+        assert_eq!(g(ViewKind::View, &[3, 2], &[1, 3], &[Ints(vec![6])]), None); // no view: reshape copies
         assert_eq!(g(ViewKind::View, s, st, &[Ints(vec![5, -1])]), None);
         assert_eq!(g(ViewKind::Permute, s, st, &[Ints(vec![0, 0, 1])]), None);
     }
