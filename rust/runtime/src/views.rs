@@ -3,7 +3,8 @@
 //! lookup, where the geometry is a few integer operations. On calls with no autograd to
 //! record, the run loop makes the view with `_reinterpret_tensor` over the input (the same
 //! memory, so the same values at every level), and calls the op where anything is unusual
-//! (an index out of range, new sizes with no view of the input): then torch raises or decides as ever.
+//! (an index out of range, new sizes with no view of the input): then torch raises or
+//! decides as ever.
 
 /// A view op kwexport computes, by its schema's name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -193,8 +193,8 @@ pub(super) type Run = unsafe fn(&Operands<'_>, std::ops::Range<usize>);
 
 /// Items `range` of [`conv`] before its epilogue: bands counted across the batch (image
 /// `item / bands`, band `item % bands`), then again for each further group of
-/// [`Operands::cols`] output channels, inlined into each instruction set's entry (the transforms'
-/// loops over channels vectorize for it). Its 16 products run on the call's own table's
+/// [`Operands::cols`] output channels, inlined into each instruction set's entry (the
+/// transforms' loops over channels vectorize for it). Its 16 products run on the call's own table's
 /// GEMM block, which takes any shape: none can be declined and leave stale products.
 ///
 /// # Safety
