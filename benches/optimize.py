@@ -523,17 +523,21 @@ def top1_agreement(model, runners: dict, kwargs) -> dict[str, str]:
     return {label: f"{h}/{AGREEMENT_INPUTS}" for label, h in hits.items()}
 
 
-def main_int8(models: list[str] | None, threads: list[int], zoo: bool, rounds: int = 3) -> None:
+def main_int8(
+    models: list[str] | None, threads: list[int], zoo: bool, rounds: int = 3, reduce_range: bool = False
+) -> None:
     """int8 beside float32: kwexport's programs from ``kwexport.quantize`` (pt2e's x86 flow,
-    static and dynamic, at ``fast``), ONNX Runtime's ``quantize_dynamic``, and the float32
-    model at ``fast``; each int8 row's largest difference from float32 eager relative to the
-    output's scale."""
-    print(f"kwexport kernels: {kwexport.kernel_info()['isa']}; torch {torch.__version__}")
+    static and dynamic, at ``fast``; with `reduce_range`, activations of 128 levels), ONNX
+    Runtime's ``quantize_dynamic``, and the float32 model at ``fast``; each int8 row's largest
+    difference from float32 eager relative to the output's scale."""
+    print(f"kwexport kernels: {kwexport.kernel_info()}; torch {torch.__version__}")
+    reduced = ", reduce_range" if reduce_range else ""
+    static, dynamic = f"int8 static `fast`{reduced}", f"int8 dynamic `fast`{reduced}"
     cols = [
         "eager f32",
         "`fast` f32",
-        "int8 static `fast`",
-        "int8 dynamic `fast`",
+        static,
+        dynamic,
         "ORT f32",
         "ORT int8 dynamic",
         "ORT int8 static",
@@ -551,10 +555,11 @@ def main_int8(models: list[str] | None, threads: list[int], zoo: bool, rounds: i
             with torch.no_grad():
                 want = first(model(**kwargs))
             runners["`fast` f32"] = kwexport.load(path, optimize="fast")
-            for label, activations in [("int8 static `fast`", "static"), ("int8 dynamic `fast`", "dynamic")]:
+            for label, activations in [(static, "static"), (dynamic, "dynamic")]:
                 try:
                     q = path.parent / f"{activations}.kwx"
-                    kwexport.save(kwexport.quantize(model, (), kwargs, activations=activations), q)
+                    ex = kwexport.quantize(model, (), kwargs, activations=activations, reduce_range=reduce_range)
+                    kwexport.save(ex, q)
                     runners[label] = kwexport.load(q, optimize="fast")
                 except Exception as e:
                     cells[label] = peer_failure(e)
@@ -601,6 +606,7 @@ if __name__ == "__main__":
     parser.add_argument("--models", help="comma-separated: only the models whose names contain one of these")
     parser.add_argument("--bf16", action="store_true", help="precision='bf16' beside OpenVINO's bf16 instead")
     parser.add_argument("--int8", action="store_true", help="kwexport.quantize's int8 beside ONNX Runtime's instead")
+    parser.add_argument("--reduce-range", action="store_true", help="with --int8: kwexport's activations of 128 levels")
     parser.add_argument("--threads", default="1", help="comma-separated intra-op thread counts, e.g. 1,2")
     parser.add_argument("--zoo", action="store_true", help="the holdout models too, beside the tuned set")
     parser.add_argument("--isa", help="avx512, avx2 or portable: kwexport's kernels of that family (read at start)")
@@ -609,7 +615,7 @@ if __name__ == "__main__":
     if args.bf16:
         main_bf16(models)
     elif args.int8:
-        main_int8(models, [int(t) for t in args.threads.split(",")], args.zoo)
+        main_int8(models, [int(t) for t in args.threads.split(",")], args.zoo, reduce_range=args.reduce_range)
     else:
         peers = [p for p in args.peers.split(",") if p not in ("", "none")]
         main(peers, models, [int(t) for t in args.threads.split(",")], args.zoo)

@@ -145,22 +145,37 @@ fn kernels(c: &mut Criterion) {
         });
     }
     // The same linears and a BERT-base one on the int8 GEMM (pt2e's static activation
-    // scale), in the layout this CPU's kernel reads; quantizing the rows included.
-    if let Some(layout) = kwexport_runtime::kernels::int8::Layout::current() {
-        use kwexport_runtime::kernels::int8::{linear, Packed, Quant};
-        let quant = Quant { scale: 0.02, zero_point: 128, qmin: 0, qmax: 255 };
+    // scale), in the layout this CPU's kernel packs the weight in for 256 input levels and
+    // for 128 (`reduce_range`, `vpmaddubsw`'s quads without VNNI); quantizing the rows included.
+    {
+        use kwexport_runtime::kernels::int8::{linear, peak, Layout, Packed, Quant};
+        let full = Quant { scale: 0.02, zero_point: 128, qmin: 0, qmax: 255 };
+        let reduced = Quant { zero_point: 64, qmax: 127, ..full };
         for (m, k, n) in [(1, 256, 256), (4, 256, 256), (32, 256, 1024), (32, 1024, 256), (128, 768, 768)] {
             let (x, bias, scale, mut out) = (data(m * k), data(n), vec![0.01; n], vec![0.0; m * n]);
             let w: Vec<i8> = (0..n * k).map(|i| (i * 37 % 255) as u8 as i8).collect();
-            let mut words = vec![0u32; layout.packed_len([n, k])];
-            layout.pack(&w, [n, k], [k, 1], &mut words);
-            let weight = Packed { words: &words, layout };
-            group.throughput(Throughput::Elements((2 * m * k * n) as u64));
-            group.bench_function(format!("linear_int8_{layout:?}/{m}x{k}x{n}").to_lowercase(), |b| {
-                b.iter(|| {
-                    linear((&x, k), [m, k, n], &quant, weight, &scale, Some(&bias), (Epilogue::None, None), &mut out)
-                })
-            });
+            for (levels, quant) in [("256", full), ("128", reduced)] {
+                let Some(layout) = Layout::choose(quant.qmax - quant.qmin, peak(w.iter().copied())) else { break };
+                let mut words = vec![0u32; layout.packed_len([n, k])];
+                layout.pack(&w, [n, k], [k, 1], &mut words);
+                let weight = Packed { words: &words, layout, peak: peak(w.iter().copied()) };
+                group.throughput(Throughput::Elements((2 * m * k * n) as u64));
+                let name = format!("linear_int8_{layout:?}_{levels}/{m}x{k}x{n}").to_lowercase();
+                group.bench_function(name, |b| {
+                    b.iter(|| {
+                        linear(
+                            (&x, k),
+                            [m, k, n],
+                            &quant,
+                            weight,
+                            &scale,
+                            Some(&bias),
+                            (Epilogue::None, None),
+                            &mut out,
+                        )
+                    })
+                });
+            }
         }
     }
     // A fused linear's activation, as the GEMM stores (BERT's and Llama's MLPs).

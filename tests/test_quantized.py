@@ -534,6 +534,40 @@ def test_quantize_makes_an_int8_program_that_keeps_the_signature(tmp_path, activ
     assert ((prog(x) - ref).abs().max() / ref.abs().max()).item() < 0.05
 
 
+@pytest.mark.parametrize("activations", ["static", "dynamic"])
+def test_quantize_with_reduce_range_quantizes_activations_to_128_levels(tmp_path, activations):
+    """``reduce_range=True``: the x86 quantizer's activations of 128 levels, whose byte products
+    sum exactly on ``vpmaddubsw`` where a CPU lacks VNNI; at ``fast`` on kwexport's int8
+    kernels (the linear and the convolution), within float32 rounding of the quantized graph."""
+    torch.manual_seed(0)
+    for model, x, op in [
+        (MLP().eval(), torch.randn(8, 64), "linear_int8"),
+        (ConvNet().eval(), torch.randn(2, 3, 16, 16), "conv_int8"),
+    ]:
+        ex = kwexport.quantize(model, (x,), activations=activations, reduce_range=True)
+        graph = ex.exported_program.graph_module.graph
+        ranges = {
+            (n.args[-3], n.args[-2]) if activations == "static" else (n.args[1], n.args[2])
+            for n in graph.nodes
+            if n.op == "call_function"
+            and str(n.target).startswith(
+                "quantized_decomposed.quantize_per_tensor"
+                if activations == "static"
+                else "quantized_decomposed.choose_qparams"
+            )
+        }
+        assert ranges == {(0, 127)}, ranges
+        path = tmp_path / f"{op}.kwx"
+        kwexport.save(ex, path)
+        fast = kwexport.load(path, optimize="fast")
+        if kwexport.kernel_info()["isa"] is not None:
+            assert any(op in n["op"] for n in fast.profile(x)), fast.profile(x)
+        want = ex.exported_program.module()(x)
+        # One layer's products exact, a value at a boundary one step away in the next layer
+        # (test_an_int8_mlp_at_fast_is_within_a_quantization_step_of_the_reference).
+        assert ((fast(x) - want).abs().max() / want.abs().max()).item() < 1e-2
+
+
 class BasicBlock(nn.Module):
     """torchvision's ResNet block: one ReLU module called twice, a residual add."""
 
@@ -700,3 +734,6 @@ def test_kernel_info_names_the_int8_gemms_layout():
     vnni = {"avx512": "avx512_vnni" in flags, "avx2": "avx_vnni" in flags}.get(info["isa"], False)
     want = None if info["isa"] is None else "quads" if vnni else "pairs"
     assert info["int8"] == want, info
+    # Activations of 128 levels (`reduce_range`): quads on `vpmaddubsw` on every x86 family.
+    reduced = {None: None, "portable": "pairs"}.get(info["isa"], "quads")
+    assert info["int8_reduced"] == reduced, info

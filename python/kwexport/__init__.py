@@ -159,6 +159,7 @@ def quantize(
     *,
     calibration: list[tuple[tuple[Any, ...], dict[str, Any]]] | None = None,
     activations: str = "static",
+    reduce_range: bool = False,
     dynamic_shapes: Any = None,
     dynamic: bool = False,
 ) -> Exported:
@@ -170,7 +171,10 @@ def quantize(
     ``activations="static"`` (the default) takes the activations' scales from calling the
     prepared program on ``(args, kwargs)`` and on each ``(args, kwargs)`` of ``calibration``
     (give inputs like the ones it will serve); ``"dynamic"`` computes them from each call's
-    values instead (transformers' linears). ``dynamic_shapes`` and ``dynamic`` are
+    values instead (transformers' linears). ``reduce_range=True`` quantizes activations to
+    128 levels instead of 256 (the x86 quantizer's option of that name): on a CPU without VNNI
+    the int8 kernels then multiply bytes exactly with ``vpmaddubsw``, 1.2–1.25× faster, for
+    one bit less of each activation. ``dynamic_shapes`` and ``dynamic`` are
     :func:`export`'s, for the inputs' shapes. Needs torchao (``kwexport[quantize]``).
     """
     from kwexport._quantize import quantize as _quantize
@@ -181,6 +185,7 @@ def quantize(
         kwargs,
         calibration=calibration,
         activations=activations,
+        reduce_range=reduce_range,
         dynamic_shapes=dynamic_shapes,
         dynamic=dynamic,
     )

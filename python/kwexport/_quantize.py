@@ -21,6 +21,7 @@ def quantize(
     *,
     calibration: list[tuple[tuple[Any, ...], dict[str, Any]]] | None = None,
     activations: str = "static",
+    reduce_range: bool = False,
     dynamic_shapes: Any = None,
     dynamic: bool = False,
 ) -> Exported:
@@ -36,7 +37,10 @@ def quantize(
     traced = trace(f, args, kwargs, dynamic_shapes=dynamic_shapes, dynamic=dynamic)
     calls = [traced.leaves] + [traced.leaves_of(a, k) for a, k in (calibration or [])]
     quantizer = xiq.X86InductorQuantizer()
-    quantizer.set_global(xiq.get_default_x86_inductor_quantization_config(is_dynamic=activations == "dynamic"))
+    config = xiq.get_default_x86_inductor_quantization_config(
+        is_dynamic=activations == "dynamic", reduce_range=reduce_range
+    )
+    quantizer.set_global(config)
     # The quantizer would also quantize the inputs of elementwise `mul`s (inside GPT-2's tanh
     # GELU, for one): no kernel here takes int8 there, so that is only quantize/dequantize
     # arithmetic and error, and it keeps the GELU from fusing.

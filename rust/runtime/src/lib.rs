@@ -284,10 +284,12 @@ fn _bind<'py>(
 }
 
 /// Which instruction set's kernels run `optimize="fast"` here: `{"isa": "avx512" | "avx2" |
-/// "portable" | None, "forced": bool, "supported": [...], "int8": "quads" | "pairs" | None}`
-/// (`isa` is None where kwexport's kernels are off and torch's run: no vector family
-/// detected, or `KWEXPORT_ISA` names one this CPU lacks; `int8` is the int8 GEMM's layout:
-/// VNNI's byte quads, or int16 pairs).
+/// "portable" | None, "forced": bool, "supported": [...], "int8": "quads" | "pairs" | None,
+/// "int8_reduced": the same}` (`isa` is None where kwexport's kernels are off and torch's
+/// run: no vector family detected, or `KWEXPORT_ISA` names one this CPU lacks; `int8` is the
+/// int8 GEMM's layout for any program, VNNI's byte quads or int16 pairs, and `int8_reduced`
+/// its layout for activations of 128 levels, `kwexport.quantize(..., reduce_range=True)`:
+/// byte quads on `vpmaddubsw` without VNNI).
 #[pyfunction]
 fn kernel_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     use kernels::isa;
@@ -295,11 +297,14 @@ fn kernel_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     d.set_item("isa", isa::kernels().map(|t| t.isa.name()))?;
     d.set_item("forced", !matches!(isa::choice(), isa::Choice::Detected(_)))?;
     d.set_item("supported", isa::supported().into_iter().map(isa::Isa::name).collect::<Vec<_>>())?;
-    let int8 = kernels::int8::Layout::current().map(|l| match l {
-        kernels::int8::Layout::Quads => "quads",
-        kernels::int8::Layout::Pairs => "pairs",
-    });
-    d.set_item("int8", int8)?;
+    let name = |l: Option<kernels::int8::Layout>| {
+        l.map(|l| match l {
+            kernels::int8::Layout::Quads => "quads",
+            kernels::int8::Layout::Pairs => "pairs",
+        })
+    };
+    d.set_item("int8", name(kernels::int8::Layout::current()))?;
+    d.set_item("int8_reduced", name(kernels::int8::Layout::choose(127, 128)))?;
     Ok(d)
 }
 

@@ -619,11 +619,11 @@ impl CStep {
                     Some(q) => crate::operators::Int8Input::Given(q),
                     None => crate::operators::Int8Input::Chosen { qmin, qmax, eps },
                 };
-                let (panels, layout) = l.panels.get(abi, consts)?;
+                let (panels, layout, peak) = l.panels.get(abi, consts)?;
                 // SAFETY: as above.
                 unsafe {
                     let (n, k, scale, bias) = (l.n, l.k, tensor(6)??, tensor(8)?);
-                    let weight = crate::operators::Int8Weight { panels, layout, n, k, scale, bias };
+                    let weight = crate::operators::Int8Weight { panels, layout, peak, n, k, scale, bias };
                     match &l.conv {
                         Some(g) => ops.conv_int8(tensor(0)??, input, weight, g, (l.epilogue, l.output)),
                         None => ops.linear_int8(tensor(0)??, input, weight, (l.epilogue, l.output)),

@@ -103,7 +103,7 @@ pub struct Table {
     pub(super) epilogue: unsafe fn(Epilogue, &mut [f32]),
     pub(super) gelu: unsafe fn(&[f32], bool, &mut [f32]),
     pub(super) gemm_block: gemm::Block<f32>,
-    /// The int8 GEMM's block on pairs of int16 (`super::int8`); VNNI's on quads is
+    /// The int8 GEMM's block on pairs of int16 (`super::int8`); the blocks on quads are
     /// [`int8`]'s.
     pub(super) gemm_pairs: gemm::Block<u32>,
     /// The bfloat16 GEMM's block (`super::bf16`), each pair as two FMAs; AVX512-BF16's is
@@ -315,47 +315,69 @@ extension_block!(
     /// AVX-VNNI's int8 GEMM block, on AVX2's vectors ([`int8`]).
     avx2_vnni_block, simd::avx2::Avx2, super::int8::Vnni, "avx2,fma,avxvnni"
 );
+extension_block!(
+    /// The int8 GEMM block on quads without VNNI (`vpmaddubsw`), on AVX-512's vectors
+    /// ([`int8`]).
+    avx512_madd_block, simd::avx512::Avx512, super::int8::Madd, "avx512f,avx512bw"
+);
+extension_block!(
+    /// The int8 GEMM block on quads without VNNI (`vpmaddubsw`), on AVX2's vectors
+    /// ([`int8`]).
+    avx2_madd_block, simd::avx2::Avx2, super::int8::Madd, "avx2,fma"
+);
 
-/// The int8 GEMM a family runs (`super::int8`): its block, the weight layout the block
-/// reads, and the quantizer of its input rows to that layout.
+/// An int8 GEMM (`super::int8`): its block, the weight layout the block reads, the
+/// quantizer of its input rows to that layout, and whether its int16 pair sums saturate
+/// (`vpmaddubsw`: exact only where `super::int8::madd_fits`).
 #[derive(Clone, Copy)]
 pub(super) struct Int8 {
     pub(super) block: gemm::Block<u32>,
     pub(super) layout: super::int8::Layout,
     pub(super) quantize: super::int8::Quantize,
+    pub(super) saturates: bool,
 }
 
-/// The int8 GEMM for a table's family: VNNI's byte quads where the CPU has them for the
-/// family's vectors (AVX512-VNNI for the AVX-512 family, AVX-VNNI for AVX2), else the
+/// The int8 GEMM of a table's family that reads `layout`: for quads VNNI's where the CPU has
+/// it for the family's vectors (AVX512-VNNI for the AVX-512 family, AVX-VNNI for AVX2), else
+/// `vpmaddubsw`'s on x86 (AVX-512BW or AVX2), none on the portable family; for pairs the
 /// family's int16 pairs.
-pub(super) fn int8(t: &'static Table) -> Int8 {
+pub(super) fn int8(t: &'static Table, layout: super::int8::Layout) -> Option<Int8> {
+    let pairs = Int8 { block: t.gemm_pairs, layout, quantize: t.quantize_pairs, saturates: false };
+    if layout == super::int8::Layout::Pairs {
+        return Some(pairs);
+    }
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::is_x86_feature_detected as has;
-        let quads = |block| Int8 { block, layout: super::int8::Layout::Quads, quantize: t.quantize_quads };
-        match t.isa {
-            // A table is handed out only where the CPU has its family (`Isa::table`).
-            Isa::Avx512 if has!("avx512vnni") => return quads(avx512_vnni_block),
-            Isa::Avx2 if has!("avxvnni") => return quads(avx2_vnni_block),
-            _ => {}
-        }
+        let quads = |block, saturates| Int8 { block, layout, quantize: t.quantize_quads, saturates };
+        // A table is handed out only where the CPU has its family (`Isa::table`).
+        return match t.isa {
+            Isa::Avx512 if has!("avx512vnni") => Some(quads(avx512_vnni_block, false)),
+            Isa::Avx2 if has!("avxvnni") => Some(quads(avx2_vnni_block, false)),
+            Isa::Avx512 => Some(quads(avx512_madd_block, true)),
+            Isa::Avx2 => Some(quads(avx2_madd_block, true)),
+            Isa::Portable => None,
+        };
     }
-    pairs(t)
+    #[allow(unreachable_code)]
+    None
 }
 
-/// A family's int16 pairs.
-fn pairs(t: &'static Table) -> Int8 {
-    Int8 { block: t.gemm_pairs, layout: super::int8::Layout::Pairs, quantize: t.quantize_pairs }
+/// The layout a table's family packs an int8 weight in: quads where its quads kernel is
+/// exact for the weight (VNNI's always; `vpmaddubsw`'s where `madd_fits`, which the caller
+/// computed from the weight and its input's levels), else pairs.
+pub(super) fn int8_layout(t: &'static Table, madd_fits: bool) -> super::int8::Layout {
+    match int8(t, super::int8::Layout::Quads) {
+        Some(quads) if !quads.saturates || madd_fits => super::int8::Layout::Quads,
+        _ => super::int8::Layout::Pairs,
+    }
 }
 
 /// Every int8 GEMM a table's family can run here, best first (the tests check each).
 #[cfg(test)]
 pub(super) fn int8_variants(t: &'static Table) -> Vec<Int8> {
-    let best = int8(t);
-    match best.layout {
-        super::int8::Layout::Quads => vec![best, pairs(t)],
-        super::int8::Layout::Pairs => vec![best],
-    }
+    use super::int8::Layout;
+    [Layout::Quads, Layout::Pairs].into_iter().filter_map(|l| int8(t, l)).collect()
 }
 
 /// The family this process runs and why: the best this CPU has, or `KWEXPORT_ISA`'s.

@@ -19,12 +19,14 @@ pub enum Int8Input {
     Chosen { qmin: i64, qmax: i64, eps: f64 },
 }
 
-/// An int8 linear's weight as a call hands it to the kernel: its panels (`Int8Panels`) and
-/// their layout, its `[n, k]`, its float32 `[n]` scales and its bias.
+/// An int8 linear's weight as a call hands it to the kernel: its panels (`Int8Panels`),
+/// their layout and the weight's greatest magnitude, its `[n, k]`, its float32 `[n]` scales
+/// and its bias.
 #[derive(Debug, Clone, Copy)]
 pub struct Int8Weight {
     pub panels: Raw,
     pub layout: Layout,
+    pub peak: u8,
     pub n: i64,
     pub k: i64,
     pub scale: Raw,
@@ -32,41 +34,50 @@ pub struct Int8Weight {
 }
 
 /// An int8 linear's or convolution's weight packed for the kernel on its first call (as
-/// [`super::Panels`]): the int8 weight and its zero points, as constants of the plan, and
-/// the convolution's groups (1 for a linear).
+/// [`super::Panels`]): the int8 weight and its zero points, as constants of the plan, the
+/// convolution's groups (1 for a linear), and its input's levels (`qmax - qmin`), which with
+/// the weight's values choose the layout (`Layout::choose`).
 #[derive(Debug)]
 pub struct Int8Panels {
     weight: usize,
     zero_point: usize,
     groups: usize,
-    packed: OnceLock<Option<(Tensor, Layout)>>,
+    levels: i64,
+    packed: OnceLock<Option<(Tensor, Layout, u8)>>,
 }
 
 impl Int8Panels {
-    pub fn new(weight: usize, zero_point: usize, groups: usize) -> Int8Panels {
-        Int8Panels { weight, zero_point, groups, packed: OnceLock::new() }
+    pub fn new(weight: usize, zero_point: usize, groups: usize, levels: i64) -> Int8Panels {
+        Int8Panels { weight, zero_point, groups, levels, packed: OnceLock::new() }
     }
 
-    /// The packed panels and their layout (the one the kernels that run here read), packed now
-    /// if no call did yet; `None` where the weight isn't one the kernel takes or kwexport's
-    /// kernels don't run here (then every call runs the op's Python form).
-    pub fn get(&self, abi: &Abi, consts: &[Tensor]) -> Option<(Raw, Layout)> {
+    /// The packed panels, their layout (one the kernels that run here read) and the weight's
+    /// greatest magnitude, packed now if no call did yet; `None` where the weight isn't one
+    /// the kernel takes or kwexport's kernels don't run here (then every call runs the op's
+    /// Python form).
+    pub fn get(&self, abi: &Abi, consts: &[Tensor]) -> Option<(Raw, Layout, u8)> {
         let packed = self.packed.get_or_init(|| {
-            let layout = Layout::current()?;
             let (weight, zero_point) = (consts.get(self.weight)?.raw(), consts.get(self.zero_point)?.raw());
-            Some((Operators(abi).pack_int8_panels(weight, zero_point, layout, self.groups)?, layout))
+            Operators(abi).pack_int8_panels(weight, zero_point, self.levels, self.groups)
         });
-        packed.as_ref().map(|(t, layout)| (t.raw(), *layout))
+        packed.as_ref().map(|(t, layout, peak)| (t.raw(), *layout, *peak))
     }
 }
 
 impl Operators<'_> {
     /// An int8 CPU `[n, k]` weight or `[n, k, kh, kw]` convolution weight of `groups` groups
-    /// (any strides) as `kernels::int8`'s panels in `layout` (`Layout::pack_conv`'s for a
-    /// convolution, which for 1×1 are the matrix's), held in a float32 tensor's bytes; `None`
-    /// unless its zero points (a CPU `[n]` int64 or int32 tensor) are all 0, the kernel's
-    /// symmetric weights, and the groups divide `n`.
-    fn pack_int8_panels(&self, weight: Raw, zero_point: Raw, layout: Layout, groups: usize) -> Option<Tensor> {
+    /// (any strides) as `kernels::int8`'s panels (`Layout::pack_conv`'s for a convolution,
+    /// which for 1×1 are the matrix's) in the layout chosen for it and an input of `levels`
+    /// levels, held in a float32 tensor's bytes, with the layout and the weight's greatest
+    /// magnitude; `None` unless its zero points (a CPU `[n]` int64 or int32 tensor) are all
+    /// 0, the kernel's symmetric weights, and the groups divide `n`.
+    fn pack_int8_panels(
+        &self,
+        weight: Raw,
+        zero_point: Raw,
+        levels: i64,
+        groups: usize,
+    ) -> Option<(Tensor, Layout, u8)> {
         let shims = self.0.shims.as_ref()?;
         let (int8, int64, int32) = (self.0.dtype_code("int8")?, self.0.dtype_code("int64"), self.0.dtype_code("int32"));
         // SAFETY: live handles (the plan's constants).
@@ -87,6 +98,16 @@ impl Operators<'_> {
         }
         let (shape, st) = (unsigned(shape)?, unsigned(st)?);
         let n = shape[0];
+        let span = 1 + (0..4).map(|d| (shape[d] - 1) * st[d]).sum::<usize>();
+        // SAFETY: an int8 CPU tensor spanning `span` elements from its first at these strides
+        // (checked above).
+        let src = unsafe { std::slice::from_raw_parts(shims.data_ptr(weight)? as *const i8, span) };
+        let [sn, sc, sh, sw] = st;
+        let [_, c, h, w] = shape;
+        let values =
+            (0..n * c * h * w).map(|i| src[i / (c * h * w) * sn + i / (h * w) % c * sc + i / w % h * sh + i % w * sw]);
+        let peak = kernels::int8::peak(values);
+        let layout = Layout::choose(levels, peak)?;
         if shape.contains(&0) || layout.conv_depth(shape) > kernels::int8::MAX_K || !n.is_multiple_of(groups) {
             return None;
         }
@@ -103,15 +124,12 @@ impl Operators<'_> {
         }
         let len = layout.conv_packed_len(shape, groups);
         let out = self.owned(shims.empty_f32(&[i64::try_from(len).ok()?])).ok()?;
-        let span = 1 + (0..4).map(|d| (shape[d] - 1) * st[d]).sum::<usize>();
-        // SAFETY: an int8 CPU tensor spanning `span` elements from its first at these strides
-        // (checked above), and the fresh output, which aliases nothing, as 4-byte words.
+        // SAFETY: the fresh output, which aliases nothing, as 4-byte words.
         unsafe {
-            let src = std::slice::from_raw_parts(shims.data_ptr(weight)? as *const i8, span);
             let dst = std::slice::from_raw_parts_mut(shims.data_ptr(out.raw())? as *mut u32, len);
             layout.pack_conv(src, shape, st, groups, dst);
         }
-        Some(out)
+        Some((out, layout, peak))
     }
 
     /// The value of a one-element CPU tensor of float32, float64, int64 or int32 (a dynamic
@@ -180,7 +198,7 @@ impl Operators<'_> {
         weight: Int8Weight,
         (epilogue, output): (kernels::Epilogue, Option<Quant>),
     ) -> Option<Result<Tensor, CError>> {
-        let Int8Weight { panels, layout, n, k, scale: w_scale, bias } = weight;
+        let Int8Weight { panels, layout, peak, n, k, scale: w_scale, bias } = weight;
         let shims = self.0.shims.as_ref()?;
         // SAFETY: live handles.
         let (xs, ld, ws, bias, mut sizes) = unsafe {
@@ -213,7 +231,7 @@ impl Operators<'_> {
             let words = std::slice::from_raw_parts(shims.data_ptr(panels)? as *const u32, len);
             let os = self.floats_mut(&mut out, m * n)?;
             let post = (epilogue, output.as_ref());
-            kernels::int8::linear((xs, ld), [m, k, n], &quant, Packed { words, layout }, ws, bias, post, os)
+            kernels::int8::linear((xs, ld), [m, k, n], &quant, Packed { words, layout, peak }, ws, bias, post, os)
         };
         ran.ok().map(|()| Ok(out))
     }
@@ -238,7 +256,7 @@ impl Operators<'_> {
         g: &kernels::Conv2d,
         (epilogue, output): (kernels::Epilogue, Option<Quant>),
     ) -> Option<Result<Tensor, CError>> {
-        let Int8Weight { panels, layout, scale: w_scale, bias, .. } = weight;
+        let Int8Weight { panels, layout, peak, scale: w_scale, bias, .. } = weight;
         let (cin, n) = (g.in_channels, g.out_channels);
         let shims = self.0.shims.as_ref()?;
         let image: Vec<f32>;
@@ -278,7 +296,7 @@ impl Operators<'_> {
             let words = std::slice::from_raw_parts(shims.data_ptr(panels)? as *const u32, len);
             let os = self.floats_mut(&mut out, batch * ho * wo * n)?;
             let post = (epilogue, output.as_ref());
-            let weight = Packed { words, layout };
+            let weight = Packed { words, layout, peak };
             kernels::int8::conv((xs, ld), [batch, h, w], g, &input, weight, ws, bias, post, os)
         };
         ran.ok().map(|()| Ok(out))

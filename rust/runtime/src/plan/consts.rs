@@ -300,13 +300,15 @@ pub(crate) trait KernelConsts: Consts {
     /// `kernels::direct_f32`), and the weight's shape; `None` for any other weight.
     fn conv_taps(&mut self, name: &str) -> Option<(usize, [i64; 4])>;
     /// An int8 `[n, k]` or `[n, k, kh, kw]` weight (of `groups` groups) and its zero points,
-    /// to pack for the int8 GEMM on first use (`operators::Int8Panels`), and its shape (`[n,
-    /// k, 1, 1]` for a matrix); `None` for a weight of another dtype or rank.
+    /// to pack for the int8 GEMM on first use (`operators::Int8Panels`) for an input of
+    /// `levels` levels past `qmin`, and its shape (`[n, k, 1, 1]` for a matrix); `None` for a
+    /// weight of another dtype or rank.
     fn int8_panels(
         &mut self,
         weight: &str,
         zero_point: &str,
         groups: usize,
+        levels: i64,
     ) -> Option<(crate::operators::Int8Panels, [i64; 4])>;
 }
 
@@ -345,6 +347,7 @@ impl KernelConsts for ConstTable<'_, '_> {
         weight: &str,
         zero_point: &str,
         groups: usize,
+        levels: i64,
     ) -> Option<(crate::operators::Int8Panels, [i64; 4])> {
         let w = self.weights.get(weight)?.bind(self.py);
         let is_int8 = w.getattr("dtype").ok()?.eq(self.torch.getattr("int8").ok()?).ok()?;
@@ -356,7 +359,7 @@ impl KernelConsts for ConstTable<'_, '_> {
         if !is_int8 || self.abi.is_none() || !self.weights.contains_key(zero_point) {
             return None;
         }
-        let panels = crate::operators::Int8Panels::new(self.weight(weight), self.weight(zero_point), groups);
+        let panels = crate::operators::Int8Panels::new(self.weight(weight), self.weight(zero_point), groups, levels);
         Some((panels, shape))
     }
 

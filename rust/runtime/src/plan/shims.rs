@@ -275,7 +275,9 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg], consts: &mut dyn KernelC
                 _ => return None,
             };
             let (epilogue, output) = int8_post(post)?;
-            let (panels, [n, k, 1, 1]) = consts.int8_panels(w, w_zp, 1)? else { return None };
+            let (panels, [n, k, 1, 1]) = consts.int8_panels(w, w_zp, 1, range[1].saturating_sub(range[0]))? else {
+                return None;
+            };
             let linear = super::Int8Linear { conv: None, params, range, n, k, epilogue, output, panels };
             Some(super::OwnOp::LinearInt8(std::sync::Arc::new(linear)))
         }
@@ -298,7 +300,8 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg], consts: &mut dyn KernelC
                 return None;
             };
             let (epilogue, output) = int8_post(post)?;
-            let (panels, shape) = consts.int8_panels(w, w_zp, usize::try_from(*groups).ok()?)?;
+            let (panels, shape) =
+                consts.int8_panels(w, w_zp, usize::try_from(*groups).ok()?, range[1].saturating_sub(range[0]))?;
             let conv = crate::operators::Conv2d::grouped(shape, [sh, sw], [ph, pw], *groups)?;
             let [n, k] = [shape[0], shape[1]];
             let linear = super::Int8Linear { conv: Some(conv), params, range, n, k, epilogue, output, panels };

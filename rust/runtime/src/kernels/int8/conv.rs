@@ -90,7 +90,7 @@ pub fn conv(
     post: (Epilogue, Option<&Quant>),
     out: &mut [f32],
 ) -> Ran {
-    let kernel = super::super::isa::int8(super::super::table_if(true)?);
+    let kernel = super::super::isa::int8(super::super::table_if(true)?, weight.layout).ok_or(Declined::Values)?;
     conv_with(kernel, x, dims, g, quant, weight, w_scale, bias, post, out)
 }
 
@@ -320,13 +320,14 @@ mod tests {
                 let shape = [n, cin / g.groups, g.kernel[0], g.kernel[1]];
                 let [ho, wo] = g.output(h, w).unwrap();
                 let len = n * shape[1] * g.kernel[0] * g.kernel[1];
-                let wt: Vec<i8> = (0..len).map(|i| ((i * 53 % 256) as i32 - 128) as i8).collect();
+                let wt =
+                    super::super::tests::fit(kernel, (0..len).map(|i| ((i * 53 % 256) as i32 - 128) as i8).collect());
                 let ws: Vec<f32> = (0..n).map(|i| 0.001 + i as f32 / 7000.0).collect();
                 let bias: Vec<f32> = (0..n).map(|i| i as f32 / 7.0 - 1.0).collect();
                 let mut words = vec![0u32; layout.conv_packed_len(shape, g.groups)];
                 let strides = [shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1];
                 layout.pack_conv(&wt, shape, strides, g.groups, &mut words);
-                let weight = Packed { words: &words, layout };
+                let weight = super::super::tests::weight(&words, layout, &wt);
                 for ld in [cin, cin + 3] {
                     let pixels = batch * h * w;
                     let x: Vec<f32> = (0..pixels * ld).map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0).collect();
@@ -368,7 +369,7 @@ mod tests {
         let g = Conv2d::grouped([6, 3, 3, 3], [1, 1], [1, 1], 2).unwrap();
         let words = vec![0u32; layout.conv_packed_len([6, 6, 3, 3], 1)];
         let q = Quant { scale: 0.1, zero_point: 0, qmin: 0, qmax: 255 };
-        let weight = Packed { words: &words, layout };
+        let weight = Packed { words: &words, layout, peak: 0 };
         let run = |g: &Conv2d, out: &mut [f32]| {
             conv((&[0.0; 54], 6), [1, 3, 3], g, &q, weight, &[1.0; 6], None, (Epilogue::None, None), out)
         };

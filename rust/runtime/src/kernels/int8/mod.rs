@@ -12,6 +12,10 @@
 //!   lane per instruction): the input's levels as unsigned bytes (`q - qmin`), the weight's as signed
 //!   bytes, a quarter of a float32 weight's bytes per call; each column's sums start from
 //!   `-(zero_point - qmin) * sum(w)`, so that they equal the sums of `(q - zero_point) * w`.
+//!   Without VNNI, AVX2 and AVX-512 read the same layout with `vpmaddubsw` then `vpmaddwd` by
+//!   ones ([`Madd`]), whose int16 sums of two products saturate: chosen at packing only where
+//!   they can't ([`madd_fits`]: an input of at most 128 levels, torch's `reduce_range`, or
+//!   weights of at most 64 in magnitude), where it measured 1.2–1.25× the pairs' speed.
 //! - [`Layout::Pairs`] (every family: `vpmaddwd` on AVX2 and AVX-512, two products per lane):
 //!   the input's levels less the zero point and the weight both as pairs of int16.
 
@@ -26,6 +30,17 @@ use super::{Declined, Ran, PANEL};
 
 /// The deepest `k` the sums stay exact for: `k * 255 * 128 < 2^31`.
 pub const MAX_K: usize = 65_536;
+
+/// Whether `vpmaddubsw`'s int16 sums of two products are exact ([`Madd`]) for an input of
+/// levels `0..=levels` (`qmax - qmin`) and weights of at most `peak` in magnitude.
+pub fn madd_fits(levels: i64, peak: u8) -> bool {
+    levels.checked_mul(2 * i64::from(peak)).is_some_and(|top| (0..=i64::from(i16::MAX)).contains(&top))
+}
+
+/// The greatest magnitude among an int8 weight's values (0 for none).
+pub fn peak(w: impl IntoIterator<Item = i8>) -> u8 {
+    w.into_iter().map(i8::unsigned_abs).max().unwrap_or(0)
+}
 
 /// An input's per-tensor quantization, as `quantize_per_tensor(x, scale, zero_point, qmin,
 /// qmax, dtype)` takes it.
@@ -313,10 +328,17 @@ pub enum Layout {
 }
 
 impl Layout {
-    /// The layout the kernels that run now read (`super::isa`), `None` where kwexport's
-    /// kernels don't run here.
+    /// The layout the kernels that run now pack any weight in (`super::isa`), `None` where
+    /// kwexport's kernels don't run here.
     pub fn current() -> Option<Layout> {
-        super::isa::kernels().map(|t| super::isa::int8(t).layout)
+        super::isa::kernels().map(|t| super::isa::int8_layout(t, false))
+    }
+
+    /// The layout to pack a weight of at most `peak` in magnitude in, for an input of
+    /// `levels` levels past `qmin`: quads wherever a quads kernel is exact for them (see
+    /// [`madd_fits`]), `None` where kwexport's kernels don't run here.
+    pub fn choose(levels: i64, peak: u8) -> Option<Layout> {
+        super::isa::kernels().map(|t| super::isa::int8_layout(t, madd_fits(levels, peak)))
     }
 
     /// Input channels per 32-bit word of a row, and per element of a panel row.
@@ -383,11 +405,12 @@ impl Layout {
     }
 }
 
-/// An int8 weight as [`Layout::pack`] packed it.
+/// An int8 weight as [`Layout::pack`] packed it, and its greatest magnitude ([`peak`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Packed<'a> {
     pub words: &'a [u32],
     pub layout: Layout,
+    pub peak: u8,
 }
 
 /// `out[m, n] = epilogue(bias[n] + dequantize(quantize(x)) @ (w * w_scale[n]).T)`, `x` being
@@ -413,7 +436,7 @@ pub fn linear(
         && weight.words.len() >= weight.layout.packed_len([n, k])
         && w_scale.len() >= n
         && gemm::results_fit([m, n], n, bias, None, out.len());
-    let kernel = super::isa::int8(super::table_if(fits)?);
+    let kernel = super::isa::int8(super::table_if(fits)?, weight.layout).ok_or(Declined::Values)?;
     let x = &x[..if m == 0 { 0 } else { (m - 1) * ld + k }];
     linear_on(kernel, (x, ld), [m, k, n], quant, weight, w_scale, bias, (epilogue, output), out)
 }
@@ -473,10 +496,12 @@ impl Products<'_> {
     /// Declines a quantization the kernel can't take exactly, or a weight of another layout.
     pub(super) fn check(&self, k: usize) -> Ran {
         let layout = self.kernel.layout;
+        let levels = self.quant.qmax - self.quant.qmin;
         // Levels less `qmin` fit a byte for a range of 256 levels at most.
-        let bytes = layout == Layout::Quads && self.quant.qmax - self.quant.qmin > 255;
+        let bytes = layout == Layout::Quads && levels > 255;
+        let saturates = self.kernel.saturates && !madd_fits(levels, self.weight.peak);
         let output = self.post.1.is_some_and(|q| !q.fits());
-        if !self.quant.fits() || k > MAX_K || bytes || output || layout != self.weight.layout {
+        if !self.quant.fits() || k > MAX_K || bytes || saturates || output || layout != self.weight.layout {
             return Err(Declined::Values);
         }
         Ok(())
@@ -616,6 +641,98 @@ mod vnni {
     }
 }
 
+/// VNNI's quad layout on a CPU without VNNI: `vpmaddubsw` (pairs of unsigned-byte by
+/// signed-byte products, summed to int16 with saturation) then `vpmaddwd` by ones (the pairs
+/// of those summed to int32). Exact only where no pair's sum leaves int16, which
+/// [`Quant::madd_fits`] checks: an input of at most 128 levels (torch's `reduce_range`), or
+/// weights of at most 64 in magnitude.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub(super) struct Madd;
+
+#[cfg(target_arch = "x86_64")]
+mod madd {
+    use std::arch::x86_64::*;
+
+    use super::super::gemm::{Dot, Pairs};
+    use super::super::simd::{avx2::Avx2, avx512::Avx512};
+    use super::Madd;
+
+    // SAFETY: each method is an AVX-512F or AVX-512BW instruction, which the AVX-512 family
+    // requires of the CPU.
+    unsafe impl Dot<Avx512> for Madd {
+        type X = u32;
+        type P = u32;
+        type Acc = __m512i;
+        type W = __m512i;
+        #[inline(always)]
+        unsafe fn start(_: Option<__m512>, sums: Option<__m512>) -> __m512i {
+            // SAFETY: register operations (the trait's contract); `sums` holds int32 bits.
+            unsafe { sums.map_or_else(|| _mm512_setzero_si512(), |s| _mm512_castps_si512(s)) }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const u32) -> __m512i {
+            // SAFETY: the trait's contract.
+            unsafe { _mm512_loadu_si512(p.cast()) }
+        }
+        #[inline(always)]
+        unsafe fn splat(x: u32) -> __m512i {
+            // SAFETY: the trait's contract.
+            unsafe { _mm512_set1_epi32(x as i32) }
+        }
+        #[inline(always)]
+        unsafe fn madd(acc: __m512i, a: __m512i, w: __m512i) -> __m512i {
+            // SAFETY: register arithmetic (the trait's contract); exact where the caller
+            // checked that no pair's sum saturates.
+            unsafe {
+                let pairs = _mm512_maddubs_epi16(a, w);
+                _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)))
+            }
+        }
+        #[inline(always)]
+        unsafe fn finish(acc: __m512i, scale: Option<__m512>, bias: Option<__m512>) -> __m512 {
+            // SAFETY: the trait's contract.
+            unsafe { <Pairs as Dot<Avx512>>::finish(acc, scale, bias) }
+        }
+    }
+
+    // SAFETY: each method is an AVX2 instruction, which the AVX2 family requires.
+    unsafe impl Dot<Avx2> for Madd {
+        type X = u32;
+        type P = u32;
+        type Acc = __m256i;
+        type W = __m256i;
+        #[inline(always)]
+        unsafe fn start(_: Option<__m256>, sums: Option<__m256>) -> __m256i {
+            // SAFETY: register operations (the trait's contract); `sums` holds int32 bits.
+            unsafe { sums.map_or_else(|| _mm256_setzero_si256(), |s| _mm256_castps_si256(s)) }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const u32) -> __m256i {
+            // SAFETY: the trait's contract.
+            unsafe { _mm256_loadu_si256(p.cast()) }
+        }
+        #[inline(always)]
+        unsafe fn splat(x: u32) -> __m256i {
+            // SAFETY: the trait's contract.
+            unsafe { _mm256_set1_epi32(x as i32) }
+        }
+        #[inline(always)]
+        unsafe fn madd(acc: __m256i, a: __m256i, w: __m256i) -> __m256i {
+            // SAFETY: as the AVX-512 form's above.
+            unsafe {
+                let pairs = _mm256_maddubs_epi16(a, w);
+                _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+            }
+        }
+        #[inline(always)]
+        unsafe fn finish(acc: __m256i, scale: Option<__m256>, bias: Option<__m256>) -> __m256 {
+            // SAFETY: the trait's contract.
+            unsafe { <Pairs as Dot<Avx2>>::finish(acc, scale, bias) }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::{isa, reference};
@@ -652,6 +769,21 @@ mod tests {
         (x, w, w_scale, bias)
     }
 
+    /// The tests' weight as a kernel sums it exactly: halved (at most 64 in magnitude) for
+    /// `vpmaddubsw`'s, whose int16 sums the whole range would saturate beside 256 levels.
+    pub(super) fn fit(kernel: isa::Int8, w: Vec<i8>) -> Vec<i8> {
+        if kernel.saturates {
+            w.into_iter().map(|v| v / 2).collect()
+        } else {
+            w
+        }
+    }
+
+    /// `words` packed from `w` in `layout`, as a kernel takes them.
+    pub(super) fn weight<'a>(words: &'a [u32], layout: Layout, w: &[i8]) -> Packed<'a> {
+        Packed { words, layout, peak: peak(w.iter().copied()) }
+    }
+
     fn packed(w: &[i8], [n, k]: [usize; 2], layout: Layout) -> Vec<u32> {
         let mut words = vec![0u32; layout.packed_len([n, k])];
         layout.pack(w, [n, k], [k, 1], &mut words);
@@ -668,10 +800,10 @@ mod tests {
                 let ld = k + 5;
                 let strided: Vec<f32> = (0..m * ld).map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0).collect();
                 let dense: Vec<f32> = strided.chunks(ld).flat_map(|r| r[..k].iter().copied()).collect();
-                let w: Vec<i8> = (0..n * k).map(|i| ((i * 53 % 256) as i32 - 128) as i8).collect();
+                let w = fit(kernel, (0..n * k).map(|i| ((i * 53 % 256) as i32 - 128) as i8).collect());
                 let w_scale: Vec<f32> = (0..n).map(|i| 0.001 + i as f32 / 7000.0).collect();
                 let words = packed(&w, [n, k], layout);
-                let weight = Packed { words: &words, layout };
+                let weight = weight(&words, layout, &w);
                 let run = |x: &[f32], ld: usize| {
                     let mut out = vec![f32::NAN; m * n];
                     let ran = linear_on(
@@ -702,8 +834,9 @@ mod tests {
             let layout = kernel.layout;
             for ([m, k, n], quant) in cases() {
                 let (x, w, w_scale, bias) = operands([m, k, n]);
+                let w = fit(kernel, w);
                 let words = packed(&w, [n, k], layout);
-                let weight = Packed { words: &words, layout };
+                let weight = weight(&words, layout, &w);
                 for (epilogue, bias) in [(Epilogue::None, Some(&bias[..])), (Epilogue::Gelu, None)] {
                     let mut out = vec![f32::NAN; m * n];
                     let ran = linear_on(
@@ -742,8 +875,9 @@ mod tests {
             for ([m, k, n], quant) in cases() {
                 let (mut x, w, w_scale, bias) = operands([m, k, n]);
                 x[0] = f32::NAN;
+                let w = fit(kernel, w);
                 let words = packed(&w, [n, k], layout);
-                let weight = Packed { words: &words, layout };
+                let weight = weight(&words, layout, &w);
                 for epilogue in [Epilogue::Relu6, Epilogue::Gelu] {
                     let run = |output: Option<&Quant>| {
                         let mut out = vec![f32::NAN; m * n];
@@ -778,8 +912,8 @@ mod tests {
     }
 
     /// The largest sums the kernels take, exact: `k = MAX_K`, every input's level at the end
-    /// of its range farthest from the zero point and every weight -128 or 127, against int64
-    /// sums.
+    /// of its range farthest from the zero point and every weight -128 or 127 (-64 or 63 for
+    /// `vpmaddubsw`'s, [`fit`]), against int64 sums.
     #[test]
     fn each_family_sums_exactly_at_the_deepest_k() {
         let k = MAX_K;
@@ -792,9 +926,10 @@ mod tests {
                 (Quant { scale: 1.0, zero_point: 127, qmin: -128, qmax: 127 }, -128, 127),
             ] {
                 let x = vec![(level - quant.zero_point) as f32; 2 * k];
+                let w = fit(kernel, vec![w])[0];
                 let words = packed(&vec![w; k], [1, k], layout);
                 let mut out = [f32::NAN; 2];
-                let weight = Packed { words: &words, layout };
+                let weight = weight(&words, layout, &[w]);
                 let ran = linear_on(
                     kernel,
                     (&x, k),
@@ -932,7 +1067,7 @@ mod tests {
         for (isa, kernel) in variants() {
             let run = |q: Quant, layout: Layout| {
                 let words = vec![0u32; layout.packed_len([2, 2])];
-                let weight = Packed { words: &words, layout };
+                let weight = Packed { words: &words, layout, peak: 0 };
                 linear_on(
                     kernel,
                     (&[0.0; 4], 2),
@@ -962,7 +1097,7 @@ mod tests {
         }
         if let Some(layout) = Layout::current() {
             let words = vec![0u32; layout.packed_len([2, 2])];
-            let weight = Packed { words: &words, layout };
+            let weight = Packed { words: &words, layout, peak: 0 };
             let ran = linear(
                 (&[0.0; 4], 2),
                 [2, 2, 2],
@@ -974,6 +1109,37 @@ mod tests {
                 &mut [0f32; 3],
             );
             assert_eq!(ran, Err(Declined::Shapes));
+        }
+    }
+
+    /// `vpmaddubsw`'s kernel takes a weight and an input whose pair sums fit int16 (torch's
+    /// `reduce_range` input of 128 levels beside the whole weight range, or a weight of at
+    /// most 64 in magnitude beside 256 levels), exact against the reference; declines the
+    /// others, where it would saturate.
+    #[test]
+    fn madd_sums_exactly_what_fits_and_declines_the_rest() {
+        assert!(madd_fits(127, 128) && madd_fits(255, 64) && madd_fits(0, 128));
+        assert!(!madd_fits(128, 128) && !madd_fits(255, 65) && !madd_fits(-1, 1) && !madd_fits(i64::MAX, 2));
+        let [m, k, n] = [5, 70, 20];
+        let (x, w, w_scale, bias) = operands([m, k, n]);
+        let reduced = Quant { scale: 0.04, zero_point: 60, qmin: 0, qmax: 127 };
+        let full = Quant { qmax: 255, ..reduced };
+        for (isa, kernel) in variants().into_iter().filter(|(_, v)| v.saturates) {
+            let words = packed(&w, [n, k], kernel.layout);
+            let run = |quant: &Quant| {
+                let mut out = vec![f32::NAN; m * n];
+                let weight = weight(&words, kernel.layout, &w);
+                let post = (Epilogue::None, None);
+                linear_on(kernel, (&x, k), [m, k, n], quant, weight, &w_scale, Some(&bias), post, &mut out)
+                    .map(|()| out)
+            };
+            assert_eq!(run(&full).err(), Some(Declined::Values), "{isa:?}");
+            let got = run(&reduced).unwrap();
+            let want = reference::linear_int8(&x, [m, k, n], &reduced, &w, &w_scale, Some(&bias), Epilogue::None);
+            for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+                let (got, want) = (*got as f64, *want);
+                assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "{isa:?} [{i}]: {got} vs {want}");
+            }
         }
     }
 
