@@ -342,24 +342,46 @@ pub(super) struct Int8 {
 /// `vpmaddubsw`'s on x86 (AVX-512BW or AVX2), none on the portable family; for pairs the
 /// family's int16 pairs.
 pub(super) fn int8(t: &'static Table, layout: super::int8::Layout) -> Option<Int8> {
-    let pairs = Int8 { block: t.gemm_pairs, layout, quantize: t.quantize_pairs, saturates: false };
-    if layout == super::int8::Layout::Pairs {
-        return Some(pairs);
+    match layout {
+        super::int8::Layout::Pairs => Some(int8_pairs(t)),
+        super::int8::Layout::Quads => int8_vnni(t).or_else(|| int8_madd(t)),
     }
+}
+
+/// A family's int16 pairs.
+fn int8_pairs(t: &'static Table) -> Int8 {
+    Int8 { block: t.gemm_pairs, layout: super::int8::Layout::Pairs, quantize: t.quantize_pairs, saturates: false }
+}
+
+/// A family's quads on VNNI, where the CPU has it for the family's vectors.
+fn int8_vnni(t: &'static Table) -> Option<Int8> {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::is_x86_feature_detected as has;
-        let quads = |block, saturates| Int8 { block, layout, quantize: t.quantize_quads, saturates };
+        let quads =
+            |block| Int8 { block, layout: super::int8::Layout::Quads, quantize: t.quantize_quads, saturates: false };
         // A table is handed out only where the CPU has its family (`Isa::table`).
-        return match t.isa {
-            Isa::Avx512 if has!("avx512vnni") => Some(quads(avx512_vnni_block, false)),
-            Isa::Avx2 if has!("avxvnni") => Some(quads(avx2_vnni_block, false)),
-            Isa::Avx512 => Some(quads(avx512_madd_block, true)),
-            Isa::Avx2 => Some(quads(avx2_madd_block, true)),
-            Isa::Portable => None,
-        };
+        match t.isa {
+            Isa::Avx512 if has!("avx512vnni") => return Some(quads(avx512_vnni_block)),
+            Isa::Avx2 if has!("avxvnni") => return Some(quads(avx2_vnni_block)),
+            _ => {}
+        }
     }
-    #[allow(unreachable_code)]
+    None
+}
+
+/// A family's quads on `vpmaddubsw` (every x86 family).
+fn int8_madd(t: &'static Table) -> Option<Int8> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let quads =
+            |block| Int8 { block, layout: super::int8::Layout::Quads, quantize: t.quantize_quads, saturates: true };
+        match t.isa {
+            Isa::Avx512 => return Some(quads(avx512_madd_block)),
+            Isa::Avx2 => return Some(quads(avx2_madd_block)),
+            Isa::Portable => {}
+        }
+    }
     None
 }
 
@@ -373,11 +395,11 @@ pub(super) fn int8_layout(t: &'static Table, madd_fits: bool) -> super::int8::La
     }
 }
 
-/// Every int8 GEMM a table's family can run here, best first (the tests check each).
+/// Every int8 GEMM a table's family can run here, VNNI's and `vpmaddubsw`'s both where the CPU
+/// has VNNI (the tests check each).
 #[cfg(test)]
 pub(super) fn int8_variants(t: &'static Table) -> Vec<Int8> {
-    use super::int8::Layout;
-    [Layout::Quads, Layout::Pairs].into_iter().filter_map(|l| int8(t, l)).collect()
+    [int8_vnni(t), int8_madd(t), Some(int8_pairs(t))].into_iter().flatten().collect()
 }
 
 /// The family this process runs and why: the best this CPU has, or `KWEXPORT_ISA`'s.
