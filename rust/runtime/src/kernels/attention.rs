@@ -37,7 +37,7 @@ impl Attention {
     /// Whether a tensor of `[batch, heads, rows, cols]` at `strides` lies in `len` elements.
     fn fits(&self, len: usize, rows: usize, cols: usize, strides: [usize; 4]) -> bool {
         let dims = [self.batch, self.heads, rows, cols];
-        len > dims.iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>()
+        len >= super::span(&dims, &strides)
     }
 }
 

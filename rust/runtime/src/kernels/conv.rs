@@ -237,9 +237,8 @@ pub fn direct_f32(
     out: &mut [f32],
 ) -> Ran {
     let Some([ho, wo]) = g.output(h, w).filter(|_| g.groups == 1) else { return Err(Declined::Shapes) };
-    let last = [batch, g.in_channels, h, w].iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>();
     let fits = batch > 0
-        && x.len() > last
+        && x.len() >= super::span(&[batch, g.in_channels, h, w], &strides)
         && taps.len() >= g.in_channels * g.kernel[0] * g.kernel[1] * g.out_channels
         && out.len() >= batch * ho * wo * g.out_channels
         && bias.is_none_or(|b| b.len() >= g.out_channels);

@@ -121,6 +121,19 @@ pub fn all_finite(x: &[f32]) -> bool {
     lanes.iter().chain(chunks.remainder()).all(|v| v.is_finite())
 }
 
+/// The elements a tensor of `sizes` at `strides` spans from its first: its last element's
+/// offset plus one, 0 where a size is 0, and `usize::MAX` past `usize` (no slice that long).
+pub fn span(sizes: &[usize], strides: &[usize]) -> usize {
+    if sizes.contains(&0) {
+        return 0;
+    }
+    sizes
+        .iter()
+        .zip(strides)
+        .try_fold(1usize, |acc, (n, s)| acc.checked_add((n - 1).checked_mul(*s)?))
+        .unwrap_or(usize::MAX)
+}
+
 /// Why a kernel wrote nothing (or nothing the caller may use), for the caller to run another
 /// kernel (torch's): a `Result` it can't ignore.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -49,8 +49,10 @@ pub fn patches_f32(
 ) -> Ran {
     let (Some([ho, wo]), true) = (g.output(h, w), tiles(g)) else { return Err(Declined::Shapes) };
     let ([kh, kw], cin, k) = (g.kernel, g.in_channels, g.taps());
-    let last = [batch, cin, h, w].iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>();
-    if batch == 0 || x.len() <= last || panels.len() < panels_len(k, g.out_channels) {
+    if batch == 0
+        || x.len() < super::span(&[batch, cin, h, w], &strides)
+        || panels.len() < panels_len(k, g.out_channels)
+    {
         return Err(Declined::Shapes);
     }
     super::table_if(true)?;

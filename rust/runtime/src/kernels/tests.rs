@@ -472,3 +472,15 @@ mod attention {
         });
     }
 }
+
+#[test]
+fn a_span_is_the_last_elements_offset_plus_one() {
+    assert_eq!(super::span(&[2, 3, 4], &[12, 4, 1]), 24);
+    // Channels-last, and a slice of a wider tensor's channels.
+    assert_eq!(super::span(&[1, 3, 2, 2], &[12, 1, 6, 3]), 12);
+    assert_eq!(super::span(&[1, 3, 2, 2], &[20, 1, 10, 5]), 18);
+    // Broadcast (stride 0), an empty tensor, and one too large for a slice.
+    assert_eq!(super::span(&[5, 4], &[0, 1]), 4);
+    assert_eq!(super::span(&[3, 0, 4], &[0, 4, 1]), 0);
+    assert_eq!(super::span(&[3, usize::MAX], &[1, 2]), usize::MAX);
+}

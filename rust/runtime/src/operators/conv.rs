@@ -190,8 +190,7 @@ impl Operators<'_> {
             return None;
         }
         let [ho, wo] = g.output(h, w)?;
-        // The elements the input spans: its last one's offset, plus one.
-        let span = 1 + [batch, c, h, w].iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>();
+        let span = kernels::span(&[batch, c, h, w], &strides);
         // SAFETY: a float32 CPU tensor spanning `span` elements from its first.
         let xs = unsafe { self.floats(x, span) }?;
         let mut out = match self.empty_channels_last([batch, cout, ho, wo]) {

@@ -282,7 +282,7 @@ impl Operators<'_> {
         }
         let scale = scale.unwrap_or(1.0 / (e as f64).sqrt()) as f32;
         let g = Attention { batch, heads, l, s, e, ev, scale };
-        let span = |d: [usize; 4], st: [usize; 4]| 1 + d.iter().zip(st).map(|(n, s)| (n - 1) * s).sum::<usize>();
+        let span = |d: [usize; 4], st: [usize; 4]| kernels::span(&d, &st);
         let three = |st: [usize; 4]| [st[0], st[1], st[2]];
         // SAFETY: float32 CPU tensors spanning that many elements from their first.
         let (qx, kx, vx) =

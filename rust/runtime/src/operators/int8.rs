@@ -98,17 +98,20 @@ impl Operators<'_> {
         }
         let (shape, st) = (unsigned(shape)?, unsigned(st)?);
         let n = shape[0];
-        let span = 1 + (0..4).map(|d| (shape[d] - 1) * st[d]).sum::<usize>();
-        // SAFETY: an int8 CPU tensor spanning `span` elements from its first at these strides
+        if shape.contains(&0) || !n.is_multiple_of(groups) {
+            return None;
+        }
+        // SAFETY: an int8 CPU tensor spanning these elements from its first at these strides
         // (checked above).
-        let src = unsafe { std::slice::from_raw_parts(shims.data_ptr(weight)? as *const i8, span) };
+        let src =
+            unsafe { std::slice::from_raw_parts(shims.data_ptr(weight)? as *const i8, kernels::span(&shape, &st)) };
         let [sn, sc, sh, sw] = st;
         let [_, c, h, w] = shape;
         let values =
             (0..n * c * h * w).map(|i| src[i / (c * h * w) * sn + i / (h * w) % c * sc + i / w % h * sh + i % w * sw]);
         let peak = kernels::int8::peak(values);
         let layout = Layout::choose(levels, peak)?;
-        if shape.contains(&0) || layout.conv_depth(shape) > kernels::int8::MAX_K || !n.is_multiple_of(groups) {
+        if layout.conv_depth(shape) > kernels::int8::MAX_K {
             return None;
         }
         // SAFETY: the zero points are `n` contiguous integers of the dtype just checked.

@@ -109,7 +109,7 @@ impl Operators<'_> {
         if !unsafe { shims.is_cpu_f32(weight) } || shape.contains(&0) {
             return None;
         }
-        let span = 1 + shape.iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>();
+        let span = kernels::span(&shape, &strides);
         let out = self.owned(shims.empty_f32(&sizes.map(|s| s as i64))).ok()?;
         // SAFETY: a float32 CPU tensor spanning `span` elements from its first (checked
         // above), and the fresh output, which aliases nothing.
