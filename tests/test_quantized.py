@@ -687,6 +687,13 @@ def test_quantize_a_pt2_from_the_command_line(tmp_path):
         prog = kwexport.load(kwx, optimize="fast")
         assert [n["op"] for n in prog.profile(x) if "::" in n["op"]] == [f"kwexport::linear_int8.{overload}"] * 3
         assert ((prog(x) - want).abs().max() / want.abs().max()).item() < 0.05
+    # `--reduce-range`: the same program but for its activations' range.
+    reduced = tmp_path / "reduced.kwx"
+    assert cli(pt2, reduced, "--activations", "dynamic", "--reduce-range").returncode == 0
+    assert cli(pt2, tmp_path / "again.kwx", "--activations", "dynamic").returncode == 0
+    assert (tmp_path / "again.kwx").read_bytes() == (tmp_path / "dynamic.kwx").read_bytes() != reduced.read_bytes()
+    got = kwexport.load(reduced, optimize="fast")(x)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 0.05
     out = cli(pt2, tmp_path / "other.kwx", "--activations", "static")
     assert out.returncode == 1
     assert "static activations need calibration calls: pass --calibrate CALLS.pt" in out.stderr
