@@ -154,11 +154,12 @@ fn kernels(c: &mut Criterion) {
         for (m, k, n) in [(1, 256, 256), (4, 256, 256), (32, 256, 1024), (32, 1024, 256), (128, 768, 768)] {
             let (x, bias, scale, mut out) = (data(m * k), data(n), vec![0.01; n], vec![0.0; m * n]);
             let w: Vec<i8> = (0..n * k).map(|i| (i * 37 % 255) as u8 as i8).collect();
+            let peak = peak(w.iter().copied());
             for (levels, quant) in [("256", full), ("128", reduced)] {
-                let Some(layout) = Layout::choose(quant.qmax - quant.qmin, peak(w.iter().copied())) else { break };
+                let Some(layout) = Layout::choose(quant.qmax - quant.qmin, peak) else { break };
                 let mut words = vec![0u32; layout.packed_len([n, k])];
                 layout.pack(&w, [n, k], [k, 1], &mut words);
-                let weight = Packed { words: &words, layout, peak: peak(w.iter().copied()) };
+                let weight = Packed { words: &words, layout, peak };
                 group.throughput(Throughput::Elements((2 * m * k * n) as u64));
                 let name = format!("linear_int8_{layout:?}_{levels}/{m}x{k}x{n}").to_lowercase();
                 group.bench_function(name, |b| {

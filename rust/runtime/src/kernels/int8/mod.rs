@@ -563,174 +563,87 @@ impl Products<'_> {
 #[derive(Clone, Copy)]
 pub(super) struct Vnni;
 
-#[cfg(target_arch = "x86_64")]
-mod vnni {
-    use std::arch::x86_64::*;
-
-    use super::super::gemm::{Dot, Pairs};
-    use super::super::simd::{avx2::Avx2, avx512::Avx512};
-    use super::Vnni;
-
-    // SAFETY: each method is an AVX-512F or AVX512-VNNI instruction; `super::super::isa` runs
-    // this micro-kernel only in a block compiled with both enabled, where the CPU has them.
-    unsafe impl Dot<Avx512> for Vnni {
-        type X = u32;
-        type P = u32;
-        type Acc = __m512i;
-        type W = __m512i;
-        #[inline(always)]
-        unsafe fn start(_: Option<__m512>, sums: Option<__m512>) -> __m512i {
-            // SAFETY: register operations (the trait's contract); `sums` holds int32 bits.
-            unsafe { sums.map_or_else(|| _mm512_setzero_si512(), |s| _mm512_castps_si512(s)) }
-        }
-        #[inline(always)]
-        unsafe fn load(p: *const u32) -> __m512i {
-            // SAFETY: the trait's contract.
-            unsafe { _mm512_loadu_si512(p.cast()) }
-        }
-        #[inline(always)]
-        unsafe fn splat(x: u32) -> __m512i {
-            // SAFETY: the trait's contract.
-            unsafe { _mm512_set1_epi32(x as i32) }
-        }
-        #[inline(always)]
-        unsafe fn madd(acc: __m512i, a: __m512i, w: __m512i) -> __m512i {
-            // SAFETY: register arithmetic (the trait's contract): the row's four unsigned
-            // bytes times the column's four signed bytes, summed into each lane, unsaturated.
-            unsafe { _mm512_dpbusd_epi32(acc, a, w) }
-        }
-        #[inline(always)]
-        unsafe fn finish(acc: __m512i, scale: Option<__m512>, bias: Option<__m512>) -> __m512 {
-            // SAFETY: the trait's contract.
-            unsafe { <Pairs as Dot<Avx512>>::finish(acc, scale, bias) }
-        }
-    }
-
-    // SAFETY: each method is an AVX2 or AVX-VNNI instruction; `super::super::isa` runs this
-    // micro-kernel only in a block compiled with both enabled, where the CPU has them.
-    unsafe impl Dot<Avx2> for Vnni {
-        type X = u32;
-        type P = u32;
-        type Acc = __m256i;
-        type W = __m256i;
-        #[inline(always)]
-        unsafe fn start(_: Option<__m256>, sums: Option<__m256>) -> __m256i {
-            // SAFETY: register operations (the trait's contract); `sums` holds int32 bits.
-            unsafe { sums.map_or_else(|| _mm256_setzero_si256(), |s| _mm256_castps_si256(s)) }
-        }
-        #[inline(always)]
-        unsafe fn load(p: *const u32) -> __m256i {
-            // SAFETY: the trait's contract.
-            unsafe { _mm256_loadu_si256(p.cast()) }
-        }
-        #[inline(always)]
-        unsafe fn splat(x: u32) -> __m256i {
-            // SAFETY: the trait's contract.
-            unsafe { _mm256_set1_epi32(x as i32) }
-        }
-        #[inline(always)]
-        unsafe fn madd(acc: __m256i, a: __m256i, w: __m256i) -> __m256i {
-            // SAFETY: register arithmetic (the trait's contract), as AVX512-VNNI's above.
-            unsafe { _mm256_dpbusd_avx_epi32(acc, a, w) }
-        }
-        #[inline(always)]
-        unsafe fn finish(acc: __m256i, scale: Option<__m256>, bias: Option<__m256>) -> __m256 {
-            // SAFETY: the trait's contract.
-            unsafe { <Pairs as Dot<Avx2>>::finish(acc, scale, bias) }
-        }
-    }
-}
-
 /// VNNI's quad layout on a CPU without VNNI: `vpmaddubsw` (pairs of unsigned-byte by
 /// signed-byte products, summed to int16 with saturation) then `vpmaddwd` by ones (the pairs
 /// of those summed to int32). Exact only where no pair's sum leaves int16, which
-/// [`Quant::madd_fits`] checks: an input of at most 128 levels (torch's `reduce_range`), or
-/// weights of at most 64 in magnitude.
+/// [`madd_fits`] checks: an input of at most 128 levels (torch's `reduce_range`), or weights
+/// of at most 64 in magnitude.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 pub(super) struct Madd;
 
+/// The byte-quad micro-kernels: rows of four unsigned bytes a word, panels of four signed
+/// bytes, int32 sums from the columns' starting sums, finished as pairs' are. They differ
+/// only in how a lane's four products are added to its sum.
 #[cfg(target_arch = "x86_64")]
-mod madd {
+mod quads {
     use std::arch::x86_64::*;
 
     use super::super::gemm::{Dot, Pairs};
     use super::super::simd::{avx2::Avx2, avx512::Avx512};
-    use super::Madd;
+    use super::{Madd, Vnni};
 
-    // SAFETY: each method is an AVX-512F or AVX-512BW instruction, which the AVX-512 family
-    // requires of the CPU.
-    unsafe impl Dot<Avx512> for Madd {
-        type X = u32;
-        type P = u32;
-        type Acc = __m512i;
-        type W = __m512i;
-        #[inline(always)]
-        unsafe fn start(_: Option<__m512>, sums: Option<__m512>) -> __m512i {
-            // SAFETY: register operations (the trait's contract); `sums` holds int32 bits.
-            unsafe { sums.map_or_else(|| _mm512_setzero_si512(), |s| _mm512_castps_si512(s)) }
-        }
-        #[inline(always)]
-        unsafe fn load(p: *const u32) -> __m512i {
-            // SAFETY: the trait's contract.
-            unsafe { _mm512_loadu_si512(p.cast()) }
-        }
-        #[inline(always)]
-        unsafe fn splat(x: u32) -> __m512i {
-            // SAFETY: the trait's contract.
-            unsafe { _mm512_set1_epi32(x as i32) }
-        }
-        #[inline(always)]
-        unsafe fn madd(acc: __m512i, a: __m512i, w: __m512i) -> __m512i {
-            // SAFETY: register arithmetic (the trait's contract); exact where the caller
-            // checked that no pair's sum saturates.
-            unsafe {
-                let pairs = _mm512_maddubs_epi16(a, w);
-                _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)))
+    macro_rules! quads {
+        ($dot:ty, Avx512, |$acc:ident, $a:ident, $w:ident| $madd:expr) => {
+            quads!(@ $dot, Avx512, __m512i, __m512, _mm512_setzero_si512, _mm512_castps_si512,
+                _mm512_loadu_si512, _mm512_set1_epi32, |$acc, $a, $w| $madd);
+        };
+        ($dot:ty, Avx2, |$acc:ident, $a:ident, $w:ident| $madd:expr) => {
+            quads!(@ $dot, Avx2, __m256i, __m256, _mm256_setzero_si256, _mm256_castps_si256,
+                _mm256_loadu_si256, _mm256_set1_epi32, |$acc, $a, $w| $madd);
+        };
+        (@ $dot:ty, $simd:ty, $vi:ty, $vf:ty, $zero:ident, $cast:ident, $load:ident, $set1:ident,
+         |$acc:ident, $a:ident, $w:ident| $madd:expr) => {
+            // SAFETY: each method is one of its family's instructions, or (`madd`) of the
+            // extension `super::super::isa` compiles this micro-kernel's block with, only
+            // where the CPU has it.
+            unsafe impl Dot<$simd> for $dot {
+                type X = u32;
+                type P = u32;
+                type Acc = $vi;
+                type W = $vi;
+                #[inline(always)]
+                unsafe fn start(_: Option<$vf>, sums: Option<$vf>) -> $vi {
+                    // SAFETY: register operations (the trait's contract); `sums` holds int32
+                    // bits.
+                    unsafe { sums.map_or_else(|| $zero(), |s| $cast(s)) }
+                }
+                #[inline(always)]
+                unsafe fn load(p: *const u32) -> $vi {
+                    // SAFETY: the trait's contract.
+                    unsafe { $load(p.cast()) }
+                }
+                #[inline(always)]
+                unsafe fn splat(x: u32) -> $vi {
+                    // SAFETY: the trait's contract.
+                    unsafe { $set1(x as i32) }
+                }
+                #[inline(always)]
+                unsafe fn madd($acc: $vi, $a: $vi, $w: $vi) -> $vi {
+                    // SAFETY: register arithmetic (the trait's contract): the row's four
+                    // unsigned bytes times the column's four signed bytes, summed into each
+                    // lane (for `Madd` exact where the caller checked no pair saturates).
+                    unsafe { $madd }
+                }
+                #[inline(always)]
+                unsafe fn finish(acc: $vi, scale: Option<$vf>, bias: Option<$vf>) -> $vf {
+                    // SAFETY: the trait's contract.
+                    unsafe { <Pairs as Dot<$simd>>::finish(acc, scale, bias) }
+                }
             }
-        }
-        #[inline(always)]
-        unsafe fn finish(acc: __m512i, scale: Option<__m512>, bias: Option<__m512>) -> __m512 {
-            // SAFETY: the trait's contract.
-            unsafe { <Pairs as Dot<Avx512>>::finish(acc, scale, bias) }
-        }
+        };
     }
 
-    // SAFETY: each method is an AVX2 instruction, which the AVX2 family requires.
-    unsafe impl Dot<Avx2> for Madd {
-        type X = u32;
-        type P = u32;
-        type Acc = __m256i;
-        type W = __m256i;
-        #[inline(always)]
-        unsafe fn start(_: Option<__m256>, sums: Option<__m256>) -> __m256i {
-            // SAFETY: register operations (the trait's contract); `sums` holds int32 bits.
-            unsafe { sums.map_or_else(|| _mm256_setzero_si256(), |s| _mm256_castps_si256(s)) }
-        }
-        #[inline(always)]
-        unsafe fn load(p: *const u32) -> __m256i {
-            // SAFETY: the trait's contract.
-            unsafe { _mm256_loadu_si256(p.cast()) }
-        }
-        #[inline(always)]
-        unsafe fn splat(x: u32) -> __m256i {
-            // SAFETY: the trait's contract.
-            unsafe { _mm256_set1_epi32(x as i32) }
-        }
-        #[inline(always)]
-        unsafe fn madd(acc: __m256i, a: __m256i, w: __m256i) -> __m256i {
-            // SAFETY: as the AVX-512 form's above.
-            unsafe {
-                let pairs = _mm256_maddubs_epi16(a, w);
-                _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
-            }
-        }
-        #[inline(always)]
-        unsafe fn finish(acc: __m256i, scale: Option<__m256>, bias: Option<__m256>) -> __m256 {
-            // SAFETY: the trait's contract.
-            unsafe { <Pairs as Dot<Avx2>>::finish(acc, scale, bias) }
-        }
-    }
+    quads!(Vnni, Avx512, |acc, a, w| _mm512_dpbusd_epi32(acc, a, w));
+    quads!(Vnni, Avx2, |acc, a, w| _mm256_dpbusd_avx_epi32(acc, a, w));
+    quads!(Madd, Avx512, |acc, a, w| _mm512_add_epi32(
+        acc,
+        _mm512_madd_epi16(_mm512_maddubs_epi16(a, w), _mm512_set1_epi16(1))
+    ));
+    quads!(Madd, Avx2, |acc, a, w| _mm256_add_epi32(
+        acc,
+        _mm256_madd_epi16(_mm256_maddubs_epi16(a, w), _mm256_set1_epi16(1))
+    ));
 }
 
 #[cfg(test)]
