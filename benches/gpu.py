@@ -1,6 +1,7 @@
 """kwexport on a GPU beside eager, ep.module() and torch.compile, in one run (issue 33's table).
 
     python benches/gpu.py [--models resnet18,bert,gpt2,vit,llama] [--budget SECONDS] [--generate] [--out FILE]
+                          [--without PASS,...]
 
 Each model is built from its config (random weights: resnet18 at 224, BERT-base at 128 tokens,
 GPT-2 small at 32, as issue 33 measured; ViT-base/16 and the decode benchmark's Llama at 128
@@ -10,7 +11,8 @@ tokens, which that table doesn't hold), exported on the CPU and loaded with
 cells are µs per call and × eager. Work is done in order of importance (batch 1 fp32, the Llama
 decode, batch 8, batch 1 bf16, torch.compile's default mode) and stops starting new work once
 `--budget` seconds have passed, so a leased GPU's time is never overrun; what was measured is
-printed as it comes and written to `--out`.
+printed as it comes and written to `--out`. `--without` adds a column per pass named: `fast +
+graphs` loaded without that pass (`KWEXPORT_SKIP_PASSES`), what the pass is worth in the same run.
 
 AOTInductor is left out: `aoti_load_package` crashed (SIGSEGV) on the device image issue 33
 measured on, with or without kwexport imported.
@@ -109,7 +111,16 @@ def interleaved(calls, n=20, rounds=5):
     return best
 
 
-def measure(name, batch, dtype, compile_modes, tmp):
+def load_without(path, skip, **options):
+    """``kwexport.load`` with the passes ``skip`` names left out (``KWEXPORT_SKIP_PASSES``)."""
+    os.environ["KWEXPORT_SKIP_PASSES"] = skip
+    try:
+        return kwexport.load(path, **options)
+    finally:
+        del os.environ["KWEXPORT_SKIP_PASSES"]
+
+
+def measure(name, batch, dtype, compile_modes, tmp, *, without=()):
     """One row: every runtime on one model and setup; returns {runtime: seconds or error}."""
     from kwexport import _cuda_gemm
 
@@ -140,18 +151,22 @@ def measure(name, batch, dtype, compile_modes, tmp):
             prog = kwexport.load(path, device="cuda", optimize=level, cuda_graphs=graphs)
             progs[(level, graphs)] = prog
             calls[f"kwexport {level}{' + graphs' if graphs else ''}"] = lambda p=prog: p(*dargs, **dkwargs)
+    for skip in without:
+        prog = load_without(path, skip, device="cuda", optimize="fast", cuda_graphs=True)
+        progs[("fast", True, skip)] = prog
+        calls[f"kwexport fast + graphs - {skip}"] = lambda p=prog: p(*dargs, **dkwargs)
     with torch.no_grad():
         want = first_tensor(model(*dargs, **dkwargs)).float()
         errors = {}
-        for (level, graphs), prog in progs.items():
+        for key, prog in progs.items():
             for _ in range(3):  # past the warm-up into replays
                 got = first_tensor(prog(*dargs, **dkwargs)).float()
-            errors[(level, graphs)] = ((got - want).norm() / want.norm()).item()
+            errors[key] = ((got - want).norm() / want.norm()).item()
         plain = first_tensor(progs[("exact", False)](*dargs, **dkwargs))
         graphed = first_tensor(progs[("exact", True)](*dargs, **dkwargs))
         bitwise = torch.equal(plain, graphed)
         times = interleaved(calls)
-    why = {f"{lv}{'+g' if g else ''}": p.dispatch.get("cuda_graphs", {}).get("why_not") for (lv, g), p in progs.items()}
+    why = {"+".join(map(str, k)): p.dispatch.get("cuda_graphs", {}).get("why_not") for k, p in progs.items()}
     why = {k: v for k, v in why.items() if v}
     # The GEMMs `fast + graphs` chose on the device (`passes::linear_measured`) in this row.
     choices, micros = _cuda_gemm.chosen(), _cuda_gemm.measured()
@@ -219,6 +234,7 @@ def main():
     parser.add_argument("--compile", default="reduce-overhead,default", help="torch.compile's modes, or none")
     parser.add_argument("--batches", default="1,8", help="batch sizes (8: float32 only)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--without", default="", help="passes, each timed as a column of fast + graphs without it")
     opts = parser.parse_args()
     models = [m for m in opts.models.split(",") if m]
     left = lambda: opts.budget - elapsed()  # noqa: E731
@@ -267,7 +283,8 @@ def main():
             continue
         name, batch, dtype, modes = item
         try:
-            times, errors, bitwise, why = measure(name, batch, dtype, modes, tmp)
+            without = [p for p in opts.without.split(",") if p]
+            times, errors, bitwise, why = measure(name, batch, dtype, modes, tmp, without=without)
         except Exception as e:  # noqa: BLE001
             emit(f"{name} batch {batch} {dtype}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             continue
@@ -279,8 +296,8 @@ def main():
         for k, t in times.items():
             err = ""
             if k.startswith("kwexport"):
-                level, graphs = k.split()[1], k.endswith("graphs")
-                err = f"{errors[(level, graphs)]:.1e}"
+                level, graphs, skip = k.split()[1], "graphs" in k, k.partition(" - ")[2]
+                err = f"{errors[(level, graphs, skip) if skip else (level, graphs)]:.1e}"
             emit(f"| {name} | {batch} | {str(dtype)[6:]} | {k} | {t * 1e6:.0f} | {t / e:.2f} | {err} |")
         emit(f"|  |  |  | graphs replay = plain bitwise: {bitwise} {why or ''} |  |  |  |")
     emit(f"(done in {elapsed():.0f} s)")

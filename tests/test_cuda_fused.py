@@ -92,6 +92,11 @@ for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 2e-2)):
         torch.testing.assert_close(got[name][1], want[name][1], rtol=tol / 2, atol=0)
     torch.testing.assert_close(got["rotary"], want["rotary"], rtol=tol, atol=tol)
     assert got["rotary"].stride() == want["rotary"].stride()
+    from kwexport._cuda_fused import bias_gelu_
+    y, b = torch.randn(5, 300, dtype=dtype) * 3, torch.randn(300, dtype=dtype)
+    for form in ("none", "tanh"):
+        want = torch.nn.functional.gelu(y.float() + b.float(), approximate=form)
+        torch.testing.assert_close(bias_gelu_(y.clone(), b, form).float(), want, rtol=tol, atol=tol)
 print("ok")
 """
 

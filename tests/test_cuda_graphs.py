@@ -131,6 +131,65 @@ def test_measured_linears_compute_the_exported_ops():
     # Each candidate the device may choose computes the same product and bias.
     for how in _cuda_gemm.CANDIDATES:
         torch.testing.assert_close(_cuda_gemm._run(how, b, x2, w.t()), torch.addmm(b, x2, w.t()))
+    # With the GELU after it, in either form: the exported ops, bit for bit off CUDA.
+    gelu = nn.functional.gelu
+    for form in ("none", "tanh"):
+        want = gelu(nn.functional.linear(x, w, b), approximate=form)
+        assert torch.equal(torch.ops.kwexport.linear_measured.gelu(x, w, b, form), want)
+        want = gelu(torch.addmm(b, x2, w.t()), approximate=form)
+        assert torch.equal(torch.ops.kwexport.linear_measured.addmm_gelu(b, x2, w.t(), form), want)
+        # Under autograd too, through the ops' own derivatives.
+        xg = x2.clone().requires_grad_()
+        torch.ops.kwexport.linear_measured.addmm_gelu(b, xg, w.t(), form).sum().backward()
+        assert xg.grad is not None
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_the_device_every_gemm_candidate_computes_the_product(dtype):
+    from kwexport import _cuda_gemm
+
+    torch.manual_seed(0)
+    x, w, b = (torch.randn(*s, device="cuda", dtype=dtype) for s in ((6, 64), (96, 64), (96,)))
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for form in (None, "none", "tanh"):
+        y = torch.addmm(b.float(), x.float(), w.t().float())
+        want = y if form is None else nn.functional.gelu(y, approximate=form)
+        for how in _cuda_gemm.candidates(form):
+            got = _cuda_gemm._run(how, b, x, w.t(), form)
+            torch.testing.assert_close(got.float(), want, **tol, msg=f"{how}, GELU {form}")
+
+
+class Projections(nn.Module):
+    """Three projections of one input (an attention block's), and a GELU MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(32, 24), nn.Linear(32, 24), nn.Linear(32, 32)
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        h = nn.functional.gelu(self.up(x), approximate="tanh")
+        return self.down(h) + (q * k).sum(-1, keepdim=True) + v
+
+
+@needs_cuda
+def test_fast_with_graphs_joins_projections_and_their_gelus(tmp_path):
+    # `linear_concat`: q, k and v as one GEMM and slices; `linear_measured`: the up projection
+    # and its GELU as one node.
+    m = Projections()
+    path = saved(tmp_path, m, (torch.randn(5, 32),))
+    prog = kwexport.load(path, device="cuda", optimize="fast", cuda_graphs=True)
+    x = torch.randn(5, 32, device="cuda")
+    first = prog(x)
+    ran = [r["op"] for r in prog.profile(x)]
+    assert ran.count("aten::slice.Tensor") == 3 and "aten::gelu.default" not in ran, ran
+    assert ran.count("kwexport::linear_measured.default") == 2 and "kwexport::linear_measured.gelu" in ran, ran
+    for _ in range(3):
+        assert torch.equal(prog(x), first)
+    with torch.no_grad():
+        torch.testing.assert_close(first, m.cuda()(x), rtol=1e-5, atol=1e-5)
 
 
 def test_measured_linears_load_from_a_file_and_run_anywhere(tmp_path):

@@ -538,6 +538,27 @@ class GeluMLP(nn.Module):
         return self.c(h), h.t().contiguous().t()
 
 
+def test_a_pass_can_be_skipped_to_measure_it(tmp_path, monkeypatch):
+    # KWEXPORT_SKIP_PASSES, read at each load: the file loads as if the pass weren't there.
+    torch.manual_seed(0)
+    model, x = GeluMLP().eval(), torch.randn(5, 16)
+    path = tmp_path / "gelu.kwx"
+    kwexport.save(kwexport.export(model, (x,)), path)
+    monkeypatch.setenv("KWEXPORT_SKIP_PASSES", "gelu_tanh, linear_pointwise")
+    without = kwexport.load(path, optimize="fast")
+    assert "aten::tanh.default" in [n["op"] for n in without.profile(x)]
+    with torch.no_grad():
+        for got, want in zip(without(x), model(x)):
+            assert rel_err(got, want) < 1e-6
+    monkeypatch.setenv("KWEXPORT_SKIP_PASSES", "gelu_tanh,no_such_pass")
+    with pytest.raises(
+        ValueError, match=r'KWEXPORT_SKIP_PASSES: no pass is named "no_such_pass" \(passes: .*gelu_tanh'
+    ):
+        kwexport.load(path, optimize="fast")
+    monkeypatch.delenv("KWEXPORT_SKIP_PASSES")
+    assert "aten::tanh.default" not in [n["op"] for n in kwexport.load(path, optimize="fast").profile(x)]
+
+
 def test_fast_runs_gelu_on_kwexports_kernel(tmp_path):
     torch.manual_seed(0)
     model, x = GeluMLP().eval(), torch.randn(5, 16) * 4

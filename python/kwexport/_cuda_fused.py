@@ -1,6 +1,8 @@
 """The Python forms of kwexport's fused elementwise ops for CUDA: a residual add with the norm
-after it (``kwexport::add_norm``, ``rust/core/src/passes/add_norm.rs``) and the rotary
-embedding (``kwexport::rotary_embedding``, ``rust/core/src/passes/rotary.rs``).
+after it (``kwexport::add_norm``, ``rust/core/src/passes/add_norm.rs``), the rotary
+embedding (``kwexport::rotary_embedding``, ``rust/core/src/passes/rotary.rs``), and a
+product's bias and GELU (one of the ways ``kwexport::linear_measured.gelu`` may compute,
+``kwexport._cuda_gemm``).
 
 A transformer at batch 1 on a GPU is bound by its kernels' count, not their work: each small
 elementwise op is a launch and a pass over memory. The passes insert these ops where calls
@@ -109,7 +111,27 @@ def kernels() -> Any:
         out = xv * cv + xr * sv
         tl.store(y + bt * ys0 + h * ys1 + p * ys2 + j * ys3, out.to(y.dtype.element_ty), mask=mask)
 
-    return {"add_norm": add_norm, "rotary": rotary, "next_power_of_2": triton.next_power_of_2}
+    @triton.jit
+    def bias_gelu(y, b, n, total, TANH: tl.constexpr, BLOCK: tl.constexpr):  # noqa: PLR0917 (a kernel's arguments)
+        # In place over a product's rows: y = gelu(y + b) in float32, rounded once. The tanh
+        # form as 0.5 * (1 + tanh(z)) = 1 / (1 + exp(-2z)), which doesn't cancel.
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < total
+        v = tl.load(y + offs, mask=mask, other=0.0).to(tl.float32)
+        v += tl.load(b + offs % n, mask=mask, other=0.0).to(tl.float32)
+        if TANH:
+            out = v / (1.0 + tl.exp(-1.5957691216057308 * (v + 0.044715 * v * v * v)))
+        else:
+            out = 0.5 * v * (1.0 + tl.erf(v * 0.7071067811865476))
+        tl.store(y + offs, out.to(y.dtype.element_ty), mask=mask)
+
+    return {
+        "add_norm": add_norm,
+        "rotary": rotary,
+        "bias_gelu": bias_gelu,
+        "next_power_of_2": triton.next_power_of_2,
+        "cdiv": triton.cdiv,
+    }
 
 
 def _dtype_name(t: Any) -> str:
@@ -207,3 +229,24 @@ def rotary_embedding(  # noqa: PLR0917 (the op's schema, positionally)
     end = x.shape[dim]
     halves = [torch.neg(torch.narrow(x, dim, split, end - split)), torch.narrow(x, dim, 0, split)]
     return x * cos + torch.cat(halves, cat_dim) * sin
+
+
+# Elements per program of the bias-and-GELU kernel.
+_GELU_BLOCK = 1024
+
+
+def bias_gelu_(y: Any, bias: Any, approximate: str) -> Any:
+    """``gelu(y + bias, approximate)`` written into ``y`` (a product's fresh ``[m, n]`` rows,
+    ``bias`` of ``n``): one kernel where the ops take two."""
+    import torch
+
+    n = y.shape[-1] if y.dim() else 0
+    fits = y.dim() == 2 and y.is_contiguous() and bias.shape == (n,) and bias.is_contiguous() and y.numel() > 0
+    if fits and approximate in ("none", "tanh") and _on_kernel(y, bias):
+        k = kernels()
+        total = y.numel()
+        k["bias_gelu"][(k["cdiv"](total, _GELU_BLOCK),)](
+            y, bias, n, total, TANH=approximate == "tanh", BLOCK=_GELU_BLOCK, num_warps=4
+        )
+        return y
+    return torch.ops.aten.gelu_(y.add_(bias), approximate=approximate)

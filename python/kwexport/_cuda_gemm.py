@@ -1,5 +1,6 @@
 """The Python forms of ``kwexport::linear_measured`` (``rust/core/src/passes/linear_measured.rs``):
-a biased linear, or ``addmm(bias, x, w)``, whose GEMM is chosen on the device.
+a biased linear, or ``addmm(bias, x, w)``, whose GEMM is chosen on the device; and the same
+with the GELU that alone reads its result (``.gelu``, ``.addmm_gelu``).
 
 torch runs a biased linear on CUDA as cuBLASLt with the bias as an epilogue; for some shapes
 its heuristic picks a much slower kernel than plain cuBLAS picks for the product alone. The
@@ -20,6 +21,10 @@ from typing import Any
 # cuBLAS, a second kernel), and the bias broadcast into the output that cuBLAS accumulates
 # onto (`beta = 1`; a copy kernel first).
 CANDIDATES = ("epilogue", "product", "accumulate")
+# With a GELU: each of those then the GELU, the product's with its bias in one kernel
+# (`_cuda_fused.bias_gelu_`); for GELU's tanh form also cuBLASLt's GELU epilogue
+# (`_addmm_activation`, whose activation is that form), one kernel in all.
+TANH_CANDIDATES = (*CANDIDATES, "activation")
 
 # The choice per (candidate's shapes, dtype, device); read without the lock, written under it.
 _chosen: dict[tuple[Any, ...], str] = {}
@@ -33,9 +38,22 @@ MARGIN = 0.95
 RUNS, ROUNDS, SLEEP_CYCLES = 10, 3, 2_000_000
 
 
-def _run(how: str, bias: Any, x: Any, w_kn: Any) -> Any:
+def candidates(gelu: str | None) -> tuple[str, ...]:
+    """The ways of computing a product with this GELU after it (``None``: none)."""
+    return TANH_CANDIDATES if gelu == "tanh" else CANDIDATES
+
+
+def _run(how: str, bias: Any, x: Any, w_kn: Any, gelu: str | None = None) -> Any:
     import torch
 
+    if gelu is not None:
+        from kwexport import _cuda_fused
+
+        if how == "activation":
+            return torch._addmm_activation(bias, x, w_kn, use_gelu=True)
+        if how == "product":
+            return _cuda_fused.bias_gelu_(torch.mm(x, w_kn), bias, gelu)
+        return torch.ops.aten.gelu_(_run(how, bias, x, w_kn), approximate=gelu)
     if how == "epilogue":
         return torch.addmm(bias, x, w_kn)
     if how == "product":
@@ -57,18 +75,19 @@ def _device_us(f: Callable[[], Any]) -> float:
     return start.elapsed_time(end) * 1000.0 / RUNS
 
 
-def _choose(key: tuple[Any, ...], bias: Any, x: Any, w_kn: Any) -> str:
+def _choose(key: tuple[Any, ...], bias: Any, x: Any, w_kn: Any, gelu: str | None) -> str:
     """Times every candidate on these tensors (interleaved rounds, best of each) and keeps
     the fastest for ``key``."""
     import torch
 
+    ways = candidates(gelu)
     with torch.no_grad():
-        for how in CANDIDATES:  # warm: cuBLAS's handles and workspaces, outside the timings
-            _run(how, bias, x, w_kn)
-        best = dict.fromkeys(CANDIDATES, float("inf"))
+        for how in ways:  # warm: cuBLAS's handles and workspaces, Triton's compilation
+            _run(how, bias, x, w_kn, gelu)
+        best = dict.fromkeys(ways, float("inf"))
         for _ in range(ROUNDS):
-            for how in CANDIDATES:
-                best[how] = min(best[how], _device_us(lambda how=how: _run(how, bias, x, w_kn)))
+            for how in ways:
+                best[how] = min(best[how], _device_us(lambda how=how: _run(how, bias, x, w_kn, gelu)))
     fastest = min(best, key=best.__getitem__)
     choice = fastest if best[fastest] < MARGIN * best["epilogue"] else "epilogue"
     with _lock:
@@ -76,20 +95,24 @@ def _choose(key: tuple[Any, ...], bias: Any, x: Any, w_kn: Any) -> str:
         return _chosen.setdefault(key, choice)
 
 
-def _addmm(bias: Any, x: Any, w_kn: Any) -> Any:
-    """``bias + x @ w_kn`` for a 2-D ``x``, by the candidate chosen for these shapes; the
-    exported op itself off CUDA, for a bias that isn't one row, or for a shape first seen in
-    a capture (no timing can run there)."""
+def _addmm(bias: Any, x: Any, w_kn: Any, gelu: str | None = None) -> Any:
+    """``bias + x @ w_kn`` for a 2-D ``x`` (then ``gelu(·, approximate=gelu)``, where given), by
+    the candidate chosen for these shapes; the exported ops themselves off CUDA, for a bias
+    that isn't one row, under autograd (the candidates write in place), or for a shape first
+    seen in a capture (no timing can run there)."""
     import torch
 
     cuda = x.is_cuda and bias.dim() == 1 and x.dim() == 2 and w_kn.dim() == 2
-    if not cuda or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return torch.addmm(bias, x, w_kn)
-    key = (tuple(x.shape), tuple(w_kn.shape), w_kn.stride(), x.dtype, bias.dtype, x.device)
+    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (bias, x, w_kn))
+    if not cuda or recorded or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        y = torch.addmm(bias, x, w_kn)
+        return y if gelu is None else torch.nn.functional.gelu(y, approximate=gelu)
+    key = (tuple(x.shape), tuple(w_kn.shape), w_kn.stride(), x.dtype, bias.dtype, x.device, gelu)
     how = _chosen.get(key)
     if how is None:
-        how = "epilogue" if torch.cuda.is_current_stream_capturing() else _choose(key, bias, x, w_kn)
-    return _run(how, bias, x, w_kn)
+        capturing = torch.cuda.is_current_stream_capturing()
+        how = "epilogue" if capturing else _choose(key, bias, x, w_kn, gelu)
+    return _run(how, bias, x, w_kn, gelu)
 
 
 def linear_measured(x: Any, w: Any, bias: Any) -> Any:
@@ -108,9 +131,24 @@ def addmm_measured(bias: Any, x: Any, w_kn: Any) -> Any:
     return _addmm(bias, x, w_kn)
 
 
+def linear_measured_gelu(x: Any, w: Any, bias: Any, approximate: str) -> Any:
+    """``kwexport::linear_measured.gelu``: ``gelu(linear(x, w, bias), approximate)``."""
+    import torch
+
+    if not (x.is_cuda and x.dim() >= 2 and x.is_contiguous() and w.dim() == 2):
+        return torch.nn.functional.gelu(torch.nn.functional.linear(x, w, bias), approximate=approximate)
+    y = _addmm(bias, x.reshape(-1, x.shape[-1]), w.t(), approximate)
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def addmm_measured_gelu(bias: Any, x: Any, w_kn: Any, approximate: str) -> Any:
+    """``kwexport::linear_measured.addmm_gelu``: ``gelu(addmm(bias, x, w_kn), approximate)``."""
+    return _addmm(bias, x, w_kn, approximate)
+
+
 def chosen() -> dict[tuple[Any, ...], str]:
     """The choices made so far in this process, by (input shape, ``[k, n]`` weight shape, its
-    strides, dtype, bias dtype, device)."""
+    strides, dtype, bias dtype, device, GELU's form or ``None``)."""
     with _lock:
         return dict(_chosen)
 

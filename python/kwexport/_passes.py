@@ -11,7 +11,8 @@ from kwexport._cuda_fused import add_norm_layer_norm, add_norm_rms_norm, rotary_
 # The runtime calls a pass op's Python form here by name (`linear_measured_addmm` for
 # `kwexport::linear_measured.addmm`): re-exported.
 from kwexport._cuda_gemm import addmm_measured as linear_measured_addmm  # noqa: F401 (re-exported)
-from kwexport._cuda_gemm import linear_measured  # noqa: F401 (re-exported)
+from kwexport._cuda_gemm import addmm_measured_gelu as linear_measured_addmm_gelu  # noqa: F401 (re-exported)
+from kwexport._cuda_gemm import linear_measured, linear_measured_gelu  # noqa: F401 (re-exported)
 
 
 def fold_batch_norms(weights: dict[str, Any], folds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -313,6 +314,10 @@ def define_ops() -> Any:
     library.define("linear_measured.addmm(Tensor self, Tensor mat1, Tensor mat2) -> Tensor")
     library.impl("linear_measured", linear_measured, "CompositeImplicitAutograd")
     library.impl("linear_measured.addmm", linear_measured_addmm, "CompositeImplicitAutograd")
+    library.define("linear_measured.gelu(Tensor input, Tensor weight, Tensor bias, str approximate) -> Tensor")
+    library.define("linear_measured.addmm_gelu(Tensor self, Tensor mat1, Tensor mat2, str approximate) -> Tensor")
+    library.impl("linear_measured.gelu", linear_measured_gelu, "CompositeImplicitAutograd")
+    library.impl("linear_measured.addmm_gelu", linear_measured_addmm_gelu, "CompositeImplicitAutograd")
     norm = "Tensor input, Tensor other, SymInt[] normalized_shape, Tensor? weight"
     library.define(f"add_norm.layer_norm({norm}, Tensor? bias, float eps) -> (Tensor, Tensor)")
     library.define(f"add_norm.rms_norm({norm}, float? eps, ScalarType? dtype) -> (Tensor, Tensor, Tensor)")

@@ -73,7 +73,8 @@ pub const DEFAULT_NAMESPACES: &[&str] = &["aten", "prims"];
 /// with a residual add (`passes::conv_residual`), and kwexport's int8 linear
 /// (`passes::linear_int8`: the input's scale and zero point as literals, as tensors, or
 /// chosen from the input) and convolution (the same pass: a static scale, or chosen); and kwexport's biased linear and `addmm` whose GEMM is chosen on
-/// the device (`passes::linear_measured`: the exported op's arguments and values); and its
+/// the device (`passes::linear_measured`: the exported op's arguments and values, and those
+/// with the GELU that alone reads their result); and its
 /// fused elementwise ops for CUDA (`passes::add_norm`, `passes::rotary`).
 pub const PASS_OPS: &[&str] = &[
     "mkldnn::_convolution_pointwise.default",
@@ -89,6 +90,8 @@ pub const PASS_OPS: &[&str] = &[
     "kwexport::rotary_embedding.default",
     "kwexport::conv_int8.default",
     "kwexport::conv_int8.dynamic",
+    "kwexport::linear_measured.gelu",
+    "kwexport::linear_measured.addmm_gelu",
 ];
 
 /// torch's quantize and dequantize ops (`torch.ao.quantization.fx._decomposed`; torchao's pt2e

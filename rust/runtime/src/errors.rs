@@ -84,14 +84,35 @@ pub fn apply_passes(
     level: kwexport_core::passes::Level,
     target: kwexport_core::passes::Target,
 ) -> RtResult<kwexport_core::passes::Rewrites> {
-    let applied =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| kwexport_core::passes::apply(doc, level, target)));
+    let skip = skipped_passes()?;
+    let applied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        kwexport_core::passes::apply_except(doc, level, target, &skip)
+    }));
     applied.map_err(|panic| {
         let what = (panic.downcast_ref::<&str>().map(|s| s.to_string()))
             .or_else(|| panic.downcast_ref::<String>().cloned())
             .unwrap_or_default();
         RtError::Internal(format!("a graph pass failed: {what}"))
     })
+}
+
+/// The passes `KWEXPORT_SKIP_PASSES` names (comma-separated), read at every load so that a
+/// benchmark can load one file with and without a pass; a name no pass has is an error, not
+/// a measurement of nothing.
+fn skipped_passes() -> RtResult<Vec<String>> {
+    let Ok(names) = std::env::var("KWEXPORT_SKIP_PASSES") else { return Ok(Vec::new()) };
+    // `fast` runs every level's passes.
+    let known: Vec<&str> =
+        kwexport_core::passes::registered(kwexport_core::passes::Level::Fast).iter().map(|p| p.name()).collect();
+    let names: Vec<String> = names.split(',').map(str::trim).filter(|n| !n.is_empty()).map(str::to_owned).collect();
+    match names.iter().find(|n| !known.contains(&n.as_str())) {
+        Some(n) => Err(PyValueError::new_err(format!(
+            "KWEXPORT_SKIP_PASSES: no pass is named {n:?} (passes: {})",
+            known.join(", ")
+        ))
+        .into()),
+        None => Ok(names),
+    }
 }
 
 /// Turning a core error into its Python exception.

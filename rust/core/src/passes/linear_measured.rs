@@ -69,7 +69,7 @@ impl Pass for LinearMeasured {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::schema::{Node, OpEntry, Outputs};
 
@@ -77,7 +77,7 @@ mod tests {
         names.iter().map(|n| Arg::Ref((*n).into())).collect()
     }
 
-    fn method(ops: &[&str], nodes: Vec<(usize, Vec<Arg>)>) -> Method {
+    pub(crate) fn method(ops: &[&str], nodes: Vec<(usize, Vec<Arg>)>) -> Method {
         let bytes = crate::artifact::tests::file(|_| {});
         let mut m = crate::parse(&bytes).unwrap().document.methods.remove("forward").unwrap();
         m.ops = ops.iter().map(|n| OpEntry { name: (*n).into(), schema: Some("s".into()) }).collect();

@@ -34,8 +34,12 @@
 //! - [`linear_pointwise`]   linears (and the ReLU, SiLU or GELU after) onto oneDNN's fused
 //!   linear, whose activation the runtime's GEMM applies (`fast`, at load, with the runtime's
 //!   GEMM and oneDNN)
+//! - [`linear_concat`]      linears that read one input (an attention block's query, key and
+//!   value) as one GEMM over their stacked weights (`fast`, at load, on CUDA with CUDA graphs)
 //! - [`linear_measured`]    biased linears onto the GEMM measured fastest on the device
 //!   (`fast`, at load, on CUDA with CUDA graphs)
+//! - [`linear_gelu`]        a measured linear and the GELU after it as one node, its GEMM and
+//!   activation chosen on the device (`fast`, at load, on CUDA with CUDA graphs)
 //! - [`add_norm`]           a residual add and the layer or RMS norm after it as one node, one
 //!   kernel on the device (`fast`, at load, on CUDA with CUDA graphs)
 //! - [`rotary`]             the rotary position embedding's seven ops as one node, one kernel
@@ -58,6 +62,8 @@ pub mod eval_dropout;
 pub mod fake_quantize;
 pub mod gelu_tanh;
 pub mod inplace_state;
+pub mod linear_concat;
+pub mod linear_gelu;
 pub mod linear_int8;
 pub mod linear_int8_output;
 pub mod linear_measured;
@@ -169,7 +175,9 @@ const FAST: &[&dyn Pass] = &[
     &conv_pointwise::ConvPointwise,
     &conv_residual::ConvResidual,
     &linear_pointwise::LinearPointwise,
+    &linear_concat::LinearConcat,
     &linear_measured::LinearMeasured,
+    &linear_gelu::LinearGelu,
     &add_norm::AddNorm,
     &rotary::Rotary,
 ];
@@ -193,9 +201,16 @@ const MAX_SWEEPS: usize = 8;
 /// file's own (`doc.optimized`), and becomes the file's. A file optimized when written passes
 /// through unchanged. `target` adds what only a loader may decide.
 pub fn apply(doc: &mut Document, level: Level, target: Target) -> Rewrites {
+    apply_except(doc, level, target, &[])
+}
+
+/// [`apply`] without the passes `skip` names: for measuring what a pass does
+/// (`KWEXPORT_SKIP_PASSES`).
+pub fn apply_except(doc: &mut Document, level: Level, target: Target, skip: &[String]) -> Rewrites {
     let level = level.max(doc.optimized);
     doc.optimized = level;
-    let passes: Vec<&dyn Pass> = registered(level).into_iter().filter(|p| p.runs_for(target)).collect();
+    let runs = |p: &&dyn Pass| p.runs_for(target) && !skip.iter().any(|s| s == p.name());
+    let passes: Vec<&dyn Pass> = registered(level).into_iter().filter(runs).collect();
     let mut cx = Ctx::new(doc, target);
     for _ in 0..MAX_SWEEPS {
         let mut changed = false;

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use crate::schema::{Graph, InputSource, Node, Outputs};
+use crate::schema::{Graph, InputSource, Node, OpEntry, Outputs};
 
 /// The weight (its name in the file) each of `g`'s weight inputs names, by input name.
 pub fn weight_inputs(g: &Graph) -> HashMap<&str, &str> {
@@ -56,5 +56,19 @@ pub fn sole_reader(readers: &Readers, n: &Node) -> Option<usize> {
     match readers.get(one(n)?)?.as_slice() {
         [j] if *j != OUTSIDE => Some(*j),
         _ => None,
+    }
+}
+
+/// Whether an op may write one of its arguments, or is a higher-order op (whose body may): a
+/// schema that marks a write, or none (a Python operator, a higher-order op) but for the ops
+/// passes insert, which write nothing unless torch names them in place (a trailing `_`).
+pub fn may_write(op: &OpEntry) -> bool {
+    match op.schema.as_deref() {
+        Some(s) => s.contains('!'),
+        None => {
+            let (namespace, name) = op.name.split_once("::").unwrap_or(("", &op.name));
+            let base = name.split('.').next().unwrap_or(name);
+            !matches!(namespace, "aten" | "kwexport") || base.ends_with('_')
+        }
     }
 }
