@@ -33,7 +33,7 @@ use super::emit::{value_names, Emit};
 use super::pass::{Ctx, Pass};
 use super::readers::{may_write, one, weight_inputs, Readers, OUTSIDE};
 use super::{Level, Target};
-use crate::schema::{Arg, Method, Outputs, Weights};
+use crate::schema::{Arg, Method, Node, OpEntry, Outputs, Weights};
 
 const LINEAR: &str = "aten::linear.default";
 const CAT: &str = "aten::cat.default";
@@ -191,7 +191,7 @@ fn written_through(m: &Method, readers: &Readers, v: &str) -> bool {
             }
             let n = &m.graph.nodes[j];
             let Some(op) = m.ops.get(n.op) else { return true };
-            if may_write(op) {
+            if writes_value(op, n, v) {
                 return true;
             }
             // A view's output aliases its input: follow it. A schema says; an op a pass
@@ -206,6 +206,33 @@ fn written_through(m: &Method, readers: &Readers, v: &str) -> bool {
         }
     }
     false
+}
+
+/// Whether node `n` of `op` may write `v`: passes it where its schema marks a write (a KV
+/// cache's `index_copy_` writes the cache, not the key it reads); without a schema, as the
+/// first argument of an aten op torch names in place (which writes only `self`: the
+/// `index_copy_` `inplace_state` makes), or to any other op that may write.
+fn writes_value(op: &OpEntry, n: &Node, v: &str) -> bool {
+    let reads = |a: &Arg| {
+        let mut found = false;
+        a.for_each_ref(&mut |r| found |= r == v);
+        found
+    };
+    let Some(schema) = op.schema.as_deref().and_then(crate::opschema::parse) else {
+        let in_place =
+            op.name.strip_prefix("aten::").is_some_and(|n| n.split('.').next().is_some_and(|b| b.ends_with('_')));
+        return match in_place {
+            true => n.args.first().is_some_and(reads) || n.kwargs.values().any(reads),
+            false => may_write(op),
+        };
+    };
+    let positional = schema.args.iter().filter(|d| **d != "*");
+    let by_position = n.args.iter().zip(positional).any(|(a, d)| reads(a) && d.contains('!'));
+    let by_name = n.kwargs.iter().any(|(k, a)| {
+        reads(a) && schema.args.iter().any(|d| d.rsplit(' ').next() == Some(k.as_str()) && d.contains('!'))
+    });
+    // More arguments than the schema declares: nothing says where they go.
+    by_position || by_name || (n.args.len() > schema.args.len() && may_write(op))
 }
 
 /// The pass (`fast`, on CUDA with CUDA graphs).
@@ -236,7 +263,8 @@ mod tests {
     use serde_json::json;
 
     /// Weights `w{i}` (`[4 + i, 8]` float32) and biases `b{i}`, a state weight `s` and a
-    /// bfloat16 `h`; `x` and `r` user inputs; `nodes` over ops linear, reshape, relu, add_.
+    /// bfloat16 `h`; `x` and `r` user inputs; `nodes` over ops linear, reshape, relu, add_ and
+    /// a schema-less `index_copy_`.
     fn method(nodes: serde_json::Value, outputs: serde_json::Value) -> (Method, Weights) {
         let mut inputs = vec![json!({"name": "x", "source": {"user": 0}}), json!({"name": "r", "source": {"user": 1}})];
         let mut tensors = serde_json::Map::new();
@@ -258,7 +286,8 @@ mod tests {
             "ops": [{"name": LINEAR, "schema": "s"},
                     {"name": "aten::reshape.default", "schema": null},
                     {"name": "aten::relu.default", "schema": "aten::relu(Tensor self) -> Tensor"},
-                    {"name": "aten::add_.Tensor", "schema": "aten::add_.Tensor(Tensor(a!) self, Tensor other) -> Tensor(a!)"}],
+                    {"name": "aten::add_.Tensor", "schema": "aten::add_.Tensor(Tensor(a!) self, Tensor other) -> Tensor(a!)"},
+                    {"name": "aten::index_copy_.default", "schema": null}],
             "graph": {"inputs": inputs, "nodes": nodes, "outputs": outputs}
         });
         let weights = json!({"storages": [], "tensors": tensors});
@@ -348,6 +377,28 @@ mod tests {
         assert_eq!(m.graph.nodes[1].args.len(), 2, "no bias");
         let bound: Vec<_> = m.graph.nodes.iter().filter_map(|n| one(n)).filter(|o| o.len() == 1).collect();
         assert_eq!(bound, ["g", "u", "a", "c"]);
+    }
+
+    #[test]
+    fn an_output_written_into_a_cache_joins() {
+        // `add_(r, k)` writes `r` (as `index_copy_` writes a KV cache), not the key it reads.
+        let (mut m, w) = method(
+            json!([linear("x", "w0", None, "q"), linear("x", "w1", None, "k"), node(3, &["r", "k"], "r2")]),
+            json!([{"ref": "q"}, {"ref": "r2"}]),
+        );
+        assert_eq!(run(&mut m, &w), 1);
+        // The same where the in-place op has no schema yet (`inplace_state`'s `index_copy_`).
+        let (mut m, w) = method(
+            json!([linear("x", "w0", None, "q"), linear("x", "w1", None, "k"), node(4, &["r", "k"], "r2")]),
+            json!([{"ref": "q"}, {"ref": "r2"}]),
+        );
+        assert_eq!(run(&mut m, &w), 1);
+        // ... but not where it writes the output.
+        let (mut m, w) = method(
+            json!([linear("x", "w0", None, "q"), linear("x", "w1", None, "k"), node(4, &["k", "r"], "k2")]),
+            json!([{"ref": "q"}, {"ref": "k2"}]),
+        );
+        assert_eq!(run(&mut m, &w), 0);
     }
 
     #[test]
