@@ -217,9 +217,10 @@ def llama_decode(budget_left, tokens=64):
     gen = dict(max_new_tokens=tokens, do_sample=False, max_length=None, cache_implementation="static")
     with torch.no_grad():
         run("transformers eager", lambda: model.generate(prompt, disable_compile=True, **gen))
-        for graphs in (False, True):
-            prog = kwexport.load(path, device="cuda", cuda_graphs=graphs)
-            run(f"kwexport{' + graphs' if graphs else ''}", lambda p=prog: p.generate(prompt, max_new_tokens=tokens))
+        for level, graphs in (("exact", False), ("exact", True), ("fast", True)):
+            prog = kwexport.load(path, device="cuda", optimize=level, cuda_graphs=graphs)
+            label = f"kwexport {level}{' + graphs' if graphs else ''}"
+            run(label, lambda p=prog: p.generate(prompt, max_new_tokens=tokens))
         if budget_left() > 200:
             run("transformers compiled", lambda: model.generate(prompt, **gen), reps=2)
     same = {k: v == seqs["transformers eager"] for k, v in seqs.items()}

@@ -161,7 +161,8 @@ def test_on_the_device_every_gemm_candidate_computes_the_product(dtype):
 
 
 class Projections(nn.Module):
-    """Three projections of one input (an attention block's), and a GELU MLP."""
+    """Three projections of one input (an attention block's), and a GELU MLP of another (a
+    linear of the same input would join the three)."""
 
     def __init__(self):
         super().__init__()
@@ -170,7 +171,7 @@ class Projections(nn.Module):
 
     def forward(self, x):
         q, k, v = self.q(x), self.k(x), self.v(x)
-        h = nn.functional.gelu(self.up(x), approximate="tanh")
+        h = nn.functional.gelu(self.up(x.relu()), approximate="tanh")
         return self.down(h) + (q * k).sum(-1, keepdim=True) + v
 
 
