@@ -60,10 +60,6 @@ def test_off_their_kernels_the_ops_compute_what_they_replaced():
     y, s, cast = torch.ops.kwexport.add_norm.rms_norm(x, r, [96], w, 1e-6, torch.bfloat16)
     assert torch.equal(y, torch.rms_norm((x + r).bfloat16(), [96], w, 1e-6)) and torch.equal(s, x + r)
     assert torch.equal(cast, (x + r).bfloat16())
-    # The convolution's epilogue: the graph's ops, bias, in-place add and ReLU.
-    x, w, b, r = torch.randn(1, 4, 5, 5), torch.randn(6, 4, 3, 3), torch.randn(6), torch.randn(1, 6, 3, 3)
-    y = torch.ops.kwexport.conv_epilogue(x, w, b, [2, 2], [1, 1], [1, 1], 1, r, True)
-    assert torch.equal(y, torch.conv2d(x, w, b, 2, 1).add_(r).relu_())
     # Halves along another dimension than the cat's, or split anywhere: still the same ops.
     q, cos, sin = args[4:]
     other = torch.ops.kwexport.rotary_embedding(q, cos, sin, 3, -1, 24)
@@ -96,17 +92,7 @@ for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 2e-2)):
         torch.testing.assert_close(got[name][1], want[name][1], rtol=tol / 2, atol=0)
     torch.testing.assert_close(got["rotary"], want["rotary"], rtol=tol, atol=tol)
     assert got["rotary"].stride() == want["rotary"].stride()
-    from kwexport._cuda_fused import bias_gelu_, conv_epilogue
-    x, w, b = torch.randn(2, 8, 6, 5, dtype=dtype), torch.randn(12, 8, 3, 3, dtype=dtype), torch.randn(12, dtype=dtype)
-    for layout in (torch.contiguous_format, torch.channels_last):
-        xl = x.to(memory_format=layout)
-        r = torch.randn(2, 12, 6, 5, dtype=dtype).to(memory_format=layout)
-        for residual, relu in ((r, True), (None, True), (r, False)):
-            want = torch.conv2d(xl.float(), w.float(), b.float(), 1, 1) + (0 if residual is None else residual.float())
-            want = want.relu() if relu else want
-            got = conv_epilogue(xl, w, b, [1, 1], [1, 1], [1, 1], 1, residual, relu)
-            torch.testing.assert_close(got.float(), want, rtol=tol * 4, atol=tol * 8)
-            assert got.is_contiguous(memory_format=layout)
+    from kwexport._cuda_fused import bias_gelu_
     y, b = torch.randn(5, 300, dtype=dtype) * 3, torch.randn(300, dtype=dtype)
     for form in ("none", "tanh"):
         want = torch.nn.functional.gelu(y.float() + b.float(), approximate=form)
@@ -199,43 +185,6 @@ def test_a_llama_at_fast_with_graphs_fuses_its_norms_and_rotary_embedding(tmp_pa
         want = model.cuda()(input_ids=dids, use_cache=False).logits
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(first["logits"], want, rtol=tol, atol=tol)
-
-
-class Residual(nn.Module):
-    """A ResNet block: convolutions with batch norms, a residual add, ReLUs."""
-
-    def __init__(self):
-        super().__init__()
-        self.c1, self.c2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.Conv2d(8, 8, 3, padding=1, bias=False)
-        self.b1, self.b2 = nn.BatchNorm2d(8), nn.BatchNorm2d(8)
-        for bn in (self.b1, self.b2):
-            bn.running_mean.uniform_(-1, 1)
-            bn.running_var.uniform_(0.5, 2)
-
-    def forward(self, x):
-        h = torch.relu_(self.b1(self.c1(x)))
-        h = self.b2(self.c2(h))
-        h += x
-        return torch.relu_(h)
-
-
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fast_with_graphs_runs_convolutions_epilogues_in_one_kernel(tmp_path, dtype):
-    torch.manual_seed(0)
-    m = Residual().eval().to(dtype)
-    path = tmp_path / "residual.kwx"
-    kwexport.save(kwexport.export(m, (torch.randn(2, 8, 10, 10, dtype=dtype),)), path)
-    prog = kwexport.load(path, device="cuda", optimize="fast", cuda_graphs=True)
-    x = torch.randn(2, 8, 10, 10, device="cuda", dtype=dtype)
-    first = prog(x)
-    ran = [r["op"] for r in prog.profile(x)]
-    assert ran.count("kwexport::conv_epilogue.default") == 2 and "aten::relu_.default" not in ran, ran
-    assert all(torch.equal(prog(x), first) for _ in range(3)), "replays equal the first call"
-    with torch.no_grad():
-        want = m.cuda()(x.clone())
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
-    torch.testing.assert_close(first, want, rtol=tol, atol=tol)
 
 
 @needs_cuda

@@ -1,8 +1,7 @@
 """The Python forms of kwexport's fused elementwise ops for CUDA: a residual add with the norm
 after it (``kwexport::add_norm``, ``rust/core/src/passes/add_norm.rs``), the rotary
-embedding (``kwexport::rotary_embedding``, ``rust/core/src/passes/rotary.rs``), a
-convolution's bias, residual and ReLU (``kwexport::conv_epilogue``,
-``rust/core/src/passes/conv_epilogue.rs``), and a product's bias and GELU (one of the ways ``kwexport::linear_measured.gelu`` may compute,
+embedding (``kwexport::rotary_embedding``, ``rust/core/src/passes/rotary.rs``), and a
+product's bias and GELU (one of the ways ``kwexport::linear_measured.gelu`` may compute,
 ``kwexport._cuda_gemm``).
 
 A transformer at batch 1 on a GPU is bound by its kernels' count, not their work: each small
@@ -126,25 +125,7 @@ def kernels() -> Any:
             out = 0.5 * v * (1.0 + tl.erf(v * 0.7071067811865476))
         tl.store(y + offs, out.to(y.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def conv_epilogue(  # noqa: PLR0917 (a kernel's arguments)
-        y, b, r, C, HW, total, CHANNELS_LAST: tl.constexpr, HAS_R: tl.constexpr, RELU: tl.constexpr, BLOCK: tl.constexpr
-    ):
-        # In place over a convolution's dense output: y = relu(y + b[channel] + r) in float32,
-        # rounded once. A NaN stays NaN through the ReLU, as torch's keeps it.
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < total
-        channel = offs % C if CHANNELS_LAST else (offs // HW) % C
-        v = tl.load(y + offs, mask=mask, other=0.0).to(tl.float32)
-        v += tl.load(b + channel, mask=mask, other=0.0).to(tl.float32)
-        if HAS_R:
-            v += tl.load(r + offs, mask=mask, other=0.0).to(tl.float32)
-        if RELU:
-            v = tl.where(v < 0.0, 0.0, v)
-        tl.store(y + offs, v.to(y.dtype.element_ty), mask=mask)
-
     return {
-        "conv_epilogue": conv_epilogue,
         "add_norm": add_norm,
         "rotary": rotary,
         "bias_gelu": bias_gelu,
@@ -250,9 +231,8 @@ def rotary_embedding(  # noqa: PLR0917 (the op's schema, positionally)
     return x * cos + torch.cat(halves, cat_dim) * sin
 
 
-# Elements per program of the elementwise kernels (a product's bias and GELU, a convolution's
-# epilogue).
-_BLOCK = 1024
+# Elements per program of the bias-and-GELU kernel.
+_GELU_BLOCK = 1024
 
 
 def bias_gelu_(y: Any, bias: Any, approximate: str) -> Any:
@@ -265,46 +245,8 @@ def bias_gelu_(y: Any, bias: Any, approximate: str) -> Any:
     if fits and approximate in ("none", "tanh") and _on_kernel(y, bias):
         k = kernels()
         total = y.numel()
-        k["bias_gelu"][(k["cdiv"](total, _BLOCK),)](
-            y, bias, n, total, TANH=approximate == "tanh", BLOCK=_BLOCK, num_warps=4
+        k["bias_gelu"][(k["cdiv"](total, _GELU_BLOCK),)](
+            y, bias, n, total, TANH=approximate == "tanh", BLOCK=_GELU_BLOCK, num_warps=4
         )
         return y
     return torch.ops.aten.gelu_(y.add_(bias), approximate=approximate)
-
-
-def conv_epilogue(  # noqa: PLR0917 (the op's schema, positionally)
-    x: Any,
-    weight: Any,
-    bias: Any,
-    stride: list[int],
-    padding: list[int],
-    dilation: list[int],
-    groups: int,
-    residual: Any,
-    relu: bool,
-) -> Any:
-    """``kwexport::conv_epilogue``: ``conv2d(x, weight, bias, ...)``, plus ``residual`` where
-    given, then a ReLU where ``relu``: cuDNN's product without the bias, then one kernel for
-    the rest, in place."""
-    import torch
-
-    extra = [residual] if residual is not None else []
-    if x.dim() == 4 and bias.dim() == 1 and _on_kernel(x, weight, bias, *extra):
-        y = torch.conv2d(x, weight, None, stride, padding, dilation, groups)
-        dense = y.is_contiguous() or y.is_contiguous(memory_format=torch.channels_last)
-        same = residual is None or (residual.shape == y.shape and residual.stride() == y.stride())
-        if dense and same and y.numel() > 0:
-            k = kernels()
-            total, c = y.numel(), y.shape[1]
-            k["conv_epilogue"][(k["cdiv"](total, _BLOCK),)](
-                y, bias, residual if residual is not None else y, c, y.shape[2] * y.shape[3], total,
-                CHANNELS_LAST=not y.is_contiguous(), HAS_R=residual is not None, RELU=relu,
-                BLOCK=_BLOCK, num_warps=4,
-            )  # fmt: skip
-            return y
-        y.add_(bias.reshape(1, -1, 1, 1))
-    else:
-        y = torch.conv2d(x, weight, bias, stride, padding, dilation, groups)
-    if residual is not None:
-        y = torch.add(y, residual)
-    return torch.relu_(y) if relu else y

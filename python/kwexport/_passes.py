@@ -6,12 +6,7 @@ the ops the load-time passes insert, for calls their C kernels can't take."""
 import functools
 from typing import Any
 
-from kwexport._cuda_fused import (  # noqa: F401 (re-exported)
-    add_norm_layer_norm,
-    add_norm_rms_norm,
-    conv_epilogue,
-    rotary_embedding,
-)
+from kwexport._cuda_fused import add_norm_layer_norm, add_norm_rms_norm, rotary_embedding  # noqa: F401 (re-exported)
 
 # The runtime calls a pass op's Python form here by name (`linear_measured_addmm` for
 # `kwexport::linear_measured.addmm`): re-exported.
@@ -330,7 +325,4 @@ def define_ops() -> Any:
     library.impl("add_norm.layer_norm", add_norm_layer_norm, "CompositeImplicitAutograd")
     library.impl("add_norm.rms_norm", add_norm_rms_norm, "CompositeImplicitAutograd")
     library.impl("rotary_embedding", rotary_embedding, "CompositeImplicitAutograd")
-    convolution = "Tensor input, Tensor weight, Tensor bias, SymInt[2] stride, SymInt[2] padding, SymInt[2] dilation"
-    library.define(f"conv_epilogue({convolution}, SymInt groups, Tensor? residual, bool relu) -> Tensor")
-    library.impl("conv_epilogue", conv_epilogue, "CompositeImplicitAutograd")
     return library

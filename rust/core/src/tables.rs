@@ -75,8 +75,7 @@ pub const DEFAULT_NAMESPACES: &[&str] = &["aten", "prims"];
 /// chosen from the input) and convolution (the same pass: a static scale, or chosen); and kwexport's biased linear and `addmm` whose GEMM is chosen on
 /// the device (`passes::linear_measured`: the exported op's arguments and values, and those
 /// with the GELU that alone reads their result); and its
-/// fused elementwise ops for CUDA (`passes::add_norm`, `passes::rotary`), and its convolution
-/// with the bias, residual and ReLU after it in one kernel (`passes::conv_epilogue`).
+/// fused elementwise ops for CUDA (`passes::add_norm`, `passes::rotary`).
 pub const PASS_OPS: &[&str] = &[
     "mkldnn::_convolution_pointwise.default",
     "mkldnn::_linear_pointwise.default",
@@ -93,7 +92,6 @@ pub const PASS_OPS: &[&str] = &[
     "kwexport::conv_int8.dynamic",
     "kwexport::linear_measured.gelu",
     "kwexport::linear_measured.addmm_gelu",
-    "kwexport::conv_epilogue.default",
 ];
 
 /// torch's quantize and dequantize ops (`torch.ao.quantization.fx._decomposed`; torchao's pt2e

@@ -40,8 +40,6 @@
 //!   (`fast`, at load, on CUDA with CUDA graphs)
 //! - [`linear_gelu`]        a measured linear and the GELU after it as one node, its GEMM and
 //!   activation chosen on the device (`fast`, at load, on CUDA with CUDA graphs)
-//! - [`conv_epilogue`]      a convolution's bias, the residual added to it and the ReLU after
-//!   it as one node, one kernel after cuDNN's product (`fast`, at load, on CUDA with CUDA graphs)
 //! - [`add_norm`]           a residual add and the layer or RMS norm after it as one node, one
 //!   kernel on the device (`fast`, at load, on CUDA with CUDA graphs)
 //! - [`rotary`]             the rotary position embedding's seven ops as one node, one kernel
@@ -55,7 +53,6 @@ pub mod channel_shuffle;
 pub mod channels_last;
 pub mod constant_fold;
 pub mod conv;
-pub mod conv_epilogue;
 pub mod conv_pointwise;
 pub mod conv_residual;
 pub mod dead_code;
@@ -181,7 +178,6 @@ const FAST: &[&dyn Pass] = &[
     &linear_concat::LinearConcat,
     &linear_measured::LinearMeasured,
     &linear_gelu::LinearGelu,
-    &conv_epilogue::ConvEpilogue,
     &add_norm::AddNorm,
     &rotary::Rotary,
 ];
