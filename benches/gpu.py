@@ -171,7 +171,7 @@ def measure(name, batch, dtype, compile_modes, tmp, *, without=()):
     # The GEMMs `fast + graphs` chose on the device (`passes::linear_measured`) in this row.
     choices, micros = _cuda_gemm.chosen(), _cuda_gemm.measured()
     gemms = [
-        f"{list(k[0])}x{list(k[1])} {str(k[3])[6:]}: {c} ("
+        f"{list(k[0])}x{list(k[1])} {str(k[3])[6:]}{f' + gelu {k[6]}' if k[6] else ''}: {c} ("
         + ", ".join(f"{h} {us:.1f}" for h, us in micros[k].items())
         + " µs)"
         for k, c in choices.items()
