@@ -72,10 +72,11 @@ pub const DEFAULT_NAMESPACES: &[&str] = &["aten", "prims"];
 /// convolution (`passes::conv_pointwise`), linear (`passes::linear_pointwise`), convolution
 /// with a residual add (`passes::conv_residual`), and kwexport's int8 linear
 /// (`passes::linear_int8`: the input's scale and zero point as literals, as tensors, or
-/// chosen from the input) and convolution (the same pass: a static scale, or chosen); and kwexport's biased linear and `addmm` whose GEMM is chosen on
-/// the device (`passes::linear_measured`: the exported op's arguments and values, and those
-/// with the GELU that alone reads their result); and its
-/// fused elementwise ops for CUDA (`passes::add_norm`, `passes::rotary`).
+/// chosen from the input) and convolution (the same pass: a static scale, or chosen); and
+/// kwexport's biased linear and `addmm` whose GEMM is chosen on the device
+/// (`passes::linear_measured`: the exported op's arguments and values), the same with the
+/// GELU that alone reads their result (`passes::linear_gelu`); and its fused elementwise ops
+/// for CUDA (`passes::add_norm`, `passes::rotary`).
 pub const PASS_OPS: &[&str] = &[
     "mkldnn::_convolution_pointwise.default",
     "mkldnn::_linear_pointwise.default",

@@ -15,10 +15,10 @@
 //! q = slice(y, -1, 0, nq); k = slice(y, -1, nq, nq + nk); v = slice(y, -1, nq + nk, n)
 //! ```
 //!
-//! The `cat`s read only weights, so constant folding makes the stacked weights once at load
-//! (they are held beside the file's). Each slice is the rows of its linear's output, computed
-//! by the same dot products in a wider GEMM: equal but for the order cuBLAS sums in, which
-//! may differ with the wider shape (float32 rounding).
+//! The `cat`s read only weights, so constant folding makes the stacked weights once at load.
+//! Each slice is the columns of its linear's output, computed by the same dot products in a
+//! wider GEMM: equal but for the order cuBLAS sums in, which may differ with the wider shape
+//! (float32 rounding).
 //!
 //! Linears join when they read the same value, their weights (and biases: all or none) are
 //! 2-D float weights of the file of one dtype that the program never writes, no node between
@@ -59,8 +59,12 @@ struct Candidate<'m> {
     bias: Option<&'m str>,
     output: &'m str,
     features: i64,
-    key: (&'m str, bool, &'m str, i64),
+    key: Key<'m>,
 }
+
+/// What linears must share to join: their input, whether they have a bias, their weights'
+/// dtype and input features.
+type Key<'m> = (&'m str, bool, &'m str, i64);
 
 /// Joins each group of linears of the method's top-level graph; returns how many linears
 /// were dropped into another.
@@ -142,7 +146,7 @@ fn find<'a>(m: &'a Method, readers: &Readers, weights: &'a Weights) -> Vec<Group
         let w = m.ops.get(n.op).is_none_or(may_write);
         writes_before.push(writes_before.last().unwrap() + usize::from(w));
     }
-    let mut open: BTreeMap<(&str, bool, &str, i64), Vec<(usize, Candidate<'a>)>> = BTreeMap::new();
+    let mut open: BTreeMap<Key<'a>, Vec<(usize, Candidate<'a>)>> = BTreeMap::new();
     for i in 0..nodes.len() {
         if let Some(c) = candidate(i) {
             open.entry(c.key).or_default().push((i, c));

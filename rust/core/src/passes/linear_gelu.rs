@@ -119,7 +119,7 @@ mod tests {
         // The in-place add writes its first argument.
         m.ops[4].schema = Some("aten::add_.Tensor(Tensor(a!) self, Tensor other) -> Tensor(a!)".into());
         m.graph.outputs =
-            nodes.iter().filter_map(|(_, _, out)| out.map(|o| Arg::Ref(o.into()))).last().into_iter().collect();
+            nodes.iter().filter_map(|(_, _, out)| out.map(|o| Arg::Ref(o.into()))).next_back().into_iter().collect();
         m
     }
 
