@@ -115,15 +115,21 @@ def _addmm(bias: Any, x: Any, w_kn: Any, gelu: str | None = None) -> Any:
     return _run(how, bias, x, w_kn, gelu)
 
 
-def linear_measured(x: Any, w: Any, bias: Any) -> Any:
-    """``kwexport::linear_measured``: ``linear(x, w, bias)``, flattened to rows as torch's
-    own ``linear`` does for a contiguous input."""
+def _linear(x: Any, w: Any, bias: Any, gelu: str | None) -> Any:
+    """``linear(x, w, bias)`` (then its GELU, where given), flattened to rows as torch's own
+    ``linear`` does for a contiguous input."""
     import torch
 
     if not (x.is_cuda and x.dim() >= 2 and x.is_contiguous() and w.dim() == 2):
-        return torch.nn.functional.linear(x, w, bias)
-    y = _addmm(bias, x.reshape(-1, x.shape[-1]), w.t())
+        y = torch.nn.functional.linear(x, w, bias)
+        return y if gelu is None else torch.nn.functional.gelu(y, approximate=gelu)
+    y = _addmm(bias, x.reshape(-1, x.shape[-1]), w.t(), gelu)
     return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def linear_measured(x: Any, w: Any, bias: Any) -> Any:
+    """``kwexport::linear_measured``: ``linear(x, w, bias)``."""
+    return _linear(x, w, bias, None)
 
 
 def addmm_measured(bias: Any, x: Any, w_kn: Any) -> Any:
@@ -133,12 +139,7 @@ def addmm_measured(bias: Any, x: Any, w_kn: Any) -> Any:
 
 def linear_measured_gelu(x: Any, w: Any, bias: Any, approximate: str) -> Any:
     """``kwexport::linear_measured.gelu``: ``gelu(linear(x, w, bias), approximate)``."""
-    import torch
-
-    if not (x.is_cuda and x.dim() >= 2 and x.is_contiguous() and w.dim() == 2):
-        return torch.nn.functional.gelu(torch.nn.functional.linear(x, w, bias), approximate=approximate)
-    y = _addmm(bias, x.reshape(-1, x.shape[-1]), w.t(), approximate)
-    return y.reshape(*x.shape[:-1], w.shape[0])
+    return _linear(x, w, bias, approximate)
 
 
 def addmm_measured_gelu(bias: Any, x: Any, w_kn: Any, approximate: str) -> Any:
