@@ -165,7 +165,7 @@ fn safe_reader(node: &SlotNode, ops: &[OpEntry]) -> bool {
         return false;
     }
     match ops.get(node.op).and_then(|o| o.schema.as_deref()) {
-        Some(schema) => !schema.contains('!') && !schema.split("->").nth(1).is_some_and(|r| r.contains("Tensor(")),
+        Some(schema) => !schema.contains('!') && !super::readers::returns_alias(schema),
         None => true,
     }
 }

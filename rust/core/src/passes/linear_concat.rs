@@ -31,7 +31,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::emit::{value_names, Emit};
 use super::pass::{Ctx, Pass};
-use super::readers::{may_write, one, weight_inputs, Readers, OUTSIDE};
+use super::readers::{may_write, one, returns_alias, weight_inputs, Readers, OUTSIDE};
 use super::{Level, Target};
 use crate::schema::{Arg, Method, Node, OpEntry, Outputs, Weights};
 
@@ -201,7 +201,7 @@ fn written_through(m: &Method, readers: &Readers, v: &str) -> bool {
             // A view's output aliases its input: follow it. A schema says; an op a pass
             // inserted (`reshape` for `view`, a slice) may return a view.
             let aliases = match op.schema.as_deref() {
-                Some(s) => s.split("->").nth(1).is_some_and(|r| r.contains("Tensor(")),
+                Some(s) => returns_alias(s),
                 None => op.name.starts_with("aten::"),
             };
             if aliases {

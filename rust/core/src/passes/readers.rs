@@ -72,3 +72,8 @@ pub fn may_write(op: &OpEntry) -> bool {
         }
     }
 }
+
+/// Whether a schema's op returns an alias of an argument (`-> Tensor(a)`: a view).
+pub fn returns_alias(schema: &str) -> bool {
+    schema.split("->").nth(1).is_some_and(|r| r.contains("Tensor("))
+}
