@@ -113,11 +113,15 @@ def interleaved(calls, n=20, rounds=5):
 
 def load_without(path, skip, **options):
     """``kwexport.load`` with the passes ``skip`` names left out (``KWEXPORT_SKIP_PASSES``)."""
+    before = os.environ.get("KWEXPORT_SKIP_PASSES")
     os.environ["KWEXPORT_SKIP_PASSES"] = skip
     try:
         return kwexport.load(path, **options)
     finally:
-        del os.environ["KWEXPORT_SKIP_PASSES"]
+        if before is None:
+            del os.environ["KWEXPORT_SKIP_PASSES"]
+        else:
+            os.environ["KWEXPORT_SKIP_PASSES"] = before
 
 
 def measure(name, batch, dtype, compile_modes, tmp, *, without=()):
@@ -148,25 +152,25 @@ def measure(name, batch, dtype, compile_modes, tmp, *, without=()):
     progs = {}
     for level in ("exact", "fast"):
         for graphs in (False, True):
-            prog = kwexport.load(path, device="cuda", optimize=level, cuda_graphs=graphs)
-            progs[(level, graphs)] = prog
-            calls[f"kwexport {level}{' + graphs' if graphs else ''}"] = lambda p=prog: p(*dargs, **dkwargs)
+            label = f"kwexport {level}{' + graphs' if graphs else ''}"
+            progs[label] = kwexport.load(path, device="cuda", optimize=level, cuda_graphs=graphs)
     for skip in without:
-        prog = load_without(path, skip, device="cuda", optimize="fast", cuda_graphs=True)
-        progs[("fast", True, skip)] = prog
-        calls[f"kwexport fast + graphs - {skip}"] = lambda p=prog: p(*dargs, **dkwargs)
+        progs[f"kwexport fast + graphs - {skip}"] = load_without(
+            path, skip, device="cuda", optimize="fast", cuda_graphs=True
+        )
+    calls.update({label: lambda p=prog: p(*dargs, **dkwargs) for label, prog in progs.items()})
     with torch.no_grad():
         want = first_tensor(model(*dargs, **dkwargs)).float()
         errors = {}
-        for key, prog in progs.items():
+        for label, prog in progs.items():
             for _ in range(3):  # past the warm-up into replays
                 got = first_tensor(prog(*dargs, **dkwargs)).float()
-            errors[key] = ((got - want).norm() / want.norm()).item()
-        plain = first_tensor(progs[("exact", False)](*dargs, **dkwargs))
-        graphed = first_tensor(progs[("exact", True)](*dargs, **dkwargs))
+            errors[label] = ((got - want).norm() / want.norm()).item()
+        plain = first_tensor(progs["kwexport exact"](*dargs, **dkwargs))
+        graphed = first_tensor(progs["kwexport exact + graphs"](*dargs, **dkwargs))
         bitwise = torch.equal(plain, graphed)
         times = interleaved(calls)
-    why = {"+".join(map(str, k)): p.dispatch.get("cuda_graphs", {}).get("why_not") for k, p in progs.items()}
+    why = {label: p.dispatch.get("cuda_graphs", {}).get("why_not") for label, p in progs.items()}
     why = {k: v for k, v in why.items() if v}
     # The GEMMs `fast + graphs` chose on the device (`passes::linear_measured`) in this row.
     choices, micros = _cuda_gemm.chosen(), _cuda_gemm.measured()
@@ -262,6 +266,7 @@ def main():
     plan += [(m, 1, torch.bfloat16, overhead) for m in models]
     plan += [(m, 1, torch.float32, ["default"]) for m in models[:3]] if "default" in modes else []
     header = False
+    without = [p for p in opts.without.split(",") if p]
     for item in plan:
         if left() < 60:
             emit(f"(budget spent at {elapsed():.0f} s: skipped {item[:3]})")
@@ -284,7 +289,6 @@ def main():
             continue
         name, batch, dtype, modes = item
         try:
-            without = [p for p in opts.without.split(",") if p]
             times, errors, bitwise, why = measure(name, batch, dtype, modes, tmp, without=without)
         except Exception as e:  # noqa: BLE001
             emit(f"{name} batch {batch} {dtype}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
@@ -295,10 +299,7 @@ def main():
             header = True
         e = times["eager"]
         for k, t in times.items():
-            err = ""
-            if k.startswith("kwexport"):
-                level, graphs, skip = k.split()[1], "graphs" in k, k.partition(" - ")[2]
-                err = f"{errors[(level, graphs, skip) if skip else (level, graphs)]:.1e}"
+            err = f"{errors[k]:.1e}" if k in errors else ""
             emit(f"| {name} | {batch} | {str(dtype)[6:]} | {k} | {t * 1e6:.0f} | {t / e:.2f} | {err} |")
         emit(f"|  |  |  | graphs replay = plain bitwise: {bitwise} {why or ''} |  |  |  |")
     emit(f"(done in {elapsed():.0f} s)")
