@@ -871,6 +871,45 @@ def test_fast_runs_attention_on_kwexports_kernel(tmp_path):
     assert rel_err(xg.grad, xe.grad) < 1e-5
 
 
+class Rotary(nn.Module):
+    """transformers' `apply_rotary_pos_emb`: the query and key transposed into heads, the
+    tables broadcast over heads (`[b, 1, p, d]`) and over the batch (`[p, d]`), the halves
+    split at the middle and, for the key, elsewhere."""
+
+    def forward(self, x, y, cos, sin):
+        cos2, sin2 = cos[0, 0], sin[0, 0]
+        q, k = x.transpose(1, 2), y.transpose(1, 2)
+
+        def rotate(t, split):
+            return torch.cat((-t[..., split:], t[..., :split]), dim=-1)
+
+        return q * cos + rotate(q, 4) * sin, (k * cos2) + (rotate(k, 3) * sin2)
+
+
+def test_fast_runs_the_rotary_embedding_as_one_kernel(tmp_path):
+    torch.manual_seed(0)
+    x, y, cos, sin = torch.randn(2, 5, 3, 8), torch.randn(2, 5, 3, 8), torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8)
+    model, path = Rotary(), tmp_path / "rotary.kwx"
+    kwexport.save(kwexport.export(model, (x, y, cos, sin)), path)
+    fast = kwexport.load(path, optimize="fast")
+    ran = [n["op"] for n in fast.profile(x, y, cos, sin)]
+    assert ran.count("kwexport::rotary_embedding.default") == (2 if own_kernels() else 0)
+    # Eager's bits and layout (the query's), NaN and infinities where eager has them, from
+    # kwexport's kernel: torch runs none of the ops it replaced.
+    x[0, 1, 2, 3], cos[1, 0, 2, 5], sin[0, 0, 4, 1] = float("nan"), float("inf"), float("-inf")
+    with torch.profiler.profile() as prof:
+        got = fast(x, y, cos, sin)
+    assert_same(got, model(x, y, cos, sin), bitwise=True)
+    assert "aten::cat" not in [e.name for e in prof.events()] or not own_kernels()
+    # Under autograd the node runs its composite form: eager's gradients.
+    grads = []
+    for run in (fast, model):
+        xg = x.nan_to_num().requires_grad_()
+        sum(t.sum() for t in run(xg, y, cos.nan_to_num(), sin.nan_to_num())).backward()
+        grads.append(xg.grad)
+    assert torch.equal(*grads)
+
+
 class ActivatedLinears(nn.Module):
     """Linears and the activation after each, as MLPs write them: BERT's GELU, GPT-2's tanh
     GELU, Llama's SiLU without a bias, a ReLU; and one whose output is read twice."""

@@ -43,7 +43,7 @@
 //! - [`add_norm`]           a residual add and the layer or RMS norm after it as one node, one
 //!   kernel on the device (`fast`, at load, on CUDA with CUDA graphs)
 //! - [`rotary`]             the rotary position embedding's seven ops as one node, one kernel
-//!   on the device (`fast`, at load, on CUDA with CUDA graphs)
+//!   (`fast`, at load, on CUDA with CUDA graphs and on a CPU with the runtime's kernels)
 //! - [`inplace_state`]      state writes (a KV cache's) run in place, with nothing to copy back
 //!   (every level: the values are the same)
 
@@ -142,8 +142,9 @@ pub struct Target {
     /// The program runs on a CPU torch built with oneDNN: lower convolutions onto it. Never
     /// for a file being written, which must load on any torch.
     pub onednn: bool,
-    /// The runtime has its own GEMM for this CPU, which runs a lowered 1×1 convolution over
-    /// channels-last pixels: lower those too (with `onednn`, which runs the rest).
+    /// The runtime has its own kernels for this CPU: its GEMM runs a lowered 1×1 convolution
+    /// over channels-last pixels (lower those too, with `onednn`, which runs the rest), and
+    /// its other kernels the nodes passes fuse for them (`rotary`).
     pub gemm: bool,
     /// The program runs on CUDA and replays its calls as CUDA graphs, where a kernel more
     /// costs no host time: choose GEMMs by device time alone.

@@ -1,4 +1,5 @@
-//! The rotary position embedding as one node (`optimize="fast"`, on CUDA with CUDA graphs).
+//! The rotary position embedding as one node (`optimize="fast"`, on CUDA with CUDA graphs,
+//! and on a CPU where the runtime has its own kernels).
 //! transformers' `apply_rotary_pos_emb` (Llama, Mistral, Qwen, Gemma, ...) exports, for each
 //! of the query and the key, as
 //!
@@ -9,8 +10,10 @@
 //! ```
 //!
 //! (`rotate_half`): five kernels, each a pass over memory, where at batch 1 on a GPU the
-//! launches are the cost. They become `y = kwexport::rotary_embedding(x, cos, sin, d, e, h)`,
-//! one Triton kernel (`kwexport._cuda_fused`), which takes the transposed `x` as it is.
+//! launches are the cost, and on a CPU seven dispatches. They become `y =
+//! kwexport::rotary_embedding(x, cos, sin, d, e, h)`, one Triton kernel on CUDA
+//! (`kwexport._cuda_fused`) and kwexport's kernel on a CPU (the runtime's
+//! `kernels::rotary`), each taking the transposed `x` as it is.
 //!
 //! The seven nodes must be consecutive (in any order), so that nothing writes `x` between
 //! the reads the one node now makes at once; every intermediate is read only inside the
@@ -139,7 +142,7 @@ fn find(m: &Method, readers: &Readers) -> Vec<(Vec<usize>, Vec<Arg>, Outputs)> {
     found
 }
 
-/// The pass (`fast`, on CUDA with CUDA graphs).
+/// The pass (`fast`, on CUDA with CUDA graphs, and on a CPU with the runtime's kernels).
 pub struct Rotary;
 
 impl Pass for Rotary {
@@ -152,7 +155,7 @@ impl Pass for Rotary {
     }
 
     fn runs_for(&self, target: Target) -> bool {
-        target.cuda_graphs
+        target.cuda_graphs || target.gemm
     }
 
     fn apply(&self, cx: &mut Ctx<'_>) -> usize {

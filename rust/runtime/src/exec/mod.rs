@@ -587,6 +587,8 @@ impl CStep {
                 unsafe { Operators(abi).attention(qkv, tensor(3)?, *causal, *scale) }
             }
             // SAFETY: as above.
+            OwnOp::Rotary { split } => unsafe { Operators(abi).rotary(tensor(0)??, tensor(1)??, tensor(2)??, *split) },
+            // SAFETY: as above.
             OwnOp::FakeQuantize(quant) => unsafe { Operators(abi).fake_quantize(tensor(0)??, quant) },
             // SAFETY: as above.
             OwnOp::FakeQuantizeTensors { qmin, qmax } => unsafe {

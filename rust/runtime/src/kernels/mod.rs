@@ -20,6 +20,7 @@ pub mod isa;
 pub mod parallel;
 pub mod patches;
 pub mod pool;
+pub mod rotary;
 pub mod simd;
 pub mod winograd;
 

@@ -1,5 +1,5 @@
 //! Matrix operators: linears (f32 and bf16 GEMM), norms, GELU, a fused activation on torch's
-//! result, attention, and int64 addition.
+//! result, attention, the rotary embedding, and int64 addition.
 
 use super::{four, Operators};
 use crate::abi::{CError, Raw, Tensor};
@@ -331,6 +331,72 @@ impl Operators<'_> {
         // SAFETY: the new output of that many elements.
         let os = unsafe { self.floats_mut(&mut out, batch * l * heads * ev) }?;
         kernels::attention_f32((qx, three(qs)), (kx, three(ks)), (vx, three(vs)), &g, mask, os).ok().map(|()| Ok(out))
+    }
+
+    /// The rotary embedding (`kernels::rotary`) of float32 CPU `x` (`[batch, heads,
+    /// positions, d]`, its last dimension contiguous) with `cos` and `sin` broadcast to it
+    /// (size-1 dimensions, and missing leading ones, read at stride 0; their last dimension
+    /// contiguous), the second half from `split`: a new tensor laid out as `x` is (eager's
+    /// `mul` keeps its first operand's layout), bit for bit eager's. `None` for any other
+    /// tensors.
+    ///
+    /// # Safety
+    /// All three must be live handles.
+    pub unsafe fn rotary(&self, x: Raw, cos: Raw, sin: Raw, split: i64) -> Option<Result<Tensor, CError>> {
+        let shims = self.0.shims.as_ref()?;
+        // SAFETY: the caller's live handles.
+        if !unsafe { shims.is_cpu_f32(x) && shims.is_cpu_f32(cos) && shims.is_cpu_f32(sin) } {
+            return None;
+        }
+        // SAFETY: as above.
+        let (sizes, strides) = unsafe { self.0.sizes_strides(x) }?;
+        let (sizes, xs) = (four(&sizes)?, four(&strides)?);
+        let (d, split) = (sizes[3], usize::try_from(split).ok()?);
+        if xs[3] != 1 || split > d || sizes.contains(&0) {
+            return None;
+        }
+        // A table's row strides, broadcast to `x`'s sizes.
+        let table = |t: Raw| -> Option<[usize; 3]> {
+            // SAFETY: the caller's live handle.
+            let (ts, tst) = unsafe { self.0.sizes_strides(t) }?;
+            let pad = 4usize.checked_sub(ts.len())?;
+            let mut st = [0usize; 4];
+            for (i, (&n, &s)) in ts.iter().zip(&tst).enumerate() {
+                let (n, s) = (usize::try_from(n).ok()?, usize::try_from(s).ok()?);
+                match n {
+                    _ if n == sizes[pad + i] && n > 1 => st[pad + i] = s,
+                    1 => st[pad + i] = 0,
+                    _ => return None,
+                }
+            }
+            (st[3] == 1 || d == 1).then_some([st[0], st[1], st[2]])
+        };
+        let (cs, ss) = (table(cos)?, table(sin)?);
+        let g = kernels::rotary::Rotary { dims: [sizes[0], sizes[1], sizes[2]], d, split };
+        // `x`'s rows in the order of their strides, densely: where `x` is dense, its own
+        // strides.
+        let mut order = [0usize, 1, 2];
+        order.sort_by_key(|&i| std::cmp::Reverse(xs[i]));
+        let mut os = [0usize; 3];
+        let mut inner = d;
+        for &i in order.iter().rev() {
+            os[i] = inner;
+            inner *= sizes[i];
+        }
+        let span = |st: [usize; 3]| kernels::span(&sizes, &[st[0], st[1], st[2], 1]);
+        // SAFETY: float32 CPU tensors spanning that many elements from their first.
+        let (xv, cv, sv) = unsafe {
+            (self.floats(x, span([xs[0], xs[1], xs[2]]))?, self.floats(cos, span(cs))?, self.floats(sin, span(ss))?)
+        };
+        let i64s = |v: [usize; 4]| v.map(|n| n as i64);
+        let mut out = match self.owned(shims.empty_f32_strided(&i64s(sizes), &i64s([os[0], os[1], os[2], 1]))) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        // SAFETY: the new output, dense: `inner` elements.
+        let ov = unsafe { self.floats_mut(&mut out, inner) }?;
+        let xr = [xs[0], xs[1], xs[2]];
+        kernels::rotary::rotary_f32(&g, (xv, xr), (cv, cs), (sv, ss), (ov, os)).ok().map(|()| Ok(out))
     }
 
     /// `a + b` for int64 CPU tensors, contiguous, of one shape or one of them a single element

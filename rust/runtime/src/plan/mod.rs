@@ -171,6 +171,10 @@ pub enum OwnOp {
     /// (`kernels::max_pool_f32`; torch's channels-last kernel sets up per call and runs at a
     /// fifth of the speed on resnet18's stem pooling).
     MaxPool(crate::operators::MaxPool),
+    /// `kwexport::rotary_embedding` (`passes::rotary`) halving and concatenating along the
+    /// last dimension, over float32 CPU tensors (`kernels::rotary`): `x`'s second half
+    /// from `split`.
+    Rotary { split: i64 },
     /// `kwexport::linear_int8` and `kwexport::conv_int8` (`passes::linear_int8`) on a float32
     /// CPU input and the weight's panels (`kernels::int8`).
     LinearInt8(std::sync::Arc<Int8Linear>),

@@ -370,6 +370,14 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg], consts: &mut dyn KernelC
             let valid = dilation == [1, 1] && !kernel.contains(&0) && !stride.contains(&0);
             valid.then_some(super::OwnOp::MaxPool(crate::operators::MaxPool { kernel, stride, padding, ceil: *ceil }))
         }
+        // Both the halves and their concatenation along the last of `x`'s four dimensions
+        // (whose count the kernel checks per call).
+        (
+            ("kwexport::rotary_embedding", ""),
+            [SlotArg::Value(_), SlotArg::Value(_), SlotArg::Value(_), SlotArg::Literal(Arg::Int(dim)), SlotArg::Literal(Arg::Int(cat)), SlotArg::Literal(Arg::Int(split))],
+        ) if dim.rem_euclid(4) == 3 && cat.rem_euclid(4) == 3 && (-4..4).contains(dim) && (-4..4).contains(cat) => {
+            Some(super::OwnOp::Rotary { split: *split })
+        }
         (
             ("aten::scaled_dot_product_attention", ""),
             [SlotArg::Value(_), SlotArg::Value(_), SlotArg::Value(_), mask, dropout, SlotArg::Literal(Arg::Bool(causal)), scale, gqa],
