@@ -821,32 +821,53 @@ unsafe fn rows<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const U: usize
 ) {
     let (mut i, m) = (range.start, range.end);
     let (len, tiles) = (m - i, (m - i).div_ceil(T));
+    // On AVX2 a strip of the panel (16 columns, `k` rows: 16 KB at k = 256) comes from memory
+    // in the first tile of rows over it and from L1 in the others, during which the memory
+    // sits idle. Where there are other tiles, the second asks for the next strip (stored
+    // right after this one) in L2, a line per step of `k`, so the first tile over it finds
+    // it there: a chain of GPT-2-sized linears at 32 rows whose 12.6 MB of weight streams
+    // from memory took 0.81–0.90× its time, weights that stay in L3 1.01–1.04× (BENCHMARKS.md).
+    let (first, ahead) = (i, strip::<S>() < PANEL && len > T);
+    let second = |i: usize| ahead && i > first && i <= first + T;
     // SAFETY (all below): rows [i, i + tile) and their outputs exist (see the callers).
     unsafe {
         if T > 4 && (1..4).contains(&(len % T)) && tiles * U <= len {
             // `tiles * T - len` tiles of `U`, then the others of `T` end exactly at `m`.
             for _ in 0..tiles * T - len {
-                tile::<S, D, R, U, V>(rows_of, i, wp, op.add(i * s.ldo), s, j);
+                tile::<S, D, R, U, V>(rows_of, i, wp, op.add(i * s.ldo), s, j, second(i));
                 i += U;
             }
         }
         while i + T <= m {
-            tile::<S, D, R, T, V>(rows_of, i, wp, op.add(i * s.ldo), s, j);
+            tile::<S, D, R, T, V>(rows_of, i, wp, op.add(i * s.ldo), s, j, second(i));
             i += T;
         }
         // Tiles of 4 only where the main tile is taller (a shorter one would spill).
         while T > 4 && i + 4 <= m {
-            tile::<S, D, R, 4, V>(rows_of, i, wp, op.add(i * s.ldo), s, j);
+            tile::<S, D, R, 4, V>(rows_of, i, wp, op.add(i * s.ldo), s, j, second(i));
             i += 4;
         }
         if i + 2 <= m {
-            tile::<S, D, R, 2, V>(rows_of, i, wp, op.add(i * s.ldo), s, j);
+            tile::<S, D, R, 2, V>(rows_of, i, wp, op.add(i * s.ldo), s, j, second(i));
             i += 2;
         }
         if i < m {
-            tile::<S, D, R, 1, V>(rows_of, i, wp, op.add(i * s.ldo), s, j);
+            tile::<S, D, R, 1, V>(rows_of, i, wp, op.add(i * s.ldo), s, j, second(i));
         }
     }
+}
+
+/// Asks for the cache line at `p` in L2, ahead of its use (`rows`' next strip).
+#[inline(always)]
+fn prefetch_l2<T>(p: *const T) {
+    // SAFETY: a prefetch is a hint: it reads nothing the program sees and never faults, at
+    // any address (past the panels, after the last strip).
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p.cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
 }
 
 /// Rows `[i, i + T)` times the panel's columns `[j, j + V LANES)` (zero past `n`), plus the
@@ -861,6 +882,7 @@ unsafe fn tile<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const V: usize
     out: *mut f32,
     s: &Shape,
     j: usize,
+    prefetch_next: bool,
 ) {
     // SAFETY (all below): T rows with `taps` runs of `cin` elements; the panel holds `taps *
     // cin` rows of 64 in strips; the bias and scales (where given) hold `n` values; masked
@@ -882,6 +904,9 @@ unsafe fn tile<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const V: usize
             let rows: [*const D::X; T] = std::array::from_fn(|r| rows_of.at(i + r, t));
             for c in 0..s.cin {
                 let at = (t * s.cin + c) * strip;
+                if prefetch_next {
+                    prefetch_l2(column[0].wrapping_add(depth * strip + at));
+                }
                 let w: [D::W; V] = std::array::from_fn(|v| D::load(column[v].add(at)));
                 for (r, row) in acc.iter_mut().enumerate() {
                     let a = D::splat(*rows[r].add(c));
