@@ -825,8 +825,9 @@ unsafe fn rows<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const U: usize
     // in the first tile of rows over it and from L1 in the others, during which the memory
     // sits idle. Where there are other tiles, the second asks for the next strip (stored
     // right after this one) in L2, a line per step of `k`, so the first tile over it finds
-    // it there: a chain of GPT-2-sized linears at 32 rows whose 12.6 MB of weight streams
-    // from memory took 0.81–0.90× its time, weights that stay in L3 1.01–1.04× (BENCHMARKS.md).
+    // it there: a chain of GPT-2-sized linears at 12 and 32 rows whose 12.6 MB of weight
+    // streams from memory took 0.81–1.01× its time, weights that stay in L3 1.01–1.08×
+    // (BENCHMARKS.md). Every tile asking was slower where a strip doesn't fit L1.
     let (first, ahead) = (i, strip::<S>() < PANEL && len > T);
     let second = |i: usize| ahead && i > first && i <= first + T;
     // SAFETY (all below): rows [i, i + tile) and their outputs exist (see the callers).
