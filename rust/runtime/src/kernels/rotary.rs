@@ -74,10 +74,10 @@ fn rotate_row(x: &[f32], c: &[f32], s: &[f32], split: usize, y: &mut [f32]) {
 /// strides, each dimension of more than one row steps past everything the ones inside it
 /// span.
 fn apart(g: &Rotary, strides: [usize; 3]) -> bool {
-    let mut dims: Vec<(usize, usize)> = g.dims.into_iter().zip(strides).filter(|&(n, _)| n > 1).collect();
+    let mut dims = [0, 1, 2].map(|i| (g.dims[i], strides[i]));
     dims.sort_by_key(|&(_, s)| s);
     let mut spanned = g.d;
-    for (n, s) in dims {
+    for (n, s) in dims.into_iter().filter(|&(n, _)| n > 1) {
         if s < spanned {
             return false;
         }

@@ -291,24 +291,9 @@ impl Operators<'_> {
             None if causal => AttentionMask::Causal,
             None => AttentionMask::None,
             Some(m) => {
-                // SAFETY: the caller's live handle.
-                let (sizes, strides) = unsafe { self.0.sizes_strides(m) }?;
-                if sizes.len() > 4 {
-                    return None;
-                }
-                // Broadcast to [batch, heads, l, s]: missing leading dimensions and size-1 ones
-                // read at stride 0.
-                let pad = 4 - sizes.len();
                 let target = [batch, heads, l, s];
-                let mut st = [0usize; 4];
-                for (i, (&n, &stride)) in sizes.iter().zip(&strides).enumerate() {
-                    let (n, stride) = (usize::try_from(n).ok()?, usize::try_from(stride).ok()?);
-                    match n {
-                        _ if n == target[pad + i] && (n > 1 || pad + i == 3) => st[pad + i] = stride,
-                        1 => st[pad + i] = 0,
-                        _ => return None,
-                    }
-                }
+                // SAFETY: the caller's live handle.
+                let st = unsafe { self.broadcast_strides(m, target) }?;
                 let span = span(target, st);
                 // SAFETY: the caller's live handle, of that dtype, spanning `span` elements.
                 unsafe {
@@ -358,17 +343,7 @@ impl Operators<'_> {
         // A table's row strides, broadcast to `x`'s sizes.
         let table = |t: Raw| -> Option<[usize; 3]> {
             // SAFETY: the caller's live handle.
-            let (ts, tst) = unsafe { self.0.sizes_strides(t) }?;
-            let pad = 4usize.checked_sub(ts.len())?;
-            let mut st = [0usize; 4];
-            for (i, (&n, &s)) in ts.iter().zip(&tst).enumerate() {
-                let (n, s) = (usize::try_from(n).ok()?, usize::try_from(s).ok()?);
-                match n {
-                    _ if n == sizes[pad + i] && n > 1 => st[pad + i] = s,
-                    1 => st[pad + i] = 0,
-                    _ => return None,
-                }
-            }
+            let st = unsafe { self.broadcast_strides(t, sizes) }?;
             (st[3] == 1 || d == 1).then_some([st[0], st[1], st[2]])
         };
         let (cs, ss) = (table(cos)?, table(sin)?);
@@ -397,6 +372,27 @@ impl Operators<'_> {
         let ov = unsafe { self.floats_mut(&mut out, inner) }?;
         let xr = [xs[0], xs[1], xs[2]];
         kernels::rotary::rotary_f32(&g, (xv, xr), (cv, cs), (sv, ss), (ov, os)).ok().map(|()| Ok(out))
+    }
+
+    /// The strides at which `t` reads as broadcast to the 4-d `target`: missing leading
+    /// dimensions and size-1 ones at stride 0. `None` where a size neither matches nor is 1.
+    ///
+    /// # Safety
+    /// `t` must be a live handle.
+    unsafe fn broadcast_strides(&self, t: Raw, target: [usize; 4]) -> Option<[usize; 4]> {
+        // SAFETY: the caller's live handle.
+        let (sizes, strides) = unsafe { self.0.sizes_strides(t) }?;
+        let pad = 4usize.checked_sub(sizes.len())?;
+        let mut st = [0usize; 4];
+        for (i, (&n, &stride)) in sizes.iter().zip(&strides).enumerate() {
+            let (n, stride) = (usize::try_from(n).ok()?, usize::try_from(stride).ok()?);
+            match n {
+                _ if n == target[pad + i] && n > 1 => st[pad + i] = stride,
+                1 => st[pad + i] = 0,
+                _ => return None,
+            }
+        }
+        Some(st)
     }
 
     /// `a + b` for int64 CPU tensors, contiguous, of one shape or one of them a single element
