@@ -41,12 +41,24 @@ pub fn epilogue_f32(epilogue: Epilogue, x: &mut [f32]) -> Ran {
 const RUN: usize = 1024;
 const WORK: usize = 30;
 
+/// GELU's `erf(x / sqrt 2)` as `x P(x^2) / Q(x^2)`, coefficients from the lowest power: a
+/// rational least-squares fit over [0, 5.6], refitted as each coefficient was rounded to
+/// float32. Evaluated in float32 its absolute error is under 3e-7 (torch's vectorized erf,
+/// Abramowitz and Stegun's 7.1.26 with an exponential, measured 5e-7 the same way). Past 5.6
+/// the fit rises above 1 (by 8.5e-7 at [`ERF_CLAMP`], many roundings, so with or without
+/// fused multiply-adds), and the kernel clamps it to [-1, 1]: GELU is then exactly `x` above
+/// and exactly 0 below (`-inf` giving NaN, as eager's `-inf * 0`).
+const ERF_P: [f32; 6] = [0.797_884_46, 0.068_752_21, 0.009_414_516, 0.000_347_701_1, 1.271_306e-5, 4.429_064e-8];
+const ERF_Q: [f32; 6] = [1.0, 0.252_833_84, 0.028_940_083, 0.001_912_977, 7.510_187e-5, 1.180_212e-6];
+/// Inputs are clamped to [-ERF_CLAMP, ERF_CLAMP] first, so that `x^2`'s powers stay finite.
+const ERF_CLAMP: f32 = 5.9;
+
 /// GELU of each element: `0.5 x (1 + erf(x / sqrt 2))` (at +inf, NaN where torch's vectorized
 /// kernels run their AVX-512 variant and +inf where they run their AVX2 one, as eager gives;
 /// NaN at -inf), or with `tanh`, the tanh approximation `0.5 x (1 + tanh(sqrt(2 / pi) (x +
-/// 0.044715 x^3)))`, computed as `x / (1 + exp(-2 u))`. erf is Abramowitz and Stegun's 7.1.26
-/// (absolute error under 1.5e-7, the rational form torch's vectorized erf uses too), exp a
-/// degree-7 polynomial after range reduction. Declines (writing nothing) where `out`
+/// 0.044715 x^3)))`, computed as `x / (1 + exp(-2 u))`. erf is a rational function (see
+/// [`ERF_P`]: a division and eleven multiply-adds, where torch's vectorized erf also takes an
+/// exponential), exp a degree-7 polynomial after range reduction. Declines (writing nothing) where `out`
 /// is shorter than `x` or kwexport's kernels don't run on this CPU: torch's op then runs.
 pub fn gelu_f32(x: &[f32], tanh: bool, out: &mut [f32]) -> Ran {
     let t = super::table_if(out.len() >= x.len())?;
@@ -127,19 +139,20 @@ unsafe fn gelu<S: Simd>(x: S::V, tanh: bool, inf: S::V) -> S::V {
             let e = exp::<S>(S::mul(u, S::splat(-2.0)));
             return S::div(x, S::add(one, e));
         }
-        // q = 1 - erf(|x| / sqrt 2), so that 1 + erf(x / sqrt 2) is 2 - q, or q itself for
-        // negative x (no cancellation in the tail).
-        let z = S::mul(S::abs(x), S::splat(std::f32::consts::FRAC_1_SQRT_2));
-        let t = S::div(one, S::fma(z, S::splat(0.327_591_1), one));
-        let mut poly = S::splat(1.061_405_4);
-        for c in [-1.453_152_1, 1.421_413_8, -0.284_496_72, 0.254_829_6] {
-            poly = S::fma(poly, t, S::splat(c));
+        // erf(x / sqrt 2) = c P(c^2) / Q(c^2) clamped to [-1, 1], c = x clamped to
+        // [-ERF_CLAMP, ERF_CLAMP]: odd over even, so one division and no exponential.
+        let c = S::min(S::splat(ERF_CLAMP), S::max(S::splat(-ERF_CLAMP), x));
+        let c2 = S::mul(c, c);
+        let mut p = S::splat(ERF_P[5]);
+        for &a in ERF_P[..5].iter().rev() {
+            p = S::fma(p, c2, S::splat(a));
         }
-        poly = S::mul(poly, t);
-        let q = S::mul(poly, exp::<S>(S::sub(S::zero(), S::mul(z, z))));
-        let negative = S::lt(x, S::zero());
-        let one_plus_erf = S::select(negative, q, S::sub(S::splat(2.0), q));
-        let y = S::mul(S::mul(x, S::splat(0.5)), one_plus_erf);
+        let mut q = S::splat(ERF_Q[5]);
+        for &b in ERF_Q[..5].iter().rev() {
+            q = S::fma(q, c2, S::splat(b));
+        }
+        let erf = S::min(one, S::max(S::splat(-1.0), S::div(S::mul(c, p), q)));
+        let y = S::mul(S::mul(x, S::splat(0.5)), S::add(one, erf));
         S::select(S::eq(x, S::splat(f32::INFINITY)), inf, y)
     }
 }
@@ -181,15 +194,26 @@ pub(super) unsafe fn epilogue_slice<S: Simd>(epilogue: Epilogue, x: &mut [f32]) 
 /// `S`'s features must be enabled; `out` must hold at least `x.len()` elements.
 #[inline(always)]
 pub(super) unsafe fn gelu_slice<S: Simd>(x: &[f32], tanh: bool, out: &mut [f32]) {
-    let (xp, op) = (x.as_ptr(), out.as_mut_ptr());
+    let (n, xp, op) = (x.len(), x.as_ptr(), out.as_mut_ptr());
     // SAFETY: register arithmetic; the caller enabled `S`'s features.
     let inf = unsafe { gelu_at_inf::<S>() };
     let mut i = 0;
-    while i < x.len() {
+    // Two vectors a step, so that their chains (a division, then a polynomial) overlap.
+    while i + 2 * S::LANES <= n {
+        // SAFETY: lanes [i, i + 2 LANES) of both slices exist.
+        unsafe {
+            let (a, b) = (S::load(xp.add(i)), S::load(xp.add(i + S::LANES)));
+            let (a, b) = (gelu::<S>(a, tanh, inf), gelu::<S>(b, tanh, inf));
+            S::store(op.add(i), a);
+            S::store(op.add(i + S::LANES), b);
+        }
+        i += 2 * S::LANES;
+    }
+    while i < n {
         // SAFETY: lanes [i, min(i + LANES, len)) of both slices exist; masked lanes aren't
         // touched.
         unsafe {
-            let mask = S::first(x.len() - i);
+            let mask = S::first(n - i);
             S::store_masked(op.add(i), mask, gelu::<S>(S::load_masked(mask, xp.add(i)), tanh, inf));
         }
         i += S::LANES;
