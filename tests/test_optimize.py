@@ -1210,6 +1210,41 @@ class ArangeMaskAttention(nn.Module):
         return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+class LongAttentions(nn.Module):
+    """Attention over 128 tokens: causal, and with a padding mask."""
+
+    def forward(self, q, k, v, keep):
+        sdpa = nn.functional.scaled_dot_product_attention
+        return sdpa(q, k, v, is_causal=True), sdpa(q, k, v, attn_mask=keep[:, None, None, :])
+
+
+def test_fast_measures_attention_past_the_keys_its_kernel_takes_unmeasured(tmp_path):
+    """Past the keys kwexport's attention kernel takes without measuring (64 on AVX2 and the
+    portable family, 512 on AVX-512), its kernel and torch's take turns over a node's first
+    calls, and the faster one runs after: every call gives eager's results."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 128, 32) for _ in range(3))
+    keep = torch.rand(2, 128) > 0.2
+    keep[:, 0] = True
+    path = tmp_path / "long_attention.kwx"
+    kwexport.save(kwexport.export(LongAttentions(), (q, k, v, keep)), path)
+    fast = kwexport.load(path, optimize="fast")
+    want = LongAttentions()(q, k, v, keep)
+    torch_ran = []
+    for _ in range(14):
+        with torch.profiler.profile() as prof:
+            got = fast(q, k, v, keep)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.stride() == w.stride() and rel_err(g, w) < 1e-5
+        torch_ran.append([e.name for e in prof.events()].count("aten::scaled_dot_product_attention"))
+    if kwexport.kernel_info()["isa"] in ("avx2", "portable"):
+        # kwexport's kernel first, then torch's, for each of the two nodes.
+        assert torch_ran[:2] == [0, 2]
+        # Chosen after five runs each: one kernel per node from then on.
+        assert len(set(torch_ran[10:])) == 1
+
+
+
 @pytest.mark.parametrize("keep, additive", [(None, False), (None, True), (6, False), (6, True)])
 def test_fast_drops_attention_masks_that_mask_nothing(tmp_path, keep, additive):
     torch.manual_seed(0)

@@ -238,6 +238,64 @@ pub(super) unsafe fn choose_linear(
     choose(&packed.choices, (rows, bytes), ours, torch)
 }
 
+/// Whether kwexport's kernel won a measurement: 5% faster than the other (at a tie the two
+/// are within the noise of the runs, and torch's kernel gives eager's bits).
+pub(super) fn faster(ours: std::time::Duration, theirs: std::time::Duration) -> bool {
+    ours.as_secs_f64() * 1.05 < theirs.as_secs_f64()
+}
+
+/// Which kernel runs an own op's node this call ([`CStep::pick`]).
+#[derive(Clone, Copy)]
+pub(super) enum Pick<'a> {
+    /// kwexport's, where it takes the tensors.
+    Ours,
+    /// The dispatcher's op.
+    Theirs,
+    /// One of the two, timed into `choices` under `key`: one of the node's first calls with
+    /// these sizes.
+    Trial { choices: &'a crate::plan::Choices, key: i64, ours: bool },
+}
+
+impl CStep {
+    /// For an attention node with more keys than the family's kernel takes unmeasured and at
+    /// most the kernel's limit (`operators::attention_keys`: 64 and 1024 on AVX2): kwexport's kernel or torch's flash kernel, whichever
+    /// measured faster in the model for its number of queries and keys (each rounded up to a
+    /// power of two) at this thread count. The two take turns over the node's first calls with
+    /// those sizes, as [`choose`] does for streamed weights: on AVX2 kwexport's won causal
+    /// attention at 128–512 tokens (0.57–0.83× torch's time) and lost most non-causal
+    /// (1.06–1.4×, but 0.93–0.96× at two threads on 12 heads of 32), and which one wins
+    /// moves with the shape and the thread count. Every other own op runs kwexport's.
+    pub(super) fn pick<'a>(
+        &self,
+        abi: &Abi,
+        own: &'a OwnOp,
+        slots: &[Option<Native>],
+        consts: &[abi::Tensor],
+    ) -> Pick<'a> {
+        let OwnOp::Attention { choices, .. } = own else { return Pick::Ours };
+        let rows = |i: usize| -> Option<usize> {
+            let t = super::tensor_arg(&self.args.get(i)?.1, slots, consts)??;
+            // SAFETY: a live handle from a slot or a constant.
+            usize::try_from(unsafe { abi.size(t, 2) }?).ok()
+        };
+        let (Some(l), Some(s)) = (rows(0), rows(1)) else { return Pick::Ours };
+        let (unmeasured, most) = operators::attention_keys();
+        if s <= unmeasured {
+            return Pick::Ours;
+        }
+        if s > most {
+            return Pick::Theirs;
+        }
+        let bucket = |n: usize| n.next_power_of_two().min(1 << 20) as i64;
+        let key = (bucket(l) << 32) | (bucket(s) << 8) | operators::threads().min(255) as i64;
+        match choices.choice(key) {
+            Some(true) => Pick::Ours,
+            Some(false) => Pick::Theirs,
+            None => Pick::Trial { choices, key, ours: choices.next_is_ours(key) },
+        }
+    }
+}
+
 /// Weights of at least this many bytes are measured in the model ([`choose`]): more than a
 /// core's L2 holds (1 MiB on the Zen 4 and 5 measured; 1.25–2 MiB on recent Intel cores).
 pub(super) const STREAMED_WEIGHT_BYTES: usize = 1 << 20;
@@ -245,8 +303,7 @@ pub(super) const STREAMED_WEIGHT_BYTES: usize = 1 << 20;
 /// kwexport's GEMM (`ours`) or the other kernel (`theirs`) for a node, whichever measured
 /// faster for this number of rows (per process): `ours`'s result where it is chosen, `None`
 /// where the other is (or `ours` can't take the tensors), for the caller to run. kwexport's
-/// must be 5% faster: at a tie the two are within the noise of the runs, and torch's kernel
-/// gives eager's bits.
+/// must be [`faster`].
 ///
 /// A node whose weight fits a core's L2 measures the two on its first call, back to back
 /// (the best of five runs of each, interleaved). A node with a larger weight (`weight_bytes`
@@ -270,8 +327,6 @@ fn choose(
     // so that a model called at many lengths measures a few times, not once per length.
     let rows = if rows <= 16 { rows } else { (rows as u64).next_power_of_two().min(1 << 40) as i64 };
     let rows = rows.saturating_mul(64).saturating_add(operators::threads().min(63) as i64);
-    let faster =
-        |ours: std::time::Duration, theirs: std::time::Duration| ours.as_secs_f64() * 1.05 < theirs.as_secs_f64();
     match forced_linear_kernel().or_else(|| choices.choice(rows)) {
         Some(true) => ours(),
         Some(false) => None,

@@ -5,7 +5,7 @@
 
 mod choice;
 
-use choice::choose_linear;
+use choice::{choose_linear, faster, Pick};
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -329,8 +329,20 @@ impl CStep {
             return self.call_shim(abi, shim, slots, consts, direct);
         }
         if let (Some(own), true) = (&self.own, direct.no_autograd) {
-            if let Some(result) = self.run_own(abi, own, slots, consts) {
-                self.finish(slots, result?);
+            let pick = self.pick(abi, own, slots, consts);
+            let start = Instant::now();
+            if !matches!(pick, Pick::Theirs | Pick::Trial { ours: false, .. }) {
+                if let Some(result) = self.run_own(abi, own, slots, consts) {
+                    self.finish(slots, result?);
+                    if let Pick::Trial { choices, key, ours: true } = pick {
+                        choices.add_run(key, true, start.elapsed(), faster);
+                    }
+                    return Ok(());
+                }
+            }
+            if let Pick::Trial { choices, key, ours: false } = pick {
+                self.dispatch(abi, slots, consts, stack)?;
+                choices.add_run(key, false, start.elapsed(), faster);
                 return Ok(());
             }
         }
@@ -340,6 +352,17 @@ impl CStep {
                 return Ok(());
             }
         }
+        self.dispatch(abi, slots, consts, stack)
+    }
+
+    /// Runs the node's op through the dispatcher's stack.
+    fn dispatch(
+        &self,
+        abi: &Abi,
+        slots: &mut [Option<Native>],
+        consts: &[abi::Tensor],
+        stack: &mut Vec<StableIValue>,
+    ) -> Result<(), CError> {
         stack.clear();
         for (ty, enc) in &self.args {
             match build(abi, ty, enc, slots, consts) {
@@ -541,20 +564,8 @@ impl CStep {
         slots: &[Option<Native>],
         consts: &[abi::Tensor],
     ) -> Option<Result<abi::Tensor, CError>> {
-        // A tensor argument's handle: `Some(None)` for an optional one not given.
-        fn of(enc: &Enc, slots: &[Option<Native>], consts: &[abi::Tensor]) -> Option<Option<abi::Raw>> {
-            match enc {
-                Enc::Slot(s) => match &slots[*s] {
-                    Some(Native::Tensor(t)) => Some(Some(t.raw())),
-                    _ => None,
-                },
-                Enc::Const(c) => Some(Some(consts.get(*c)?.raw())),
-                Enc::Some(inner) => of(inner, slots, consts),
-                Enc::Bits(0) => Some(None),
-                _ => None,
-            }
-        }
-        let tensor = |i: usize| of(&self.args.get(i)?.1, slots, consts);
+        let tensor = |i: usize| tensor_arg(&self.args.get(i)?.1, slots, consts);
+        let of = tensor_arg;
         match own {
             // SAFETY: live handles from slots and constants.
             OwnOp::GlobalAvgPool => unsafe { Operators(abi).global_avg_pool(tensor(0)??) },
@@ -581,7 +592,7 @@ impl CStep {
             OwnOp::MeanPixels { keepdim } => unsafe { Operators(abi).mean_pixels(tensor(0)??, *keepdim) },
             // SAFETY: as above.
             OwnOp::MaxPool(pool) => unsafe { Operators(abi).max_pool(tensor(0)??, pool) },
-            OwnOp::Attention { causal, scale } => {
+            OwnOp::Attention { causal, scale, .. } => {
                 let qkv = [tensor(0)??, tensor(1)??, tensor(2)??];
                 // SAFETY: as above.
                 unsafe { Operators(abi).attention(qkv, tensor(3)?, *causal, *scale) }
@@ -649,6 +660,20 @@ impl CStep {
         for &s in &self.free {
             slots[s] = None;
         }
+    }
+}
+
+/// A tensor argument's handle: `Some(None)` for an optional one not given.
+fn tensor_arg(enc: &Enc, slots: &[Option<Native>], consts: &[abi::Tensor]) -> Option<Option<abi::Raw>> {
+    match enc {
+        Enc::Slot(s) => match &slots[*s] {
+            Some(Native::Tensor(t)) => Some(Some(t.raw())),
+            _ => None,
+        },
+        Enc::Const(c) => Some(Some(consts.get(*c)?.raw())),
+        Enc::Some(inner) => tensor_arg(inner, slots, consts),
+        Enc::Bits(0) => Some(None),
+        _ => None,
     }
 }
 

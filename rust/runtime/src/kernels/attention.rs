@@ -41,20 +41,27 @@ impl Attention {
     }
 }
 
-/// The most keys [`attention_f32`] takes on this CPU (0 where kwexport's kernels don't run).
-pub fn max_keys() -> usize {
+/// The most keys [`attention_f32`] takes. Past the family's `attention_max_keys` (64 keys on
+/// AVX2, 512 on AVX-512) up to this many, torch's flash kernel may be the faster, and the
+/// runtime measures the two per node (`exec::choice`); beyond, torch's blocked kernel runs.
+pub const MAX_KEYS: usize = 1024;
+
+/// The most keys for which [`attention_f32`] runs on this CPU without being measured against
+/// torch's kernel (0 where kwexport's kernels don't run).
+pub fn unmeasured_keys() -> usize {
     super::isa::kernels().map_or(0, |t| t.attention_max_keys)
 }
 
-/// `softmax(q k^T scale + mask) v` for each batch and head, into `out` laid out `[batch, l,
-/// heads, ev]` (as torch's CPU kernel lays out its result). `q`, `k` and `v` are at element
-/// strides for their first three dimensions, their last contiguous. For the tokens of a
+/// `softmax(q k^T scale + mask) v` for each batch and head, into `out` at element strides for
+/// `[batch, heads, l]`, its rows of `ev` contiguous and no two elements at one place (torch's
+/// kernel lays its result out densely in the query's order of dimensions). `q`, `k` and `v`
+/// are at element strides for their first three dimensions, their last contiguous. For the tokens of a
 /// small model's call, where torch's flash kernel spends most of its time on setup: keys are
 /// transposed once per head, then each block of four query rows takes its scores, softmax
 /// and weighted values in registers. Returns `false` where a query row has no key to attend
 /// or a score is NaN (torch decides what those give), the slices don't fit the sizes, there
-/// are more keys than the family's kernel is faster for (`isa::Table::attention_max_keys`),
-/// or kwexport's kernels don't run on this CPU; `out` may then be partly written.
+/// are more than [`MAX_KEYS`] keys, or kwexport's kernels don't run on this CPU; `out` may
+/// then be partly written.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_f32(
     q: (&[f32], [usize; 3]),
@@ -62,21 +69,23 @@ pub fn attention_f32(
     v: (&[f32], [usize; 3]),
     g: &Attention,
     mask: AttentionMask<'_>,
-    out: &mut [f32],
+    out: (&mut [f32], [usize; 3]),
 ) -> Ran {
+    let os = out.1;
     let nonempty = [g.batch, g.heads, g.l, g.s, g.e, g.ev].iter().all(|&n| n > 0);
     let fits = nonempty
         && g.fits(q.0.len(), g.l, g.e, [q.1[0], q.1[1], q.1[2], 1])
         && g.fits(k.0.len(), g.s, g.e, [k.1[0], k.1[1], k.1[2], 1])
         && g.fits(v.0.len(), g.s, g.ev, [v.1[0], v.1[1], v.1[2], 1])
-        && out.len() >= g.batch * g.l * g.heads * g.ev
+        && g.fits(out.0.len(), g.l, g.ev, [os[0], os[1], os[2], 1])
+        && apart([(g.batch, os[0]), (g.heads, os[1]), (g.l, os[2]), (g.ev, 1)])
         && match mask {
             AttentionMask::Bool(m, ms) => g.fits(m.len(), g.l, g.s, ms),
             AttentionMask::Float(m, ms) => g.fits(m.len(), g.l, g.s, ms),
             _ => true,
         };
     let t = super::table_if(fits)?;
-    if g.s > t.attention_max_keys {
+    if g.s > MAX_KEYS {
         return Err(Declined::Shapes);
     }
     let ops = Operands {
@@ -85,7 +94,7 @@ pub fn attention_f32(
         v: (v.0.as_ptr(), v.1),
         g: *g,
         mask,
-        out: out.as_mut_ptr(),
+        out: (out.0.as_mut_ptr(), os),
     };
     let heads = g.batch * g.heads;
     let flops = 2 * heads * g.l * g.s * (g.e + g.ev);
@@ -104,6 +113,26 @@ pub fn attention_f32(
     Ok(())
 }
 
+/// Whether no two elements of a tensor of these `(size, stride)`s share a place: ordered by
+/// stride, each dimension's stride clears the extent of those inside it (dimensions of one
+/// element take no place of their own).
+fn apart(mut dims: [(usize, usize); 4]) -> bool {
+    dims.sort_by_key(|&(_, stride)| stride);
+    let mut extent = 1usize;
+    for (size, stride) in dims {
+        if size > 1 {
+            if stride < extent {
+                return false;
+            }
+            extent = match stride.checked_mul(size) {
+                Some(e) => e,
+                None => return false,
+            };
+        }
+    }
+    true
+}
+
 /// [`attention_f32`]'s operands as the kernel table's entry takes them: pointers with their
 /// strides, shared by the threads of one call.
 pub(super) struct Operands<'a> {
@@ -112,7 +141,7 @@ pub(super) struct Operands<'a> {
     v: (*const f32, [usize; 3]),
     g: Attention,
     mask: AttentionMask<'a>,
-    out: *mut f32,
+    out: (*mut f32, [usize; 3]),
 }
 
 // SAFETY: the inputs are read only and kept alive by the caller for the whole call; the
@@ -309,7 +338,7 @@ unsafe fn blocks<S: Simd, const R: usize>(ops: &Operands<'_>, range: std::ops::R
                         }
                     }
                     for r in 0..rows {
-                        let o = ops.out.add(((b * l + i0 + r) * g.heads + h) * ev + c0);
+                        let o = ops.out.0.add(b * ops.out.1[0] + h * ops.out.1[1] + (i0 + r) * ops.out.1[2] + c0);
                         let scale = S::splat(inv[r]);
                         for t in 0..used {
                             S::store_masked(o.add(lanes * t), masks[t], S::mul(acc[r][t], scale));

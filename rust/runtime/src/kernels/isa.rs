@@ -96,9 +96,9 @@ pub struct Table {
     /// The columns of a weight panel stored together for this family's GEMM tiles
     /// (`super::gemm::Strips`).
     pub(super) strip: usize,
-    /// The most keys the attention kernel takes: beyond, torch's flash kernel, blocked for
-    /// long sequences, is faster (measured per family: on AVX2 at 128 tokens kwexport's took
-    /// 1.44× torch's time, at 32 0.61×).
+    /// The most keys for which the attention kernel runs without being measured against
+    /// torch's flash kernel (`super::attention::MAX_KEYS`): on AVX2 at 32 tokens kwexport's
+    /// took 0.61× torch's time, at 128 1.06–1.4× non-causal but 0.66–0.75× causal.
     pub attention_max_keys: usize,
     pub(super) epilogue: unsafe fn(Epilogue, &mut [f32]),
     pub(super) gelu: unsafe fn(&[f32], bool, &mut [f32]),

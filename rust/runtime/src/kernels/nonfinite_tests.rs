@@ -210,7 +210,8 @@ fn attention_declines_nan_scores_and_carries_infinite_values() {
         let (q, k, v) = (clean(2 * 5 * 8), clean(2 * 19 * 8), clean(2 * 19 * 8));
         let mut out = vec![0.0; 2 * 5 * 8];
         let run = |q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]| {
-            attention_f32((q, strides(5, 8)), (k, strides(19, 8)), (v, strides(19, 8)), &g, AttentionMask::None, out)
+            let o = (out, [2 * 5 * 8, 8, 2 * 8]);
+            attention_f32((q, strides(5, 8)), (k, strides(19, 8)), (v, strides(19, 8)), &g, AttentionMask::None, o)
         };
         assert_eq!(run(&q, &k, &v, &mut out), Ok(()));
         // A NaN query or key makes NaN scores, whose softmax torch's kernels decide.

@@ -420,14 +420,36 @@ mod attention {
                     (AttentionMask::Bool(&rows, [0, 0, 1, 0]), &|_, _, i, _| (rows[i] != 0).then_some(0.0)),
                 ];
                 for (mask, want_mask) in cases {
+                    // The reference's layout, `[batch, l, heads, ev]`, then `[batch, heads, l, ev]`.
                     let mut out = vec![f32::NAN; batch * l * heads * ev];
-                    let ok = attention_f32((&q, qs), (&k, ks), (&v, vs), &g, mask, &mut out);
+                    let ok = attention_f32(
+                        (&q, qs),
+                        (&k, ks),
+                        (&v, vs),
+                        &g,
+                        mask,
+                        (&mut out, [l * heads * ev, ev, heads * ev]),
+                    );
                     let want = reference::attention(&g, (&q, qs), (&k, ks), (&v, vs), want_mask);
                     assert_eq!(ok.is_ok(), want.is_some(), "{g:?} {mask:?}");
                     let Some(want) = want else { continue };
                     let scale = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
                     for (got, want) in out.iter().zip(&want) {
                         assert!((*got as f64 - want).abs() <= 1e-5 * scale, "{g:?} {mask:?}: {got} vs {want}");
+                    }
+                    let mut heads_first = vec![f32::NAN; out.len()];
+                    let contiguous = [heads * l * ev, l * ev, ev];
+                    assert_eq!(
+                        attention_f32((&q, qs), (&k, ks), (&v, vs), &g, mask, (&mut heads_first, contiguous)),
+                        Ok(())
+                    );
+                    for (i, got) in heads_first.iter().enumerate() {
+                        let (b, h, r, c) = (i / (heads * l * ev), i / (l * ev) % heads, i / ev % l, i % ev);
+                        assert_eq!(
+                            *got,
+                            out[((b * l + r) * heads + h) * ev + c],
+                            "{g:?} {mask:?} [{b}, {h}, {r}, {c}]"
+                        );
                     }
                 }
             }
@@ -451,7 +473,7 @@ mod attention {
                     (&kv[1], strides),
                     &g,
                     AttentionMask::Causal,
-                    &mut out,
+                    (&mut out, strides),
                 );
                 assert_eq!(ok, Err(Declined::Values), "{which} {bad}");
             }
@@ -471,9 +493,40 @@ mod attention {
                 (&x, [6, 6, 2]),
                 &g,
                 AttentionMask::Bool(&keep, [0, 0, 3, 1]),
-                &mut out,
+                (&mut out, [4, 4, 2]),
             );
             assert_eq!(ok, Err(Declined::Values));
+        });
+    }
+
+    /// An output whose elements would share places is declined, not raced over.
+    #[test]
+    fn an_overlapping_output_is_declined() {
+        each_isa(|| {
+            let g = Attention { batch: 1, heads: 2, l: 3, s: 3, e: 4, ev: 4, scale: 0.5 };
+            let x = [0.25f32; 24];
+            let strides = [24, 12, 4];
+            let mut out = [0.0f32; 24];
+            for (bad, why) in [([24, 4, 4], "heads over rows"), ([24, 12, 2], "rows over a row")] {
+                let ok = attention_f32(
+                    (&x, strides),
+                    (&x, strides),
+                    (&x, strides),
+                    &g,
+                    AttentionMask::None,
+                    (&mut out, bad),
+                );
+                assert_eq!(ok, Err(Declined::Shapes), "{why}");
+            }
+            let ok = attention_f32(
+                (&x, strides),
+                (&x, strides),
+                (&x, strides),
+                &g,
+                AttentionMask::None,
+                (&mut out, strides),
+            );
+            assert_eq!(ok, Ok(()));
         });
     }
 }

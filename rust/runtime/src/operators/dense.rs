@@ -247,9 +247,11 @@ impl Operators<'_> {
     /// heads, rows, cols]` queries, keys and values whose last dimension is contiguous, with
     /// `mask` (bool or float32, broadcast to `[batch, heads, l, s]`)
     /// or the causal triangle, and `scale` (`1 / sqrt(e)` where `None`, as torch computes it):
-    /// a new `[batch, heads, l, ev]` tensor laid out `[batch, l, heads, ev]`, as torch's CPU
-    /// kernel returns it. `None` where the tensors don't qualify, the keys are many (torch's
-    /// blocked kernel is the faster there), a query has no key, or the CPU lacks the kernel.
+    /// a new `[batch, heads, l, ev]` tensor laid out densely in the query's order of
+    /// dimensions, as torch's CPU flash kernel returns it. `None` where the tensors don't qualify, the keys are more than
+    /// `kernels::attention::MAX_KEYS` (torch's blocked kernel is the faster there), a query has
+    /// no key, or the CPU lacks the kernel. Whether it runs for more keys than the family
+    /// always takes is the caller's choice (`exec::choice`).
     ///
     /// # Safety
     /// `q`, `k`, `v` and `mask` must be live handles.
@@ -277,7 +279,7 @@ impl Operators<'_> {
         let (s, ev) = (kd[2], e);
         // Values as wide as keys: torch's flash kernel then runs, whose output's strides the
         // kernel's match (torch's math kernel returns a contiguous one).
-        if kd != [batch, heads, s, e] || vd != kd || s > kernels::attention::max_keys() || qd.contains(&0) || s == 0 {
+        if kd != [batch, heads, s, e] || vd != kd || s > kernels::attention::MAX_KEYS || qd.contains(&0) || s == 0 {
             return None;
         }
         let scale = scale.unwrap_or(1.0 / (e as f64).sqrt()) as f32;
@@ -308,14 +310,32 @@ impl Operators<'_> {
                 }
             }
         };
-        let [b, h, l_, ev_] = [batch, heads, l, ev].map(|d| d as i64);
-        let mut out = match self.owned(shims.empty_f32_strided(&[b, h, l_, ev_], &[l_ * h * ev_, ev_, h * ev_, 1])) {
+        // As torch's flash kernel returns it (`empty_like(q)`): the query's strides where it
+        // is dense, else dense in its order of dimensions (outermost the largest stride; at a
+        // tie the earlier).
+        let mut order = [0usize, 1, 2];
+        order.sort_by_key(|&d| std::cmp::Reverse(qs[d]));
+        let mut ostrides = [0usize; 3];
+        let mut extent = ev;
+        let mut dense = qs[3] == 1 || e == 1;
+        for &d in order.iter().rev() {
+            dense &= qd[d] == 1 || qs[d] == extent;
+            ostrides[d] = extent;
+            extent *= qd[d];
+        }
+        if dense {
+            ostrides = three(qs);
+        }
+        let sizes = [batch, heads, l, ev].map(|d| d as i64);
+        let strides = [ostrides[0], ostrides[1], ostrides[2], 1].map(|d| d as i64);
+        let mut out = match self.owned(shims.empty_f32_strided(&sizes, &strides)) {
             Ok(out) => out,
             Err(e) => return Some(Err(e)),
         };
         // SAFETY: the new output of that many elements.
         let os = unsafe { self.floats_mut(&mut out, batch * l * heads * ev) }?;
-        kernels::attention_f32((qx, three(qs)), (kx, three(ks)), (vx, three(vs)), &g, mask, os).ok().map(|()| Ok(out))
+        let out_ = (os, ostrides);
+        kernels::attention_f32((qx, three(qs)), (kx, three(ks)), (vx, three(vs)), &g, mask, out_).ok().map(|()| Ok(out))
     }
 
     /// The rotary embedding (`kernels::rotary`) of float32 CPU `x` (`[batch, heads,

@@ -64,6 +64,12 @@ pub fn threads() -> usize {
     kernels::parallel::threads()
 }
 
+/// The keys [`Operators::attention`] takes: up to the first without measuring it against
+/// torch's kernel (0 where kwexport's kernels don't run), up to the second at all.
+pub fn attention_keys() -> (usize, usize) {
+    (kernels::attention::unmeasured_keys(), kernels::attention::MAX_KEYS)
+}
+
 /// The operators, over one binding to torch.
 #[derive(Clone, Copy)]
 pub struct Operators<'a>(pub &'a Abi);

@@ -27,6 +27,12 @@ struct Trial {
 /// How many calls each kernel runs, in turn, before a key is chosen.
 pub const TRIAL_RUNS: u32 = 5;
 
+impl std::fmt::Debug for Choices {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Choices").finish_non_exhaustive()
+    }
+}
+
 impl Default for Choices {
     fn default() -> Self {
         Choices {

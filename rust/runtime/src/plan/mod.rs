@@ -159,8 +159,10 @@ pub enum OwnOp {
     MeanPixels { keepdim: bool },
     /// `scaled_dot_product_attention` without dropout over float32 CPU tensors and few keys
     /// (`kernels::attention_f32`): the mask (argument 3) as the call gives it, or the causal
-    /// triangle, and the scale where the node sets one.
-    Attention { causal: bool, scale: Option<f64> },
+    /// triangle, and the scale where the node sets one; `choices` records, per number of
+    /// queries and keys and thread count, whether it beat torch's kernel where the keys are
+    /// more than the family takes unmeasured (`exec::choice`).
+    Attention { causal: bool, scale: Option<f64>, choices: std::sync::Arc<Choices> },
     /// `cat` of float32 CPU tensors dense in the order torch gives the result
     /// (`kernels::copy`), its output in kwexport's arena (`abi::arena`).
     Cat { dim: i64 },

@@ -391,7 +391,11 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg], consts: &mut dyn KernelC
             };
             let mask_ok = matches!(mask, SlotArg::Value(_) | SlotArg::Literal(Arg::None(())));
             let no_gqa = matches!(gqa, SlotArg::Literal(Arg::Bool(false)));
-            (no_dropout && mask_ok && no_gqa).then_some(super::OwnOp::Attention { causal: *causal, scale })
+            (no_dropout && mask_ok && no_gqa).then_some(super::OwnOp::Attention {
+                causal: *causal,
+                scale,
+                choices: Default::default(),
+            })
         }
         _ => None,
     }
