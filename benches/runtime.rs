@@ -276,7 +276,7 @@ fn kernels(c: &mut Criterion) {
         group.throughput(Throughput::Elements((4 * heads * l * l * e) as u64));
         for (name, mask) in [("none", AttentionMask::None), ("causal", AttentionMask::Causal)] {
             group.bench_function(format!("attention/{heads}x{l}x{e}/{name}"), |b| {
-                b.iter(|| attention_f32((&q, strides), (&k, strides), (&v, strides), &g, mask, &mut out))
+                b.iter(|| attention_f32((&q, strides), (&k, strides), (&v, strides), &g, mask, (&mut out, strides)))
             });
         }
     }
