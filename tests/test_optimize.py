@@ -1244,7 +1244,6 @@ def test_fast_measures_attention_past_the_keys_its_kernel_takes_unmeasured(tmp_p
         assert len(set(torch_ran[10:])) == 1
 
 
-
 @pytest.mark.parametrize("keep, additive", [(None, False), (None, True), (6, False), (6, True)])
 def test_fast_drops_attention_masks_that_mask_nothing(tmp_path, keep, additive):
     torch.manual_seed(0)
