@@ -273,10 +273,15 @@ impl CStep {
         consts: &[abi::Tensor],
     ) -> Pick<'a> {
         let OwnOp::Attention { choices, .. } = own else { return Pick::Ours };
+        // Only float32 CPU tensors of four dimensions are measured: on others kwexport's kernel
+        // declines at once.
         let rows = |i: usize| -> Option<usize> {
             let t = super::tensor_arg(&self.args.get(i)?.1, slots, consts)??;
+            let shims = abi.shims.as_ref()?;
             // SAFETY: a live handle from a slot or a constant.
-            usize::try_from(unsafe { abi.size(t, 2) }?).ok()
+            let measured = unsafe { shims.is_cpu_f32(t) && shims.dim(t) == Some(4) };
+            // SAFETY: as above.
+            measured.then(|| unsafe { abi.size(t, 2) }).flatten()?.try_into().ok()
         };
         let (Some(l), Some(s)) = (rows(0), rows(1)) else { return Pick::Ours };
         let (unmeasured, most) = operators::attention_keys();
