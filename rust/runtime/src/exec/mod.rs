@@ -330,17 +330,18 @@ impl CStep {
         }
         if let (Some(own), true) = (&self.own, direct.no_autograd) {
             let pick = self.pick(abi, own, slots, consts);
-            let start = Instant::now();
+            // Timed only where this call is one of a choice's trials.
+            let start = matches!(pick, Pick::Trial { .. }).then(Instant::now);
             if !matches!(pick, Pick::Theirs | Pick::Trial { ours: false, .. }) {
                 if let Some(result) = self.run_own(abi, own, slots, consts) {
                     self.finish(slots, result?);
-                    if let Pick::Trial { choices, key, ours: true } = pick {
+                    if let (Pick::Trial { choices, key, .. }, Some(start)) = (pick, start) {
                         choices.add_run(key, true, start.elapsed(), faster);
                     }
                     return Ok(());
                 }
             }
-            if let Pick::Trial { choices, key, ours: false } = pick {
+            if let (Pick::Trial { choices, key, ours: false }, Some(start)) = (pick, start) {
                 self.dispatch(abi, slots, consts, stack)?;
                 choices.add_run(key, false, start.elapsed(), faster);
                 return Ok(());
@@ -565,7 +566,6 @@ impl CStep {
         consts: &[abi::Tensor],
     ) -> Option<Result<abi::Tensor, CError>> {
         let tensor = |i: usize| tensor_arg(&self.args.get(i)?.1, slots, consts);
-        let of = tensor_arg;
         match own {
             // SAFETY: live handles from slots and constants.
             OwnOp::GlobalAvgPool => unsafe { Operators(abi).global_avg_pool(tensor(0)??) },
@@ -574,7 +574,7 @@ impl CStep {
             OwnOp::Cat { dim } => {
                 let Enc::List(items) = &self.args.first()?.1 else { return None };
                 let inputs: Vec<abi::Raw> =
-                    items.iter().map(|e| of(e, slots, consts).flatten()).collect::<Option<_>>()?;
+                    items.iter().map(|e| tensor_arg(e, slots, consts).flatten()).collect::<Option<_>>()?;
                 // A concatenation made in place (`plan::concat`): its convolutions made its
                 // result, in its slot, and wrote their parts there.
                 if let (1, SlotOutputs::One(Some(o))) = (dim, &self.outputs) {

@@ -78,7 +78,7 @@ pub fn attention_f32(
         && g.fits(k.0.len(), g.s, g.e, [k.1[0], k.1[1], k.1[2], 1])
         && g.fits(v.0.len(), g.s, g.ev, [v.1[0], v.1[1], v.1[2], 1])
         && g.fits(out.0.len(), g.l, g.ev, [os[0], os[1], os[2], 1])
-        && apart([(g.batch, os[0]), (g.heads, os[1]), (g.l, os[2]), (g.ev, 1)])
+        && super::apart(g.ev, [(g.batch, os[0]), (g.heads, os[1]), (g.l, os[2])])
         && match mask {
             AttentionMask::Bool(m, ms) => g.fits(m.len(), g.l, g.s, ms),
             AttentionMask::Float(m, ms) => g.fits(m.len(), g.l, g.s, ms),
@@ -111,26 +111,6 @@ pub fn attention_f32(
         return Err(Declined::Values);
     }
     Ok(())
-}
-
-/// Whether no two elements of a tensor of these `(size, stride)`s share a place: ordered by
-/// stride, each dimension's stride clears the extent of those inside it (dimensions of one
-/// element take no place of their own).
-fn apart(mut dims: [(usize, usize); 4]) -> bool {
-    dims.sort_by_key(|&(_, stride)| stride);
-    let mut extent = 1usize;
-    for (size, stride) in dims {
-        if size > 1 {
-            if stride < extent {
-                return false;
-            }
-            extent = match stride.checked_mul(size) {
-                Some(e) => e,
-                None => return false,
-            };
-        }
-    }
-    true
 }
 
 /// [`attention_f32`]'s operands as the kernel table's entry takes them: pointers with their

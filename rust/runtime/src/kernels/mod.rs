@@ -135,6 +135,21 @@ pub fn span(sizes: &[usize], strides: &[usize]) -> usize {
         .unwrap_or(usize::MAX)
 }
 
+/// Whether rows of `row` contiguous values at `(size, stride)` dimensions never share an
+/// element: in the order of their strides, each dimension of more than one row steps past
+/// everything the ones inside it span.
+pub(crate) fn apart<const N: usize>(row: usize, mut dims: [(usize, usize); N]) -> bool {
+    dims.sort_by_key(|&(_, s)| s);
+    let mut spanned = row;
+    for (n, s) in dims.into_iter().filter(|&(n, _)| n > 1) {
+        if s < spanned {
+            return false;
+        }
+        spanned = spanned.saturating_add(s.saturating_mul(n - 1));
+    }
+    true
+}
+
 /// Why a kernel wrote nothing (or nothing the caller may use), for the caller to run another
 /// kernel (torch's): a `Result` it can't ignore.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -35,7 +35,10 @@ pub fn rotary_f32<'a>(
     let holds = |(xs, st): Rows<'_>| {
         g.d > 0 && super::span(&[g.dims[0], g.dims[1], g.dims[2], g.d], &[st[0], st[1], st[2], 1]) <= xs.len()
     };
-    if g.split > g.d || ![x, cos, sin, (&*out, strides)].into_iter().all(holds) || !apart(g, strides) {
+    if g.split > g.d
+        || ![x, cos, sin, (&*out, strides)].into_iter().all(holds)
+        || !super::apart(g.d, [0, 1, 2].map(|i| (g.dims[i], strides[i])))
+    {
         return Err(Declined::Shapes);
     }
     let rows = g.dims.iter().product::<usize>();
@@ -68,22 +71,6 @@ fn rotate_row(x: &[f32], c: &[f32], s: &[f32], split: usize, y: &mut [f32]) {
         let at = tail + j;
         *v = x[at] * c[at] + x[j] * s[at];
     }
-}
-
-/// Whether rows of `g.d` values at `strides` never share an element: in the order of their
-/// strides, each dimension of more than one row steps past everything the ones inside it
-/// span.
-fn apart(g: &Rotary, strides: [usize; 3]) -> bool {
-    let mut dims = [0, 1, 2].map(|i| (g.dims[i], strides[i]));
-    dims.sort_by_key(|&(_, s)| s);
-    let mut spanned = g.d;
-    for (n, s) in dims.into_iter().filter(|&(n, _)| n > 1) {
-        if s < spanned {
-            return false;
-        }
-        spanned += s * (n - 1);
-    }
-    true
 }
 
 #[cfg(test)]

@@ -311,19 +311,9 @@ impl Operators<'_> {
             }
         };
         // As torch's flash kernel returns it (`empty_like(q)`): the query's strides where it
-        // is dense, else dense in its order of dimensions (outermost the largest stride; at a
-        // tie the earlier).
-        let mut order = [0usize, 1, 2];
-        order.sort_by_key(|&d| std::cmp::Reverse(qs[d]));
-        let mut ostrides = [0usize; 3];
-        let mut extent = ev;
-        let mut dense = qs[3] == 1 || e == 1;
-        for &d in order.iter().rev() {
-            dense &= qd[d] == 1 || qs[d] == extent;
-            ostrides[d] = extent;
-            extent *= qd[d];
-        }
-        if dense {
+        // is dense (those of its size-1 dimensions included), else dense in its order.
+        let mut ostrides = dense_in_order(three(qd), three(qs), ev);
+        if (qs[3] == 1 || e == 1) && (0..3).all(|d| qd[d] == 1 || qs[d] == ostrides[d]) {
             ostrides = three(qs);
         }
         let sizes = [batch, heads, l, ev].map(|d| d as i64);
@@ -370,14 +360,8 @@ impl Operators<'_> {
         let g = kernels::rotary::Rotary { dims: [sizes[0], sizes[1], sizes[2]], d, split };
         // `x`'s rows in the order of their strides, densely: where `x` is dense, its own
         // strides.
-        let mut order = [0usize, 1, 2];
-        order.sort_by_key(|&i| std::cmp::Reverse(xs[i]));
-        let mut os = [0usize; 3];
-        let mut inner = d;
-        for &i in order.iter().rev() {
-            os[i] = inner;
-            inner *= sizes[i];
-        }
+        let os = dense_in_order([sizes[0], sizes[1], sizes[2]], [xs[0], xs[1], xs[2]], d);
+        let inner = sizes.iter().product::<usize>();
         let span = |st: [usize; 3]| kernels::span(&sizes, &[st[0], st[1], st[2], 1]);
         // SAFETY: float32 CPU tensors spanning that many elements from their first.
         let (xv, cv, sv) = unsafe {
@@ -457,4 +441,19 @@ impl Operators<'_> {
         }
         Some(Ok(out))
     }
+}
+
+/// The strides of the first three dimensions of a new tensor of `sizes` laid out densely in
+/// the order of `strides` (outermost the largest; at a tie the earlier), its rows of `row`
+/// values contiguous.
+fn dense_in_order(sizes: [usize; 3], strides: [usize; 3], row: usize) -> [usize; 3] {
+    let mut order = [0usize, 1, 2];
+    order.sort_by_key(|&i| std::cmp::Reverse(strides[i]));
+    let mut dense = [0usize; 3];
+    let mut inner = row;
+    for &i in order.iter().rev() {
+        dense[i] = inner;
+        inner *= sizes[i];
+    }
+    dense
 }
