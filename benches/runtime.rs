@@ -267,12 +267,12 @@ fn kernels(c: &mut Criterion) {
     // A small transformer's attention: 4 heads of 64 over 32 tokens, read as the transposed
     // views of a projection.
     // A small model's 32 tokens, an encoder's 128 and 512.
-    for l in [32usize, 128, 512] {
-        let (heads, e) = (4usize, 64usize);
+    // ViT-Tiny's: 3 heads over 197 tokens, views of its `qkv` projection (rows 3 × 192 apart).
+    for (heads, l, row) in [(4usize, 32usize, 256usize), (4, 128, 256), (4, 512, 256), (3, 197, 576)] {
+        let e = 64usize;
         let g = Attention { batch: 1, heads, l, s: l, e, ev: e, scale: 0.125 };
-        let strides = [l * heads * e, e, heads * e];
-        let (q, k, v, mut out) =
-            (data(l * heads * e), data(l * heads * e), data(l * heads * e), vec![0.0; l * heads * e]);
+        let strides = [l * row, e, row];
+        let (q, k, v, mut out) = (data(l * row), data(l * row), data(l * row), vec![0.0; l * row]);
         group.throughput(Throughput::Elements((4 * heads * l * l * e) as u64));
         for (name, mask) in [("none", AttentionMask::None), ("causal", AttentionMask::Causal)] {
             group.bench_function(format!("attention/{heads}x{l}x{e}/{name}"), |b| {

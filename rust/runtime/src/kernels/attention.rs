@@ -1,5 +1,6 @@
 //! Scaled dot-product attention for the few dozen to few hundred tokens of a small model's
-//! call, split across threads by (batch, head).
+//! call, split across threads by (batch, head) and, where heads alone don't share out evenly,
+//! by parts of each head's queries.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -57,8 +58,9 @@ pub fn unmeasured_keys() -> usize {
 /// kernel lays its result out densely in the query's order of dimensions). `q`, `k` and `v`
 /// are at element strides for their first three dimensions, their last contiguous. For the tokens of a
 /// small model's call, where torch's flash kernel spends most of its time on setup: keys are
-/// transposed once per head, then each block of four query rows takes its scores, softmax
-/// and weighted values in registers. Returns `false` where a query row has no key to attend
+/// transposed once per head (and scaled, where no mask tensor is given), then each block of
+/// query rows (eight on AVX-512, six on AVX2) takes its scores, softmax and weighted values in
+/// registers. Returns `false` where a query row has no key to attend
 /// or a score is NaN (torch decides what those give), the slices don't fit the sizes, there
 /// are more than [`MAX_KEYS`] keys, or kwexport's kernels don't run on this CPU; `out` may
 /// then be partly written.
@@ -95,14 +97,16 @@ pub fn attention_f32(
         g: *g,
         mask,
         out: (out.0.as_mut_ptr(), os),
+        parts: 1,
     };
     let heads = g.batch * g.heads;
     let flops = 2 * heads * g.l * g.s * (g.e + g.ev);
-    let threads = super::parallel::share(flops, heads, super::parallel::threads());
+    let threads = super::parallel::share(flops, heads * MOST_PARTS, super::parallel::threads());
+    let ops = Operands { parts: parts(heads, threads, g.l), ..ops };
     let failed = AtomicBool::new(false);
-    super::parallel::for_each(heads, threads, &|begin, end| {
+    super::parallel::for_each(heads * ops.parts, threads, &|begin, end| {
         // SAFETY: the table's functions run on this CPU; the slices hold what the sizes say
-        // (checked), and each chunk writes its own heads' outputs.
+        // (checked), and each unit writes its own rows' outputs.
         if !unsafe { (t.attention)(&ops, begin..end) } {
             failed.store(true, Ordering::Relaxed);
         }
@@ -122,14 +126,31 @@ pub(super) struct Operands<'a> {
     g: Attention,
     mask: AttentionMask<'a>,
     out: (*mut f32, [usize; 3]),
+    /// Parts of each head's queries, each a unit of the threads' work ([`parts`]).
+    parts: usize,
+}
+
+/// The most parts a head's queries are split into.
+const MOST_PARTS: usize = 8;
+
+/// How many parts to split each head's queries into so that `heads * parts` units share
+/// out evenly over `threads`: a thread's work is its units, and whole heads alone left
+/// ViT-Tiny's 3 heads as 2 and 1 on two threads. The fewest parts that share out best,
+/// each at least 16 queries (every part transposes its head's keys again).
+pub(super) fn parts(heads: usize, threads: usize, l: usize) -> usize {
+    let most = (l / 16).clamp(1, MOST_PARTS);
+    // The busiest thread's units over the average, in units of 1 / (heads * parts).
+    let load = |p: usize| (heads * p).div_ceil(threads) * threads * MOST_PARTS.pow(2) / (heads * p);
+    (1..=most).min_by_key(|&p| (load(p), p)).unwrap_or(1)
 }
 
 // SAFETY: the inputs are read only and kept alive by the caller for the whole call; the
 // threads of one call write the outputs of disjoint heads.
 unsafe impl Sync for Operands<'_> {}
 
-/// The heads `range` (counted as `b * heads + h`) of [`attention_f32`]: the kernel table's
-/// entry. `false` where a row has no key to attend or a score is NaN.
+/// The units `range` of [`attention_f32`] (part `u % parts` of head `u / parts`, heads counted
+/// as `b * heads + h`): the kernel table's entry. `false` where a row has no key to attend or
+/// a score isn't finite.
 ///
 /// # Safety
 /// `S`'s features must be enabled; the operands hold what the sizes say.
@@ -137,13 +158,14 @@ unsafe impl Sync for Operands<'_> {}
 pub(super) unsafe fn heads<S: Simd>(ops: &Operands<'_>, range: std::ops::Range<usize>) -> bool {
     // Blocks of eight query rows where there are 32 registers (16 sums of scores, each key
     // vector loaded once per eight rows: 132 -> 145 G multiply-adds/s at 512 tokens, the
-    // same at 32 and 128), four where there are 16.
+    // same at 32 and 128), six where there are 16 (12 sums: 4 -> 6 rows took ViT-Tiny's
+    // attention, 3 heads x 197 x 64, 482 -> 471 us and 512 tokens 4213 -> 3990 us on a Zen 3).
     if S::REGISTERS >= 32 {
         // SAFETY: the caller's.
         unsafe { blocks::<S, 8>(ops, range) }
     } else {
         // SAFETY: the caller's.
-        unsafe { blocks::<S, 4>(ops, range) }
+        unsafe { blocks::<S, 6>(ops, range) }
     }
 }
 
@@ -171,35 +193,57 @@ unsafe fn blocks<S: Simd, const R: usize>(ops: &Operands<'_>, range: std::ops::R
     // every index stays within them; masked lanes aren't touched.
     unsafe {
         let neg_inf = S::splat(f32::NEG_INFINITY);
-        for head in range {
-            let (b, h) = (head / g.heads, head % g.heads);
-            let kb = k.add(b * ks[0] + h * ks[1]);
-            for j in 0..s {
-                let row = kb.add(j * ks[2]);
-                for c in 0..e {
-                    *ktp.add(j / w * e * w + c * w + j % w) = *row.add(c);
-                }
+        let causal = matches!(mask, AttentionMask::Causal);
+        let direct = matches!(mask, AttentionMask::None | AttentionMask::Causal);
+        let parts = ops.parts;
+        // Where part `p` of a head's queries starts: at an equal share of the rows, or of a
+        // causal square's scores, in whole blocks.
+        let edge = |p: usize| {
+            let share = p as f64 / parts as f64;
+            let share = if causal { share.sqrt() } else { share };
+            if p == parts {
+                l
+            } else {
+                ((l as f64 * share / R as f64).round() as usize * R).min(l)
             }
-            let vb = v.add(b * vs[0] + h * vs[1]);
-            // Skipping the keys a causal block can't see leaves out their NaNs and
-            // infinities, which a kernel that weighs them by 0 (torch's, within its blocks)
-            // carries into earlier rows: where the keys or values hold one, torch decides.
-            if matches!(mask, AttentionMask::Causal) {
-                // `x - x` is 0 for a finite `x` and NaN otherwise; a NaN stays in the sum.
-                let mut sum = S::zero();
-                for (p, n) in (0..s).flat_map(|j| [(kb.add(j * ks[2]), e), (vb.add(j * vs[2]), ev)]) {
-                    for c in (0..n).step_by(lanes) {
-                        let x = S::load_masked(S::first(n - c), p.add(c));
-                        sum = S::add(sum, S::sub(x, x));
+        };
+        // The head whose keys `kt` holds: consecutive parts of one head transpose them once.
+        let mut transposed = None;
+        for unit in range {
+            let (head, part) = (unit / parts, unit % parts);
+            let (b, h) = (head / g.heads, head % g.heads);
+            let (kb, vb) = (k.add(b * ks[0] + h * ks[1]), v.add(b * vs[0] + h * vs[1]));
+            if transposed.replace(head) != Some(head) {
+                // Without a mask tensor the keys are scaled here, once, rather than every
+                // score.
+                let key_scale = if direct { g.scale } else { 1.0 };
+                for j in 0..s {
+                    let row = kb.add(j * ks[2]);
+                    for c in 0..e {
+                        *ktp.add(j / w * e * w + c * w + j % w) = *row.add(c) * key_scale;
                     }
                 }
-                if S::any(S::nan(sum)) {
-                    return false;
+                // Skipping the keys a causal block can't see leaves out their NaNs and
+                // infinities, which a kernel that weighs them by 0 (torch's, within its
+                // blocks) carries into earlier rows: where the keys or values hold one, torch
+                // decides.
+                if causal {
+                    // `x - x` is 0 for a finite `x` and NaN otherwise; a NaN stays in the sum.
+                    let mut sum = S::zero();
+                    for (p, n) in (0..s).flat_map(|j| [(kb.add(j * ks[2]), e), (vb.add(j * vs[2]), ev)]) {
+                        for c in (0..n).step_by(lanes) {
+                            let x = S::load_masked(S::first(n - c), p.add(c));
+                            sum = S::add(sum, S::sub(x, x));
+                        }
+                    }
+                    if S::any(S::nan(sum)) {
+                        return false;
+                    }
                 }
             }
-            let mut i0 = 0;
-            while i0 < l {
-                let rows = (l - i0).min(R);
+            let (mut i0, end) = (edge(part), edge(part + 1));
+            while i0 < end {
+                let rows = (end - i0).min(R);
                 // A causal block's rows see keys `0..i0 + rows` only: the others are neither
                 // scored nor weighted (half the work of a square causal attention).
                 let s = match mask {
@@ -210,6 +254,14 @@ unsafe fn blocks<S: Simd, const R: usize>(ops: &Operands<'_>, range: std::ops::R
                 // Rows past the last repeat it; their results aren't stored.
                 let qrow: [*const f32; R] =
                     std::array::from_fn(|r| q.add(b * qs[0] + h * qs[1] + (i0 + r.min(rows - 1)) * qs[2]));
+                // The keys row `r` of the block sees, where no mask tensor says.
+                let seen = |r: usize| if causal { s.min(i0 + r + 1) } else { s };
+                // Without a mask tensor the tile stores each score with its unseen keys as
+                // -inf and keeps each row's largest, so the softmax is one pass; `bad` turns
+                // NaN where a score isn't finite (NaN or infinite inputs, or an overflow), and
+                // the head is then left to torch.
+                let mut top = [neg_inf; R];
+                let mut bad = S::zero();
                 let mut jb = 0;
                 while jb < nv {
                     let two = jb + 1 < nv;
@@ -225,16 +277,45 @@ unsafe fn blocks<S: Simd, const R: usize>(ops: &Operands<'_>, range: std::ops::R
                         }
                     }
                     for (r, a) in acc.iter().enumerate() {
-                        S::store(scp.add(r * sp + jb * lanes), a[0]);
-                        if two {
-                            S::store(scp.add(r * sp + jb * lanes + lanes), a[1]);
+                        for (t, &x) in a.iter().enumerate().take(1 + usize::from(two)) {
+                            let j0 = (jb + t) * lanes;
+                            let x = if direct {
+                                bad = S::add(bad, S::sub(x, x));
+                                let x = if j0 + lanes > seen(r) {
+                                    S::select(S::first(seen(r).saturating_sub(j0)), x, neg_inf)
+                                } else {
+                                    x
+                                };
+                                top[r] = S::max(top[r], x);
+                                x
+                            } else {
+                                x
+                            };
+                            S::store(scp.add(r * sp + j0), x);
                         }
                     }
                     jb += 2;
                 }
+                if direct && S::any(S::nan(bad)) {
+                    return false;
+                }
                 // Softmax of each row, its scale left for the weighted sum.
                 let mut inv = [0.0f32; R];
-                for (r, inv) in inv.iter_mut().enumerate().take(rows) {
+                if direct {
+                    for (r, inv) in inv.iter_mut().enumerate().take(rows) {
+                        let (row, m, n) = (scp.add(r * sp), S::splat(S::reduce_max(top[r])), seen(r));
+                        let mut sum = S::zero();
+                        for j0 in (0..s).step_by(lanes) {
+                            let p = exp::<S>(S::sub(S::load(row.add(j0)), m));
+                            let p = S::select(S::first(n.saturating_sub(j0)), p, S::zero());
+                            S::store(row.add(j0), p);
+                            sum = S::add(sum, p);
+                        }
+                        *inv = 1.0 / S::reduce_add(sum);
+                    }
+                }
+                // With a mask tensor: the mask, then the softmax.
+                for (r, inv) in inv.iter_mut().enumerate().take(if direct { 0 } else { rows }) {
                     let i = i0 + r;
                     let row = scp.add(r * sp);
                     let mut mx = neg_inf;
@@ -301,7 +382,25 @@ unsafe fn blocks<S: Simd, const R: usize>(ops: &Operands<'_>, range: std::ops::R
                     let masks: [S::M; MOST] = std::array::from_fn(|t| S::first(width.saturating_sub(lanes * t)));
                     let used = width.div_ceil(lanes);
                     let mut acc = [[S::zero(); MOST]; R];
-                    for j in 0..s {
+                    // Whole vectors (the usual head sizes) without masks, each row's
+                    // probabilities from its own pointer: the general loop below spilled its
+                    // pointers and branched on its masks at every key.
+                    let whole = width == MOST * lanes;
+                    if whole {
+                        let prow: [*const f32; R] = std::array::from_fn(|r| scp.add(r * sp).cast_const());
+                        let mut vrow = vb.add(c0);
+                        for j in 0..s {
+                            let vv: [S::V; MOST] = std::array::from_fn(|t| S::load(vrow.add(lanes * t)));
+                            for (a, p) in acc.iter_mut().zip(prow) {
+                                let p = S::splat(*p.add(j));
+                                for t in 0..MOST {
+                                    a[t] = S::fma(p, vv[t], a[t]);
+                                }
+                            }
+                            vrow = vrow.add(vs[2]);
+                        }
+                    }
+                    for j in (0..s).filter(|_| !whole) {
                         let vrow = vb.add(j * vs[2] + c0);
                         let vv: [S::V; MOST] = std::array::from_fn(|t| {
                             if t < used {

@@ -396,6 +396,8 @@ mod attention {
                 // Square and causal-sized: blocks of rows that end mid-vector and past it.
                 (1, 2, 37, 37, 16, 40),
                 (1, 1, 58, 58, 8, 8),
+                // ViT-Tiny's, whose queries split in parts across the threads.
+                (1, 3, 197, 197, 64, 64),
             ] {
                 let g = Attention { batch, heads, l, s, e, ev, scale: 1.0 / (e as f32).sqrt() };
                 let (q, qs) = transposed(&g, l, e, |i| (i as f32 * 0.37).sin());
@@ -454,6 +456,19 @@ mod attention {
                 }
             }
         });
+    }
+
+    /// A head's queries split in parts where whole heads don't share out evenly over the
+    /// threads, and not where they do or the parts would be small.
+    #[test]
+    fn attention_splits_heads_whose_count_shares_out_unevenly() {
+        use super::super::attention::parts;
+        assert_eq!(parts(3, 2, 197), 2); // ViT-Tiny on two threads: 3 units each.
+        assert_eq!(parts(6, 4, 128), 2);
+        assert_eq!(parts(3, 4, 197), 4);
+        assert_eq!(parts(12, 2, 128), 1);
+        assert_eq!(parts(4, 1, 512), 1);
+        assert_eq!(parts(1, 2, 8), 1); // Fewer than 16 queries a part.
     }
 
     /// A causal kernel skips the keys a block of rows can't see; a NaN or an infinity among
