@@ -264,10 +264,9 @@ fn kernels(c: &mut Criterion) {
     let (x, mut out) = (data(32 * 32 * 64), vec![0.0; 16 * 16 * 64]);
     group.throughput(Throughput::Elements((16 * 16 * 64 * 9) as u64));
     group.bench_function("max_pool/64x32x32/k3s2", |b| b.iter(|| max_pool_f32(&x, [1, 32, 32, 64], &pool, &mut out)));
-    // A small transformer's attention: 4 heads of 64 over 32 tokens, read as the transposed
-    // views of a projection.
-    // A small model's 32 tokens, an encoder's 128 and 512.
-    // ViT-Tiny's: 3 heads over 197 tokens, views of its `qkv` projection (rows 3 × 192 apart).
+    // Attention over a small model's 32 tokens and an encoder's 128 and 512 (4 heads of 64,
+    // read as the transposed views of a 256-wide projection), and ViT-Tiny's 3 heads over 197
+    // tokens (views of its `qkv` projection, rows 3 × 192 apart).
     for (heads, l, row) in [(4usize, 32usize, 256usize), (4, 128, 256), (4, 512, 256), (3, 197, 576)] {
         let e = 64usize;
         let g = Attention { batch: 1, heads, l, s: l, e, ev: e, scale: 0.125 };
