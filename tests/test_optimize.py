@@ -1244,6 +1244,40 @@ def test_fast_measures_attention_past_the_keys_its_kernel_takes_unmeasured(tmp_p
         assert len(set(torch_ran[10:])) == 1
 
 
+class ThreeHeads(nn.Module):
+    """Three heads of 16 from one projection-shaped input, plain and causal."""
+
+    def forward(self, x):
+        q, k, v = x.view(1, 64, 3, 3, 16).permute(2, 0, 3, 1, 4)
+        sdpa = nn.functional.scaled_dot_product_attention
+        return sdpa(q, k, v), sdpa(q, k, v, is_causal=True)
+
+
+def test_fast_splits_attention_heads_in_parts_of_queries_across_threads(tmp_path):
+    """Three heads don't share out evenly over two threads: each head's queries split in
+    parts (equal rows, or a causal head's equal shares of scores), each thread's units
+    written by it alone, every call as eager's."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 64, 144)
+    path = tmp_path / "three_heads.kwx"
+    kwexport.save(kwexport.export(ThreeHeads(), (x,)), path)
+    fast = kwexport.load(path, optimize="fast")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = ThreeHeads()(x)
+        for _ in range(3):
+            with torch.profiler.profile() as prof:
+                got = fast(x)
+            for g, w in zip(got, want):
+                assert g.shape == w.shape and g.stride() == w.stride() and rel_err(g, w) < 1e-5
+            if kwexport.kernel_info()["isa"] is not None:
+                names = [e.name for e in prof.events()]
+                assert "aten::scaled_dot_product_attention" not in names
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("keep, additive", [(None, False), (None, True), (6, False), (6, True)])
 def test_fast_drops_attention_masks_that_mask_nothing(tmp_path, keep, additive):
     torch.manual_seed(0)

@@ -103,8 +103,9 @@ pub fn attention_f32(
     let flops = 2 * heads * g.l * g.s * (g.e + g.ev);
     let threads = super::parallel::share(flops, heads * MOST_PARTS, super::parallel::threads());
     let ops = Operands { parts: parts(heads, threads, g.l), ..ops };
+    let units = heads * ops.parts;
     let failed = AtomicBool::new(false);
-    super::parallel::for_each(heads * ops.parts, threads, &|begin, end| {
+    super::parallel::for_each(units, threads.min(units), &|begin, end| {
         // SAFETY: the table's functions run on this CPU; the slices hold what the sizes say
         // (checked), and each unit writes its own rows' outputs.
         if !unsafe { (t.attention)(&ops, begin..end) } {
