@@ -90,6 +90,9 @@ pub fn attention_f32(
     if g.s > MAX_KEYS {
         return Err(Declined::Shapes);
     }
+    let heads = g.batch * g.heads;
+    let flops = 2 * heads * g.l * g.s * (g.e + g.ev);
+    let threads = super::parallel::share(flops, heads * MOST_PARTS, super::parallel::threads());
     let ops = Operands {
         q: (q.0.as_ptr(), q.1),
         k: (k.0.as_ptr(), k.1),
@@ -97,12 +100,8 @@ pub fn attention_f32(
         g: *g,
         mask,
         out: (out.0.as_mut_ptr(), os),
-        parts: 1,
+        parts: parts(heads, threads, g.l),
     };
-    let heads = g.batch * g.heads;
-    let flops = 2 * heads * g.l * g.s * (g.e + g.ev);
-    let threads = super::parallel::share(flops, heads * MOST_PARTS, super::parallel::threads());
-    let ops = Operands { parts: parts(heads, threads, g.l), ..ops };
     let units = heads * ops.parts;
     let failed = AtomicBool::new(false);
     super::parallel::for_each(units, threads.min(units), &|begin, end| {
@@ -326,8 +325,8 @@ unsafe fn blocks<S: Simd, const R: usize>(ops: &Operands<'_>, range: std::ops::R
                         let mut valid = keys;
                         let mut x = S::mul(S::load(row.add(j0)), S::splat(g.scale));
                         match mask {
-                            AttentionMask::None => {}
-                            AttentionMask::Causal => valid = S::and(valid, S::first((i + 1).saturating_sub(j0))),
+                            // Taken by the one-pass softmax above.
+                            AttentionMask::None | AttentionMask::Causal => {}
                             AttentionMask::Bool(m, ms) => {
                                 let at = m.as_ptr().add(b * ms[0] + h * ms[1] + i * ms[2] + j0 * ms[3]);
                                 let mut taken = [0f32; 16];
@@ -386,8 +385,7 @@ unsafe fn blocks<S: Simd, const R: usize>(ops: &Operands<'_>, range: std::ops::R
                     // Whole vectors (the usual head sizes) without masks, each row's
                     // probabilities from its own pointer: the general loop below spilled its
                     // pointers and branched on its masks at every key.
-                    let whole = width == MOST * lanes;
-                    if whole {
+                    if width == MOST * lanes {
                         let prow: [*const f32; R] = std::array::from_fn(|r| scp.add(r * sp).cast_const());
                         let mut vrow = vb.add(c0);
                         for j in 0..s {
@@ -400,20 +398,21 @@ unsafe fn blocks<S: Simd, const R: usize>(ops: &Operands<'_>, range: std::ops::R
                             }
                             vrow = vrow.add(vs[2]);
                         }
-                    }
-                    for j in (0..s).filter(|_| !whole) {
-                        let vrow = vb.add(j * vs[2] + c0);
-                        let vv: [S::V; MOST] = std::array::from_fn(|t| {
-                            if t < used {
-                                S::load_masked(masks[t], vrow.add(lanes * t))
-                            } else {
-                                S::zero()
-                            }
-                        });
-                        for (r, a) in acc.iter_mut().enumerate() {
-                            let p = S::splat(*scp.add(r * sp + j));
-                            for t in 0..MOST {
-                                a[t] = S::fma(p, vv[t], a[t]);
+                    } else {
+                        for j in 0..s {
+                            let vrow = vb.add(j * vs[2] + c0);
+                            let vv: [S::V; MOST] = std::array::from_fn(|t| {
+                                if t < used {
+                                    S::load_masked(masks[t], vrow.add(lanes * t))
+                                } else {
+                                    S::zero()
+                                }
+                            });
+                            for (r, a) in acc.iter_mut().enumerate() {
+                                let p = S::splat(*scp.add(r * sp + j));
+                                for t in 0..MOST {
+                                    a[t] = S::fma(p, vv[t], a[t]);
+                                }
                             }
                         }
                     }
