@@ -6,6 +6,7 @@ a quantized linear runs on kwexport's int8 kernel (the same quantized values, th
 within float32 rounding of the reference where every quantized input agrees, and the other
 weights' dequantization is folded at load."""
 
+import os
 import subprocess
 import sys
 import warnings
@@ -87,19 +88,23 @@ def test_a_pt2e_linear_program_loads_without_flags_and_gives_the_references_bits
 
 
 class OneLinear(nn.Module):
-    def __init__(self):
+    def __init__(self, k=96, n=40):
         super().__init__()
-        self.linear = nn.Linear(96, 40)
+        self.linear = nn.Linear(k, n)
 
     def forward(self, x):
         return self.linear(x)
 
 
+# The second shape is large enough for AMX's tiles where the CPU has them (`int8_tiles`):
+# at least 64 rows a thread and 384 channels, each ending inside a tile.
+@pytest.mark.parametrize("shape", [(2, 5, 96, 40), (2, 100, 400, 130)], ids=["small", "tiles"])
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_fast_runs_quantized_linears_on_the_int8_kernel(tmp_path, dynamic):
+def test_fast_runs_quantized_linears_on_the_int8_kernel(tmp_path, dynamic, shape):
     torch.manual_seed(0)
-    x = torch.randn(2, 5, 96)
-    q = quantized(OneLinear(), x, dynamic)
+    *rows, k, n = shape
+    x = torch.randn(*rows, k)
+    q = quantized(OneLinear(k, n), x, dynamic)
     path = saved(tmp_path, q, x)
     exact, fast = kwexport.load(path), kwexport.load(path, optimize="fast")
     overload = "dynamic" if dynamic else "default"
@@ -108,7 +113,7 @@ def test_fast_runs_quantized_linears_on_the_int8_kernel(tmp_path, dynamic):
     with torch.profiler.profile() as prof:
         fast(x)
     assert not any("linear" in e.name for e in prof.events()), "torch ran the op, not kwexport's kernel"
-    for inputs in [x, torch.randn(2, 5, 96) * 4, torch.zeros(2, 5, 96)]:
+    for inputs in [x, torch.randn(*rows, k) * 4, torch.zeros(*rows, k)]:
         want = q(inputs)
         got = fast(inputs)
         assert got.shape == want.shape
@@ -744,3 +749,7 @@ def test_kernel_info_names_the_int8_gemms_layout():
     # Activations of 128 levels (`reduce_range`): quads on `vpmaddubsw` on every x86 family.
     reduced = {None: None, "portable": "pairs"}.get(info["isa"], "quads")
     assert info["int8_reduced"] == reduced, info
+    # AMX's tiles for quads on the AVX-512 family where the CPU has AMX-INT8 (Linux 5.16+
+    # grants their state), unless `KWEXPORT_AMX=0`.
+    tiles = info["isa"] == "avx512" and "amx_int8" in flags and os.environ.get("KWEXPORT_AMX") != "0"
+    assert info["int8_tiles"] == tiles, info

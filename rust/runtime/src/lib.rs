@@ -285,11 +285,12 @@ fn _bind<'py>(
 
 /// Which instruction set's kernels run `optimize="fast"` here: `{"isa": "avx512" | "avx2" |
 /// "portable" | None, "forced": bool, "supported": [...], "int8": "quads" | "pairs" | None,
-/// "int8_reduced": the same}` (`isa` is None where kwexport's kernels are off and torch's
+/// "int8_reduced": the same, "int8_tiles": bool}` (`isa` is None where kwexport's kernels are off and torch's
 /// run: no vector family detected, or `KWEXPORT_ISA` names one this CPU lacks; `int8` is the
 /// int8 GEMM's layout for any program, VNNI's byte quads or int16 pairs, and `int8_reduced`
 /// its layout for activations of 128 levels, `kwexport.quantize(..., reduce_range=True)`:
-/// byte quads on `vpmaddubsw` without VNNI).
+/// byte quads on `vpmaddubsw` without VNNI; `int8_tiles` whether the AVX-512 family runs
+/// quads on AMX's tiles).
 #[pyfunction]
 fn kernel_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     use kernels::isa;
@@ -305,6 +306,7 @@ fn kernel_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     };
     d.set_item("int8", name(kernels::int8::Layout::current()))?;
     d.set_item("int8_reduced", name(kernels::int8::Layout::choose(127, 128)))?;
+    d.set_item("int8_tiles", isa::kernels().is_some_and(|t| t.isa == isa::Isa::Avx512) && isa::int8_tiles())?;
     Ok(d)
 }
 

@@ -276,6 +276,8 @@ mod tests {
     #[test]
     fn each_family_sums_bfloat16_products() {
         for isa in isa::supported() {
+            // Packed in the strips of the family that reads them.
+            let _forced = isa::force(isa);
             for (m, k, n) in [(1usize, 1usize, 1usize), (5, 7, 20), (13, 64, 64), (7, 33, 130), (32, 256, 72)] {
                 let x: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
                 let w: Vec<f32> = (0..n * k).map(|i| ((i * 53 % 89) as f32 - 44.0) / 23.0).collect();
@@ -309,6 +311,8 @@ mod tests {
     #[test]
     fn each_family_convolves_bfloat16_values() {
         for isa in isa::supported() {
+            // Packed in the strips of the family that reads them.
+            let _forced = isa::force(isa);
             for (cin, cout, [kh, kw], stride, padding, [h, w]) in [
                 (3usize, 5usize, [3usize, 3usize], 1usize, 1usize, [5usize, 6usize]),
                 (8, 70, [3, 3], 2, 1, [7, 7]),

@@ -344,8 +344,49 @@ pub(super) struct Int8 {
 pub(super) fn int8(t: &'static Table, layout: super::int8::Layout) -> Option<Int8> {
     match layout {
         super::int8::Layout::Pairs => Some(int8_pairs(t)),
-        super::int8::Layout::Quads => int8_vnni(t).or_else(|| int8_madd(t)),
+        super::int8::Layout::Quads => int8_amx(t).or_else(|| int8_vnni(t)).or_else(|| int8_madd(t)),
     }
+}
+
+/// Whether the AVX-512 family's int8 GEMM on quads runs on AMX's tiles
+/// (`super::int8::amx`): the CPU has them and Linux granted their state ([`amx_granted`],
+/// asked once), and `KWEXPORT_AMX` isn't `0` (which keeps AVX512-VNNI's kernel, to compare).
+pub fn int8_tiles() -> bool {
+    static READY: OnceLock<bool> = OnceLock::new();
+    *READY.get_or_init(|| std::env::var("KWEXPORT_AMX").map_or(true, |v| v != "0") && amx_granted())
+}
+
+/// Whether the CPU has AMX-TILE and AMX-INT8 beside AVX512-VNNI, and Linux granted this
+/// process the tiles' state: `ARCH_REQ_XCOMP_PERM` for `XFEATURE_XTILEDATA` (Linux 5.16+),
+/// for all its threads. Refused (an older kernel, a seccomp filter), the tiles would fault.
+fn amx_granted() -> bool {
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        let vnni = Isa::Avx512.supported() && has!("avx512vnni");
+        // `cpuid` leaf 7 exists on every CPU with AVX-512 (checked first): EDX bits 24
+        // and 25 are AMX-TILE and AMX-INT8.
+        let edx = if vnni { std::arch::x86_64::__cpuid_count(7, 0).edx } else { 0 };
+        let amx = edx & (1 << 24) != 0 && edx & (1 << 25) != 0;
+        // SAFETY: a syscall with integer arguments that writes no memory of ours.
+        amx && unsafe { libc::syscall(libc::SYS_arch_prctl, 0x1023, 18) } == 0
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+    {
+        false
+    }
+}
+
+/// AMX's int8 tiles on the AVX-512 family, where the CPU has AMX-INT8 and Linux granted
+/// the tile state (`super::int8::amx`).
+fn int8_amx(t: &'static Table) -> Option<Int8> {
+    #[cfg(target_arch = "x86_64")]
+    if t.isa == Isa::Avx512 && int8_tiles() {
+        let block: gemm::Block<u32> = super::int8::amx::block;
+        return Some(Int8 { block, layout: super::int8::Layout::Quads, quantize: t.quantize_quads, saturates: false });
+    }
+    let _ = t;
+    None
 }
 
 /// A family's int16 pairs.
@@ -399,7 +440,7 @@ pub(super) fn int8_layout(t: &'static Table, madd_fits: bool) -> super::int8::La
 /// has VNNI (the tests check each).
 #[cfg(test)]
 pub(super) fn int8_variants(t: &'static Table) -> Vec<Int8> {
-    [int8_vnni(t), int8_madd(t), Some(int8_pairs(t))].into_iter().flatten().collect()
+    [int8_amx(t), int8_vnni(t), int8_madd(t), Some(int8_pairs(t))].into_iter().flatten().collect()
 }
 
 /// The family this process runs and why: the best this CPU has, or `KWEXPORT_ISA`'s.
@@ -440,6 +481,24 @@ pub(crate) fn with<T>(isa: Isa, f: impl FnOnce() -> T) -> T {
     let result = f();
     TEST_ISA.with(|t| t.set(before));
     result
+}
+
+/// Forces `isa`'s kernels on this thread until dropped ([`with`] for a loop's body: a
+/// weight packed inside it is in the strips of the family that reads it).
+#[cfg(test)]
+pub(crate) fn force(isa: Isa) -> Forced {
+    Forced(TEST_ISA.with(|t| t.replace(Some(isa))))
+}
+
+/// [`force`]'s guard: restores the thread's family before it.
+#[cfg(test)]
+pub(crate) struct Forced(Option<Isa>);
+
+#[cfg(test)]
+impl Drop for Forced {
+    fn drop(&mut self) {
+        TEST_ISA.with(|t| t.set(self.0));
+    }
 }
 
 /// The families this CPU has (for tests: each is checked against the reference).

@@ -256,6 +256,10 @@ mod tests {
             (conv([12, 10, 1, 1], [2, 2], [0, 0]), [1, 7, 6], u8(0.03, 40)),
             // A ResNet's stem: an image's 3 channels.
             (conv([64, 3, 7, 7], [2, 2], [3, 3]), [1, 20, 18], u8(0.02, 100)),
+            // Enough pixels and taps for AMX's tiles (`super::amx`), whose taps end inside a
+            // tile row, beside a 1×1 on them (dense rows).
+            (conv([70, 44, 3, 3], [1, 1], [1, 1]), [1, 16, 14], u8(0.013, 77)),
+            (conv([20, 400, 1, 1], [1, 1], [0, 0]), [1, 16, 14], u8(0.02, 3)),
             // RegNet's groups of 8 channels, and groups past one panel of columns.
             (grouped([48, 8, 3, 3], [1, 1], [1, 1], 6), [2, 7, 6], u8(0.04, 9)),
             (grouped([160, 12, 3, 3], [2, 2], [1, 1], 2), [1, 9, 9], u8(0.03, 200)),
@@ -314,6 +318,7 @@ mod tests {
         super::super::super::parallel::tests::install_test_pool();
         let each = |i: isa::Isa| isa::int8_variants(i.table().unwrap()).into_iter().map(move |v| (i, v));
         for (isa, kernel) in isa::supported().into_iter().flat_map(each) {
+            let _forced = isa::force(isa);
             let layout = kernel.layout;
             for (g, dims @ [batch, h, w], quant) in cases() {
                 let (cin, n) = (g.in_channels, g.out_channels);

@@ -16,9 +16,12 @@
 //!   ones ([`Madd`]), whose int16 sums of two products saturate: chosen at packing only where
 //!   they can't ([`madd_fits`]: an input of at most 128 levels, torch's `reduce_range`, or
 //!   weights of at most 64 in magnitude), where it measured 1.2–1.25× the pairs' speed.
+//!   With AMX-INT8, large blocks read it as tiles ([`amx`], `tdpbusd`).
 //! - [`Layout::Pairs`] (every family: `vpmaddwd` on AVX2 and AVX-512, two products per lane):
 //!   the input's levels less the zero point and the weight both as pairs of int16.
 
+#[cfg(target_arch = "x86_64")]
+pub(super) mod amx;
 mod conv;
 
 pub use conv::conv;
@@ -661,6 +664,9 @@ mod tests {
             ([13, 64, 130], u8(0.011, 0)),
             ([33, 129, 72], i8(0.0071, -5)),
             ([2, 300, 64], u8(0.5, 255)),
+            // Enough rows and depth for AMX's tiles (`amx`), each dimension ending inside a
+            // tile.
+            ([200, 390, 130], u8(0.013, 77)),
         ]
         .into_iter()
     }
@@ -708,6 +714,7 @@ mod tests {
     #[test]
     fn strided_rows_compute_what_dense_rows_do() {
         for (isa, kernel) in variants() {
+            let _forced = isa::force(isa);
             let layout = kernel.layout;
             for ([m, k, n], quant) in cases() {
                 let ld = k + 5;
@@ -744,6 +751,7 @@ mod tests {
     #[test]
     fn each_family_computes_the_quantized_linear() {
         for (isa, kernel) in variants() {
+            let _forced = isa::force(isa);
             let layout = kernel.layout;
             for ([m, k, n], quant) in cases() {
                 let (x, w, w_scale, bias) = operands([m, k, n]);
@@ -784,6 +792,7 @@ mod tests {
     fn an_output_quantization_gives_the_bits_of_a_fake_quantize_after() {
         let output = Quant { scale: 0.0137, zero_point: 3, qmin: 0, qmax: 255 };
         for (isa, kernel) in variants() {
+            let _forced = isa::force(isa);
             let layout = kernel.layout;
             for ([m, k, n], quant) in cases() {
                 let (mut x, w, w_scale, bias) = operands([m, k, n]);
@@ -831,6 +840,7 @@ mod tests {
     fn each_family_sums_exactly_at_the_deepest_k() {
         let k = MAX_K;
         for (isa, kernel) in variants() {
+            let _forced = isa::force(isa);
             let layout = kernel.layout;
             // With scale 1, `x` quantizes to `clamp(x + zero_point, qmin, qmax)`.
             for (quant, level, w) in [
@@ -978,6 +988,7 @@ mod tests {
         // 301 levels: within 255 of the zero point (pairs take it), too many for a byte.
         let wide = Quant { qmin: -200, qmax: 100, ..good };
         for (isa, kernel) in variants() {
+            let _forced = isa::force(isa);
             let run = |q: Quant, layout: Layout| {
                 let words = vec![0u32; layout.packed_len([2, 2])];
                 let weight = Packed { words: &words, layout, peak: 0 };
@@ -1038,6 +1049,7 @@ mod tests {
         let reduced = Quant { scale: 0.04, zero_point: 60, qmin: 0, qmax: 127 };
         let full = Quant { qmax: 255, ..reduced };
         for (isa, kernel) in variants().into_iter().filter(|(_, v)| v.saturates) {
+            let _forced = isa::force(isa);
             let words = packed(&w, [n, k], kernel.layout);
             let run = |quant: &Quant| {
                 let mut out = vec![f32::NAN; m * n];
