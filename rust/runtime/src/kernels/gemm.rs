@@ -734,23 +734,45 @@ pub(super) unsafe fn block<S: Simd, D: Dot<S>>(
     j: usize,
     k: usize,
 ) {
-    let gelu = matches!(s.epilogue, Epilogue::Gelu | Epilogue::GeluTanh);
-    let tiles = if gelu { Shape { epilogue: Epilogue::None, requant: None, ..*s } } else { *s };
+    let tiles = tiles_shape(s);
     // SAFETY (all below): as the caller guarantees.
     unsafe {
         match source {
             Source::Dense(d) => columns_block::<S, D, _>(d, range.clone(), &tiles, panels, op.0, j, k),
             Source::Table(t) => columns_block::<S, D, _>(t, range.clone(), &tiles, panels, op.0, j, k),
         }
-        if gelu {
-            let width = (s.n - j).min(PANEL);
-            for r in range {
-                // This row's part of the block, written above and by no other thread.
-                let row = std::slice::from_raw_parts_mut(op.0.add(r * s.ldo + j), width);
-                epilogue_slice::<S>(s.epilogue, row);
-                if let Some(q) = &s.requant {
-                    q.apply_slice::<S>(row);
-                }
+        gelu_pass::<S>(s, range, op, j);
+    }
+}
+
+/// The shape a block's tiles store by: `s`, less GELU and the requantization after it, which
+/// [`gelu_pass`] applies (GELU's polynomial would crowd the tiles' registers).
+pub(super) fn tiles_shape(s: &Shape) -> Shape {
+    match s.epilogue {
+        Epilogue::Gelu | Epilogue::GeluTanh => Shape { epilogue: Epilogue::None, requant: None, ..*s },
+        _ => *s,
+    }
+}
+
+/// Where `s`'s epilogue is GELU, GELU and the requantization over the block's results (rows
+/// `range`, the columns from `j`), stored by tiles of [`tiles_shape`], while they are in cache.
+/// (Not a closure around the tiles: a closure doesn't inherit its caller's target features.)
+///
+/// # Safety
+/// `S`'s features must be enabled; the block's rows and columns of the output exist.
+#[inline(always)]
+pub(super) unsafe fn gelu_pass<S: Simd>(s: &Shape, range: std::ops::Range<usize>, op: Out, j: usize) {
+    if !matches!(s.epilogue, Epilogue::Gelu | Epilogue::GeluTanh) {
+        return;
+    }
+    let width = (s.n - j).min(PANEL);
+    for r in range {
+        // SAFETY: this row's part of the block, written by its tiles and by no other thread.
+        unsafe {
+            let row = std::slice::from_raw_parts_mut(op.0.add(r * s.ldo + j), width);
+            epilogue_slice::<S>(s.epilogue, row);
+            if let Some(q) = &s.requant {
+                q.apply_slice::<S>(row);
             }
         }
     }

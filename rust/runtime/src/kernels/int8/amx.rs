@@ -1,11 +1,12 @@
 //! AMX's int8 tiles for the quad layout (`super::Layout::Quads`): `tdpbusd` sums 16 × 16
 //! int32 lanes of 64 byte products each per instruction, where AVX512-VNNI's `vpdpbusd` sums
 //! 16 lanes of 4. A block of the GEMM driver (`gemm::Block`, the weight's 64-column panel)
-//! runs 16 rows at a time: their quantized words gathered into one zero-padded tile row each
-//! (so that a dense row or a convolution's taps read alike, and `k` past a multiple of 64
-//! bytes multiplies zeros), four accumulator tiles of 16 columns, the panel's rows read as
-//! tiles in place (a panel row is 64 words, so a tile's 16 columns are 64 bytes of each 256),
-//! then the sums finished as the vector kernels finish theirs.
+//! runs 32 rows at a time, two tiles of rows by two of columns into four accumulator tiles,
+//! once per half of the panel: the rows read as tiles in place where they are dense and
+//! whole tile rows deep, otherwise gathered into zero-padded tile rows (so that a
+//! convolution's taps read as one row); the panel's rows read as tiles in place (a panel row
+//! is 64 words, so a tile's 16 columns are 64 bytes of each 256); then the sums finished as
+//! the vector kernels finish theirs.
 //!
 //! Linux hands AMX's 8 KB of tile state to a process only once asked (`arch_prctl`), which
 //! `super::super::isa::int8_tiles` does once; the kernel is chosen there only where that
@@ -14,7 +15,7 @@
 use std::arch::asm;
 use std::arch::x86_64::*;
 
-use super::super::activation::{apply, epilogue_slice, Epilogue};
+use super::super::activation::apply;
 use super::super::gemm::{self, Dot, Out, Pairs, Rows, Shape, Source};
 use super::super::simd::{avx512::Avx512, Simd};
 use super::super::PANEL;
@@ -22,17 +23,16 @@ use super::super::PANEL;
 /// A tile's rows, and 32-bit words per row (64 bytes: 16 quads of `k`).
 const TILE: usize = 16;
 
-/// The fewest rows and words of `k` a block runs on the tiles; smaller ones run on
-/// AVX512-VNNI's kernel. Each 16 rows cost about 1000 cycles besides their products (the
-/// gather into tile rows, the sums stored and read back): on a Xeon (Emerald Rapids, one
-/// thread) `[784, 32] x [32, 128]` took 78 µs on the tiles against 38 on VNNI, `[784,
-/// 256] x [256, 128]` 119 against 122, `[128, 768] x [768, 768]` 166 against 237, and 32
-/// rows at `k = 256` 35 against 30.
-const MIN_ROWS: usize = 64;
-const MIN_WORDS: usize = 96;
+/// What a block needs to run on the tiles (smaller ones run on AVX512-VNNI's kernel): a
+/// tile of rows, half a panel of columns or more, and at least `MIN_WORDS_BY_COLUMNS` of
+/// `k`'s words times its columns. Measured on a Xeon (Emerald Rapids, one thread, against
+/// VNNI): 16 rows at `[16, 768] x [768, 768]` 0.62 of VNNI's time, 8 rows 1.44; 64 columns
+/// at 37 words (ResNet's 7×7 stem) 0.81; 32 columns at 96 words 0.71 but at 36 words 1.32;
+/// 24 columns 1.09–1.48 at 24–144 words.
+const MIN_WORDS_BY_COLUMNS: usize = 2048;
 
-/// `ldtilecfg`'s 64 bytes: palette 1; tiles 0–3 the sums (16 rows of 16 int32), 4 the rows'
-/// bytes, 5 and 6 the panel's (16 rows of 64 bytes each).
+/// `ldtilecfg`'s 64 bytes: palette 1; tiles 0–3 the sums (16 rows of 16 int32), 4 and 5
+/// the rows' bytes, 6 and 7 the panel's (16 rows of 64 bytes each).
 #[repr(C, align(64))]
 struct Config {
     palette: u8,
@@ -45,7 +45,7 @@ struct Config {
 impl Config {
     fn tiles() -> Config {
         let mut c = Config { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
-        for t in 0..7 {
+        for t in 0..8 {
             c.colsb[t] = 64;
             c.rows[t] = TILE as u8;
         }
@@ -69,36 +69,53 @@ pub(in super::super) unsafe fn block(
     j: usize,
     k: usize,
 ) {
-    if range.len() < MIN_ROWS || k < MIN_WORDS {
+    let width = (s.n - j).min(PANEL);
+    if range.len() < TILE || width < PANEL / 2 || k * width < MIN_WORDS_BY_COLUMNS {
         // SAFETY: the caller's; AVX512-VNNI is enabled above (every AMX CPU has it).
         return unsafe { gemm::block::<Avx512, super::Vnni>(source, range, s, panels, op, j, k) };
     }
-    let gelu = matches!(s.epilogue, Epilogue::Gelu | Epilogue::GeluTanh);
-    let tiles = if gelu { Shape { epilogue: Epilogue::None, requant: None, ..*s } } else { *s };
+    let tiles = gemm::tiles_shape(s);
     // SAFETY (all below): as the caller guarantees.
     unsafe {
         match source {
-            Source::Dense(d) => columns(d, range.clone(), &tiles, panels, op.0, j, k),
-            Source::Table(t) => columns(t, range.clone(), &tiles, panels, op.0, j, k),
-        }
-        if gelu {
-            let width = (s.n - j).min(PANEL);
-            for r in range {
-                // This row's part of the block, written above and by no other thread.
-                let row = std::slice::from_raw_parts_mut(op.0.add(r * s.ldo + j), width);
-                epilogue_slice::<Avx512>(s.epilogue, row);
-                if let Some(q) = &s.requant {
-                    q.apply_slice::<Avx512>(row);
-                }
+            Source::Dense(d) => {
+                // In place where each row's `k` words are whole tile rows: a tile reads no
+                // word past a row's `k`.
+                let place = match k.is_multiple_of(TILE) {
+                    true => Place::InPlace { x: d.x, ld: d.ld },
+                    false => Place::Gathered,
+                };
+                columns((d, place), range.clone(), &tiles, panels, op.0, j, k)
             }
+            Source::Table(t) => columns((t, Place::Gathered), range.clone(), &tiles, panels, op.0, j, k),
         }
+        gemm::gelu_pass::<Avx512>(s, range, op, j);
     }
 }
 
-/// Rows `range` times the 64 columns from `j`, 16 rows at a time.
+/// Where a block's rows are read as tiles: in place (dense rows `ld` words apart, `k` a
+/// whole number of tile rows), or gathered into a thread's buffer.
+#[derive(Clone, Copy)]
+enum Place {
+    InPlace { x: *const u32, ld: usize },
+    Gathered,
+}
+
+thread_local! {
+    /// Each thread's gathered rows (`BLOCK` rows of a tile row multiple each), kept between
+    /// calls: a block would otherwise allocate and zero them per panel.
+    static GATHERED: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Rows a step of the tiles computes: two tiles' of rows by two of columns, four sums.
+const BLOCK: usize = 2 * TILE;
+
+/// Rows `range` times the 64 columns from `j`, 32 rows at a time: for each half of the
+/// columns, two tiles of rows by two of the panel's columns into four sums (each tile read
+/// serves two products, and no tile is loaded into again while a product reads it).
 #[inline(always)]
 unsafe fn columns<R: Rows<u32>>(
-    rows_of: R,
+    (rows_of, place): (R, Place),
     range: std::ops::Range<usize>,
     s: &Shape,
     panels: &[u32],
@@ -106,76 +123,113 @@ unsafe fn columns<R: Rows<u32>>(
     j: usize,
     k: usize,
 ) {
-    // Each row's words padded to whole tile rows with zeros, which the panel's rows past `k`
-    // (another panel's, or `tail`'s zeros) multiply.
     let depth = k.next_multiple_of(TILE);
-    let mut a = vec![0u32; TILE * depth];
+    // A gathered row's stride: whole tile rows, off 4 KB multiples (16 rows at such a
+    // stride would share an L1 set).
+    let lda = if (depth * 4).is_multiple_of(4096) { depth + TILE } else { depth };
     let panel = &panels[j / PANEL * k * PANEL..][..k * PANEL];
     // The panel's last tile of rows where `k` ends inside it, padded with zero rows: a tile
-    // read past the panel would leave the weight's memory at its last panel.
+    // read past the panel would leave the weight's memory at its last panel. Those zero rows
+    // multiply whatever a row holds past `k`.
     let whole = k / TILE * TILE;
-    let mut tail = vec![0u32; TILE * PANEL];
+    let mut tail = [0u32; TILE * PANEL];
     tail[..(k - whole) * PANEL].copy_from_slice(&panel[whole * PANEL..]);
-    let mut sums = [0i32; TILE * PANEL];
+    let halves = if s.n - j > PANEL / 2 { 2 } else { 1 };
+    let mut sums = [0i32; BLOCK * PANEL];
     let config = Config::tiles();
-    // SAFETY (all below): the tiles read `a` (TILE rows of `depth` words), the panel's rows
-    // `[q, q + TILE)` for `q + TILE <= k` or `tail`, 64 bytes of each at a stride of 256, and
-    // write `sums` (TILE rows of 64 int32); the rows read through `rows_of` exist (the
-    // caller's); the tile state was granted (`isa::int8_tiles`).
-    unsafe {
-        asm!("ldtilecfg [{}]", in(reg) &config, options(nostack, readonly));
-        let mut r0 = range.start;
-        while r0 < range.end {
-            let rows = (range.end - r0).min(TILE);
-            for r in 0..rows {
-                for t in 0..s.taps {
-                    let to = a.as_mut_ptr().add(r * depth + t * s.cin);
-                    std::ptr::copy_nonoverlapping(rows_of.at(r0 + r, t), to, s.cin);
-                }
-            }
-            asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
-            let mut q = 0;
-            while q < k {
-                let b = if q + TILE <= k { panel.as_ptr().add(q * PANEL) } else { tail.as_ptr() };
-                asm!(
-                    "tileloadd tmm4, [{a} + {lda}*1]",
-                    "tileloadd tmm5, [{b} + {ldb}*1]",
-                    "tdpbusd tmm0, tmm4, tmm5",
-                    "tileloadd tmm6, [{b} + {ldb}*1 + 64]",
-                    "tdpbusd tmm1, tmm4, tmm6",
-                    "tileloadd tmm5, [{b} + {ldb}*1 + 128]",
-                    "tdpbusd tmm2, tmm4, tmm5",
-                    "tileloadd tmm6, [{b} + {ldb}*1 + 192]",
-                    "tdpbusd tmm3, tmm4, tmm6",
-                    a = in(reg) a.as_ptr().add(q),
-                    lda = in(reg) depth * 4,
-                    b = in(reg) b,
-                    ldb = in(reg) PANEL * 4,
-                    options(nostack, readonly),
-                );
-                q += TILE;
-            }
-            asm!(
-                "tilestored [{c} + {ld}*1], tmm0",
-                "tilestored [{c} + {ld}*1 + 64], tmm1",
-                "tilestored [{c} + {ld}*1 + 128], tmm2",
-                "tilestored [{c} + {ld}*1 + 192], tmm3",
-                c = in(reg) sums.as_mut_ptr(),
-                ld = in(reg) PANEL * 4,
-                options(nostack),
-            );
-            store(&sums, r0, rows, s, out, j);
-            r0 += TILE;
+    GATHERED.with_borrow_mut(|a| {
+        if a.len() < BLOCK * lda {
+            a.resize(BLOCK * lda, 0);
         }
-        asm!("tilerelease", options(nostack, nomem));
-    }
+        // SAFETY (all below): the tiles read 32 rows from `x` at `stride` bytes, each of
+        // `depth` words (in place: the block's rows, `depth == k`; gathered: `a`), the
+        // panel's rows `[q, q + TILE)` for `q + TILE <= k` or `tail`, 64 bytes of each at a
+        // stride of 256, and write `sums` (32 rows of 64 int32); the rows read through
+        // `rows_of` exist (the caller's); the tile state was granted (`isa::int8_tiles`).
+        unsafe {
+            asm!("ldtilecfg [{}]", in(reg) &config, options(nostack, readonly));
+            let mut r0 = range.start;
+            while r0 < range.end {
+                let rows = (range.end - r0).min(BLOCK);
+                let (x, stride) = match place {
+                    Place::InPlace { x, ld } if rows == BLOCK => (x.add(r0 * ld), ld * 4),
+                    _ => {
+                        // Rows past the block's last are left as they were: their sums
+                        // aren't stored.
+                        for r in 0..rows {
+                            for t in 0..s.taps {
+                                let to = a.as_mut_ptr().add(r * lda + t * s.cin);
+                                std::ptr::copy_nonoverlapping(rows_of.at(r0 + r, t), to, s.cin);
+                            }
+                        }
+                        (a.as_ptr(), lda * 4)
+                    }
+                };
+                for half in 0..halves {
+                    asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+                    let mut q = 0;
+                    while q < k {
+                        let b = if q + TILE <= k { panel.as_ptr().add(q * PANEL) } else { tail.as_ptr() };
+                        let (a, b) = (x.add(q), b.add(half * PANEL / 2));
+                        if rows > TILE {
+                            asm!(
+                                "tileloadd tmm4, [{a} + {lda}*1]",
+                                "tileloadd tmm6, [{b} + {ldb}*1]",
+                                "tileloadd tmm7, [{b} + {ldb}*1 + 64]",
+                                "tdpbusd tmm0, tmm4, tmm6",
+                                "tileloadd tmm5, [{a2} + {lda}*1]",
+                                "tdpbusd tmm1, tmm4, tmm7",
+                                "tdpbusd tmm2, tmm5, tmm6",
+                                "tdpbusd tmm3, tmm5, tmm7",
+                                a = in(reg) a,
+                                a2 = in(reg) a.byte_add(TILE * stride),
+                                lda = in(reg) stride,
+                                b = in(reg) b,
+                                ldb = in(reg) PANEL * 4,
+                                options(nostack, readonly),
+                            );
+                        } else {
+                            // A last block of at most 16 rows: the first tile's products only.
+                            asm!(
+                                "tileloadd tmm4, [{a} + {lda}*1]",
+                                "tileloadd tmm6, [{b} + {ldb}*1]",
+                                "tileloadd tmm7, [{b} + {ldb}*1 + 64]",
+                                "tdpbusd tmm0, tmm4, tmm6",
+                                "tdpbusd tmm1, tmm4, tmm7",
+                                a = in(reg) a,
+                                lda = in(reg) stride,
+                                b = in(reg) b,
+                                ldb = in(reg) PANEL * 4,
+                                options(nostack, readonly),
+                            );
+                        }
+                        q += TILE;
+                    }
+                    asm!(
+                        "tilestored [{c} + {ld}*1], tmm0",
+                        "tilestored [{c} + {ld}*1 + 64], tmm1",
+                        "tilestored [{c2} + {ld}*1], tmm2",
+                        "tilestored [{c2} + {ld}*1 + 64], tmm3",
+                        c = in(reg) sums.as_mut_ptr().add(half * PANEL / 2),
+                        c2 = in(reg) sums.as_mut_ptr().add(TILE * PANEL + half * PANEL / 2),
+                        ld = in(reg) PANEL * 4,
+                        options(nostack),
+                    );
+                }
+                store(&sums, r0, rows, s, out, j);
+                r0 += BLOCK;
+            }
+            asm!("tilerelease", options(nostack, nomem));
+        }
+    });
 }
 
-/// Rows `[r0, r0 + rows)`'s sums (`sums`, 64 a row) from each column's starting sum, scaled
+/// Rows `[r0, r0 + rows)`'s sums (`sums`, 64 a row; only the first half where the panel's
+/// columns end in it) from each column's starting sum, scaled
 /// and biased, plus the residual, then the epilogue and the requantization, into `out`
 /// (masked past `n`): as `gemm::tile` stores its accumulators.
 #[inline(always)]
-unsafe fn store(sums: &[i32; TILE * PANEL], r0: usize, rows: usize, s: &Shape, out: *mut f32, j: usize) {
+unsafe fn store(sums: &[i32; BLOCK * PANEL], r0: usize, rows: usize, s: &Shape, out: *mut f32, j: usize) {
     const V: usize = PANEL / 16;
     // SAFETY (all below): the columns' operands hold `n` values and the output and residual
     // `ldo` a row; masked lanes past `n` are neither read nor written.

@@ -259,7 +259,7 @@ mod tests {
             // Enough pixels and taps for AMX's tiles (`super::amx`), whose taps end inside a
             // tile row, beside a 1×1 on them (dense rows).
             (conv([70, 44, 3, 3], [1, 1], [1, 1]), [1, 16, 14], u8(0.013, 77)),
-            (conv([20, 400, 1, 1], [1, 1], [0, 0]), [1, 16, 14], u8(0.02, 3)),
+            (conv([40, 400, 1, 1], [1, 1], [0, 0]), [1, 16, 14], u8(0.02, 3)),
             // RegNet's groups of 8 channels, and groups past one panel of columns.
             (grouped([48, 8, 3, 3], [1, 1], [1, 1], 6), [2, 7, 6], u8(0.04, 9)),
             (grouped([160, 12, 3, 3], [2, 2], [1, 1], 2), [1, 9, 9], u8(0.03, 200)),

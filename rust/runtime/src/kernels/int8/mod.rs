@@ -667,6 +667,11 @@ mod tests {
             // Enough rows and depth for AMX's tiles (`amx`), each dimension ending inside a
             // tile.
             ([200, 390, 130], u8(0.013, 77)),
+            // Rows whose words fill whole tile rows, read in place, a last block of up to 16
+            // rows and one of 17-31 (on one thread or the tests' three), columns ending in a
+            // panel's second half.
+            ([200, 512, 100], u8(0.009, 140)),
+            ([250, 384, 40], i8(0.02, 3)),
         ]
         .into_iter()
     }
