@@ -22,6 +22,7 @@ and 512 tokens, vision transformers, conv nets with grouped, depthwise and 7x7 k
 """
 
 import os
+import re
 import sys
 import tempfile
 import time
@@ -603,7 +604,11 @@ if __name__ == "__main__":
     parser.add_argument(
         "--peers", default="ort,openvino,executorch", help="comma-separated: " + ", ".join(PEERS) + "; or none"
     )
-    parser.add_argument("--models", help="comma-separated: only the models whose names contain one of these")
+    parser.add_argument(
+        "--models",
+        help="comma-separated: only the models whose names contain one of these "
+        "(a comma followed by a space stays in the name: 'resnet18, 224')",
+    )
     parser.add_argument("--bf16", action="store_true", help="precision='bf16' beside OpenVINO's bf16 instead")
     parser.add_argument("--int8", action="store_true", help="kwexport.quantize's int8 beside ONNX Runtime's instead")
     parser.add_argument("--reduce-range", action="store_true", help="with --int8: kwexport's activations of 128 levels")
@@ -611,7 +616,8 @@ if __name__ == "__main__":
     parser.add_argument("--zoo", action="store_true", help="the holdout models too, beside the tuned set")
     parser.add_argument("--isa", help="avx512, avx2 or portable: kwexport's kernels of that family (read at start)")
     args = parser.parse_args()
-    models = args.models.split(",") if args.models else None
+    # Names hold ", " ("torchvision resnet18, 224×224"): only a comma without a space splits.
+    models = re.split(r",(?! )", args.models) if args.models else None
     if args.bf16:
         main_bf16(models)
     elif args.int8:
