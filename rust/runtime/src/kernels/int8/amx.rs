@@ -107,7 +107,7 @@ thread_local! {
     static GATHERED: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Rows a step of the tiles computes: two tiles' of rows by two of columns, four sums.
+/// Rows a step of the tiles computes: two tiles of rows by two of columns, four sums.
 const BLOCK: usize = 2 * TILE;
 
 /// Rows `range` times the 64 columns from `j`, 32 rows at a time: for each half of the
@@ -225,9 +225,9 @@ unsafe fn columns<R: Rows<u32>>(
 }
 
 /// Rows `[r0, r0 + rows)`'s sums (`sums`, 64 a row; only the first half where the panel's
-/// columns end in it) from each column's starting sum, scaled
-/// and biased, plus the residual, then the epilogue and the requantization, into `out`
-/// (masked past `n`): as `gemm::tile` stores its accumulators.
+/// columns end in it) from each column's starting sum, scaled and biased, plus the residual,
+/// then the epilogue and the requantization, into `out` (masked past `n`): as `gemm::tile`
+/// stores its accumulators.
 #[inline(always)]
 unsafe fn store(sums: &[i32; BLOCK * PANEL], r0: usize, rows: usize, s: &Shape, out: *mut f32, j: usize) {
     const V: usize = PANEL / 16;
