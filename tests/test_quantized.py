@@ -382,6 +382,49 @@ def test_fast_runs_a_resnets_7x7_stem_on_the_int8_kernel_and_a_3x3_stem_in_float
             assert ((fast(inputs) - want).abs().max() / want.abs().max()).item() < 1e-2, kernel
 
 
+class ResidualNet(nn.Module):
+    """ResNet's two residual adds: a downsampling block, whose add sums two convolutions
+    (the 3×3 and the strided 1×1), then a block adding its input; each add then a ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU())
+        self.a = nn.Sequential(nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1))
+        self.down = nn.Conv2d(16, 32, 1, stride=2)
+        self.b = nn.Sequential(nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1))
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = torch.relu(self.a(x) + self.down(x))
+        return torch.relu(self.b(x) + x)
+
+
+def test_fast_adds_an_int8_convolutions_residual_and_relu_as_it_stores_its_results(tmp_path):
+    """Each residual add and the ReLU after it go into the int8 convolution before it
+    (`conv_int8.residual`), run on kwexport's kernel (no Python form in torch's profiler), no
+    add or ReLU left; within a quantization step of the reference; off the kernel (autograd),
+    the op's Python form: the reference's ops."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 12, 11)
+    q = quantized(ResidualNet(), x, dynamic=False)
+    path = saved(tmp_path, q, x)
+    exact, fast = kwexport.load(path), kwexport.load(path, optimize="fast")
+    ran = [n["op"] for n in fast.profile(x) if "::" in n["op"]]
+    assert ran.count("kwexport::conv_int8.residual") == 2, ran
+    assert not [op for op in ran if op.startswith(("aten::add", "aten::relu"))], ran
+    with torch.profiler.profile() as prof:
+        fast(x)
+    if kwexport.kernel_info()["isa"] is not None:
+        assert not [e.name for e in prof.events() if "conv_int8" in e.name]
+    for inputs in [x, torch.randn(2, 8, 12, 11) * 3]:
+        want, got = q(inputs), fast(inputs)
+        assert got.shape == want.shape
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
+        with torch.enable_grad():
+            graded = fast(inputs.clone().requires_grad_()).detach()
+        assert ((graded - exact(inputs)).abs().max() / want.abs().max()).item() < 1e-5
+
+
 class PointwiseNet(nn.Module):
     """1×1 convolutions (MobileNet's expand and project), the first on the NCHW input."""
 
@@ -591,13 +634,15 @@ class BasicBlock(nn.Module):
 def test_quantize_takes_a_module_called_twice(tmp_path):
     """The x86 quantizer raised "Input partition has more than one output node" on a module
     called twice (every torchvision ResNet); each call is now quantized as its own, and both
-    convolutions run on the int8 kernel at `fast`, within int8's step of float32."""
+    convolutions run on the int8 kernel at `fast` (the second with the residual add), within
+    int8's step of float32."""
     torch.manual_seed(0)
     model, x = BasicBlock().eval(), torch.randn(2, 16, 10, 10)
     ex = kwexport.quantize(model, (x,))
     kwexport.save(ex, tmp_path / "int8.kwx")
     fast = kwexport.load(tmp_path / "int8.kwx", optimize="fast")
-    assert [n["op"] for n in fast.profile(x)].count("kwexport::conv_int8.default") == 2
+    ran = [n["op"] for n in fast.profile(x)]
+    assert ran.count("kwexport::conv_int8.default") == ran.count("kwexport::conv_int8.residual") == 1, ran
     with torch.no_grad():
         ref = model(x.clone())
     assert ((fast(x) - ref).abs().max() / ref.abs().max()).item() < 0.05

@@ -215,6 +215,37 @@ def conv_int8(  # noqa: PLR0917 (the op's schema, positionally)
     return _int8_post(y, attr, algorithm, (out_scale, out_zero_point, out_qmin, out_qmax))
 
 
+def conv_int8_residual(  # noqa: PLR0917 (the op's schema, positionally)
+    x: Any,
+    x_scale: float,
+    x_zero_point: int,
+    x_qmin: int,
+    x_qmax: int,
+    w: Any,
+    w_scale: Any,
+    w_zero_point: Any,
+    bias: Any,
+    stride: list[int],
+    padding: list[int],
+    groups: int,
+    other: Any,
+    attr: str,
+    algorithm: str | None,
+    out_scale: float | None = None,
+    out_zero_point: int = 0,
+    out_qmin: int = 0,
+    out_qmax: int = 255,
+) -> Any:
+    """``kwexport::conv_int8.residual``: :func:`conv_int8` with ``other`` added to the
+    convolution's result before the activation, the residual add (and ReLU) that the
+    ``conv_residual`` pass moved into it (rust/core/src/passes/conv_residual.rs)."""
+    import torch
+
+    xd, wd = _dequantized(x, (x_scale, x_zero_point, x_qmin, x_qmax), w, w_scale, w_zero_point)
+    y = torch.nn.functional.conv2d(xd, wd, bias, stride, padding, 1, groups).add_(other)
+    return _int8_post(y, attr, algorithm, (out_scale, out_zero_point, out_qmin, out_qmax))
+
+
 def linear_int8_tensor(  # noqa: PLR0917 (the op's schema, positionally)
     x: Any,
     x_scale: Any,
@@ -281,7 +312,7 @@ def conv_int8_dynamic(  # noqa: PLR0917 (the op's schema, positionally)
 def define_ops() -> Any:
     """Defines kwexport's own ops in torch's registry (once per process), so that the runtime
     resolves and dispatches them as it does torch's: ``kwexport::linear_int8`` and
-    ``kwexport::conv_int8``, which only the ``linear_int8`` load-time pass writes, ``kwexport::linear_measured``, which only
+    ``kwexport::conv_int8``, which only the ``linear_int8`` and ``conv_residual`` load-time passes write, ``kwexport::linear_measured``, which only
     ``linear_measured`` writes (``kwexport._cuda_gemm``), and the fused elementwise ops the
     ``add_norm`` and ``rotary`` passes write (``kwexport._cuda_fused``). Each runs its Python form through
     the dispatcher; the runtime's kernels take the calls they can. Returns torch's library object,
@@ -309,6 +340,8 @@ def define_ops() -> Any:
     chosen = "Tensor x, int x_qmin, int x_qmax, float eps, ScalarType x_dtype"
     library.define(f"conv_int8.dynamic({chosen}, {conv}, str attr, str? algorithm, {output}) -> Tensor")
     library.impl("conv_int8.dynamic", conv_int8_dynamic, "CompositeExplicitAutograd")
+    library.define(f"conv_int8.residual({quant}, {conv}, Tensor other, str attr, str? algorithm, {output}) -> Tensor")
+    library.impl("conv_int8.residual", conv_int8_residual, "CompositeExplicitAutograd")
     # Composite: autograd sees the aten ops the form runs.
     library.define("linear_measured(Tensor input, Tensor weight, Tensor bias) -> Tensor")
     library.define("linear_measured.addmm(Tensor self, Tensor mat1, Tensor mat2) -> Tensor")

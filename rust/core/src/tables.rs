@@ -72,7 +72,8 @@ pub const DEFAULT_NAMESPACES: &[&str] = &["aten", "prims"];
 /// convolution (`passes::conv_pointwise`), linear (`passes::linear_pointwise`), convolution
 /// with a residual add (`passes::conv_residual`), and kwexport's int8 linear
 /// (`passes::linear_int8`: the input's scale and zero point as literals, as tensors, or
-/// chosen from the input) and convolution (the same pass: a static scale, or chosen); and
+/// chosen from the input) and convolution (the same pass: a static scale, or chosen; and
+/// with a residual add, `passes::conv_residual`); and
 /// kwexport's biased linear and `addmm` whose GEMM is chosen on the device
 /// (`passes::linear_measured`: the exported op's arguments and values), the same with the
 /// GELU that alone reads their result (`passes::linear_gelu`); and its fused elementwise ops
@@ -93,6 +94,7 @@ pub const PASS_OPS: &[&str] = &[
     "kwexport::conv_int8.dynamic",
     "kwexport::linear_measured.gelu",
     "kwexport::linear_measured.addmm_gelu",
+    "kwexport::conv_int8.residual",
 ];
 
 /// torch's quantize and dequantize ops (`torch.ao.quantization.fx._decomposed`; torchao's pt2e

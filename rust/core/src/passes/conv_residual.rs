@@ -1,9 +1,12 @@
 //! A lowered convolution's residual add, and the ReLU after it, as the convolution's own
-//! post-ops (`optimize="fast"`, at load, after [`conv_pointwise`](super::conv_pointwise)):
-//! `mkldnn::_convolution_pointwise.binary`, which adds the other tensor to each result and
-//! applies the activation as the result is stored. A ResNet block's `out += identity;
-//! relu(out)` then costs no pass of its own over memory: at 224×224, resnet18's eight adds
-//! and ReLUs took ~2.5% of its call.
+//! post-ops (`optimize="fast"`, at load, after [`conv_pointwise`](super::conv_pointwise) and
+//! [`linear_int8`](super::linear_int8)): `mkldnn::_convolution_pointwise.binary`, which adds
+//! the other tensor to each result and applies the activation as the result is stored, or, for
+//! kwexport's int8 convolution with a static scale, `kwexport::conv_int8.residual`, which does
+//! the same before its output's quantization (which `linear_int8_output` then moves into it).
+//! A ResNet block's `out += identity; relu(out)` then costs no pass of its own over memory: at
+//! 224×224, resnet18's eight adds and ReLUs took ~2.5% of its float32 call, and ~10% of its
+//! int8 one (with the fake quantization after them).
 //!
 //! The fused node takes the add's place, where the other tensor exists; the convolution's
 //! inputs must then be unchanged since the convolution read them, so every node between the
@@ -12,6 +15,7 @@
 //! whether the other tensor has the output's shape and layout is the runtime's check on each
 //! call (it runs torch's ops where it hasn't, broadcasting as the add did).
 
+use super::linear_int8::{CONV, CONV_RESIDUAL, FUSED_OPS};
 use super::pass::{Ctx, Pass};
 use super::readers::{one, sole_reader, Readers};
 use super::{Level, Target};
@@ -23,10 +27,50 @@ pub const FUSED: &str = crate::tables::PASS_OPS[2];
 /// The adds a convolution absorbs: out-of-place, or in place into the convolution's output.
 const ADDS: &[&str] = &["aten::add.Tensor", "aten::add_.Tensor"];
 
+/// A lowered convolution that absorbs its residual add: its op, the index of its `attr`
+/// argument (`"none"` where it has no activation yet), how many arguments it has then, and
+/// the fused op.
+struct Lowered {
+    op: &'static str,
+    attr: usize,
+    args: usize,
+    fused: &'static str,
+}
+
+/// oneDNN's float32 convolution (`conv_pointwise`).
+const ONEDNN: Lowered = Lowered { op: super::conv_pointwise::FUSED, attr: 7, args: 10, fused: FUSED };
+
+/// kwexport's int8 convolution with a static scale (`linear_int8`), before its output's
+/// quantization moves into it.
+const INT8: Lowered = Lowered { op: CONV, attr: 12, args: 14, fused: CONV_RESIDUAL };
+
+impl Lowered {
+    /// The fused node: the convolution's arguments with `other` added and the ReLU, if any.
+    fn fused(&self, conv: &[Arg], other: &Arg, relu: bool) -> Vec<Arg> {
+        let activation = |none: Arg| if relu { Arg::Str("relu".to_owned()) } else { none };
+        match self.fused {
+            // `_convolution_pointwise.binary(x, other, w, b, padding, stride, dilation, groups,
+            // "add", alpha, unary_attr, unary_scalars, unary_algorithm)`.
+            FUSED => [&conv[..1], std::slice::from_ref(other), &conv[1..7]]
+                .concat()
+                .into_iter()
+                .chain([Arg::Str("add".to_owned()), Arg::None(()), activation(Arg::None(())), Arg::List(Vec::new())])
+                .chain([Arg::None(())])
+                .collect(),
+            // `conv_int8.residual(x, ..., groups, other, attr, algorithm)`.
+            _ => [&conv[..self.attr], std::slice::from_ref(other)]
+                .concat()
+                .into_iter()
+                .chain([activation(Arg::Str("none".to_owned())), Arg::None(())])
+                .collect(),
+        }
+    }
+}
+
 /// Fuses every qualifying convolution of each method's top-level graph with its residual add
 /// (and the ReLU after it); returns how many.
 pub fn apply(doc: &mut Document) -> usize {
-    ConvResidual.apply(&mut Ctx::new(doc, Target { onednn: true, ..Target::default() }))
+    ConvResidual.apply(&mut Ctx::new(doc, Target { onednn: true, gemm: true, ..Target::default() }))
 }
 
 /// The pass (`fast`, after `conv_pointwise`).
@@ -42,21 +86,26 @@ impl Pass for ConvResidual {
     }
 
     fn runs_for(&self, target: Target) -> bool {
-        target.onednn
+        target.onednn || target.gemm
     }
 
     fn apply(&self, cx: &mut Ctx<'_>) -> usize {
-        cx.each_method(|_, m, readers, _| fuse(m, readers))
+        let target = cx.target;
+        let kinds: Vec<&Lowered> = [(target.onednn, &ONEDNN), (target.gemm, &INT8)]
+            .into_iter()
+            .filter_map(|(runs, kind)| runs.then_some(kind))
+            .collect();
+        cx.each_method(|_, m, readers, _| kinds.iter().map(|kind| fuse(m, readers, kind)).sum())
     }
 }
 
 /// Fuses the method's qualifying convolutions with their adds; returns how many.
-fn fuse(m: &mut Method, readers: &Readers) -> usize {
-    let found = find(m, readers);
+fn fuse(m: &mut Method, readers: &Readers, kind: &Lowered) -> usize {
+    let found = find(m, readers, kind);
     if found.is_empty() {
         return 0;
     }
-    let op = super::op_index(&mut m.ops, FUSED);
+    let op = super::op_index(&mut m.ops, kind.fused);
     let mut removed = vec![false; m.graph.nodes.len()];
     let fused = found.len();
     for (conv, adds, node) in found {
@@ -71,18 +120,19 @@ fn fuse(m: &mut Method, readers: &Readers) -> usize {
 
 /// Each convolution to fuse: its index, the add's (and the ReLU's), and the fused node (`op`
 /// left for the caller).
-fn find(m: &Method, readers: &Readers) -> Vec<(usize, Vec<usize>, Node)> {
+fn find(m: &Method, readers: &Readers, kind: &Lowered) -> Vec<(usize, Vec<usize>, Node)> {
     let g = &m.graph;
     let op_of = |n: &Node| m.ops.get(n.op).map(|o| o.name.as_str());
     // Whether a node may sit between the convolution and its add: it writes nothing.
-    let writes_nothing =
-        |n: &Node| m.ops.get(n.op).is_some_and(|o| super::dead_code::pure(o) || o.name == super::conv_pointwise::FUSED);
+    let lowered = |name: &str| name == super::conv_pointwise::FUSED || FUSED_OPS.contains(&name);
+    let writes_nothing = |n: &Node| m.ops.get(n.op).is_some_and(|o| super::dead_code::pure(o) || lowered(&o.name));
     let mut found = Vec::new();
     // Adds already absorbed: of two convolutions added together, the first absorbs the add
     // and the second stays, its output the residual.
     let mut taken = std::collections::HashSet::new();
     for (ci, conv) in g.nodes.iter().enumerate() {
-        if op_of(conv) != Some(super::conv_pointwise::FUSED) || conv.args.get(7) != Some(&Arg::Str("none".into())) {
+        let bare = conv.args.len() == kind.args && conv.args[kind.attr] == Arg::Str("none".into());
+        if op_of(conv) != Some(kind.op) || !bare || !conv.kwargs.is_empty() {
             continue;
         }
         // (A reader before the node is possible: the passes run before validation.)
@@ -108,27 +158,8 @@ fn find(m: &Method, readers: &Readers) -> Vec<(usize, Vec<usize>, Node)> {
         let relu = relu.filter(|&ri| g.nodes[ai + 1..ri].iter().all(writes_nothing));
         let last = relu.unwrap_or(ai);
         let Outputs::One(_) = &g.nodes[last].outputs else { continue };
-        let a = &conv.args;
-        let node = Node {
-            op: 0,
-            args: vec![
-                a[0].clone(),
-                other.clone(),
-                a[1].clone(),
-                a[2].clone(),
-                a[3].clone(),
-                a[4].clone(),
-                a[5].clone(),
-                a[6].clone(),
-                Arg::Str("add".to_owned()),
-                Arg::None(()),
-                relu.map_or(Arg::None(()), |_| Arg::Str("relu".to_owned())),
-                Arg::List(Vec::new()),
-                Arg::None(()),
-            ],
-            kwargs: Default::default(),
-            outputs: g.nodes[last].outputs.clone(),
-        };
+        let args = kind.fused(&conv.args, other, relu.is_some());
+        let node = Node { op: 0, args, kwargs: Default::default(), outputs: g.nodes[last].outputs.clone() };
         found.push((ci, [Some(ai), relu].into_iter().flatten().collect(), node));
     }
     found
@@ -216,6 +247,71 @@ mod tests {
             m.graph.nodes.iter().map(|n| m.ops[n.op].name.as_str()).collect::<Vec<_>>(),
             ["aten::neg.default", FUSED]
         );
+    }
+
+    /// `y = conv_int8(x, ...)` (a static scale, no activation, `args` arguments), then an add
+    /// and a ReLU.
+    fn int8_doc(args: usize) -> Document {
+        let header = move |h: &mut serde_json::Value| {
+            let m = &mut h["methods"]["forward"];
+            m["ops"] = json!([
+                {"name": CONV, "schema": null},
+                {"name": "aten::add_.Tensor", "schema": "aten::add_.Tensor(Tensor(a!) self, Tensor other, *, Scalar alpha=1) -> Tensor(a!)"},
+                {"name": "aten::relu_.default", "schema": "aten::relu_(Tensor(a!) self) -> Tensor(a!)"},
+            ]);
+            m["graph"]["inputs"] = json!([
+                {"name": "w", "source": {"weight": "w"}}, {"name": "ws", "source": {"weight": "ws"}},
+                {"name": "wz", "source": {"weight": "wz"}},
+                {"name": "x", "source": {"user": 0}}, {"name": "o", "source": {"user": 1}}]);
+            let pair = json!({"list": [{"int": 1}, {"int": 1}]});
+            let mut conv = vec![
+                json!({"ref": "x"}),
+                json!({"float": 0.02}),
+                json!({"int": 128}),
+                json!({"int": 0}),
+                json!({"int": 255}),
+                json!({"ref": "w"}),
+                json!({"ref": "ws"}),
+                json!({"ref": "wz"}),
+                json!({"none": null}),
+                pair.clone(),
+                pair,
+                json!({"int": 1}),
+                json!({"str": "none"}),
+                json!({"none": null}),
+                json!({"float": 0.05}),
+                json!({"int": 0}),
+                json!({"int": 0}),
+                json!({"int": 255}),
+            ];
+            conv.truncate(args);
+            m["graph"]["nodes"] = json!([
+                {"op": 0, "args": conv, "outputs": {"one": "y"}},
+                node(1, &["y", "o"], "z"), node(2, &["z"], "r")]);
+            m["graph"]["outputs"] = json!([{"ref": "r"}]);
+        };
+        crate::passes::tests::document(header, |_| {})
+    }
+
+    #[test]
+    fn an_int8_convolution_takes_the_add_and_the_relu_before_its_output_quantization() {
+        let mut d = int8_doc(14);
+        assert_eq!(apply(&mut d), 1);
+        let m = &d.methods["forward"];
+        assert_eq!(m.graph.nodes.len(), 1);
+        let n = &m.graph.nodes[0];
+        assert_eq!(m.ops[n.op].name, CONV_RESIDUAL);
+        assert_eq!(n.args.len(), 15);
+        assert_eq!((&n.args[0], &n.args[11]), (&Arg::Ref("x".into()), &Arg::Int(1)));
+        assert_eq!(
+            (&n.args[12], &n.args[13], &n.args[14]),
+            (&Arg::Ref("o".into()), &Arg::Str("relu".into()), &Arg::None(()))
+        );
+        assert_eq!(n.outputs, Outputs::One("r".into()));
+        // One whose result is quantized already (`linear_int8_output`) stays: the add would
+        // read its quantized values.
+        let mut d = int8_doc(18);
+        assert_eq!(apply(&mut d), 0);
     }
 
     #[test]

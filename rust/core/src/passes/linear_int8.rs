@@ -49,9 +49,13 @@ pub const CONV: &str = crate::tables::PASS_OPS[11];
 /// The int8 convolution, choosing the parameters from its input (dynamic quantization).
 pub const CONV_DYNAMIC: &str = crate::tables::PASS_OPS[12];
 
+/// The int8 convolution with a static scale adding a residual before its activation
+/// (`super::conv_residual` makes it).
+pub const CONV_RESIDUAL: &str = crate::tables::PASS_OPS[15];
+
 /// The fused ops whose argument list ends in `attr, algorithm` (then the output's
 /// quantization, `super::linear_int8_output`).
-pub const FUSED_OPS: [&str; 5] = [FUSED, FUSED_TENSOR, FUSED_DYNAMIC, CONV, CONV_DYNAMIC];
+pub const FUSED_OPS: [&str; 6] = [FUSED, FUSED_TENSOR, FUSED_DYNAMIC, CONV, CONV_DYNAMIC, CONV_RESIDUAL];
 
 /// Below this many input channels per group (a network's stem: an image's 3), a convolution
 /// goes to the int8 convolution only where its patch (channels times taps) holds at least

@@ -638,7 +638,10 @@ impl CStep {
                     let (n, k, scale, bias) = (l.n, l.k, tensor(6)??, tensor(8)?);
                     let weight = crate::operators::Int8Weight { panels, layout, peak, n, k, scale, bias };
                     match &l.conv {
-                        Some(g) => ops.conv_int8(tensor(0)??, input, weight, g, (l.epilogue, l.output)),
+                        Some(c) => {
+                            let residual = if c.residual { Some(tensor(12)??) } else { None };
+                            ops.conv_int8(tensor(0)??, input, weight, (&c.geometry, residual), (l.epilogue, l.output))
+                        }
                         None => ops.linear_int8(tensor(0)??, input, weight, (l.epilogue, l.output)),
                     }
                 }

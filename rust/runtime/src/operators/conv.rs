@@ -51,7 +51,7 @@ impl Operators<'_> {
     ///
     /// # Safety
     /// `residual` must be a live handle, which nothing writes while the slice is used.
-    unsafe fn residual_f32<'a>(
+    pub(super) unsafe fn residual_f32<'a>(
         &self,
         residual: Option<Raw>,
         [batch, c, h, w]: [usize; 4],

@@ -247,16 +247,17 @@ impl Operators<'_> {
     /// a dense tensor's values only: a slice's gaps would take part), with `weight` (its panels
     /// packed for `g`), then `epilogue` and the `output` quantization fused with it: a new
     /// channels-last `[N, n, Ho, Wo]` tensor, or `None` where the tensors don't qualify (the
-    /// caller runs the op's Python form).
+    /// caller runs the op's Python form). A `residual` (`passes::conv_residual`: the output's
+    /// shape, channels-last, float32) is added to each result before the epilogue.
     ///
     /// # Safety
-    /// Every handle must be live.
+    /// Every handle must be live, and nothing writes the residual during the call.
     pub unsafe fn conv_int8(
         &self,
         x: Raw,
         input: Int8Input,
         weight: Int8Weight,
-        g: &kernels::Conv2d,
+        (g, residual): (&kernels::Conv2d, Option<Raw>),
         (epilogue, output): (kernels::Epilogue, Option<Quant>),
     ) -> Option<Result<Tensor, CError>> {
         let Int8Weight { panels, layout, peak, scale: w_scale, bias, .. } = weight;
@@ -287,6 +288,8 @@ impl Operators<'_> {
             Int8Input::Chosen { qmin, qmax, eps } => Quant::choose(&xs[..batch * h * w * cin], qmin, qmax, eps)?,
         };
         let [ho, wo] = g.output(h, w)?;
+        // SAFETY: a live handle, which nothing writes during the call (the caller's).
+        let rs = unsafe { self.residual_f32(residual, [batch, n, ho, wo]) }?;
         let mut out = match self.empty_channels_last([batch, n, ho, wo]) {
             Ok(out) => out,
             Err(e) => return Some(Err(e)),
@@ -300,7 +303,7 @@ impl Operators<'_> {
             let os = self.floats_mut(&mut out, batch * ho * wo * n)?;
             let post = (epilogue, output.as_ref());
             let weight = Packed { words, layout, peak };
-            kernels::int8::conv((xs, ld), [batch, h, w], g, &input, weight, ws, bias, post, os)
+            kernels::int8::conv((xs, ld), [batch, h, w], g, &input, weight, ws, (bias, rs), post, os)
         };
         ran.ok().map(|()| Ok(out))
     }

@@ -191,10 +191,11 @@ pub enum OwnOp {
 /// What an int8 linear's kernel needs besides the node's tensors: where the input's scale
 /// and zero point come from, its range, the weight's `[n, k]`, the activation fused with it,
 /// the quantization of its result fused with it (`passes::linear_int8_output`), and the
-/// weight's panels; for an int8 convolution, its geometry (`k` then its input channels).
+/// weight's panels; for an int8 convolution, its geometry (`k` then its input channels) and
+/// whether it adds a residual.
 #[derive(Debug)]
 pub struct Int8Linear {
-    pub(crate) conv: Option<crate::operators::Conv2d>,
+    pub(crate) conv: Option<Int8Conv>,
     pub(crate) params: Int8Params,
     pub(crate) range: [i64; 2],
     pub(crate) n: i64,
@@ -202,6 +203,14 @@ pub struct Int8Linear {
     pub(crate) epilogue: crate::operators::Epilogue,
     pub(crate) output: Option<crate::operators::Quant>,
     pub(crate) panels: crate::operators::Int8Panels,
+}
+
+/// An int8 convolution's geometry, and whether it adds the tensor of argument 12 to its
+/// results before the activation (`kwexport::conv_int8.residual`, `passes::conv_residual`).
+#[derive(Debug)]
+pub struct Int8Conv {
+    pub(crate) geometry: crate::operators::Conv2d,
+    pub(crate) residual: bool,
 }
 
 /// An int8 linear's input scale and zero point: literals (`.default`), the tensors of

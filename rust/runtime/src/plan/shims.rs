@@ -281,14 +281,15 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg], consts: &mut dyn KernelC
             let linear = super::Int8Linear { conv: None, params, range, n, k, epilogue, output, panels };
             Some(super::OwnOp::LinearInt8(std::sync::Arc::new(linear)))
         }
-        // The same pass's int8 convolution: a static scale (`.default`) or `eps` and a dtype
-        // (`.dynamic`), then the stride, padding and groups.
+        // The same pass's int8 convolution: a static scale (`.default`, `.residual`) or `eps`
+        // and a dtype (`.dynamic`), then the stride, padding and groups (`.residual`: then
+        // the tensor added, `passes::conv_residual`).
         (
-            ("kwexport::conv_int8", overload @ ("" | "dynamic")),
+            ("kwexport::conv_int8", overload @ ("" | "dynamic" | "residual")),
             [SlotArg::Value(_), SlotArg::Literal(a), SlotArg::Literal(b), SlotArg::Literal(c), SlotArg::Literal(d), SlotArg::Value(ValueRef::Weight(w)), SlotArg::Value(ValueRef::Weight(_)), SlotArg::Value(ValueRef::Weight(w_zp)), _, stride, padding, SlotArg::Literal(Arg::Int(groups)), post @ ..],
         ) => {
             let (params, range) = match (overload, a, b, c, d) {
-                ("", Arg::Float(scale), Arg::Int(zp), Arg::Int(qmin), Arg::Int(qmax)) => {
+                ("" | "residual", Arg::Float(scale), Arg::Int(zp), Arg::Int(qmin), Arg::Int(qmax)) => {
                     (super::Int8Params::Literal(scale.0, *zp), [*qmin, *qmax])
                 }
                 ("dynamic", Arg::Int(qmin), Arg::Int(qmax), Arg::Float(eps), _) => {
@@ -299,12 +300,18 @@ pub(super) fn own_op(op: &OpSchema, bound: &[&SlotArg], consts: &mut dyn KernelC
             let (Some(&[sh, sw]), Some(&[ph, pw])) = (ints(stride).as_deref(), ints(padding).as_deref()) else {
                 return None;
             };
+            let (residual, post) = match (overload, post) {
+                ("residual", [SlotArg::Value(_), post @ ..]) => (true, post),
+                ("residual", _) => return None,
+                _ => (false, post),
+            };
             let (epilogue, output) = int8_post(post)?;
             let (panels, shape) =
                 consts.int8_panels(w, w_zp, usize::try_from(*groups).ok()?, range[1].saturating_sub(range[0]))?;
             let conv = crate::operators::Conv2d::grouped(shape, [sh, sw], [ph, pw], *groups)?;
             let [n, k] = [shape[0], shape[1]];
-            let linear = super::Int8Linear { conv: Some(conv), params, range, n, k, epilogue, output, panels };
+            let conv = Some(super::Int8Conv { geometry: conv, residual });
+            let linear = super::Int8Linear { conv, params, range, n, k, epilogue, output, panels };
             Some(super::OwnOp::LinearInt8(std::sync::Arc::new(linear)))
         }
         // A quantize → dequantize pair (`passes::fake_quantize`), its parameters literals.

@@ -69,11 +69,13 @@ impl Layout {
     }
 }
 
-/// `out[pixel, n] = epilogue(bias[n] + conv(dequantize(quantize(x)), w * w_scale[n]))`: `x`
+/// `out[pixel, n] = epilogue(bias[n] + conv(dequantize(quantize(x)), w * w_scale[n]) +
+/// residual[pixel, n])`: `x`
 /// the channels-last pixels of `[batch, h, w]` images, each `g.in_channels` floats with
 /// pixels `ld` elements apart, quantized by `quant`; `weight` the int8 `[n, cin / groups, kh,
 /// kw]` weight packed by [`Layout::pack_conv`] (zero point 0); `out` the channels-last
-/// `[batch, ho, wo, n]` result; then, with an `output` quantization, each result quantized
+/// `[batch, ho, wo, n]` result (and the residual, if any, laid out as it: a ResNet block's
+/// add, `passes::conv_residual`); then, with an `output` quantization, each result quantized
 /// and dequantized by it as it is stored. The same sums as the linear's ([`super::linear`]),
 /// exact. With groups, one GEMM per group over its channels of each pixel's row (the threads
 /// take whole groups), which must start on a word: declines otherwise, where the slices
@@ -86,12 +88,12 @@ pub fn conv(
     quant: &Quant,
     weight: Packed<'_>,
     w_scale: &[f32],
-    bias: Option<&[f32]>,
+    addends: (Option<&[f32]>, Option<&[f32]>),
     post: (Epilogue, Option<&Quant>),
     out: &mut [f32],
 ) -> Ran {
     let kernel = super::super::isa::int8(super::super::table_if(true)?, weight.layout).ok_or(Declined::Values)?;
-    conv_with(kernel, x, dims, g, quant, weight, w_scale, bias, post, out)
+    conv_with(kernel, x, dims, g, quant, weight, w_scale, addends, post, out)
 }
 
 /// [`conv`] on `kernel`.
@@ -104,7 +106,7 @@ fn conv_with(
     quant: &Quant,
     weight: Packed<'_>,
     w_scale: &[f32],
-    bias: Option<&[f32]>,
+    (bias, residual): (Option<&[f32]>, Option<&[f32]>),
     post: (Epilogue, Option<&Quant>),
     out: &mut [f32],
 ) -> Ran {
@@ -116,11 +118,11 @@ fn conv_with(
     let fits = gemm::rows_fit(x.len(), [pixels, cin], ld)
         && weight.words.len() >= layout.conv_packed_len(shape, groups)
         && w_scale.len() >= n
-        && gemm::results_fit([m, n], n, bias, None, out.len());
+        && gemm::results_fit([m, n], n, bias, residual, out.len());
     if !fits {
         return Err(Declined::Shapes);
     }
-    let products = Products { kernel, quant, weight, w_scale, bias, post };
+    let products = Products { kernel, quant, weight, w_scale, bias, residual, post };
     products.check(k)?;
     if layout.patches(shape) {
         return patches(&products, (x, ld), [batch, h, w], g, out);
@@ -269,7 +271,7 @@ mod tests {
     }
 
     /// The convolution as its im2col matrix times the weight, by the linear's reference, per
-    /// group.
+    /// group, plus the residual if any, then the epilogue.
     #[allow(clippy::too_many_arguments)]
     fn want(
         x: &[f32],
@@ -278,7 +280,7 @@ mod tests {
         q: &Quant,
         w: &[i8],
         ws: &[f32],
-        b: &[f32],
+        (b, residual): (&[f32], Option<&[f32]>),
         e: Epilogue,
     ) -> Vec<f64> {
         let ([batch, h, wd], [kh, kw], groups) = (dims, g.kernel, g.groups);
@@ -301,13 +303,15 @@ mod tests {
             }
             let cols = group * per_out..(group + 1) * per_out;
             let wg = &w[cols.start * k..cols.end * k];
-            let got =
-                reference::linear_int8(&patches, [m, k, per_out], q, wg, &ws[cols.clone()], Some(&b[cols.clone()]), e);
+            let (ws, b) = (&ws[cols.clone()], Some(&b[cols.clone()]));
+            let got = reference::linear_int8(&patches, [m, k, per_out], q, wg, ws, b, Epilogue::None);
             for (r, row) in got.chunks_exact(per_out).enumerate() {
                 out[r * g.out_channels + cols.start..][..per_out].copy_from_slice(row);
             }
         }
-        out
+        let residual = residual.map(|r| r.iter().map(|&v| v as f64).collect::<Vec<_>>());
+        let added = out.iter().zip(residual.iter().flatten().chain(std::iter::repeat(&0.0)));
+        added.map(|(&v, &r)| reference::epilogue(e, v + r)).collect()
     }
 
     /// Each int8 GEMM of each family against the im2col reference (exact sums, float32
@@ -337,13 +341,16 @@ mod tests {
                     let pixels = batch * h * w;
                     let x: Vec<f32> = (0..pixels * ld).map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0).collect();
                     let dense: Vec<f32> = x.chunks(ld).flat_map(|r| r[..cin].iter().copied()).collect();
-                    for epilogue in [Epilogue::None, Epilogue::Relu] {
+                    // A residual with the ReLU: the order a ResNet block's add and ReLU take.
+                    let residual: Vec<f32> =
+                        (0..batch * ho * wo * n).map(|i| ((i * 29 % 31) as f32 - 15.0) / 9.0).collect();
+                    for (epilogue, added) in [(Epilogue::None, false), (Epilogue::Relu, false), (Epilogue::Relu, true)]
+                    {
                         let mut out = vec![f32::NAN; batch * ho * wo * n];
-                        let post = (epilogue, None);
-                        let ran =
-                            conv_with(kernel, (&x, ld), dims, &g, &quant, weight, &ws, Some(&bias), post, &mut out);
+                        let (post, addends) = ((epilogue, None), (Some(&bias[..]), added.then_some(&residual[..])));
+                        let ran = conv_with(kernel, (&x, ld), dims, &g, &quant, weight, &ws, addends, post, &mut out);
                         assert_eq!(ran, Ok(()), "{isa:?}");
-                        let want = want(&dense, dims, &g, &quant, &wt, &ws, &bias, epilogue);
+                        let want = want(&dense, dims, &g, &quant, &wt, &ws, (&bias, addends.1), epilogue);
                         for (i, (got, want)) in out.iter().zip(&want).enumerate() {
                             let (got, want) = (*got as f64, *want);
                             let close = (got - want).abs() <= 1e-5 * (1.0 + want.abs());
@@ -376,7 +383,7 @@ mod tests {
         let q = Quant { scale: 0.1, zero_point: 0, qmin: 0, qmax: 255 };
         let weight = Packed { words: &words, layout, peak: 0 };
         let run = |g: &Conv2d, out: &mut [f32]| {
-            conv((&[0.0; 54], 6), [1, 3, 3], g, &q, weight, &[1.0; 6], None, (Epilogue::None, None), out)
+            conv((&[0.0; 54], 6), [1, 3, 3], g, &q, weight, &[1.0; 6], (None, None), (Epilogue::None, None), out)
         };
         assert_eq!(run(&g, &mut [0.0; 54]), Err(Declined::Shapes));
         let dense = Conv2d::new([6, 6, 3, 3], [1, 1], [1, 1]).unwrap();

@@ -459,7 +459,7 @@ fn linear_on(
     out: &mut [f32],
 ) -> Ran {
     let layout = kernel.layout;
-    Products { kernel, quant, weight, w_scale, bias, post: (epilogue, output) }.check(k)?;
+    Products { kernel, quant, weight, w_scale, bias, residual: None, post: (epilogue, output) }.check(k)?;
     let words = k.div_ceil(layout.per_word());
     let mut rows = vec![0u32; m * words];
     let levels = quant.levels();
@@ -476,7 +476,7 @@ fn linear_on(
         }
     }
     let source = Source::Dense(Dense { x: rows.as_ptr(), ld: words });
-    let products = Products { kernel, quant, weight, w_scale, bias, post: (epilogue, output) };
+    let products = Products { kernel, quant, weight, w_scale, bias, residual: None, post: (epilogue, output) };
     // SAFETY: `rows` holds `m` rows of `words` words, the weight its panels for `[n, k]`,
     // `w_scale` and the bias `n` values, `out` `m * n` (the caller's).
     unsafe { products.run(source, [m, 1, words, n], out) };
@@ -492,6 +492,9 @@ pub(super) struct Products<'a> {
     pub(super) weight: Packed<'a>,
     pub(super) w_scale: &'a [f32],
     pub(super) bias: Option<&'a [f32]>,
+    /// Added to each result before the epilogue (a convolution's residual add), laid out as
+    /// the output.
+    pub(super) residual: Option<&'a [f32]>,
     pub(super) post: (Epilogue, Option<&'a Quant>),
 }
 
@@ -537,7 +540,7 @@ impl Products<'_> {
             bias: self.bias.map_or(std::ptr::null(), |b| b.as_ptr()),
             scale: scale.as_ptr(),
             sums: if sums.is_empty() { std::ptr::null() } else { sums.as_ptr() },
-            residual: std::ptr::null(),
+            residual: self.residual.map_or(std::ptr::null(), |r| r.as_ptr()),
             epilogue,
             requant: output.map(Requant::of),
         }
