@@ -17,20 +17,23 @@
 //! torch's `fake_quantize_per_tensor_affine` after the activation.
 //!
 //! Only where the fake quantization alone reads the chain (nothing else sees the unquantized
-//! result), with literal parameters (a static scale; dynamic ones are chosen per call from
+//! result), or, besides it, int8 ops that quantize the linear's result with the same
+//! parameters (a ResNet block's output, read by the next block's convolution and its
+//! residual add: they then read the quantized value, whose levels are the same), with literal parameters (a static scale; dynamic ones are chosen per call from
 //! the values), on a linear that quantizes nothing yet. It runs after `fake_quantize`, which
 //! makes the node (`super::registered`).
 
 use super::fake_quantize::FAKE;
-use super::linear_int8::{CONV, CONV_DYNAMIC, FUSED_OPS};
+use super::linear_int8::{CONV, CONV_DYNAMIC, CONV_RESIDUAL, FUSED, FUSED_OPS};
 use super::pass::{Ctx, Pass};
-use super::readers::{one, readers, sole_reader};
+use super::readers::{one, readers, sole_reader, OUTSIDE};
 use super::{Level, Target};
 use crate::schema::{Arg, Method, Node};
 
 /// The arguments of the fused op before the output's quantization: the input and its
 /// parameters (five), the weight, its scales and zero points, the bias, `attr, algorithm`
-/// (the convolution's stride, padding and groups before those: three more).
+/// (the convolution's stride, padding and groups before those: three more; and the residual
+/// after them: one more).
 const ARGS: usize = 11;
 
 /// The pass (`fast`, where the runtime has its kernels).
@@ -62,15 +65,28 @@ pub fn apply(m: &mut Method) -> usize {
     let maker: std::collections::HashMap<&str, usize> =
         g.nodes.iter().enumerate().filter_map(|(i, n)| Some((one(n)?, i))).collect();
     // The linear it goes into, the node that binds the quantized value (the view, or the
-    // linear), and the fake quantization's node.
-    let mut found: Vec<(usize, usize, usize)> = Vec::new();
+    // linear), the fake quantization's node,
+    // and the int8 ops that read the result besides.
+    let mut found: Vec<(usize, usize, usize, Vec<usize>)> = Vec::new();
     for (i, f) in g.nodes.iter().enumerate() {
         let [Arg::Ref(x), Arg::Float(_), Arg::Int(_), Arg::Int(_), Arg::Int(_)] = &f.args[..] else { continue };
         if op_of(f) != FAKE || !f.kwargs.is_empty() || one(f).is_none() {
             continue;
         }
         let Some(&p) = maker.get(x.as_str()) else { continue };
-        if sole_reader(&read, &g.nodes[p]) != Some(i) {
+        // The other readers of the result: none, or (the linear's own result) int8 ops that
+        // quantize it with the fake quantization's parameters, which then read the quantized
+        // value: the same levels (quantizing `(q - zp) * scale` again gives `q`: its error is
+        // far under half a step).
+        let others: Vec<usize> = read.get(x.as_str()).into_iter().flatten().copied().filter(|&j| j != i).collect();
+        let requantizes = |j: usize| {
+            let r = g.nodes.get(j).filter(|_| j != OUTSIDE);
+            let same = |r: &Node| r.args.get(1..5) == Some(&f.args[1..]) && r.args.first() == Some(&f.args[0]);
+            let once = |r: &Node| r.args.iter().filter(|a| **a == f.args[0]).count() == 1;
+            r.is_some_and(|r| [FUSED, CONV, CONV_RESIDUAL].contains(&op_of(r)) && same(r) && once(r))
+        };
+        let direct = op_of(&g.nodes[p]) != "aten::movedim.int";
+        if !others.iter().all(|&j| direct && requantizes(j)) {
             continue;
         }
         // Through the view a 1×1 convolution's linear ends in, read by nothing else.
@@ -82,17 +98,24 @@ pub fn apply(m: &mut Method) -> usize {
             _ => p,
         };
         let l = &g.nodes[linear];
-        let args = if [CONV, CONV_DYNAMIC].contains(&op_of(l)) { ARGS + 3 } else { ARGS };
+        let args = match op_of(l) {
+            CONV | CONV_DYNAMIC => ARGS + 3,
+            CONV_RESIDUAL => ARGS + 4,
+            _ => ARGS,
+        };
         if FUSED_OPS.contains(&op_of(l)) && l.args.len() == args && l.kwargs.is_empty() {
-            found.push((linear, p, i));
+            found.push((linear, p, i, others));
         }
     }
     let mut removed = vec![false; m.graph.nodes.len()];
-    for &(linear, binds, fake) in &found {
-        let f = m.graph.nodes[fake].clone();
-        m.graph.nodes[linear].args.extend(f.args[1..].iter().cloned());
-        m.graph.nodes[binds].outputs = f.outputs;
-        removed[fake] = true;
+    for (linear, binds, fake, others) in &found {
+        let f = m.graph.nodes[*fake].clone();
+        m.graph.nodes[*linear].args.extend(f.args[1..].iter().cloned());
+        if let Some(quantized) = one(&f) {
+            others.iter().for_each(|&j| m.graph.nodes[j].args[0] = Arg::Ref(quantized.to_owned()));
+        }
+        m.graph.nodes[*binds].outputs = f.outputs;
+        removed[*fake] = true;
     }
     super::remove_nodes(&mut m.graph.nodes, &removed);
     found.len()
@@ -177,5 +200,32 @@ mod tests {
             assert_eq!(apply(&mut m), 0, "case {i}");
             assert_eq!(m.graph.nodes.len(), 4, "case {i}");
         }
+    }
+
+    /// `method(false)` with a second int8 linear reading `y`, quantizing it with `scale`.
+    fn read_by_a_linear(scale: f64) -> Method {
+        method(false, |m| {
+            let nodes = m["graph"]["nodes"].as_array_mut().unwrap();
+            let mut second = nodes[0].clone();
+            second["args"][0] = json!({"ref": "y"});
+            second["args"][1] = json!({"float": scale});
+            second["outputs"] = json!({"one": "y2"});
+            nodes.push(second);
+            m["graph"]["outputs"] = json!([{"ref": "out"}, {"ref": "y2"}]);
+        })
+    }
+
+    #[test]
+    fn an_int8_op_quantizing_the_result_alike_reads_the_quantized_value() {
+        // The reader quantizes with the fake quantization's parameters: the same levels.
+        let mut m = read_by_a_linear(0.05);
+        m.graph.nodes[3].args[2..5].clone_from_slice(&[Arg::Int(3), Arg::Int(0), Arg::Int(255)]);
+        assert_eq!(apply(&mut m), 1);
+        let ops: Vec<&str> = m.graph.nodes.iter().map(|n| m.ops[n.op].name.as_str()).collect();
+        assert_eq!(ops, [FUSED, "aten::relu.default", FUSED]);
+        assert_eq!(m.graph.nodes[2].args[0], Arg::Ref("yq".into()));
+        // With another scale it would quantize other levels: left alone.
+        let mut m = read_by_a_linear(0.07);
+        assert_eq!(apply(&mut m), 0);
     }
 }
