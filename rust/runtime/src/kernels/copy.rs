@@ -90,6 +90,7 @@ pub fn swap_axes(x: &[f32], shape: [usize; 4], out: &mut [f32]) {
         (1, 2) => interleave::<2>(src, dst),
         (1, 3) => interleave::<3>(src, dst),
         (1, 4) => interleave::<4>(src, dst),
+        (1, _) => transpose(src, [q, p], dst),
         _ => {
             for (i, row) in dst.chunks_exact_mut(q * e).enumerate() {
                 for (j, d) in row.chunks_exact_mut(e).enumerate() {
@@ -103,6 +104,23 @@ pub fn swap_axes(x: &[f32], shape: [usize; 4], out: &mut [f32]) {
             one(src, dst);
         }
     });
+}
+
+/// `dst[i * q + j] = src[j * p + i]`: a `[q, p]` matrix transposed (an NCHW image's `q`
+/// channels as channels-last pixels), 16 columns of `src` at a time, so that a block's `16 *
+/// q` results stay in cache while every row writes its column of them. (A copy per element
+/// cost a call to `memcpy` each: an int8 convolution of a 64-channel NCHW input spent 40% of
+/// its time there.)
+fn transpose(src: &[f32], [q, p]: [usize; 2], dst: &mut [f32]) {
+    const COLUMNS: usize = 16;
+    for i0 in (0..p).step_by(COLUMNS) {
+        let block = &mut dst[i0 * q..(i0 + COLUMNS).min(p) * q];
+        for (j, row) in src.chunks_exact(p).take(q).enumerate() {
+            for (at, &v) in block[j..].iter_mut().step_by(q).zip(&row[i0..]) {
+                *at = v;
+            }
+        }
+    }
 }
 
 /// `dst[i * Q + j] = src[j * p + i]`: `Q` rows of `p` elements, interleaved. Written as
@@ -132,6 +150,9 @@ mod tests {
             [7, 3, 9, 1],
             [5, 4, 17, 1],
             [4, 6, 10, 1],
+            // An image's channels made channels-last: columns past one block and a part one.
+            [2, 64, 37, 1],
+            [1, 5, 16, 1],
             [2, 4, 32, 64],
             [3, 2, 5, 3],
         ] {
