@@ -158,8 +158,7 @@ unsafe fn columns<R: Rows<u32>>(
                         // aren't stored.
                         for r in 0..rows {
                             for t in 0..s.taps {
-                                let to = a.as_mut_ptr().add(r * lda + t * s.cin);
-                                std::ptr::copy_nonoverlapping(rows_of.at(r0 + r, t), to, s.cin);
+                                copy_words(rows_of.at(r0 + r, t), a.as_mut_ptr().add(r * lda + t * s.cin), s.cin);
                             }
                         }
                         (a.as_ptr(), lda * 4)
@@ -222,6 +221,28 @@ unsafe fn columns<R: Rows<u32>>(
             asm!("tilerelease", options(nostack, nomem));
         }
     });
+}
+
+/// Copies `n` words, 16 to a vector (the last masked), inline: a tap's run is a few dozen
+/// bytes (64 for 64 channels), where a call to `memcpy` per tap cost as much as the copy.
+///
+/// # Safety
+/// `src` and `dst` hold `n` words each and don't overlap; AVX-512 is enabled (the caller's).
+#[inline(always)]
+unsafe fn copy_words(src: *const u32, dst: *mut u32, n: usize) {
+    let mut i = 0;
+    // SAFETY (all below): words `[i, i + 16)` (masked past `n`) of both, as the caller
+    // guarantees.
+    unsafe {
+        while i + 16 <= n {
+            _mm512_storeu_si512(dst.add(i).cast(), _mm512_loadu_si512(src.add(i).cast()));
+            i += 16;
+        }
+        if i < n {
+            let mask = Avx512::first(n - i);
+            _mm512_mask_storeu_epi32(dst.add(i).cast(), mask, _mm512_maskz_loadu_epi32(mask, src.add(i).cast()));
+        }
+    }
 }
 
 /// Rows `[r0, r0 + rows)`'s sums (`sums`, 64 a row; only the first half where the panel's
