@@ -327,14 +327,16 @@ extension_block!(
 );
 
 /// An int8 GEMM (`super::int8`): its block, the weight layout the block reads, the
-/// quantizer of its input rows to that layout, and whether its int16 pair sums saturate
-/// (`vpmaddubsw`: exact only where `super::int8::madd_fits`).
+/// quantizer of its input rows to that layout, whether its int16 pair sums saturate
+/// (`vpmaddubsw`: exact only where `super::int8::madd_fits`), and whether it is AMX's tiles
+/// (which also read a stride-1 convolution's taps in place, `super::int8::amx::Shifted`).
 #[derive(Clone, Copy)]
 pub(super) struct Int8 {
     pub(super) block: gemm::Block<u32>,
     pub(super) layout: super::int8::Layout,
     pub(super) quantize: super::int8::Quantize,
     pub(super) saturates: bool,
+    pub(super) tiles: bool,
 }
 
 /// The int8 GEMM of a table's family that reads `layout`: for quads VNNI's where the CPU has
@@ -383,7 +385,8 @@ fn int8_amx(t: &'static Table) -> Option<Int8> {
     #[cfg(target_arch = "x86_64")]
     if t.isa == Isa::Avx512 && int8_tiles() {
         let block: gemm::Block<u32> = super::int8::amx::block;
-        return Some(Int8 { block, layout: super::int8::Layout::Quads, quantize: t.quantize_quads, saturates: false });
+        let quantize = t.quantize_quads;
+        return Some(Int8 { block, layout: super::int8::Layout::Quads, quantize, saturates: false, tiles: true });
     }
     let _ = t;
     None
@@ -391,7 +394,13 @@ fn int8_amx(t: &'static Table) -> Option<Int8> {
 
 /// A family's int16 pairs.
 fn int8_pairs(t: &'static Table) -> Int8 {
-    Int8 { block: t.gemm_pairs, layout: super::int8::Layout::Pairs, quantize: t.quantize_pairs, saturates: false }
+    Int8 {
+        block: t.gemm_pairs,
+        layout: super::int8::Layout::Pairs,
+        quantize: t.quantize_pairs,
+        saturates: false,
+        tiles: false,
+    }
 }
 
 /// A family's quads on VNNI, where the CPU has it for the family's vectors.
@@ -399,8 +408,13 @@ fn int8_vnni(t: &'static Table) -> Option<Int8> {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::is_x86_feature_detected as has;
-        let quads =
-            |block| Int8 { block, layout: super::int8::Layout::Quads, quantize: t.quantize_quads, saturates: false };
+        let quads = |block| Int8 {
+            block,
+            layout: super::int8::Layout::Quads,
+            quantize: t.quantize_quads,
+            saturates: false,
+            tiles: false,
+        };
         // A table is handed out only where the CPU has its family (`Isa::table`).
         match t.isa {
             Isa::Avx512 if has!("avx512vnni") => return Some(quads(avx512_vnni_block)),
@@ -415,8 +429,13 @@ fn int8_vnni(t: &'static Table) -> Option<Int8> {
 fn int8_madd(t: &'static Table) -> Option<Int8> {
     #[cfg(target_arch = "x86_64")]
     {
-        let quads =
-            |block| Int8 { block, layout: super::int8::Layout::Quads, quantize: t.quantize_quads, saturates: true };
+        let quads = |block| Int8 {
+            block,
+            layout: super::int8::Layout::Quads,
+            quantize: t.quantize_quads,
+            saturates: true,
+            tiles: false,
+        };
         match t.isa {
             Isa::Avx512 => return Some(quads(avx512_madd_block)),
             Isa::Avx2 => return Some(quads(avx2_madd_block)),

@@ -6,7 +6,9 @@
 //! whole tile rows deep, otherwise gathered into zero-padded tile rows (so that a
 //! convolution's taps read as one row); the panel's rows read as tiles in place (a panel row
 //! is 64 words, so a tile's 16 columns are 64 bytes of each 256); then the sums finished as
-//! the vector kernels finish theirs.
+//! the vector kernels finish theirs. A stride-1 convolution of whole tile rows of channels
+//! has a driver of its own ([`conv_shifted`]), whose tiles read each tap's rows where they
+//! lie in the padded image: no table of pointers, nothing gathered.
 //!
 //! Linux hands AMX's 8 KB of tile state to a process only once asked (`arch_prctl`), which
 //! `super::super::isa::int8_tiles` does once; the kernel is chosen there only where that
@@ -17,11 +19,12 @@ use std::arch::x86_64::*;
 
 use super::super::activation::apply;
 use super::super::gemm::{self, Dot, Out, Pairs, Rows, Shape, Source};
+use super::super::parallel;
 use super::super::simd::{avx512::Avx512, Simd};
 use super::super::PANEL;
 
 /// A tile's rows, and 32-bit words per row (64 bytes: 16 quads of `k`).
-const TILE: usize = 16;
+pub(in super::super) const TILE: usize = 16;
 
 /// What a block needs to run on the tiles (smaller ones run on AVX512-VNNI's kernel): a
 /// tile of rows, half a panel of columns or more, and at least `MIN_WORDS_BY_COLUMNS` of
@@ -82,23 +85,93 @@ pub(in super::super) unsafe fn block(
                 // In place where each row's `k` words are whole tile rows: a tile reads no
                 // word past a row's `k`.
                 let place = match k.is_multiple_of(TILE) {
-                    true => Place::InPlace { x: d.x, ld: d.ld },
+                    true => Place::Dense { x: d.x, ld: d.ld },
                     false => Place::Gathered,
                 };
-                columns((d, place), range.clone(), &tiles, panels, op.0, j, k)
+                columns((d, place), range.clone(), &tiles, panels, op.0, j, k, None)
             }
-            Source::Table(t) => columns((t, Place::Gathered), range.clone(), &tiles, panels, op.0, j, k),
+            Source::Table(t) => columns((t, Place::Gathered), range.clone(), &tiles, panels, op.0, j, k, None),
         }
         gemm::gelu_pass::<Avx512>(s, range, op, j);
     }
 }
 
 /// Where a block's rows are read as tiles: in place (dense rows `ld` words apart, `k` a
-/// whole number of tile rows), or gathered into a thread's buffer.
+/// whole number of tile rows), shifted per tap ([`Shifted`]), or gathered into a thread's
+/// buffer.
 #[derive(Clone, Copy)]
 enum Place {
-    InPlace { x: *const u32, ld: usize },
+    Dense { x: *const u32, ld: usize },
+    Shifted(Shifted),
     Gathered,
+}
+
+/// A stride-1 convolution's rows read in place from its input image, quantized with its
+/// padding into `[hp, wp]` pixels of `words` words (a whole number of tile rows): output
+/// pixel `(oy, ox)` is virtual row `v = oy * wp + ox`, whose tap `(i, j)` is pixel `v + i *
+/// wp + j`, so 16 rows of a tap are 16 pixels evenly apart and a tile reads them where they
+/// lie; no table of pointers, nothing gathered. The virtual rows `ox >= wo` of each line
+/// (the padding's columns, `wp - wo` of them) are computed and not stored.
+#[derive(Clone, Copy)]
+pub(in super::super) struct Shifted {
+    /// The padded image's first pixel.
+    pub(in super::super) x: *const u32,
+    pub(in super::super) words: usize,
+    /// Each tap's first pixel: `i * wp + j`.
+    pub(in super::super) taps: *const usize,
+    /// Virtual rows a line (`wp`), and the output's pixels a line (`wo`).
+    pub(in super::super) lines: [usize; 2],
+}
+
+// SAFETY: the image and the taps' offsets are memory the caller keeps alive and unwritten
+// for the whole call; the threads only read through them.
+unsafe impl Sync for Shifted {}
+
+impl Rows<u32> for Shifted {
+    #[inline(always)]
+    unsafe fn at(self, r: usize, t: usize) -> *const u32 {
+        // SAFETY: row `r`'s tap `t` exists (the caller's).
+        unsafe { self.x.add((r + *self.taps.add(t)) * self.words) }
+    }
+}
+
+/// The GEMM of [`Shifted`] rows: `m` virtual rows times the weight's panels into `out`'s
+/// rows of `s.ldo` (the output pixels only), on the pool's threads as `gemm::columns` splits
+/// a GEMM (whole panels a thread, or rows over every panel).
+///
+/// # Safety
+/// `super::super::isa::int8_tiles`; every virtual row of the 32-row blocks covering `m`
+/// (rounded up) and its taps lie in the image; the panels hold `s`'s weight (`s.taps *
+/// words` deep), `out` the output pixels' rows, the shape's other pointers their values.
+pub(in super::super) unsafe fn conv_shifted(rows: Shifted, m: usize, s: &Shape, panels: &[u32], out: &mut [f32]) {
+    let k = s.taps * s.cin;
+    let blocks = s.n.div_ceil(PANEL);
+    let threads = parallel::share(2 * m * k * s.n, blocks * m.div_ceil(BLOCK), parallel::threads());
+    let per = if blocks.is_multiple_of(threads) { m } else { m.div_ceil(threads).next_multiple_of(BLOCK) };
+    let (chunks, op) = (m.div_ceil(per.max(1)), Out(out.as_mut_ptr()));
+    parallel::for_each(blocks * chunks, threads, &|begin, end| {
+        for item in begin..end {
+            let (j, r0) = (item % blocks * PANEL, item / blocks * per);
+            // SAFETY: the caller's; no other item writes these rows' columns.
+            unsafe { shifted_block(rows, r0..(r0 + per).min(m), s, panels, op, j, k) };
+        }
+    });
+}
+
+/// [`conv_shifted`]'s rows `range` times the panel from `j` (a function of its own: a
+/// closure wouldn't have the target features).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
+unsafe fn shifted_block(
+    rows: Shifted,
+    range: std::ops::Range<usize>,
+    s: &Shape,
+    panels: &[u32],
+    op: Out,
+    j: usize,
+    k: usize,
+) {
+    // SAFETY: the caller's.
+    unsafe { columns((rows, Place::Shifted(rows)), range, s, panels, op.0, j, k, Some(rows.lines)) }
 }
 
 thread_local! {
@@ -113,6 +186,7 @@ const BLOCK: usize = 2 * TILE;
 /// Rows `range` times the 64 columns from `j`, 32 rows at a time: for each half of the
 /// columns, two tiles of rows by two of the panel's columns into four sums (each tile read
 /// serves two products, and no tile is loaded into again while a product reads it).
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn columns<R: Rows<u32>>(
     (rows_of, place): (R, Place),
@@ -122,6 +196,7 @@ unsafe fn columns<R: Rows<u32>>(
     out: *mut f32,
     j: usize,
     k: usize,
+    lines: Option<[usize; 2]>,
 ) {
     let depth = k.next_multiple_of(TILE);
     // A gathered row's stride: whole tile rows, off 4 KB multiples (16 rows at such a
@@ -152,7 +227,9 @@ unsafe fn columns<R: Rows<u32>>(
             while r0 < range.end {
                 let rows = (range.end - r0).min(BLOCK);
                 let (x, stride) = match place {
-                    Place::InPlace { x, ld } if rows == BLOCK => (x.add(r0 * ld), ld * 4),
+                    Place::Dense { x, ld } if rows == BLOCK => (x.add(r0 * ld), ld * 4),
+                    // The rows past the last lie in the image too (the caller's).
+                    Place::Shifted(sh) => (sh.x.add(r0 * sh.words), sh.words * 4),
                     _ => {
                         // Rows past the block's last are left as they were: their sums
                         // aren't stored.
@@ -169,7 +246,11 @@ unsafe fn columns<R: Rows<u32>>(
                     let mut q = 0;
                     while q < k {
                         let b = if q + TILE <= k { panel.as_ptr().add(q * PANEL) } else { tail.as_ptr() };
-                        let (a, b) = (x.add(q), b.add(half * PANEL / 2));
+                        let a = match place {
+                            Place::Shifted(sh) => x.add(*sh.taps.add(q / sh.words) * sh.words + q % sh.words),
+                            _ => x.add(q),
+                        };
+                        let b = b.add(half * PANEL / 2);
                         if rows > TILE {
                             asm!(
                                 "tileloadd tmm4, [{a} + {lda}*1]",
@@ -215,7 +296,7 @@ unsafe fn columns<R: Rows<u32>>(
                         options(nostack),
                     );
                 }
-                store(&sums, r0, rows, s, out, j);
+                store(&sums, (r0, rows, lines), s, out, j);
                 r0 += BLOCK;
             }
             asm!("tilerelease", options(nostack, nomem));
@@ -248,9 +329,16 @@ unsafe fn copy_words(src: *const u32, dst: *mut u32, n: usize) {
 /// Rows `[r0, r0 + rows)`'s sums (`sums`, 64 a row; only the first half where the panel's
 /// columns end in it) from each column's starting sum, scaled and biased, plus the residual,
 /// then the epilogue and the requantization, into `out` (masked past `n`): as `gemm::tile`
-/// stores its accumulators.
+/// stores its accumulators. With `lines` (`[wp, wo]`, [`Shifted`]'s), row `v` is output
+/// pixel `v / wp * wo + v % wp`, stored only where `v % wp < wo`.
 #[inline(always)]
-unsafe fn store(sums: &[i32; BLOCK * PANEL], r0: usize, rows: usize, s: &Shape, out: *mut f32, j: usize) {
+unsafe fn store(
+    sums: &[i32; BLOCK * PANEL],
+    (r0, rows, lines): (usize, usize, Option<[usize; 2]>),
+    s: &Shape,
+    out: *mut f32,
+    j: usize,
+) {
     const V: usize = PANEL / 16;
     // SAFETY (all below): the columns' operands hold `n` values and the output and residual
     // `ldo` a row; masked lanes past `n` are neither read nor written.
@@ -261,13 +349,18 @@ unsafe fn store(sums: &[i32; BLOCK * PANEL], r0: usize, rows: usize, s: &Shape, 
         };
         let (bias, scale, start) = (per_column(s.bias), per_column(s.scale), per_column(s.sums.cast()));
         for r in 0..rows {
+            let row = match lines {
+                Some([wp, wo]) if (r0 + r) % wp >= wo => continue,
+                Some([wp, wo]) => (r0 + r) / wp * wo + (r0 + r) % wp,
+                None => r0 + r,
+            };
             for v in 0..V {
                 let mut acc = _mm512_loadu_si512(sums.as_ptr().add(r * PANEL + v * 16).cast());
                 if let Some(st) = start[v] {
                     acc = _mm512_add_epi32(acc, _mm512_castps_si512(st));
                 }
                 let mut y = <Pairs as Dot<Avx512>>::finish(acc, scale[v], bias[v]);
-                let at = (r0 + r) * s.ldo + j + v * 16;
+                let at = row * s.ldo + j + v * 16;
                 if !s.residual.is_null() {
                     y = Avx512::add(y, Avx512::load_masked(masks[v], s.residual.add(at)));
                 }

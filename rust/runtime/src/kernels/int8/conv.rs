@@ -128,6 +128,10 @@ fn conv_with(
         return patches(&products, (x, ld), [batch, h, w], g, out);
     }
     let words = cin.div_ceil(layout.per_word());
+    #[cfg(target_arch = "x86_64")]
+    if let Some(ran) = shifted(&products, (x, ld), [batch, h, w], g, out) {
+        return ran;
+    }
     // Each pixel's levels, then the padding's row: the zero point's level less the base
     // (`Level::base`: 0 for pairs, `zero_point - qmin` in each byte for quads).
     let mut rows = vec![0u32; (pixels + 1) * words];
@@ -175,6 +179,70 @@ fn conv_with(
         gemm::grouped(kernel.block, table, m, &shape, geometry, (weight.words, group_len, panels_len), out)
     };
     Ok(())
+}
+
+/// [`conv_with`] on AMX's tiles reading the taps in place ([`super::amx::Shifted`]): each
+/// image quantized into its padded pixels (the padding at the zero point's level), then the
+/// tiles' GEMM over its virtual rows. Only for one group, a stride of 1, whole tile rows of
+/// channels (64 a pixel), no GELU (which the tiles apply after), on enough rows and columns
+/// for the tiles (`super::amx::block`'s gate); `None` otherwise (the table's way runs).
+#[cfg(target_arch = "x86_64")]
+fn shifted(
+    p: &Products<'_>,
+    (x, ld): (&[f32], usize),
+    [batch, h, w]: [usize; 3],
+    g: &Conv2d,
+    out: &mut [f32],
+) -> Option<Ran> {
+    use super::amx::{conv_shifted, Shifted, TILE};
+    let (cin, n, quant) = (g.in_channels, g.out_channels, p.quant);
+    let words = cin / p.kernel.layout.per_word();
+    let ([kh, kw], [ph, pw]) = (g.kernel, g.padding);
+    let gelu = matches!(p.post.0, Epilogue::Gelu | Epilogue::GeluTanh);
+    let [ho, wo] = g.output(h, w)?;
+    let fits = p.kernel.tiles && p.kernel.layout == Layout::Quads && g.groups == 1 && g.stride == [1, 1];
+    if !fits || !cin.is_multiple_of(4 * TILE) || gelu || n < super::super::PANEL / 2 || ho * wo < TILE {
+        return None;
+    }
+    let [hp, wp] = [h + 2 * ph, w + 2 * pw];
+    // The virtual rows of the last 32-row block read up to 31 pixels past the last line's
+    // (`amx::Shifted`): padding too.
+    let pixels = hp * wp + 2 * TILE;
+    let m = (ho - 1) * wp + wo;
+    let taps: Vec<usize> = (0..kh * kw).map(|t| t / kw * wp + t % kw).collect();
+    let pad = u32::from_le_bytes([(quant.zero_point - quant.qmin) as u8; 4]);
+    let mut image = vec![pad; pixels * words];
+    let levels = quant.levels();
+    let panels_len = p.kernel.layout.panel_words(n, taps.len() * words);
+    let factors = p.columns(n, |c| p.weight.words[panels_len + c]);
+    for b in 0..batch {
+        for y in 0..h {
+            let dst = &mut image[((y + ph) * wp + pw) * words..][..w * words];
+            let first = (b * h + y) * w;
+            if ld == cin {
+                // SAFETY: the quantizer runs on this CPU; the row's `w * cin` floats into as
+                // many levels; the range fits the layout (`check`).
+                unsafe { (p.kernel.quantize)(&x[first * cin..][..w * cin], w * cin, &levels, dst) };
+                continue;
+            }
+            for (px, d) in (first..).zip(dst.chunks_exact_mut(words)) {
+                // SAFETY: as above, for one pixel (`rows_fit`).
+                unsafe { (p.kernel.quantize)(&x[px * ld..px * ld + cin], cin, &levels, d) };
+            }
+        }
+        let at = b * ho * wo * n;
+        let mut shape = p.shape([taps.len(), words, n, n], (&factors.0, &factors.1));
+        if !shape.residual.is_null() {
+            shape.residual = shape.residual.wrapping_add(at);
+        }
+        let rows = Shifted { x: image.as_ptr(), words, taps: taps.as_ptr(), lines: [wp, wo] };
+        // SAFETY: the tiles were granted (`p.kernel.tiles`); the virtual rows `[0, m)` rounded
+        // up to 32 read pixels `< m + 31 + (kh - 1) * wp + kw <= pixels` of the image; the
+        // weight holds its panels for `[n, taps * words * 4]`, the residual (moved to this
+        // image) and `out` this image's `ho * wo` rows of `n` (the caller's checks).
+        unsafe { conv_shifted(rows, m, &shape, &p.weight.words[..panels_len], &mut out[at..][..ho * wo * n]) };
+    }
+    Some(Ok(()))
 }
 
 /// [`conv_with`] for [`Layout::patches`] (one group, checked): the input's levels as one dense
@@ -267,6 +335,11 @@ mod tests {
             (grouped([160, 12, 3, 3], [2, 2], [1, 1], 2), [1, 9, 9], u8(0.03, 200)),
             // Large enough that the quantization and the table split across threads.
             (conv([64, 64, 3, 3], [1, 1], [1, 1]), [1, 48, 48], u8(0.05, 128)),
+            // AMX's taps read in place (`shifted`): two images, columns past a panel, a last
+            // line ending inside a block; without padding, a 1×5 kernel; one row of pixels.
+            (conv([96, 128, 3, 3], [1, 1], [1, 1]), [2, 9, 11], u8(0.03, 17)),
+            (conv([40, 64, 1, 5], [1, 1], [0, 2]), [1, 6, 7], u8(0.02, 250)),
+            (conv([64, 64, 3, 3], [1, 1], [0, 0]), [1, 3, 21], u8(0.04, 0)),
         ]
     }
 
