@@ -216,20 +216,23 @@ fn shifted(
     let panels_len = p.kernel.layout.panel_words(n, taps.len() * words);
     let factors = p.columns(n, |c| p.weight.words[panels_len + c]);
     for b in 0..batch {
-        for y in 0..h {
-            let dst = &mut image[((y + ph) * wp + pw) * words..][..w * words];
-            let first = (b * h + y) * w;
-            if ld == cin {
-                // SAFETY: the quantizer runs on this CPU; the row's `w * cin` floats into as
-                // many levels; the range fits the layout (`check`).
-                unsafe { (p.kernel.quantize)(&x[first * cin..][..w * cin], w * cin, &levels, dst) };
-                continue;
+        // Each line of the image into its padded line, split across threads by lines.
+        let lines = &mut image[ph * wp * words..][..h * wp * words];
+        parallel::units(lines, wp * words, QUANTIZE_WORK * w * cin, &|first, lines| {
+            for (y, line) in (first..).zip(lines.chunks_exact_mut(wp * words)) {
+                let (dst, first) = (&mut line[pw * words..][..w * words], (b * h + y) * w);
+                if ld == cin {
+                    // SAFETY: the quantizer runs on this CPU; the line's `w * cin` floats into
+                    // as many levels; the range fits the layout (`check`).
+                    unsafe { (p.kernel.quantize)(&x[first * cin..][..w * cin], w * cin, &levels, dst) };
+                    continue;
+                }
+                for (px, d) in (first..).zip(dst.chunks_exact_mut(words)) {
+                    // SAFETY: as above, for one pixel (`rows_fit`).
+                    unsafe { (p.kernel.quantize)(&x[px * ld..px * ld + cin], cin, &levels, d) };
+                }
             }
-            for (px, d) in (first..).zip(dst.chunks_exact_mut(words)) {
-                // SAFETY: as above, for one pixel (`rows_fit`).
-                unsafe { (p.kernel.quantize)(&x[px * ld..px * ld + cin], cin, &levels, d) };
-            }
-        }
+        });
         let at = b * ho * wo * n;
         let mut shape = p.shape([taps.len(), words, n, n], (&factors.0, &factors.1));
         if !shape.residual.is_null() {
