@@ -208,11 +208,26 @@ def conv_int8(  # noqa: PLR0917 (the op's schema, positionally)
     device, a weight zero point that isn't 0): the ops the ``linear_int8`` pass replaced
     (rust/core/src/passes/linear_int8.rs) as torch defines them, as :func:`linear_int8` for
     a ``conv2d`` of this stride, padding and groups (dilation 1)."""
+    quant = (x_scale, x_zero_point, x_qmin, x_qmax)
+    y = _int8_conv2d(x, quant, (w, w_scale, w_zero_point, bias), (stride, padding, groups))
+    return _int8_post(y, attr, algorithm, (out_scale, out_zero_point, out_qmin, out_qmax))
+
+
+def _int8_conv2d(
+    x: Any,
+    quant: tuple[float, int, int, int],
+    weight: tuple[Any, Any, Any, Any],
+    conv: tuple[list[int], list[int], int],
+) -> Any:
+    """The float32 ``conv2d`` of an int8 convolution's operands as torch's ops dequantize them
+    (:func:`_dequantized`): the input's quantization, the weight's ``(w, w_scale,
+    w_zero_point, bias)``, and ``(stride, padding, groups)`` (dilation 1)."""
     import torch
 
-    xd, wd = _dequantized(x, (x_scale, x_zero_point, x_qmin, x_qmax), w, w_scale, w_zero_point)
-    y = torch.nn.functional.conv2d(xd, wd, bias, stride, padding, 1, groups)
-    return _int8_post(y, attr, algorithm, (out_scale, out_zero_point, out_qmin, out_qmax))
+    w, w_scale, w_zero_point, bias = weight
+    xd, wd = _dequantized(x, quant, w, w_scale, w_zero_point)
+    stride, padding, groups = conv
+    return torch.nn.functional.conv2d(xd, wd, bias, stride, padding, 1, groups)
 
 
 def conv_int8_residual(  # noqa: PLR0917 (the op's schema, positionally)
@@ -239,10 +254,8 @@ def conv_int8_residual(  # noqa: PLR0917 (the op's schema, positionally)
     """``kwexport::conv_int8.residual``: :func:`conv_int8` with ``other`` added to the
     convolution's result before the activation, the residual add (and ReLU) that the
     ``conv_residual`` pass moved into it (rust/core/src/passes/conv_residual.rs)."""
-    import torch
-
-    xd, wd = _dequantized(x, (x_scale, x_zero_point, x_qmin, x_qmax), w, w_scale, w_zero_point)
-    y = torch.nn.functional.conv2d(xd, wd, bias, stride, padding, 1, groups).add_(other)
+    quant = (x_scale, x_zero_point, x_qmin, x_qmax)
+    y = _int8_conv2d(x, quant, (w, w_scale, w_zero_point, bias), (stride, padding, groups)).add_(other)
     return _int8_post(y, attr, algorithm, (out_scale, out_zero_point, out_qmin, out_qmax))
 
 

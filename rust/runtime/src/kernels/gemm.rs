@@ -697,6 +697,17 @@ pub(super) unsafe fn columns<X: Sync>(
     out: &mut [f32],
 ) {
     let (k, op) = (s.taps * s.cin, Out(out.as_mut_ptr()));
+    each_block(m, s, &|range, j| {
+        // SAFETY: the block's rows and columns exist and no other item writes them.
+        unsafe { block(source, range, s, panels, op, j, k) };
+    });
+}
+
+/// The column blocks and row ranges of an `m`-row GEMM of shape `s`, each given to `body`
+/// (rows, first column) on the pool's threads as [`columns`] shares them out: whole column
+/// blocks a thread, or an equal share of the rows over every block.
+pub(super) fn each_block(m: usize, s: &Shape, body: &(dyn Fn(std::ops::Range<usize>, usize) + Sync)) {
+    let k = s.taps * s.cin;
     let blocks = s.n.div_ceil(PANEL);
     let threads = super::parallel::share(2 * m * k * s.n, blocks * m.div_ceil(ROW_CHUNK), super::parallel::threads());
     // Each thread takes whole column blocks (its own panels, which matters for a large
@@ -712,8 +723,7 @@ pub(super) unsafe fn columns<X: Sync>(
     super::parallel::for_each(blocks * chunks, threads, &|begin, end| {
         for item in begin..end {
             let (j, r0) = (item % blocks * PANEL, item / blocks * per);
-            // SAFETY: the block's rows and columns exist and no other item writes them.
-            unsafe { block(source, r0..(r0 + per).min(m), s, panels, op, j, k) };
+            body(r0..(r0 + per).min(m), j);
         }
     });
 }

@@ -19,7 +19,6 @@ use std::arch::x86_64::*;
 
 use super::super::activation::apply;
 use super::super::gemm::{self, Dot, Out, Pairs, Rows, Shape, Source};
-use super::super::parallel;
 use super::super::simd::{avx512::Avx512, Simd};
 use super::super::PANEL;
 
@@ -137,24 +136,17 @@ impl Rows<u32> for Shifted {
 
 /// The GEMM of [`Shifted`] rows: `m` virtual rows times the weight's panels into `out`'s
 /// rows of `s.ldo` (the output pixels only), on the pool's threads as `gemm::columns` splits
-/// a GEMM (whole panels a thread, or rows over every panel).
+/// a GEMM ([`gemm::each_block`]).
 ///
 /// # Safety
 /// `super::super::isa::int8_tiles`; every virtual row of the 32-row blocks covering `m`
 /// (rounded up) and its taps lie in the image; the panels hold `s`'s weight (`s.taps *
 /// words` deep), `out` the output pixels' rows, the shape's other pointers their values.
 pub(in super::super) unsafe fn conv_shifted(rows: Shifted, m: usize, s: &Shape, panels: &[u32], out: &mut [f32]) {
-    let k = s.taps * s.cin;
-    let blocks = s.n.div_ceil(PANEL);
-    let threads = parallel::share(2 * m * k * s.n, blocks * m.div_ceil(BLOCK), parallel::threads());
-    let per = if blocks.is_multiple_of(threads) { m } else { m.div_ceil(threads).next_multiple_of(BLOCK) };
-    let (chunks, op) = (m.div_ceil(per.max(1)), Out(out.as_mut_ptr()));
-    parallel::for_each(blocks * chunks, threads, &|begin, end| {
-        for item in begin..end {
-            let (j, r0) = (item % blocks * PANEL, item / blocks * per);
-            // SAFETY: the caller's; no other item writes these rows' columns.
-            unsafe { shifted_block(rows, r0..(r0 + per).min(m), s, panels, op, j, k) };
-        }
+    let (k, op) = (s.taps * s.cin, Out(out.as_mut_ptr()));
+    gemm::each_block(m, s, &|range, j| {
+        // SAFETY: the caller's; no other block writes these rows' columns.
+        unsafe { shifted_block(rows, range, s, panels, op, j, k) };
     });
 }
 

@@ -215,6 +215,7 @@ fn shifted(
     let levels = quant.levels();
     let panels_len = p.kernel.layout.panel_words(n, taps.len() * words);
     let factors = p.columns(n, |c| p.weight.words[panels_len + c]);
+    let shape = p.shape([taps.len(), words, n, n], (&factors.0, &factors.1));
     for b in 0..batch {
         // Each line of the image into its padded line, split across threads by lines.
         let lines = &mut image[ph * wp * words..][..h * wp * words];
@@ -234,10 +235,8 @@ fn shifted(
             }
         });
         let at = b * ho * wo * n;
-        let mut shape = p.shape([taps.len(), words, n, n], (&factors.0, &factors.1));
-        if !shape.residual.is_null() {
-            shape.residual = shape.residual.wrapping_add(at);
-        }
+        let residual = if shape.residual.is_null() { shape.residual } else { shape.residual.wrapping_add(at) };
+        let shape = gemm::Shape { residual, ..shape };
         let rows = Shifted { x: image.as_ptr(), words, taps: taps.as_ptr(), lines: [wp, wo] };
         // SAFETY: the tiles were granted (`p.kernel.tiles`); the virtual rows `[0, m)` rounded
         // up to 32 read pixels `< m + 31 + (kh - 1) * wp + kw <= pixels` of the image; the
