@@ -61,3 +61,23 @@ print("ok", kwexport.__version__)
     run = subprocess.run([python, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == f"ok {kwexport.__version__}"
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="binutils' objdump is not installed")
+def test_the_extensions_kernels_inline_every_simd_intrinsic():
+    """A SIMD intrinsic compiled as a call shows a kernel that lost its target features: a
+    closure's body (`array::from_fn`, a thread-local's `with`) compiled on its own, without the
+    features of the function it was written in. Correct, and 7× slower: the int8 AMX
+    convolutions ran so until it was caught. Only the CPU detection may call one."""
+    from kwexport import _rt
+
+    listing = subprocess.run(
+        ["objdump", "-d", "-C", "--no-show-raw-insn", _rt.__file__], capture_output=True, text=True, check=True
+    ).stdout
+    function, calls = "", set()
+    for line in listing.splitlines():
+        if line.endswith(">:"):
+            function = line.split("<", 1)[1][:-2]
+        elif "call" in line and "core_arch::" in line and "std_detect" not in function:
+            calls.add(f"{function} -> {line.split('<', 1)[1].rstrip('>')}")
+    assert not calls, "\n".join(sorted(calls))

@@ -921,18 +921,31 @@ unsafe fn tile<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const V: usize
     // cin` rows of 64 in strips; the bias and scales (where given) hold `n` values; masked
     // lanes past `n` are neither read nor written.
     unsafe {
-        let masks: [S::M; V] = std::array::from_fn(|v| S::first(s.n.saturating_sub(j + v * S::LANES)));
-        let per_column = |p: *const f32| -> [Option<S::V>; V] {
-            std::array::from_fn(|v| (!p.is_null()).then(|| S::load_masked(masks[v], p.add(j + v * S::LANES))))
-        };
-        let (bias, scale, sums) = (per_column(s.bias), per_column(s.scale), per_column(s.sums.cast()));
+        // Loops, not `array::from_fn`: a closure calling an intrinsic is compiled without the
+        // target features wherever it isn't inlined, and the intrinsic becomes a call.
+        let mut masks = [S::first(0); V];
+        for (v, mask) in masks.iter_mut().enumerate() {
+            *mask = S::first(s.n.saturating_sub(j + v * S::LANES));
+        }
+        let (mut bias, mut scale, mut sums) = ([None; V], [None; V], [None; V]);
+        for v in 0..V {
+            for (values, p) in [(&mut bias, s.bias), (&mut scale, s.scale), (&mut sums, s.sums.cast())] {
+                if !p.is_null() {
+                    values[v] = Some(S::load_masked(masks[v], p.add(j + v * S::LANES)));
+                }
+            }
+        }
         // Each vector's column in its strip, whose rows are `strip` elements apart.
         let (strip, depth) = (strip::<S>(), s.taps * s.cin);
         let column: [*const D::P; V] = std::array::from_fn(|v| {
             let col = j % PANEL + v * S::LANES;
             panel.add(col / strip * depth * strip + col % strip)
         });
-        let mut acc: [[D::Acc; V]; T] = [std::array::from_fn(|v| D::start(bias[v], sums[v])); T];
+        let mut start = [D::start(bias[0], sums[0]); V];
+        for v in 1..V {
+            start[v] = D::start(bias[v], sums[v]);
+        }
+        let mut acc: [[D::Acc; V]; T] = [start; T];
         for t in 0..s.taps {
             let rows: [*const D::X; T] = std::array::from_fn(|r| rows_of.at(i + r, t));
             for c in 0..s.cin {
@@ -940,7 +953,10 @@ unsafe fn tile<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const V: usize
                 if prefetch_next {
                     prefetch_l2(column[0].wrapping_add(depth * strip + at));
                 }
-                let w: [D::W; V] = std::array::from_fn(|v| D::load(column[v].add(at)));
+                let mut w = [D::load(column[0].add(at)); V];
+                for v in 1..V {
+                    w[v] = D::load(column[v].add(at));
+                }
                 for (r, row) in acc.iter_mut().enumerate() {
                     let a = D::splat(*rows[r].add(c));
                     for v in 0..V {

@@ -611,8 +611,14 @@ mod quads {
                 #[inline(always)]
                 unsafe fn start(_: Option<$vf>, sums: Option<$vf>) -> $vi {
                     // SAFETY: register operations (the trait's contract); `sums` holds int32
-                    // bits.
-                    unsafe { sums.map_or_else(|| $zero(), |s| $cast(s)) }
+                    // bits. A `match`, not closures: those lose the target features where
+                    // they aren't inlined (`gemm::tile`).
+                    unsafe {
+                        match sums {
+                            Some(s) => $cast(s),
+                            None => $zero(),
+                        }
+                    }
                 }
                 #[inline(always)]
                 unsafe fn load(p: *const u32) -> $vi {
