@@ -21,6 +21,7 @@ use super::super::activation::apply;
 use super::super::gemm::{self, Dot, Out, Pairs, Rows, Shape, Source};
 use super::super::simd::{avx512::Avx512, Simd};
 use super::super::PANEL;
+use super::conv::Patches;
 
 /// A tile's rows, and 32-bit words per row (64 bytes: 16 quads of `k`).
 pub(in super::super) const TILE: usize = 16;
@@ -85,11 +86,11 @@ pub(in super::super) unsafe fn block(
                 // word past a row's `k`.
                 let place = match k.is_multiple_of(TILE) {
                     true => Place::Dense { x: d.x, ld: d.ld },
-                    false => Place::Gathered,
+                    false => Place::Gathered(d),
                 };
-                columns((d, place), range.clone(), &tiles, panels, op.0, j, k, None)
+                columns(place, range.clone(), &tiles, panels, op.0, j, k, None)
             }
-            Source::Table(t) => columns((t, Place::Gathered), range.clone(), &tiles, panels, op.0, j, k, None),
+            Source::Table(t) => columns(Place::Gathered(t), range.clone(), &tiles, panels, op.0, j, k, None),
         }
         gemm::gelu_pass::<Avx512>(s, range, op, j);
     }
@@ -97,12 +98,13 @@ pub(in super::super) unsafe fn block(
 
 /// Where a block's rows are read as tiles: in place (dense rows `ld` words apart, `k` a
 /// whole number of tile rows), shifted per tap ([`Shifted`]), or gathered into a thread's
-/// buffer.
+/// buffer: each tap's words from the rows `R`, or each row's patch ([`Patches`]).
 #[derive(Clone, Copy)]
-enum Place {
+enum Place<R> {
     Dense { x: *const u32, ld: usize },
     Shifted(Shifted),
-    Gathered,
+    Gathered(R),
+    Patches(Patches),
 }
 
 /// A stride-1 convolution's rows read in place from its input image, quantized with its
@@ -163,7 +165,45 @@ unsafe fn shifted_block(
     k: usize,
 ) {
     // SAFETY: the caller's.
-    unsafe { columns((rows, Place::Shifted(rows)), range, s, panels, op.0, j, k, Some(rows.lines)) }
+    unsafe { columns(Place::<Shifted>::Shifted(rows), range, s, panels, op.0, j, k, Some(rows.lines)) }
+}
+
+/// The GEMM of a convolution's [`Patches`] (an image's few channels: `super::conv`'s
+/// `Layout::patches`), each block's rows gathered from the image's levels as the tiles run:
+/// `m` output pixels times the weight's panels into `out`'s rows of `s.ldo`, on the pool's
+/// threads as `gemm::columns` splits a GEMM ([`gemm::each_block`]). The patch matrix itself
+/// would be megabytes (a 224-pixel image's 7×7 stem: 12544 rows of 148 bytes) written and read
+/// back.
+///
+/// # Safety
+/// `super::super::isa::int8_tiles`; each output pixel's patch lies in the levels; the panels
+/// hold `s`'s weight (`s.cin` words deep, the patch's), `out` the `m` rows, the shape's other
+/// pointers their values.
+pub(super) unsafe fn conv_patches(rows: Patches, m: usize, s: &Shape, panels: &[u32], out: &mut [f32]) {
+    let (k, op) = (s.taps * s.cin, Out(out.as_mut_ptr()));
+    gemm::each_block(m, s, &|range, j| {
+        // SAFETY: the caller's; no other block writes these rows' columns.
+        unsafe { patches_block(rows, range, s, panels, op, j, k) };
+    });
+}
+
+/// [`conv_patches`]' rows `range` times the panel from `j`, then GELU over them as
+/// [`block`]'s.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
+unsafe fn patches_block(
+    rows: Patches,
+    range: std::ops::Range<usize>,
+    s: &Shape,
+    panels: &[u32],
+    op: Out,
+    j: usize,
+    k: usize,
+) {
+    // SAFETY: the caller's.
+    unsafe {
+        columns(Place::<Shifted>::Patches(rows), range.clone(), s, panels, op.0, j, k, None);
+        gemm::gelu_pass::<Avx512>(s, range, op, j);
+    }
 }
 
 thread_local! {
@@ -181,7 +221,7 @@ const BLOCK: usize = 2 * TILE;
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn columns<R: Rows<u32>>(
-    (rows_of, place): (R, Place),
+    place: Place<R>,
     range: std::ops::Range<usize>,
     s: &Shape,
     panels: &[u32],
@@ -204,96 +244,123 @@ unsafe fn columns<R: Rows<u32>>(
     let halves = if s.n - j > PANEL / 2 { 2 } else { 1 };
     let mut sums = [0i32; BLOCK * PANEL];
     let config = Config::tiles();
-    GATHERED.with_borrow_mut(|a| {
-        if a.len() < BLOCK * lda {
-            a.resize(BLOCK * lda, 0);
-        }
-        // SAFETY (all below): the tiles read 32 rows from `x` at `stride` bytes, each of
-        // `depth` words (in place: the block's rows, `depth == k`; gathered: `a`), the
-        // panel's rows `[q, q + TILE)` for `q + TILE <= k` or `tail`, 64 bytes of each at a
-        // stride of 256, and write `sums` (32 rows of 64 int32); the rows read through
-        // `rows_of` exist (the caller's); the tile state was granted (`isa::int8_tiles`).
-        unsafe {
-            asm!("ldtilecfg [{}]", in(reg) &config, options(nostack, readonly));
-            let mut r0 = range.start;
-            while r0 < range.end {
-                let rows = (range.end - r0).min(BLOCK);
-                let (x, stride) = match place {
-                    Place::Dense { x, ld } if rows == BLOCK => (x.add(r0 * ld), ld * 4),
-                    // The rows past the last lie in the image too (the caller's).
-                    Place::Shifted(sh) => (sh.x.add(r0 * sh.words), sh.words * 4),
-                    _ => {
-                        // Rows past the block's last are left as they were: their sums
-                        // aren't stored.
-                        for r in 0..rows {
-                            for t in 0..s.taps {
-                                copy_words(rows_of.at(r0 + r, t), a.as_mut_ptr().add(r * lda + t * s.cin), s.cin);
-                            }
-                        }
-                        (a.as_ptr(), lda * 4)
+    // Taken out of the thread's slot, not borrowed in a closure: a closure's body is compiled
+    // without its caller's target features wherever it isn't inlined, and the intrinsics
+    // below became calls (7× slower).
+    let mut a = GATHERED.take();
+    if a.len() < BLOCK * lda {
+        a.resize(BLOCK * lda, 0);
+    }
+    // SAFETY (all below): the tiles read 32 rows from `x` at `stride` bytes, each of
+    // `depth` words (in place: the block's rows, `depth == k`; gathered: `a`), the
+    // panel's rows `[q, q + TILE)` for `q + TILE <= k` or `tail`, 64 bytes of each at a
+    // stride of 256, and write `sums` (32 rows of 64 int32); the rows read through
+    // `rows_of` exist (the caller's); the tile state was granted (`isa::int8_tiles`).
+    unsafe {
+        asm!("ldtilecfg [{}]", in(reg) &config, options(nostack, readonly));
+        let mut r0 = range.start;
+        while r0 < range.end {
+            let rows = (range.end - r0).min(BLOCK);
+            let (x, stride) = match place {
+                Place::Dense { x, ld } if rows == BLOCK => (x.add(r0 * ld), ld * 4),
+                // The rows past the last lie in the image too (the caller's).
+                Place::Shifted(sh) => (sh.x.add(r0 * sh.words), sh.words * 4),
+                Place::Patches(patches) => {
+                    // Rows past the block's last are left as they were: their sums
+                    // aren't stored.
+                    for r in 0..rows {
+                        patches.write(r0 + r, a.as_mut_ptr().add(r * lda).cast(), k * 4);
                     }
-                };
-                for half in 0..halves {
-                    asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
-                    let mut q = 0;
-                    while q < k {
-                        let b = if q + TILE <= k { panel.as_ptr().add(q * PANEL) } else { tail.as_ptr() };
-                        let a = match place {
-                            Place::Shifted(sh) => x.add(*sh.taps.add(q / sh.words) * sh.words + q % sh.words),
-                            _ => x.add(q),
-                        };
-                        let b = b.add(half * PANEL / 2);
-                        if rows > TILE {
-                            asm!(
-                                "tileloadd tmm4, [{a} + {lda}*1]",
-                                "tileloadd tmm6, [{b} + {ldb}*1]",
-                                "tileloadd tmm7, [{b} + {ldb}*1 + 64]",
-                                "tdpbusd tmm0, tmm4, tmm6",
-                                "tileloadd tmm5, [{a2} + {lda}*1]",
-                                "tdpbusd tmm1, tmm4, tmm7",
-                                "tdpbusd tmm2, tmm5, tmm6",
-                                "tdpbusd tmm3, tmm5, tmm7",
-                                a = in(reg) a,
-                                a2 = in(reg) a.byte_add(TILE * stride),
-                                lda = in(reg) stride,
-                                b = in(reg) b,
-                                ldb = in(reg) PANEL * 4,
-                                options(nostack, readonly),
-                            );
-                        } else {
-                            // A last block of at most 16 rows: the first tile's products only.
-                            asm!(
-                                "tileloadd tmm4, [{a} + {lda}*1]",
-                                "tileloadd tmm6, [{b} + {ldb}*1]",
-                                "tileloadd tmm7, [{b} + {ldb}*1 + 64]",
-                                "tdpbusd tmm0, tmm4, tmm6",
-                                "tdpbusd tmm1, tmm4, tmm7",
-                                a = in(reg) a,
-                                lda = in(reg) stride,
-                                b = in(reg) b,
-                                ldb = in(reg) PANEL * 4,
-                                options(nostack, readonly),
-                            );
-                        }
-                        q += TILE;
-                    }
-                    asm!(
-                        "tilestored [{c} + {ld}*1], tmm0",
-                        "tilestored [{c} + {ld}*1 + 64], tmm1",
-                        "tilestored [{c2} + {ld}*1], tmm2",
-                        "tilestored [{c2} + {ld}*1 + 64], tmm3",
-                        c = in(reg) sums.as_mut_ptr().add(half * PANEL / 2),
-                        c2 = in(reg) sums.as_mut_ptr().add(TILE * PANEL + half * PANEL / 2),
-                        ld = in(reg) PANEL * 4,
-                        options(nostack),
-                    );
+                    (a.as_ptr(), lda * 4)
                 }
-                store(&sums, (r0, rows, lines), s, out, j);
-                r0 += BLOCK;
+                Place::Dense { x, ld } => gather(gemm::Dense { x, ld }, (r0, rows), s, a.as_mut_ptr(), lda),
+                Place::Gathered(rows_of) => gather(rows_of, (r0, rows), s, a.as_mut_ptr(), lda),
+            };
+            for half in 0..halves {
+                asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+                let mut q = 0;
+                while q < k {
+                    let b = if q + TILE <= k { panel.as_ptr().add(q * PANEL) } else { tail.as_ptr() };
+                    let a = match place {
+                        Place::Shifted(sh) => x.add(*sh.taps.add(q / sh.words) * sh.words + q % sh.words),
+                        _ => x.add(q),
+                    };
+                    let b = b.add(half * PANEL / 2);
+                    if rows > TILE {
+                        asm!(
+                            "tileloadd tmm4, [{a} + {lda}*1]",
+                            "tileloadd tmm6, [{b} + {ldb}*1]",
+                            "tileloadd tmm7, [{b} + {ldb}*1 + 64]",
+                            "tdpbusd tmm0, tmm4, tmm6",
+                            "tileloadd tmm5, [{a2} + {lda}*1]",
+                            "tdpbusd tmm1, tmm4, tmm7",
+                            "tdpbusd tmm2, tmm5, tmm6",
+                            "tdpbusd tmm3, tmm5, tmm7",
+                            a = in(reg) a,
+                            a2 = in(reg) a.byte_add(TILE * stride),
+                            lda = in(reg) stride,
+                            b = in(reg) b,
+                            ldb = in(reg) PANEL * 4,
+                            options(nostack, readonly),
+                        );
+                    } else {
+                        // A last block of at most 16 rows: the first tile's products only.
+                        asm!(
+                            "tileloadd tmm4, [{a} + {lda}*1]",
+                            "tileloadd tmm6, [{b} + {ldb}*1]",
+                            "tileloadd tmm7, [{b} + {ldb}*1 + 64]",
+                            "tdpbusd tmm0, tmm4, tmm6",
+                            "tdpbusd tmm1, tmm4, tmm7",
+                            a = in(reg) a,
+                            lda = in(reg) stride,
+                            b = in(reg) b,
+                            ldb = in(reg) PANEL * 4,
+                            options(nostack, readonly),
+                        );
+                    }
+                    q += TILE;
+                }
+                asm!(
+                    "tilestored [{c} + {ld}*1], tmm0",
+                    "tilestored [{c} + {ld}*1 + 64], tmm1",
+                    "tilestored [{c2} + {ld}*1], tmm2",
+                    "tilestored [{c2} + {ld}*1 + 64], tmm3",
+                    c = in(reg) sums.as_mut_ptr().add(half * PANEL / 2),
+                    c2 = in(reg) sums.as_mut_ptr().add(TILE * PANEL + half * PANEL / 2),
+                    ld = in(reg) PANEL * 4,
+                    options(nostack),
+                );
             }
-            asm!("tilerelease", options(nostack, nomem));
+            store(&sums, (r0, rows, lines), s, out, j);
+            r0 += BLOCK;
         }
-    });
+        asm!("tilerelease", options(nostack, nomem));
+    }
+    GATHERED.set(a);
+}
+
+/// Rows `[r0, r0 + rows)` of `rows_of`, each tap's `s.cin` words after the last's, into `a`'s
+/// rows `lda` apart: the tiles' rows and their stride. Rows past the block's last are left as
+/// they were: their sums aren't stored.
+///
+/// # Safety
+/// The rows and their taps exist; `a` holds `rows` rows of `lda >= s.taps * s.cin` words;
+/// AVX-512 is enabled (the caller's).
+#[inline(always)]
+unsafe fn gather<R: Rows<u32>>(
+    rows_of: R,
+    (r0, rows): (usize, usize),
+    s: &Shape,
+    a: *mut u32,
+    lda: usize,
+) -> (*const u32, usize) {
+    for r in 0..rows {
+        for t in 0..s.taps {
+            // SAFETY: the caller's.
+            unsafe { copy_words(rows_of.at(r0 + r, t), a.add(r * lda + t * s.cin), s.cin) };
+        }
+    }
+    (a.cast_const(), lda * 4)
 }
 
 /// Copies `n` words, 16 to a vector (the last masked), inline: a tap's run is a few dozen
@@ -335,11 +402,20 @@ unsafe fn store(
     // SAFETY (all below): the columns' operands hold `n` values and the output and residual
     // `ldo` a row; masked lanes past `n` are neither read nor written.
     unsafe {
-        let masks: [__mmask16; V] = std::array::from_fn(|v| Avx512::first(s.n.saturating_sub(j + v * 16)));
-        let per_column = |p: *const f32| -> [Option<__m512>; V] {
-            std::array::from_fn(|v| (!p.is_null()).then(|| Avx512::load_masked(masks[v], p.add(j + v * 16))))
-        };
-        let (bias, scale, start) = (per_column(s.bias), per_column(s.scale), per_column(s.sums.cast()));
+        // Loops, not `array::from_fn`'s closures: those lose the target features (see
+        // `columns`).
+        let mut masks: [__mmask16; V] = [0; V];
+        for (v, mask) in masks.iter_mut().enumerate() {
+            *mask = Avx512::first(s.n.saturating_sub(j + v * 16));
+        }
+        let (mut bias, mut scale, mut start) = ([None; V], [None; V], [None; V]);
+        for v in 0..V {
+            for (values, p) in [(&mut bias, s.bias), (&mut scale, s.scale), (&mut start, s.sums.cast())] {
+                if !p.is_null() {
+                    values[v] = Some(Avx512::load_masked(masks[v], p.add(j + v * 16)));
+                }
+            }
+        }
         for r in 0..rows {
             let row = match lines {
                 Some([wp, wo]) if (r0 + r) % wp >= wo => continue,

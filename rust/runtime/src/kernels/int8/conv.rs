@@ -247,13 +247,73 @@ fn shifted(
     Some(Ok(()))
 }
 
+/// Where each output pixel's patch ([`Layout::patches`]) comes from: the images' levels,
+/// `run` bytes a pixel, channels-last.
+#[derive(Clone, Copy)]
+pub(super) struct Patches {
+    levels: *const u8,
+    len: usize,
+    /// `[batch, h, w]` and `[ho, wo]`.
+    image: [usize; 3],
+    out: [usize; 2],
+    g: Conv2d,
+    run: usize,
+    /// The padding's level less the base, in bytes.
+    pad: u8,
+}
+
+// SAFETY: the levels are memory the caller keeps alive and unwritten for the whole call; the
+// threads only read through them.
+unsafe impl Sync for Patches {}
+
+impl Patches {
+    /// Writes output pixel `pixel`'s patch into `dst`'s `bytes` bytes: each tap's `run`
+    /// bytes, `(i * kw + j) * run` in; the padding's level for taps in the padding and past
+    /// the patch (a word's levels past it, and a tile row's words, meet zero weights).
+    ///
+    /// # Safety
+    /// `dst` is valid for `bytes` bytes' writes, at least the patch's; `pixel` is an output
+    /// pixel; the levels are alive.
+    #[inline(always)]
+    pub(super) unsafe fn write(&self, pixel: usize, dst: *mut u8, bytes: usize) {
+        let ([_, h, w], [ho, wo], run) = (self.image, self.out, self.run);
+        let ([kh, kw], [sh, sw], [ph, pw]) = (self.g.kernel, self.g.stride, self.g.padding);
+        // SAFETY: `len` bytes of levels (the caller's).
+        let src = unsafe { std::slice::from_raw_parts(self.levels, self.len) };
+        let (b, oy, ox) = (pixel / (ho * wo), pixel / wo % ho, pixel % wo);
+        // The first input column, where the kernel's columns all lie inside the image, and
+        // the kernel's rows that do.
+        let x0 = (ox * sw).checked_sub(pw).filter(|&x0| x0 + kw <= w);
+        let inside = |i: usize| (oy * sh + i).checked_sub(ph).filter(|&y| y < h);
+        let full = x0.is_some() && inside(0).is_some() && inside(kh - 1).is_some();
+        let from = if full { kh * kw * run } else { 0 };
+        // SAFETY (all below): inside `dst`'s `bytes` (the caller's), which hold the patch.
+        unsafe { std::ptr::write_bytes(dst.add(from), self.pad, bytes - from) };
+        for i in 0..kh {
+            let Some(iy) = inside(i) else { continue };
+            let at = |ix: usize| ((b * h + iy) * w + ix) * run;
+            if let Some(x0) = x0 {
+                unsafe { copy_short(dst.add(i * kw * run), &src[at(x0)..][..kw * run]) };
+                continue;
+            }
+            for j in 0..kw {
+                if let Some(ix) = (ox * sw + j).checked_sub(pw).filter(|&x| x < w) {
+                    unsafe { copy_short(dst.add((i * kw + j) * run), &src[at(ix)..][..run]) };
+                }
+            }
+        }
+    }
+}
+
 /// [`conv_with`] for [`Layout::patches`] (one group, checked): the input's levels as one dense
 /// run, then each output pixel's patch gathered into a row of words (a tap in the padding at
-/// the zero point's level, as the table's padding row), multiplied as a dense GEMM.
+/// the zero point's level, as the table's padding row), multiplied as a dense GEMM. AMX's
+/// tiles gather the rows of each block of theirs where they run instead
+/// (`amx::conv_patches`): the patches of a 224-pixel image's stem are megabytes.
 fn patches(p: &Products<'_>, (x, ld): (&[f32], usize), [batch, h, w]: [usize; 3], g: &Conv2d, out: &mut [f32]) -> Ran {
     let (cin, n, layout, quant) = (g.in_channels, g.out_channels, p.weight.layout, p.quant);
     let Some([ho, wo]) = g.output(h, w) else { return Err(Declined::Shapes) };
-    let ([kh, kw], [sh, sw], [ph, pw]) = (g.kernel, g.stride, g.padding);
+    let [kh, kw] = g.kernel;
     let (per, pixels, m) = (layout.per_word(), batch * h * w, batch * ho * wo);
     let words = layout.conv_depth([n, cin, kh, kw]) / per;
     let dense: std::borrow::Cow<'_, [f32]> = match ld == cin {
@@ -266,40 +326,59 @@ fn patches(p: &Products<'_>, (x, ld): (&[f32], usize), [batch, h, w]: [usize; 3]
     unsafe { (p.kernel.quantize)(&dense, pixels * cin, &quant.levels(), &mut levels) };
     // A pixel's levels, in bytes; the padding's level less the base (`Level::base`) in each
     // level of a word: `zero_point - qmin` bytes for quads, int16 zeros for pairs.
-    let run = cin * 4 / per;
     let pad = match layout {
-        Layout::Quads => u32::from_le_bytes([(quant.zero_point - quant.qmin) as u8; 4]),
+        Layout::Quads => (quant.zero_point - quant.qmin) as u8,
         Layout::Pairs => 0,
     };
-    let mut rows = vec![pad; m * words];
-    // SAFETY: the same memory as bytes, which `u32`'s alignment covers.
-    let src = unsafe { std::slice::from_raw_parts(levels.as_ptr().cast::<u8>(), levels.len() * 4) };
-    parallel::units(&mut rows, words, 20 * kh * kw, &|first, rows| {
-        // SAFETY: this chunk's rows as bytes, written by it only.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(rows.as_mut_ptr().cast::<u8>(), rows.len() * 4) };
-        for (pixel, dst) in (first..).zip(bytes.chunks_exact_mut(words * 4)) {
-            let (b, oy, ox) = (pixel / (ho * wo), pixel / wo % ho, pixel % wo);
-            // The first input column, where the kernel's columns all lie inside the image.
-            let x0 = (ox * sw).checked_sub(pw).filter(|&x0| x0 + kw <= w);
-            for i in 0..kh {
-                let Some(iy) = (oy * sh + i).checked_sub(ph).filter(|&y| y < h) else { continue };
-                let at = |ix: usize| ((b * h + iy) * w + ix) * run;
-                if let Some(x0) = x0 {
-                    dst[i * kw * run..][..kw * run].copy_from_slice(&src[at(x0)..][..kw * run]);
-                    continue;
-                }
-                for j in 0..kw {
-                    if let Some(ix) = (ox * sw + j).checked_sub(pw).filter(|&x| x < w) {
-                        dst[(i * kw + j) * run..][..run].copy_from_slice(&src[at(ix)..][..run]);
-                    }
-                }
-            }
+    let (run, image, len) = (cin * 4 / per, [batch, h, w], levels.len() * 4);
+    let patches = Patches { levels: levels.as_ptr().cast(), len, image, out: [ho, wo], g: *g, run, pad };
+    #[cfg(target_arch = "x86_64")]
+    if p.kernel.tiles {
+        let panels_len = layout.panel_words(n, words);
+        let factors = p.columns(n, |c| p.weight.words[panels_len + c]);
+        let shape = p.shape([1, words, n, n], (&factors.0, &factors.1));
+        // SAFETY: the tiles were granted (`p.kernel.tiles`); each output pixel's patch lies
+        // in the levels, alive and unwritten until the end of this function; the weight holds
+        // its panels for `[n, words * 4]`, `out` the `m` rows of `n` (the caller's checks).
+        unsafe { super::amx::conv_patches(patches, m, &shape, &p.weight.words[..panels_len], out) };
+        return Ok(());
+    }
+    // Every byte of every row is written below (zeroing the rows first cost as much as the
+    // gather).
+    let mut rows: Vec<u32> = Vec::with_capacity(m * words);
+    parallel::units(&mut rows.spare_capacity_mut()[..m * words], words, 20 * kh * kw, &|first, rows| {
+        for (pixel, row) in (first..).zip(rows.chunks_exact_mut(words)) {
+            // SAFETY: this chunk's row, written by it only, holds the patch; the levels are
+            // alive until the end of this function.
+            unsafe { patches.write(pixel, row.as_mut_ptr().cast(), words * 4) };
         }
     });
+    // SAFETY: every byte of the `m` rows was written above.
+    unsafe { rows.set_len(m * words) };
     // SAFETY: `rows` holds `m` rows of `words` words; the weight its panels for `[n, words *
     // per word]` (`Layout::pack_conv`), the rest what the shapes say (the caller's checks).
     unsafe { p.run(Source::Dense(Dense { x: rows.as_ptr(), ld: words }), [m, 1, words, n], out) };
     Ok(())
+}
+
+/// Copies `src` to `dst`: a patch's line of taps (a few dozen bytes: 21 for a 7×7 over 3
+/// channels) as two overlapping 16-byte moves where it is 16 to 32 bytes long, where a call to
+/// `memcpy` per line cost as much as the copy.
+///
+/// # Safety
+/// `dst` is valid for `src.len()` bytes' writes, and doesn't overlap `src`.
+#[inline(always)]
+unsafe fn copy_short(dst: *mut u8, src: &[u8]) {
+    let len = src.len();
+    // SAFETY (both): `len` bytes at `dst` (the caller's), the last 16 of them at `len - 16`.
+    if !(16..=32).contains(&len) {
+        return unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, len) };
+    }
+    let (head, tail): ([u8; 16], [u8; 16]) = (src[..16].try_into().unwrap(), src[len - 16..].try_into().unwrap());
+    unsafe {
+        dst.cast::<[u8; 16]>().write_unaligned(head);
+        dst.add(len - 16).cast::<[u8; 16]>().write_unaligned(tail);
+    }
 }
 
 #[cfg(test)]
