@@ -107,6 +107,10 @@ enum Place<R> {
     Patches(Patches),
 }
 
+// SAFETY: every place's rows are memory the caller keeps alive and unwritten for the whole
+// GEMM; the threads only read through them.
+unsafe impl<R: Sync> Sync for Place<R> {}
+
 /// A stride-1 convolution's rows read in place from its input image, quantized with its
 /// padding into `[hp, wp]` pixels of `words` words (a whole number of tile rows): output
 /// pixel `(oy, ox)` is virtual row `v = oy * wp + ox`, whose tap `(i, j)` is pixel `v + i *
@@ -145,27 +149,8 @@ impl Rows<u32> for Shifted {
 /// (rounded up) and its taps lie in the image; the panels hold `s`'s weight (`s.taps *
 /// words` deep), `out` the output pixels' rows, the shape's other pointers their values.
 pub(in super::super) unsafe fn conv_shifted(rows: Shifted, m: usize, s: &Shape, panels: &[u32], out: &mut [f32]) {
-    let (k, op) = (s.taps * s.cin, Out(out.as_mut_ptr()));
-    gemm::each_block(m, s, &|range, j| {
-        // SAFETY: the caller's; no other block writes these rows' columns.
-        unsafe { shifted_block(rows, range, s, panels, op, j, k) };
-    });
-}
-
-/// [`conv_shifted`]'s rows `range` times the panel from `j` (a function of its own: a
-/// closure wouldn't have the target features).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
-unsafe fn shifted_block(
-    rows: Shifted,
-    range: std::ops::Range<usize>,
-    s: &Shape,
-    panels: &[u32],
-    op: Out,
-    j: usize,
-    k: usize,
-) {
     // SAFETY: the caller's.
-    unsafe { columns(Place::<Shifted>::Shifted(rows), range, s, panels, op.0, j, k, Some(rows.lines)) }
+    unsafe { in_blocks(Place::Shifted(rows), m, s, panels, out) }
 }
 
 /// The GEMM of a convolution's [`Patches`] (an image's few channels: `super::conv`'s
@@ -180,18 +165,30 @@ unsafe fn shifted_block(
 /// hold `s`'s weight (`s.cin` words deep, the patch's), `out` the `m` rows, the shape's other
 /// pointers their values.
 pub(super) unsafe fn conv_patches(rows: Patches, m: usize, s: &Shape, panels: &[u32], out: &mut [f32]) {
+    // SAFETY: the caller's.
+    unsafe { in_blocks(Place::Patches(rows), m, s, panels, out) }
+}
+
+/// [`conv_shifted`]'s and [`conv_patches`]' GEMM: `m` rows from `place` times the weight's
+/// panels, split over the pool's threads as `gemm::columns` splits a GEMM
+/// ([`gemm::each_block`]).
+///
+/// # Safety
+/// As [`conv_shifted`] or [`conv_patches`] says for its rows.
+unsafe fn in_blocks(place: Place<Shifted>, m: usize, s: &Shape, panels: &[u32], out: &mut [f32]) {
     let (k, op) = (s.taps * s.cin, Out(out.as_mut_ptr()));
     gemm::each_block(m, s, &|range, j| {
         // SAFETY: the caller's; no other block writes these rows' columns.
-        unsafe { patches_block(rows, range, s, panels, op, j, k) };
+        unsafe { in_block(place, range, s, panels, op, j, k) };
     });
 }
 
-/// [`conv_patches`]' rows `range` times the panel from `j`, then GELU over them as
-/// [`block`]'s.
+/// [`in_blocks`]' rows `range` times the panel from `j`, then GELU over them as [`block`]'s
+/// (never for [`Shifted`] rows, whose virtual rows aren't the output's; `conv::shifted` takes
+/// no GELU). A function of its own: a closure wouldn't have the target features.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
-unsafe fn patches_block(
-    rows: Patches,
+unsafe fn in_block(
+    place: Place<Shifted>,
     range: std::ops::Range<usize>,
     s: &Shape,
     panels: &[u32],
@@ -199,10 +196,16 @@ unsafe fn patches_block(
     j: usize,
     k: usize,
 ) {
+    let lines = match place {
+        Place::Shifted(rows) => Some(rows.lines),
+        _ => None,
+    };
     // SAFETY: the caller's.
     unsafe {
-        columns(Place::<Shifted>::Patches(rows), range.clone(), s, panels, op.0, j, k, None);
-        gemm::gelu_pass::<Avx512>(s, range, op, j);
+        columns(place, range.clone(), s, panels, op.0, j, k, lines);
+        if lines.is_none() {
+            gemm::gelu_pass::<Avx512>(s, range, op, j);
+        }
     }
 }
 
