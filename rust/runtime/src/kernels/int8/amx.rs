@@ -27,12 +27,21 @@ use super::conv::Patches;
 pub(in super::super) const TILE: usize = 16;
 
 /// What a block needs to run on the tiles (smaller ones run on AVX512-VNNI's kernel): a
-/// tile of rows, half a panel of columns or more, and at least `MIN_WORDS_BY_COLUMNS` of
-/// `k`'s words times its columns. Measured on a Xeon (Emerald Rapids, one thread, against
-/// VNNI): 16 rows at `[16, 768] x [768, 768]` 0.62 of VNNI's time, 8 rows 1.44; 64 columns
-/// at 37 words (ResNet's 7×7 stem) 0.81; 32 columns at 96 words 0.71 but at 36 words 1.32;
-/// 24 columns 1.09–1.48 at 24–144 words.
+/// tile of rows, half a panel of columns or more, and a whole panel over a tile row of `k`'s
+/// words or at least `MIN_WORDS_BY_COLUMNS` of them times its columns. Measured on a Xeon
+/// (Emerald Rapids, one thread, against VNNI): 16 rows at `[16, 768] x [768, 768]` 0.62 of
+/// VNNI's time, 8 rows 1.44; 64 columns at 16 words (a 1×1 over 64 channels: ResNet's
+/// strided shortcut) 0.75, at 37 words (ResNet's 7×7 stem) 0.81; 32 columns at 96 words
+/// 0.71 but at 36 words 1.32; 24 columns 1.09–1.48 at 24–144 words.
 const MIN_WORDS_BY_COLUMNS: usize = 2048;
+
+fn tiles_pay(rows: usize, width: usize, k: usize) -> bool {
+    let deep = match width == PANEL {
+        true => k >= TILE,
+        false => k * width >= MIN_WORDS_BY_COLUMNS,
+    };
+    rows >= TILE && width >= PANEL / 2 && deep
+}
 
 /// `ldtilecfg`'s 64 bytes: palette 1; tiles 0–3 the sums (16 rows of 16 int32), 4 and 5
 /// the rows' bytes, 6 and 7 the panel's (16 rows of 64 bytes each).
@@ -73,7 +82,7 @@ pub(in super::super) unsafe fn block(
     k: usize,
 ) {
     let width = (s.n - j).min(PANEL);
-    if range.len() < TILE || width < PANEL / 2 || k * width < MIN_WORDS_BY_COLUMNS {
+    if !tiles_pay(range.len(), width, k) {
         // SAFETY: the caller's; AVX512-VNNI is enabled above (every AMX CPU has it).
         return unsafe { gemm::block::<Avx512, super::Vnni>(source, range, s, panels, op, j, k) };
     }

@@ -128,6 +128,9 @@ fn conv_with(
         return patches(&products, (x, ld), [batch, h, w], g, out);
     }
     let words = cin.div_ceil(layout.per_word());
+    if g.kernel == [1, 1] && g.padding == [0, 0] && groups == 1 {
+        return pointwise(&products, (x, ld), [batch, h, w], g, out);
+    }
     #[cfg(target_arch = "x86_64")]
     if let Some(ran) = shifted(&products, (x, ld), [batch, h, w], g, out) {
         return ran;
@@ -178,6 +181,32 @@ fn conv_with(
         let geometry = [groups, group_words, taps * group_words, 2 * m * k * n];
         gemm::grouped(kernel.block, table, m, &shape, geometry, (weight.words, group_len, panels_len), out)
     };
+    Ok(())
+}
+
+/// [`conv_with`] for a 1×1 kernel without padding in one group (whole words a pixel,
+/// checked): each output pixel reads one input pixel, so only those pixels are quantized,
+/// into dense rows the GEMM reads as a linear's. A ResNet block's strided shortcut through the
+/// table quantized four times the pixels it read.
+fn pointwise(p: &Products<'_>, (x, ld): (&[f32], usize), [batch, h, w]: [usize; 3], g: &Conv2d, out: &mut [f32]) -> Ran {
+    let (cin, n) = (g.in_channels, g.out_channels);
+    let Some([ho, wo]) = g.output(h, w) else { return Err(Declined::Shapes) };
+    let (words, m, [sh, sw]) = (cin / p.weight.layout.per_word(), batch * ho * wo, g.stride);
+    let levels = p.quant.levels();
+    let mut rows = vec![0u32; m * words];
+    parallel::units(&mut rows, words, QUANTIZE_WORK * cin, &|first, rows| {
+        for (r, row) in (first..).zip(rows.chunks_exact_mut(words)) {
+            let (b, oy, ox) = (r / (ho * wo), r / wo % ho, r % wo);
+            let pixel = (b * h + oy * sh) * w + ox * sw;
+            // SAFETY: the quantizer runs on this CPU, from the pixel's `cin` floats (`rows_fit`)
+            // into its row's `words` words; the range fits the layout (`check`).
+            unsafe { (p.kernel.quantize)(&x[pixel * ld..][..cin], cin, &levels, row) };
+        }
+    });
+    // SAFETY: `rows` holds `m` rows of `words` words; the weight its panels for `[n, words *
+    // per word]` (a 1×1 weight packs as its matrix), the rest what the shapes say (the
+    // caller's checks).
+    unsafe { p.run(Source::Dense(Dense { x: rows.as_ptr(), ld: words }), [m, 1, words, n], out) };
     Ok(())
 }
 
@@ -411,6 +440,8 @@ mod tests {
             // tile row, beside a 1×1 on them (dense rows).
             (conv([70, 44, 3, 3], [1, 1], [1, 1]), [1, 16, 14], u8(0.013, 77)),
             (conv([40, 400, 1, 1], [1, 1], [0, 0]), [1, 16, 14], u8(0.02, 3)),
+            // A ResNet block's strided shortcut (`pointwise`): two images, odd sizes.
+            (conv([128, 64, 1, 1], [2, 2], [0, 0]), [2, 13, 11], u8(0.03, 60)),
             // RegNet's groups of 8 channels, and groups past one panel of columns.
             (grouped([48, 8, 3, 3], [1, 1], [1, 1], 6), [2, 7, 6], u8(0.04, 9)),
             (grouped([160, 12, 3, 3], [2, 2], [1, 1], 2), [1, 9, 9], u8(0.03, 200)),
