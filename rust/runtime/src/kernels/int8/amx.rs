@@ -280,9 +280,7 @@ unsafe fn columns<R: Rows<u32>>(
                 Place::Patches(patches) => {
                     // Rows past the block's last are left as they were: their sums
                     // aren't stored.
-                    for r in 0..rows {
-                        patches.write(r0 + r, a.as_mut_ptr().add(r * lda).cast(), k * 4);
-                    }
+                    patches.write_rows(r0, rows, a.as_mut_ptr().cast(), lda * 4, 0);
                     (a.as_ptr(), lda * 4)
                 }
                 Place::Dense { x, ld } => gather(gemm::Dense { x, ld }, (r0, rows), s, a.as_mut_ptr(), lda),

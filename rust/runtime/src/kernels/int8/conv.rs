@@ -188,7 +188,13 @@ fn conv_with(
 /// checked): each output pixel reads one input pixel, so only those pixels are quantized,
 /// into dense rows the GEMM reads as a linear's. A ResNet block's strided shortcut through the
 /// table quantized four times the pixels it read.
-fn pointwise(p: &Products<'_>, (x, ld): (&[f32], usize), [batch, h, w]: [usize; 3], g: &Conv2d, out: &mut [f32]) -> Ran {
+fn pointwise(
+    p: &Products<'_>,
+    (x, ld): (&[f32], usize),
+    [batch, h, w]: [usize; 3],
+    g: &Conv2d,
+    out: &mut [f32],
+) -> Ran {
     let (cin, n) = (g.in_channels, g.out_channels);
     let Some([ho, wo]) = g.output(h, w) else { return Err(Declined::Shapes) };
     let (words, m, [sh, sw]) = (cin / p.weight.layout.per_word(), batch * ho * wo, g.stride);
@@ -296,38 +302,71 @@ pub(super) struct Patches {
 unsafe impl Sync for Patches {}
 
 impl Patches {
-    /// Writes output pixel `pixel`'s patch into `dst`'s `bytes` bytes: each tap's `run`
-    /// bytes, `(i * kw + j) * run` in; the padding's level for taps in the padding and past
-    /// the patch (a word's levels past it, and a tile row's words, meet zero weights).
+    /// Writes the patches of output pixels `first..first + rows` into rows of `dst` `stride`
+    /// bytes apart: each tap's `run` bytes, `(i * kw + j) * run` in; the padding's level for
+    /// taps in the padding, and for a row's bytes past the patch up to `bytes` (a word's
+    /// levels past it, and a tile row's words, meet zero weights: the tiles' buffer, already
+    /// written, leaves them as they are). The pixels' coordinates step along their lines
+    /// rather than being divided out per row (three divisions a row cost a fifth of a stem's
+    /// gather).
     ///
     /// # Safety
-    /// `dst` is valid for `bytes` bytes' writes, at least the patch's; `pixel` is an output
-    /// pixel; the levels are alive.
+    /// `dst` is valid for `rows` rows' writes of `max(bytes, patch)` bytes at `stride`; the
+    /// pixels are output pixels; the levels are alive.
     #[inline(always)]
-    pub(super) unsafe fn write(&self, pixel: usize, dst: *mut u8, bytes: usize) {
-        let ([_, h, w], [ho, wo], run) = (self.image, self.out, self.run);
+    pub(super) unsafe fn write_rows(&self, first: usize, rows: usize, dst: *mut u8, stride: usize, bytes: usize) {
+        let ([ho, wo], patch) = (self.out, self.g.kernel[0] * self.g.kernel[1] * self.run);
+        let (mut b, mut oy, mut ox) = (first / (ho * wo), first / wo % ho, first % wo);
+        for r in 0..rows {
+            // SAFETY (all below): this row's bytes in `dst` (the caller's); every run read
+            // lies in the levels (`at` of a pixel inside the image).
+            unsafe { self.write_one([b, oy, ox], dst.add(r * stride), patch.max(bytes)) };
+            ox += 1;
+            if ox == wo {
+                ox = 0;
+                oy += 1;
+                if oy == ho {
+                    (oy, b) = (0, b + 1);
+                }
+            }
+        }
+    }
+
+    /// One output pixel's patch (`[b, oy, ox]`) into `dst`'s `bytes` bytes, as [`write_rows`].
+    ///
+    /// # Safety
+    /// As [`write_rows`]', for one row.
+    #[inline(always)]
+    unsafe fn write_one(&self, [b, oy, ox]: [usize; 3], dst: *mut u8, bytes: usize) {
+        let ([_, h, w], run) = (self.image, self.run);
         let ([kh, kw], [sh, sw], [ph, pw]) = (self.g.kernel, self.g.stride, self.g.padding);
-        // SAFETY: `len` bytes of levels (the caller's).
-        let src = unsafe { std::slice::from_raw_parts(self.levels, self.len) };
-        let (b, oy, ox) = (pixel / (ho * wo), pixel / wo % ho, pixel % wo);
+        let patch = kh * kw * run;
+        let src = self.levels;
         // The first input column, where the kernel's columns all lie inside the image, and
         // the kernel's rows that do.
         let x0 = (ox * sw).checked_sub(pw).filter(|&x0| x0 + kw <= w);
         let inside = |i: usize| (oy * sh + i).checked_sub(ph).filter(|&y| y < h);
         let full = x0.is_some() && inside(0).is_some() && inside(kh - 1).is_some();
-        let from = if full { kh * kw * run } else { 0 };
-        // SAFETY (all below): inside `dst`'s `bytes` (the caller's), which hold the patch.
-        unsafe { std::ptr::write_bytes(dst.add(from), self.pad, bytes - from) };
-        for i in 0..kh {
-            let Some(iy) = inside(i) else { continue };
-            let at = |ix: usize| ((b * h + iy) * w + ix) * run;
-            if let Some(x0) = x0 {
-                unsafe { copy_short(dst.add(i * kw * run), &src[at(x0)..][..kw * run]) };
-                continue;
+        // SAFETY (all below): inside `dst`'s `bytes` (the caller's), which hold the patch;
+        // each run read lies in the `len` bytes of levels (a pixel inside the image).
+        unsafe {
+            match full {
+                true if bytes > patch => std::ptr::write_bytes(dst.add(patch), self.pad, bytes - patch),
+                true => {}
+                false => std::ptr::write_bytes(dst, self.pad, bytes),
             }
-            for j in 0..kw {
-                if let Some(ix) = (ox * sw + j).checked_sub(pw).filter(|&x| x < w) {
-                    unsafe { copy_short(dst.add((i * kw + j) * run), &src[at(ix)..][..run]) };
+            for i in 0..kh {
+                let Some(iy) = inside(i) else { continue };
+                let at = |ix: usize| ((b * h + iy) * w + ix) * run;
+                if let Some(x0) = x0 {
+                    debug_assert!(at(x0) + kw * run <= self.len);
+                    copy_short(dst.add(i * kw * run), src.add(at(x0)), kw * run);
+                    continue;
+                }
+                for j in 0..kw {
+                    if let Some(ix) = (ox * sw + j).checked_sub(pw).filter(|&x| x < w) {
+                        copy_short(dst.add((i * kw + j) * run), src.add(at(ix)), run);
+                    }
                 }
             }
         }
@@ -376,11 +415,9 @@ fn patches(p: &Products<'_>, (x, ld): (&[f32], usize), [batch, h, w]: [usize; 3]
     // gather).
     let mut rows: Vec<u32> = Vec::with_capacity(m * words);
     parallel::units(&mut rows.spare_capacity_mut()[..m * words], words, 20 * kh * kw, &|first, rows| {
-        for (pixel, row) in (first..).zip(rows.chunks_exact_mut(words)) {
-            // SAFETY: this chunk's row, written by it only, holds the patch; the levels are
-            // alive until the end of this function.
-            unsafe { patches.write(pixel, row.as_mut_ptr().cast(), words * 4) };
-        }
+        // SAFETY: this chunk's rows, written by it only, hold the patches (and every byte
+        // of their `words`); the levels are alive until the end of this function.
+        unsafe { patches.write_rows(first, rows.len() / words, rows.as_mut_ptr().cast(), words * 4, words * 4) };
     });
     // SAFETY: every byte of the `m` rows was written above.
     unsafe { rows.set_len(m * words) };
@@ -397,14 +434,15 @@ fn patches(p: &Products<'_>, (x, ld): (&[f32], usize), [batch, h, w]: [usize; 3]
 /// # Safety
 /// `dst` is valid for `src.len()` bytes' writes, and doesn't overlap `src`.
 #[inline(always)]
-unsafe fn copy_short(dst: *mut u8, src: &[u8]) {
-    let len = src.len();
-    // SAFETY (both): `len` bytes at `dst` (the caller's), the last 16 of them at `len - 16`.
-    if !(16..=32).contains(&len) {
-        return unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, len) };
-    }
-    let (head, tail): ([u8; 16], [u8; 16]) = (src[..16].try_into().unwrap(), src[len - 16..].try_into().unwrap());
+unsafe fn copy_short(dst: *mut u8, src: *const u8, len: usize) {
+    // SAFETY (all): `len` bytes at `src` and `dst` (the caller's), the last 16 of them at
+    // `len - 16`.
     unsafe {
+        if !(16..=32).contains(&len) {
+            return std::ptr::copy_nonoverlapping(src, dst, len);
+        }
+        let (head, tail) =
+            (src.cast::<[u8; 16]>().read_unaligned(), src.add(len - 16).cast::<[u8; 16]>().read_unaligned());
         dst.cast::<[u8; 16]>().write_unaligned(head);
         dst.add(len - 16).cast::<[u8; 16]>().write_unaligned(tail);
     }
@@ -436,6 +474,8 @@ mod tests {
             (conv([12, 10, 1, 1], [2, 2], [0, 0]), [1, 7, 6], u8(0.03, 40)),
             // A ResNet's stem: an image's 3 channels.
             (conv([64, 3, 7, 7], [2, 2], [3, 3]), [1, 20, 18], u8(0.02, 100)),
+            // Two images, whose rows the threads split inside an image.
+            (conv([64, 3, 7, 7], [2, 2], [3, 3]), [2, 11, 9], u8(0.02, 100)),
             // Enough pixels and taps for AMX's tiles (`super::amx`), whose taps end inside a
             // tile row, beside a 1×1 on them (dense rows).
             (conv([70, 44, 3, 3], [1, 1], [1, 1]), [1, 16, 14], u8(0.013, 77)),
