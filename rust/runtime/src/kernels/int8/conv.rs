@@ -10,11 +10,8 @@
 use super::super::gemm::{self, tap_table, Dense, Source, Table};
 use super::super::parallel;
 use super::super::{Conv2d, Declined, Ran};
-use super::{Layout, Packed, Products, Quant};
+use super::{with_quantized_rows, Layout, Packed, Products, Quant, RowsAt, QUANTIZE_WORK};
 use crate::kernels::activation::Epilogue;
-
-/// The work per input value [`conv`] counts for its quantization (as the fake quantization's).
-const QUANTIZE_WORK: usize = 6;
 
 impl Layout {
     /// Whether a `[n, cin, kh, kw]` weight's taps are packed as whole patches: where `cin`
@@ -198,21 +195,16 @@ fn pointwise(
     let (cin, n) = (g.in_channels, g.out_channels);
     let Some([ho, wo]) = g.output(h, w) else { return Err(Declined::Shapes) };
     let (words, m, [sh, sw]) = (cin / p.weight.layout.per_word(), batch * ho * wo, g.stride);
-    let levels = p.quant.levels();
-    let mut rows = vec![0u32; m * words];
-    parallel::units(&mut rows, words, QUANTIZE_WORK * cin, &|first, rows| {
-        for (r, row) in (first..).zip(rows.chunks_exact_mut(words)) {
-            let (b, oy, ox) = (r / (ho * wo), r / wo % ho, r % wo);
-            let pixel = (b * h + oy * sh) * w + ox * sw;
-            // SAFETY: the quantizer runs on this CPU, from the pixel's `cin` floats (`rows_fit`)
-            // into its row's `words` words; the range fits the layout (`check`).
-            unsafe { (p.kernel.quantize)(&x[pixel * ld..][..cin], cin, &levels, row) };
-        }
+    let pixel = |r: usize| {
+        let (b, oy, ox) = (r / (ho * wo), r / wo % ho, r % wo);
+        ((b * h + oy * sh) * w + ox * sw) * ld
+    };
+    with_quantized_rows(p.kernel, x, [m, cin], p.quant, RowsAt::Each(&pixel), |rows| {
+        // SAFETY: `rows` holds `m` rows of `words` words; the weight its panels for `[n, words
+        // * per word]` (a 1×1 weight packs as its matrix), the rest what the shapes say (the
+        // caller's checks).
+        unsafe { p.run(Source::Dense(Dense { x: rows.as_ptr(), ld: words }), [m, 1, words, n], out) };
     });
-    // SAFETY: `rows` holds `m` rows of `words` words; the weight its panels for `[n, words *
-    // per word]` (a 1×1 weight packs as its matrix), the rest what the shapes say (the
-    // caller's checks).
-    unsafe { p.run(Source::Dense(Dense { x: rows.as_ptr(), ld: words }), [m, 1, words, n], out) };
     Ok(())
 }
 

@@ -29,7 +29,7 @@ pub use conv::conv;
 use super::activation::Epilogue;
 use super::gemm::{self, Dense, Shape, Source};
 use super::simd::Simd;
-use super::{Declined, Ran, PANEL};
+use super::{parallel, Declined, Ran, PANEL};
 
 /// The deepest `k` the sums stay exact for: `k * 255 * 128 < 2^31`.
 pub const MAX_K: usize = 65_536;
@@ -476,26 +476,84 @@ fn linear_on(
     let layout = kernel.layout;
     Products { kernel, quant, weight, w_scale, bias, residual: None, post: (epilogue, output) }.check(k)?;
     let words = k.div_ceil(layout.per_word());
-    let mut rows = vec![0u32; m * words];
-    let levels = quant.levels();
-    if ld == k {
-        // SAFETY: the kernel's quantizer runs on this CPU; `x` holds `m` rows of `k`, `rows`
-        // as many of `words`; quads are used only for a range of 256 levels at most (checked
-        // above).
-        unsafe { (kernel.quantize)(x, k, &levels, &mut rows) };
-    } else {
-        // Rows `ld` apart (a slice of a channels-last tensor's channels): one at a time.
-        for (r, row) in rows.chunks_exact_mut(words).enumerate() {
-            // SAFETY: as above, for one row of `k` (the caller's `x` spans every row).
-            unsafe { (kernel.quantize)(&x[r * ld..r * ld + k], k, &levels, row) };
-        }
-    }
-    let source = Source::Dense(Dense { x: rows.as_ptr(), ld: words });
-    let products = Products { kernel, quant, weight, w_scale, bias, residual: None, post: (epilogue, output) };
-    // SAFETY: `rows` holds `m` rows of `words` words, the weight its panels for `[n, k]`,
-    // `w_scale` and the bias `n` values, `out` `m * n` (the caller's).
-    unsafe { products.run(source, [m, 1, words, n], out) };
+    with_quantized_rows(kernel, x, [m, k], quant, RowsAt::Strided(ld), |rows| {
+        let source = Source::Dense(Dense { x: rows.as_ptr(), ld: words });
+        let products = Products { kernel, quant, weight, w_scale, bias, residual: None, post: (epilogue, output) };
+        // SAFETY: `rows` holds `m` rows of `words` words, the weight its panels for `[n, k]`,
+        // `w_scale` and the bias `n` values, `out` `m * n` (the caller's).
+        unsafe { products.run(source, [m, 1, words, n], out) };
+    });
     Ok(())
+}
+
+/// The work per value a quantization counts (as the fake quantization's).
+pub(super) const QUANTIZE_WORK: usize = 6;
+
+/// Where row `r` of a GEMM's `m` input rows starts in its floats.
+pub(super) enum RowsAt<'a> {
+    /// At `r * ld`.
+    Strided(usize),
+    /// At `at(r)` (a strided convolution's sampled pixels).
+    Each(&'a (dyn Fn(usize) -> usize + Sync)),
+}
+
+thread_local! {
+    /// Each calling thread's quantized rows, kept between calls: allocating and zeroing them
+    /// each call cost as much as quantizing a MobileNet's 1×1 input.
+    static ROWS: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// The most words [`ROWS`] keeps between calls (32 MB); a larger call's rows are freed.
+const KEEP_ROWS: usize = 8 << 20;
+
+/// `f` on `m` rows of `k` floats of `x` (where [`RowsAt`] says) quantized with `quant` for
+/// `kernel` into rows of `ceil(k / per word)` words, every word written ([`quantize`]), the
+/// rows shared out over the threads.
+///
+/// Panics if a row lies outside `x` (the callers check their shapes first).
+pub(super) fn with_quantized_rows<R>(
+    kernel: super::isa::Int8,
+    x: &[f32],
+    [m, k]: [usize; 2],
+    quant: &Quant,
+    at: RowsAt<'_>,
+    f: impl FnOnce(&[u32]) -> R,
+) -> R {
+    let (words, levels) = (k.div_ceil(kernel.layout.per_word()), quant.levels());
+    let mut rows = ROWS.take();
+    if rows.len() < m * words {
+        rows.resize(m * words, 0);
+    }
+    // Rows of no words (`k == 0`) have nothing to quantize.
+    if words > 0 {
+        parallel::units(&mut rows[..m * words], words, QUANTIZE_WORK * k, &|first, chunk| {
+            let count = chunk.len() / words;
+            match at {
+                // Dense rows: one call for the chunk.
+                RowsAt::Strided(ld) if ld == k => {
+                    // SAFETY: the kernel's quantizer runs on this CPU; `x` holds the chunk's rows
+                    // of `k` (the slice is checked), `chunk` as many rows of `words`; quads are
+                    // used only for a range of 256 levels at most (`Products::check`).
+                    unsafe { (kernel.quantize)(&x[first * k..(first + count) * k], k, &levels, chunk) };
+                }
+                _ => {
+                    for (r, row) in (first..).zip(chunk.chunks_exact_mut(words)) {
+                        let start = match at {
+                            RowsAt::Strided(ld) => r * ld,
+                            RowsAt::Each(at) => at(r),
+                        };
+                        // SAFETY: as above, for one row of `k`.
+                        unsafe { (kernel.quantize)(&x[start..start + k], k, &levels, row) };
+                    }
+                }
+            }
+        });
+    }
+    let result = f(&rows[..m * words]);
+    if rows.len() <= KEEP_ROWS {
+        ROWS.set(rows);
+    }
+    result
 }
 
 /// What a product of quantized rows with an int8 weight takes besides its rows: the GEMM's
@@ -742,6 +800,7 @@ mod tests {
     /// dense copy gives, on every family.
     #[test]
     fn strided_rows_compute_what_dense_rows_do() {
+        crate::kernels::parallel::tests::install_test_pool();
         for (isa, kernel) in variants() {
             let _forced = isa::force(isa);
             let layout = kernel.layout;
@@ -779,6 +838,7 @@ mod tests {
     /// quantized values (the kernel's sums are exact), float32 rounding apart.
     #[test]
     fn each_family_computes_the_quantized_linear() {
+        crate::kernels::parallel::tests::install_test_pool();
         for (isa, kernel) in variants() {
             let _forced = isa::force(isa);
             let layout = kernel.layout;
