@@ -10,7 +10,7 @@
 use super::super::gemm::{self, tap_table, Dense, Source, Table};
 use super::super::parallel;
 use super::super::{Conv2d, Declined, Ran};
-use super::{with_quantized_rows, Layout, Packed, Products, Quant, RowsAt, QUANTIZE_WORK};
+use super::{quantize_rows, with_rows, Layout, Packed, Products, Quant, RowsAt, QUANTIZE_WORK};
 use crate::kernels::activation::Epilogue;
 
 impl Layout {
@@ -134,50 +134,36 @@ fn conv_with(
     }
     // Each pixel's levels, then the padding's row: the zero point's level less the base
     // (`Level::base`: 0 for pairs, `zero_point - qmin` in each byte for quads).
-    let mut rows = vec![0u32; (pixels + 1) * words];
-    let levels = quant.levels();
-    let (pixel_rows, padding) = rows.split_at_mut(pixels * words);
-    if layout == Layout::Quads {
-        padding.fill(u32::from_le_bytes([(quant.zero_point - quant.qmin) as u8; 4]));
-    }
-    let quantize = kernel.quantize;
-    // Split across threads by pixels; whole words per pixel make a dense input's rows one run
-    // of levels, quantized at once.
-    parallel::units(pixel_rows, words, QUANTIZE_WORK * cin, &|first, rows| {
-        let count = rows.len() / words;
-        if ld == cin {
-            // SAFETY: the quantizer runs on this CPU; `x` holds these pixels' `count * cin`
-            // floats, `rows` as many levels; the range fits the layout (`check`).
-            unsafe { quantize(&x[first * cin..][..count * cin], count * cin, &levels, rows) };
+    with_rows((pixels + 1) * words, |rows| {
+        let (pixel_rows, padding) = rows.split_at_mut(pixels * words);
+        padding.fill(match layout {
+            Layout::Quads => u32::from_le_bytes([(quant.zero_point - quant.qmin) as u8; 4]),
+            Layout::Pairs => 0,
+        });
+        quantize_rows(kernel, x, cin, quant, RowsAt::Strided(ld), pixel_rows);
+        let table = tap_table(m, [h, w], [ho, wo], g, (rows.as_ptr(), words, rows[pixels * words..].as_ptr()));
+        let taps = g.kernel[0] * g.kernel[1];
+        let table = Table { table: table.as_ptr(), taps, offset: 0 };
+        if groups == 1 {
+            // SAFETY: every pointer of the table starts `words` words of `rows`, alive until
+            // the end of this closure; the weight holds its panels for `[n, taps * words * per
+            // word]`, and the other slices what the shapes say (checked).
+            unsafe { products.run(Source::Table(table), [m, taps, words, n], out) };
             return;
         }
-        for (p, row) in (first..).zip(rows.chunks_exact_mut(words)) {
-            // SAFETY: as above, for one pixel (`rows_fit`).
-            unsafe { quantize(&x[p * ld..p * ld + cin], cin, &levels, row) };
-        }
+        let (per_out, group_words) = (n / groups, words / groups);
+        let group_len = layout.conv_packed_len([per_out, shape[1], shape[2], shape[3]], 1);
+        let panels_len = layout.panel_words(per_out, taps * group_words);
+        let sum = |c: usize| weight.words[c / per_out * group_len + panels_len + c % per_out];
+        let factors = products.columns(n, sum);
+        let shape = products.shape([taps, group_words, per_out, n], (&factors.0, &factors.1));
+        // SAFETY: as for one group; each group's panels are the first `panels_len` of its
+        // `group_len` words (its column sums after them).
+        unsafe {
+            let geometry = [groups, group_words, taps * group_words, 2 * m * k * n];
+            gemm::grouped(kernel.block, table, m, &shape, geometry, (weight.words, group_len, panels_len), out)
+        };
     });
-    let table = tap_table(m, [h, w], [ho, wo], g, (rows.as_ptr(), words, rows[pixels * words..].as_ptr()));
-    let taps = g.kernel[0] * g.kernel[1];
-    let table = Table { table: table.as_ptr(), taps, offset: 0 };
-    if groups == 1 {
-        // SAFETY: every pointer of the table starts `words` words of `rows`, alive until the
-        // end of this function; the weight holds its panels for `[n, taps * words * per
-        // word]`, and the other slices what the shapes say (checked).
-        unsafe { products.run(Source::Table(table), [m, taps, words, n], out) };
-        return Ok(());
-    }
-    let (per_out, group_words) = (n / groups, words / groups);
-    let group_len = layout.conv_packed_len([per_out, shape[1], shape[2], shape[3]], 1);
-    let panels_len = layout.panel_words(per_out, taps * group_words);
-    let sum = |c: usize| weight.words[c / per_out * group_len + panels_len + c % per_out];
-    let factors = products.columns(n, sum);
-    let shape = products.shape([taps, group_words, per_out, n], (&factors.0, &factors.1));
-    // SAFETY: as for one group; each group's panels are the first `panels_len` of its
-    // `group_len` words (its column sums after them).
-    unsafe {
-        let geometry = [groups, group_words, taps * group_words, 2 * m * k * n];
-        gemm::grouped(kernel.block, table, m, &shape, geometry, (weight.words, group_len, panels_len), out)
-    };
     Ok(())
 }
 
@@ -199,7 +185,8 @@ fn pointwise(
         let (b, oy, ox) = (r / (ho * wo), r / wo % ho, r % wo);
         ((b * h + oy * sh) * w + ox * sw) * ld
     };
-    with_quantized_rows(p.kernel, x, [m, cin], p.quant, RowsAt::Each(&pixel), |rows| {
+    with_rows(m * words, |rows| {
+        quantize_rows(p.kernel, x, cin, p.quant, RowsAt::Each(&pixel), rows);
         // SAFETY: `rows` holds `m` rows of `words` words; the weight its panels for `[n, words
         // * per word]` (a 1×1 weight packs as its matrix), the rest what the shapes say (the
         // caller's checks).

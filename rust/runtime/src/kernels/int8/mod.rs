@@ -476,7 +476,8 @@ fn linear_on(
     let layout = kernel.layout;
     Products { kernel, quant, weight, w_scale, bias, residual: None, post: (epilogue, output) }.check(k)?;
     let words = k.div_ceil(layout.per_word());
-    with_quantized_rows(kernel, x, [m, k], quant, RowsAt::Strided(ld), |rows| {
+    with_rows(m * words, |rows| {
+        quantize_rows(kernel, x, k, quant, RowsAt::Strided(ld), rows);
         let source = Source::Dense(Dense { x: rows.as_ptr(), ld: words });
         let products = Products { kernel, quant, weight, w_scale, bias, residual: None, post: (epilogue, output) };
         // SAFETY: `rows` holds `m` rows of `words` words, the weight its panels for `[n, k]`,
@@ -506,54 +507,60 @@ thread_local! {
 /// The most words [`ROWS`] keeps between calls (32 MB); a larger call's rows are freed.
 const KEEP_ROWS: usize = 8 << 20;
 
-/// `f` on `m` rows of `k` floats of `x` (where [`RowsAt`] says) quantized with `quant` for
-/// `kernel` into rows of `ceil(k / per word)` words, every word written ([`quantize`]), the
-/// rows shared out over the threads.
-///
-/// Panics if a row lies outside `x` (the callers check their shapes first).
-pub(super) fn with_quantized_rows<R>(
-    kernel: super::isa::Int8,
-    x: &[f32],
-    [m, k]: [usize; 2],
-    quant: &Quant,
-    at: RowsAt<'_>,
-    f: impl FnOnce(&[u32]) -> R,
-) -> R {
-    let (words, levels) = (k.div_ceil(kernel.layout.per_word()), quant.levels());
+/// `f` on the calling thread's buffer of `len` words for quantized rows (what an earlier call
+/// left there, or zeros).
+pub(super) fn with_rows<R>(len: usize, f: impl FnOnce(&mut [u32]) -> R) -> R {
     let mut rows = ROWS.take();
-    if rows.len() < m * words {
-        rows.resize(m * words, 0);
+    if rows.len() < len {
+        rows.resize(len, 0);
     }
-    // Rows of no words (`k == 0`) have nothing to quantize.
-    if words > 0 {
-        parallel::units(&mut rows[..m * words], words, QUANTIZE_WORK * k, &|first, chunk| {
-            let count = chunk.len() / words;
-            match at {
-                // Dense rows: one call for the chunk.
-                RowsAt::Strided(ld) if ld == k => {
-                    // SAFETY: the kernel's quantizer runs on this CPU; `x` holds the chunk's rows
-                    // of `k` (the slice is checked), `chunk` as many rows of `words`; quads are
-                    // used only for a range of 256 levels at most (`Products::check`).
-                    unsafe { (kernel.quantize)(&x[first * k..(first + count) * k], k, &levels, chunk) };
-                }
-                _ => {
-                    for (r, row) in (first..).zip(chunk.chunks_exact_mut(words)) {
-                        let start = match at {
-                            RowsAt::Strided(ld) => r * ld,
-                            RowsAt::Each(at) => at(r),
-                        };
-                        // SAFETY: as above, for one row of `k`.
-                        unsafe { (kernel.quantize)(&x[start..start + k], k, &levels, row) };
-                    }
-                }
-            }
-        });
-    }
-    let result = f(&rows[..m * words]);
+    let result = f(&mut rows[..len]);
     if rows.len() <= KEEP_ROWS {
         ROWS.set(rows);
     }
     result
+}
+
+/// Quantizes `rows.len() / words` rows of `k` floats of `x` (where [`RowsAt`] says) with
+/// `quant` for `kernel` into `rows`, `words = ceil(k / per word)` words a row, every word
+/// written ([`quantize`]), the rows shared out over the threads.
+///
+/// Panics if a row lies outside `x` (the callers check their shapes first).
+pub(super) fn quantize_rows(
+    kernel: super::isa::Int8,
+    x: &[f32],
+    k: usize,
+    quant: &Quant,
+    at: RowsAt<'_>,
+    rows: &mut [u32],
+) {
+    let (words, levels) = (k.div_ceil(kernel.layout.per_word()), quant.levels());
+    // Rows of no words (`k == 0`) have nothing to quantize.
+    if words == 0 {
+        return;
+    }
+    parallel::units(rows, words, QUANTIZE_WORK * k, &|first, chunk| {
+        let count = chunk.len() / words;
+        match at {
+            // Dense rows: one call for the chunk.
+            RowsAt::Strided(ld) if ld == k => {
+                // SAFETY: the kernel's quantizer runs on this CPU; `x` holds the chunk's rows
+                // of `k` (the slice is checked), `chunk` as many rows of `words`; quads are
+                // used only for a range of 256 levels at most (`Products::check`).
+                unsafe { (kernel.quantize)(&x[first * k..(first + count) * k], k, &levels, chunk) };
+            }
+            _ => {
+                for (r, row) in (first..).zip(chunk.chunks_exact_mut(words)) {
+                    let start = match at {
+                        RowsAt::Strided(ld) => r * ld,
+                        RowsAt::Each(at) => at(r),
+                    };
+                    // SAFETY: as above, for one row of `k`.
+                    unsafe { (kernel.quantize)(&x[start..start + k], k, &levels, row) };
+                }
+            }
+        }
+    });
 }
 
 /// What a product of quantized rows with an int8 weight takes besides its rows: the GEMM's
