@@ -225,58 +225,48 @@ fn shifted(
     let m = (ho - 1) * wp + wo;
     let taps: Vec<usize> = (0..kh * kw).map(|t| t / kw * wp + t % kw).collect();
     let pad = u32::from_le_bytes([(quant.zero_point - quant.qmin) as u8; 4]);
-    // The calling thread's image from its last call: each line's pixels are written below,
-    // so only the padding is filled (filling it all took a twentieth of ResNet-18's call).
-    let mut image = PADDED.take();
-    if image.len() < pixels * words {
-        image.resize(pixels * words, pad);
-    }
-    let image_len = pixels * words;
-    image[..ph * wp * words].fill(pad);
-    image[(ph + h) * wp * words..image_len].fill(pad);
     let levels = quant.levels();
     let panels_len = p.kernel.layout.panel_words(n, taps.len() * words);
     let factors = p.columns(n, |c| p.weight.words[panels_len + c]);
     let shape = p.shape([taps.len(), words, n, n], (&factors.0, &factors.1));
-    for b in 0..batch {
-        // Each line of the image into its padded line, split across threads by lines.
-        let lines = &mut image[ph * wp * words..][..h * wp * words];
-        parallel::units(lines, wp * words, QUANTIZE_WORK * w * cin, &|first, lines| {
-            for (y, line) in (first..).zip(lines.chunks_exact_mut(wp * words)) {
-                line[..pw * words].fill(pad);
-                line[(pw + w) * words..].fill(pad);
-                let (dst, first) = (&mut line[pw * words..][..w * words], (b * h + y) * w);
-                if ld == cin {
-                    // SAFETY: the quantizer runs on this CPU; the line's `w * cin` floats into
-                    // as many levels; the range fits the layout (`check`).
-                    unsafe { (p.kernel.quantize)(&x[first * cin..][..w * cin], w * cin, &levels, dst) };
-                    continue;
+    // The calling thread's kept rows (`with_rows`) as the image: each line's pixels are
+    // written below, so only the padding is filled (filling it all took a twentieth of
+    // ResNet-18's call).
+    with_rows(pixels * words, |image| {
+        image[..ph * wp * words].fill(pad);
+        image[(ph + h) * wp * words..].fill(pad);
+        for b in 0..batch {
+            // Each line of the image into its padded line, split across threads by lines.
+            let lines = &mut image[ph * wp * words..][..h * wp * words];
+            parallel::units(lines, wp * words, QUANTIZE_WORK * w * cin, &|first, lines| {
+                for (y, line) in (first..).zip(lines.chunks_exact_mut(wp * words)) {
+                    line[..pw * words].fill(pad);
+                    line[(pw + w) * words..].fill(pad);
+                    let (dst, first) = (&mut line[pw * words..][..w * words], (b * h + y) * w);
+                    if ld == cin {
+                        // SAFETY: the quantizer runs on this CPU; the line's `w * cin` floats into
+                        // as many levels; the range fits the layout (`check`).
+                        unsafe { (p.kernel.quantize)(&x[first * cin..][..w * cin], w * cin, &levels, dst) };
+                        continue;
+                    }
+                    for (px, d) in (first..).zip(dst.chunks_exact_mut(words)) {
+                        // SAFETY: as above, for one pixel (`rows_fit`).
+                        unsafe { (p.kernel.quantize)(&x[px * ld..px * ld + cin], cin, &levels, d) };
+                    }
                 }
-                for (px, d) in (first..).zip(dst.chunks_exact_mut(words)) {
-                    // SAFETY: as above, for one pixel (`rows_fit`).
-                    unsafe { (p.kernel.quantize)(&x[px * ld..px * ld + cin], cin, &levels, d) };
-                }
-            }
-        });
-        let at = b * ho * wo * n;
-        let residual = if shape.residual.is_null() { shape.residual } else { shape.residual.wrapping_add(at) };
-        let shape = gemm::Shape { residual, ..shape };
-        let rows = Shifted { x: image.as_ptr(), words, taps: taps.as_ptr(), lines: [wp, wo] };
-        // SAFETY: the tiles were granted (`p.kernel.tiles`); the virtual rows `[0, m)` rounded
-        // up to 32 read pixels `< m + 31 + (kh - 1) * wp + kw <= pixels` of the image; the
-        // weight holds its panels for `[n, taps * words * 4]`, the residual (moved to this
-        // image) and `out` this image's `ho * wo` rows of `n` (the caller's checks).
-        unsafe { conv_shifted(rows, m, &shape, &p.weight.words[..panels_len], &mut out[at..][..ho * wo * n]) };
-    }
-    PADDED.set(image);
+            });
+            let at = b * ho * wo * n;
+            let residual = if shape.residual.is_null() { shape.residual } else { shape.residual.wrapping_add(at) };
+            let shape = gemm::Shape { residual, ..shape };
+            let rows = Shifted { x: image.as_ptr(), words, taps: taps.as_ptr(), lines: [wp, wo] };
+            // SAFETY: the tiles were granted (`p.kernel.tiles`); the virtual rows `[0, m)` rounded
+            // up to 32 read pixels `< m + 31 + (kh - 1) * wp + kw <= pixels` of the image; the
+            // weight holds its panels for `[n, taps * words * 4]`, the residual (moved to this
+            // image) and `out` this image's `ho * wo` rows of `n` (the caller's checks).
+            unsafe { conv_shifted(rows, m, &shape, &p.weight.words[..panels_len], &mut out[at..][..ho * wo * n]) };
+        }
+    });
     Some(Ok(()))
-}
-
-#[cfg(target_arch = "x86_64")]
-thread_local! {
-    /// Each calling thread's padded image for [`shifted`], kept between calls (its padding
-    /// refilled each time: the zero point differs between convolutions).
-    static PADDED: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// Where each output pixel's patch ([`Layout::patches`]) comes from: the images' levels,
@@ -408,19 +398,18 @@ fn patches(p: &Products<'_>, (x, ld): (&[f32], usize), [batch, h, w]: [usize; 3]
         unsafe { super::amx::conv_patches(patches, m, &shape, &p.weight.words[..panels_len], out) };
         return Ok(());
     }
-    // Every byte of every row is written below (zeroing the rows first cost as much as the
-    // gather).
-    let mut rows: Vec<u32> = Vec::with_capacity(m * words);
-    parallel::units(&mut rows.spare_capacity_mut()[..m * words], words, 20 * kh * kw, &|first, rows| {
-        // SAFETY: this chunk's rows, written by it only, hold the patches (and every byte
-        // of their `words`); the levels are alive until the end of this function.
-        unsafe { patches.write_rows(first, rows.len() / words, rows.as_mut_ptr().cast(), words * 4, words * 4) };
+    // Every byte of every row is written below, into the calling thread's kept rows (zeroing
+    // fresh rows first cost as much as the gather).
+    with_rows(m * words, |rows| {
+        parallel::units(rows, words, 20 * kh * kw, &|first, rows| {
+            // SAFETY: this chunk's rows, written by it only, hold the patches (and every byte
+            // of their `words`); the levels are alive until the end of this function.
+            unsafe { patches.write_rows(first, rows.len() / words, rows.as_mut_ptr().cast(), words * 4, words * 4) };
+        });
+        // SAFETY: `rows` holds `m` rows of `words` words; the weight its panels for `[n, words *
+        // per word]` (`Layout::pack_conv`), the rest what the shapes say (the caller's checks).
+        unsafe { p.run(Source::Dense(Dense { x: rows.as_ptr(), ld: words }), [m, 1, words, n], out) };
     });
-    // SAFETY: every byte of the `m` rows was written above.
-    unsafe { rows.set_len(m * words) };
-    // SAFETY: `rows` holds `m` rows of `words` words; the weight its panels for `[n, words *
-    // per word]` (`Layout::pack_conv`), the rest what the shapes say (the caller's checks).
-    unsafe { p.run(Source::Dense(Dense { x: rows.as_ptr(), ld: words }), [m, 1, words, n], out) };
     Ok(())
 }
 

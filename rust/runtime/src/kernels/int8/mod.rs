@@ -499,8 +499,9 @@ pub(super) enum RowsAt<'a> {
 }
 
 thread_local! {
-    /// Each calling thread's quantized rows, kept between calls: allocating and zeroing them
-    /// each call cost as much as quantizing a MobileNet's 1×1 input.
+    /// Each calling thread's quantized rows (an int8 GEMM's, a stem's patches, AMX's padded
+    /// image), kept between calls: allocating and zeroing them each call cost as much as
+    /// quantizing a MobileNet's 1×1 input.
     static ROWS: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
@@ -508,7 +509,7 @@ thread_local! {
 const KEEP_ROWS: usize = 8 << 20;
 
 /// `f` on the calling thread's buffer of `len` words for quantized rows (what an earlier call
-/// left there, or zeros).
+/// left there, or zeros: callers write every word they read).
 pub(super) fn with_rows<R>(len: usize, f: impl FnOnce(&mut [u32]) -> R) -> R {
     let mut rows = ROWS.take();
     if rows.len() < len {
