@@ -24,6 +24,9 @@ pub enum ViewKind {
     View,
     /// `permute(self, dims)`
     Permute,
+    /// `movedim.int(self, source, destination)`: the permutation that moves one dimension (the
+    /// int8 passes' channels-last views around a 1×1 convolution's GEMM).
+    Movedim,
     /// `alias(self)`, and `detach(self)`, which differs from it only in what autograd
     /// records (calls that record nothing compute views here).
     Alias,
@@ -40,6 +43,7 @@ impl ViewKind {
             ("aten::expand", "") => ViewKind::Expand,
             ("aten::view" | "aten::_unsafe_view" | "aten::reshape", "") => ViewKind::View,
             ("aten::permute", "") => ViewKind::Permute,
+            ("aten::movedim", "int") => ViewKind::Movedim,
             ("aten::alias" | "aten::detach", "") => ViewKind::Alias,
             _ => return None,
         })
@@ -246,6 +250,12 @@ pub fn geometry(kind: ViewKind, sizes: &[i64], strides: &[i64], args: &[ViewArg]
             }
             (sizes, strides) = (dims.iter().map(|&d| sizes[d]).collect(), dims.iter().map(|&d| strides[d]).collect());
         }
+        (ViewKind::Movedim, [ViewArg::Int(source), ViewArg::Int(destination)]) => {
+            let (from, to) = (wrap(*source, ndim)?, wrap(*destination, ndim)?);
+            let (size, stride) = (sizes.remove(from), strides.remove(from));
+            sizes.insert(to, size);
+            strides.insert(to, stride);
+        }
         _ => return None,
     }
     Some(Geometry { sizes, strides, offset })
@@ -297,6 +307,15 @@ mod tests {
         assert_eq!(g(ViewKind::View, s, st, &[Ints(vec![6, -1])]), Some((vec![6, 4], vec![4, 1], 0)));
         assert_eq!(g(ViewKind::Permute, s, st, &[Ints(vec![2, 0, 1])]), Some((vec![4, 2, 3], vec![1, 12, 4], 0)));
         assert_eq!(g(ViewKind::Alias, s, st, &[]), Some((s.to_vec(), st.to_vec(), 0)));
+        assert_eq!(g(ViewKind::Movedim, s, st, &[Int(0), Int(-1)]), Some((vec![3, 4, 2], vec![4, 1, 12], 0)));
+        assert_eq!(g(ViewKind::Movedim, s, st, &[Int(-1), Int(0)]), Some((vec![4, 2, 3], vec![1, 12, 4], 0)));
+        // The int8 passes' pair on a channels-last image: `[N, H, W, C]` rows, then back.
+        let (s4, cl) = (&[2, 8, 5, 6][..], &[240, 1, 48, 8][..]);
+        assert_eq!(g(ViewKind::Movedim, s4, cl, &[Int(-3), Int(-1)]), Some((vec![2, 5, 6, 8], vec![240, 48, 8, 1], 0)));
+        assert_eq!(
+            g(ViewKind::Movedim, &[2, 5, 6, 8], &[240, 48, 8, 1], &[Int(-1), Int(-3)]),
+            Some((s4.to_vec(), cl.to_vec(), 0))
+        );
     }
 
     /// `view`'s strides on inputs that aren't contiguous, as torch's `computeStride` gives
@@ -331,5 +350,6 @@ mod tests {
         assert_eq!(g(ViewKind::View, &[3, 2], &[1, 3], &[Ints(vec![6])]), None); // no view: reshape copies
         assert_eq!(g(ViewKind::View, s, st, &[Ints(vec![5, -1])]), None);
         assert_eq!(g(ViewKind::Permute, s, st, &[Ints(vec![0, 0, 1])]), None);
+        assert_eq!(g(ViewKind::Movedim, s, st, &[Int(3), Int(0)]), None);
     }
 }
