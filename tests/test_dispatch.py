@@ -497,6 +497,31 @@ def test_views_of_strided_inputs_match_eager(tmp_path):
             assert ran.count("aten::view") == 0 and ran.count("aten::reshape") <= 1, (mode, ran)
 
 
+def test_flatten_and_movedim_made_without_the_dispatcher_match_eager(tmp_path):
+    """A classifier's flatten of its pooled channels-last features and the int8 passes'
+    movedim are views made in Rust: eager's values, shapes and strides; a flatten with no view
+    (a transposed matrix's) still copies through torch's op."""
+
+    def f(x, m):
+        pooled = torch.nn.functional.adaptive_avg_pool2d(x, 1)  # [2, 8, 1, 1], channels-last
+        rows = torch.movedim(x, -3, -1)  # [2, 5, 6, 8], dense
+        return torch.flatten(pooled, 1), rows * 2, torch.movedim(rows, -1, -3), torch.flatten(m.t())
+
+    from torch.profiler import profile
+
+    args = (torch.randn(2, 8, 5, 6).contiguous(memory_format=torch.channels_last), torch.randn(4, 6))
+    want = f(*args)
+    for mode, prog in load_all(tmp_path, f, args).items():
+        with profile() as p:
+            got = prog(*args)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.stride() == w.stride() and torch.equal(g, w), mode
+        if mode != "python":
+            # Only the transposed matrix's flatten (no view exists) went to torch's op.
+            ran = [e.name for e in p.events()]
+            assert ran.count("aten::flatten") <= 1 and "aten::movedim" not in ran, (mode, ran)
+
+
 def test_integer_adds_run_without_python(tmp_path):
     """Position arithmetic (int64 add with a broadcast element) runs kwexport's kernel where
     the add shim can't take integers: the same values, no Python op; other integer adds

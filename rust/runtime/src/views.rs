@@ -27,6 +27,9 @@ pub enum ViewKind {
     /// `movedim.int(self, source, destination)`: the permutation that moves one dimension (the
     /// int8 passes' channels-last views around a 1×1 convolution's GEMM).
     Movedim,
+    /// `flatten.using_ints(self, start_dim, end_dim)`: a `view` of dimensions `start..=end`
+    /// merged into one (`reshape`'s, so where none exists torch's op copies).
+    Flatten,
     /// `alias(self)`, and `detach(self)`, which differs from it only in what autograd
     /// records (calls that record nothing compute views here).
     Alias,
@@ -44,6 +47,7 @@ impl ViewKind {
             ("aten::view" | "aten::_unsafe_view" | "aten::reshape", "") => ViewKind::View,
             ("aten::permute", "") => ViewKind::Permute,
             ("aten::movedim", "int") => ViewKind::Movedim,
+            ("aten::flatten", "using_ints") => ViewKind::Flatten,
             ("aten::alias" | "aten::detach", "") => ViewKind::Alias,
             _ => return None,
         })
@@ -145,6 +149,16 @@ pub fn contiguous_strides(sizes: &[i64]) -> Vec<i64> {
     strides
 }
 
+/// The strides of a view of `new` sizes (as many elements) over a tensor of these sizes and
+/// strides, where `view` finds one.
+fn reshaped(sizes: &[i64], strides: &[i64], new: &[i64]) -> Option<Vec<i64>> {
+    match sizes.iter().product::<i64>() {
+        0 if is_contiguous(sizes, strides) => Some(contiguous_strides(new)),
+        0 => None,
+        _ => view_strides(sizes, strides, new),
+    }
+}
+
 /// The view `kind` makes of a tensor of these sizes and strides, or `None` where torch's op
 /// should decide (it raises, or does more than a view).
 pub fn geometry(kind: ViewKind, sizes: &[i64], strides: &[i64], args: &[ViewArg]) -> Option<Geometry> {
@@ -230,12 +244,20 @@ pub fn geometry(kind: ViewKind, sizes: &[i64], strides: &[i64], args: &[ViewArg]
             if new_sizes.iter().any(|&s| s < 0) {
                 return None;
             }
-            let new_strides = match numel {
-                0 if is_contiguous(&sizes, &strides) => contiguous_strides(&new_sizes),
-                0 => return None,
-                _ => view_strides(&sizes, &strides, &new_sizes)?,
-            };
-            (sizes, strides) = (new_sizes, new_strides);
+            strides = reshaped(&sizes, &strides, &new_sizes)?;
+            sizes = new_sizes;
+        }
+        (ViewKind::Flatten, [ViewArg::Int(start), ViewArg::Int(end)]) => {
+            // A scalar flattens to one element: torch's op decides.
+            let (start, end) = (wrap(*start, ndim)?, wrap(*end, ndim)?);
+            if start > end {
+                return None;
+            }
+            let mut new_sizes = sizes[..start].to_vec();
+            new_sizes.push(sizes[start..=end].iter().product());
+            new_sizes.extend_from_slice(&sizes[end + 1..]);
+            strides = reshaped(&sizes, &strides, &new_sizes)?;
+            sizes = new_sizes;
         }
         (ViewKind::Permute, [ViewArg::Ints(dims)]) => {
             if dims.len() != ndim {
@@ -309,6 +331,13 @@ mod tests {
         assert_eq!(g(ViewKind::Alias, s, st, &[]), Some((s.to_vec(), st.to_vec(), 0)));
         assert_eq!(g(ViewKind::Movedim, s, st, &[Int(0), Int(-1)]), Some((vec![3, 4, 2], vec![4, 1, 12], 0)));
         assert_eq!(g(ViewKind::Movedim, s, st, &[Int(-1), Int(0)]), Some((vec![4, 2, 3], vec![1, 12, 4], 0)));
+        assert_eq!(g(ViewKind::Flatten, s, st, &[Int(1), Int(-1)]), Some((vec![2, 12], vec![12, 1], 0)));
+        assert_eq!(g(ViewKind::Flatten, s, st, &[Int(1), Int(1)]), Some((s.to_vec(), st.to_vec(), 0)));
+        // A classifier's pooled channels-last `[1, 512, 1, 1]`: torch gives strides `[512, 1]`.
+        assert_eq!(
+            g(ViewKind::Flatten, &[1, 512, 1, 1], &[512, 1, 512, 512], &[Int(1), Int(-1)]),
+            Some((vec![1, 512], vec![512, 1], 0))
+        );
         // The int8 passes' pair on a channels-last image: `[N, H, W, C]` rows, then back.
         let (s4, cl) = (&[2, 8, 5, 6][..], &[240, 1, 48, 8][..]);
         assert_eq!(g(ViewKind::Movedim, s4, cl, &[Int(-3), Int(-1)]), Some((vec![2, 5, 6, 8], vec![240, 48, 8, 1], 0)));
@@ -351,5 +380,9 @@ mod tests {
         assert_eq!(g(ViewKind::View, s, st, &[Ints(vec![5, -1])]), None);
         assert_eq!(g(ViewKind::Permute, s, st, &[Ints(vec![0, 0, 1])]), None);
         assert_eq!(g(ViewKind::Movedim, s, st, &[Int(3), Int(0)]), None);
+        assert_eq!(g(ViewKind::Flatten, s, st, &[Int(2), Int(1)]), None); // torch raises
+        assert_eq!(g(ViewKind::Flatten, &[], &[], &[Int(0), Int(-1)]), None); // a scalar's: `[1]`
+        assert_eq!(g(ViewKind::Flatten, &[2, 3, 4], &[1, 8, 2], &[Int(0), Int(1)]), None);
+        // reshape copies
     }
 }
