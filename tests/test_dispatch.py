@@ -472,6 +472,21 @@ def test_views_made_without_the_dispatcher_match_eager(tmp_path):
         assert torch.equal(xg.grad, torch.full_like(x, 2.0)), mode
 
 
+def _ops_run_matching_eager(tmp_path, f, args):
+    """Calls `f`'s program at each mode, asserting eager's shapes, strides and values; the
+    names of the ops torch's profiler saw each mode run."""
+    from torch.profiler import profile
+
+    want, ran = f(*args), {}
+    for mode, prog in load_all(tmp_path, f, args).items():
+        with profile() as p:
+            got = prog(*args)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.stride() == w.stride() and torch.equal(g, w), mode
+        ran[mode] = [e.name for e in p.events()]
+    return ran
+
+
 def test_views_of_strided_inputs_match_eager(tmp_path):
     """A view or reshape of a tensor that isn't contiguous (GPT-2's `split` of its fused q, k
     and v into heads) is made in Rust with torch's strides wherever torch's own is a view;
@@ -482,18 +497,10 @@ def test_views_of_strided_inputs_match_eager(tmp_path):
         heads = q.reshape(2, 5, 2, 4), k.view(2, 5, 2, -1), v.reshape(10, 8)
         return heads + (m.t().reshape(-1), m.t().reshape(6, 1, 4))
 
-    from torch.profiler import profile
-
     args = (torch.randn(2, 5, 24), torch.randn(4, 6))
-    want = f(*args)
-    for mode, prog in load_all(tmp_path, f, args).items():
-        with profile() as p:
-            got = prog(*args)
-        for g, w in zip(got, want):
-            assert g.shape == w.shape and g.stride() == w.stride() and torch.equal(g, w), mode
+    for mode, ran in _ops_run_matching_eager(tmp_path, f, args).items():
         if mode != "python":
             # Only the flattened transpose (no view exists) went to torch's reshape.
-            ran = [e.name for e in p.events()]
             assert ran.count("aten::view") == 0 and ran.count("aten::reshape") <= 1, (mode, ran)
 
 
@@ -507,18 +514,10 @@ def test_flatten_and_movedim_made_without_the_dispatcher_match_eager(tmp_path):
         rows = torch.movedim(x, -3, -1)  # [2, 5, 6, 8], dense
         return torch.flatten(pooled, 1), rows * 2, torch.movedim(rows, -1, -3), torch.flatten(m.t())
 
-    from torch.profiler import profile
-
     args = (torch.randn(2, 8, 5, 6).contiguous(memory_format=torch.channels_last), torch.randn(4, 6))
-    want = f(*args)
-    for mode, prog in load_all(tmp_path, f, args).items():
-        with profile() as p:
-            got = prog(*args)
-        for g, w in zip(got, want):
-            assert g.shape == w.shape and g.stride() == w.stride() and torch.equal(g, w), mode
+    for mode, ran in _ops_run_matching_eager(tmp_path, f, args).items():
         if mode != "python":
             # Only the transposed matrix's flatten (no view exists) went to torch's op.
-            ran = [e.name for e in p.events()]
             assert ran.count("aten::flatten") <= 1 and "aten::movedim" not in ran, (mode, ran)
 
 

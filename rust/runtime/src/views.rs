@@ -382,7 +382,7 @@ mod tests {
         assert_eq!(g(ViewKind::Movedim, s, st, &[Int(3), Int(0)]), None);
         assert_eq!(g(ViewKind::Flatten, s, st, &[Int(2), Int(1)]), None); // torch raises
         assert_eq!(g(ViewKind::Flatten, &[], &[], &[Int(0), Int(-1)]), None); // a scalar's: `[1]`
+                                                                              // Merging dimensions that aren't laid out one after the other: reshape copies.
         assert_eq!(g(ViewKind::Flatten, &[2, 3, 4], &[1, 8, 2], &[Int(0), Int(1)]), None);
-        // reshape copies
     }
 }
