@@ -365,6 +365,36 @@ def test_fast_runs_spatial_int8_convolutions_on_the_int8_kernel(tmp_path, dynami
         assert ((graded - exact(inputs)).abs().max() / want.abs().max()).item() < 1e-5
 
 
+class WideBlock(nn.Module):
+    """A ResNet block of 128 channels: two 3×3 convolutions at stride 1, the second adding the
+    block's input, each then a ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(128, 128, 3, padding=1), nn.ReLU())
+        self.b = nn.Conv2d(128, 128, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(self.b(self.a(x)) + x)
+
+
+@pytest.mark.parametrize("size", [(10, 9), (8, 8)], ids=["odd", "even"])
+def test_fast_runs_wide_int8_3x3_convolutions_within_a_quantization_step(tmp_path, size):
+    """3×3 convolutions of 128 channels over 64 pixels or more, which without VNNI run by
+    Winograd's transforms on int16 pairs (`kernels::int8::winograd`, the direct kernel's
+    sums exactly): both on the int8 convolution, the residual add and ReLU fused, within a
+    quantization step of the reference, with an odd image's half blocks."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 128, *size)
+    q = quantized(WideBlock(), x, dynamic=False)
+    fast = kwexport.load(saved(tmp_path, q, x), optimize="fast")
+    ran = [n["op"] for n in fast.profile(x) if "::" in n["op"]]
+    assert ran.count("kwexport::conv_int8.default") == 1 and ran.count("kwexport::conv_int8.residual") == 1, ran
+    for inputs in [x, torch.randn(1, 128, *size) * 3]:
+        want, got = q(inputs), fast(inputs)
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
+
+
 def test_fast_runs_a_resnets_7x7_stem_on_the_int8_kernel_and_a_3x3_stem_in_float32(tmp_path):
     """An image's 3 channels in a 7×7 kernel (147 values a patch, ResNet's stem) run on the
     int8 convolution, its patches gathered into dense rows; in a 3×3 one (27 values) the

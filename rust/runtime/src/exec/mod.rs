@@ -636,7 +636,11 @@ impl CStep {
                 // SAFETY: as above.
                 unsafe {
                     let (n, k, scale, bias) = (l.n, l.k, tensor(6)??, tensor(8)?);
-                    let weight = crate::operators::Int8Weight { panels, layout, peak, n, k, scale, bias };
+                    let winograd = match &l.conv {
+                        Some(c) => l.panels.winograd(abi, consts, &c.geometry, tensor(0)??),
+                        None => None,
+                    };
+                    let weight = crate::operators::Int8Weight { panels, layout, peak, n, k, scale, bias, winograd };
                     match &l.conv {
                         Some(c) => {
                             let residual = if c.residual { Some(tensor(12)??) } else { None };

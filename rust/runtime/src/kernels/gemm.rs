@@ -557,6 +557,56 @@ unsafe impl<S: Simd> Dot<S> for Pairs {
     }
 }
 
+/// Rows of int16 pairs times a weight of int16 pairs, summed exactly in int32 and stored as
+/// the sums' bits, unscaled (the int8 Winograd convolution's products, `super::int8::winograd`,
+/// whose transformed weights need 16 bits): the shape's scales, bias, epilogue and
+/// requantization must be absent, which [`Words::shape`] gives.
+#[derive(Clone, Copy)]
+pub(super) struct Words;
+
+impl Words {
+    /// A shape for these products: `[rows' groups of pairs, columns]`, nothing applied to the
+    /// sums.
+    pub(super) fn shape(words: usize, n: usize) -> Shape {
+        let null = std::ptr::null();
+        let (bias, scale, sums, residual) = (null, null, std::ptr::null(), null);
+        Shape { taps: 1, cin: words, n, ldo: n, bias, scale, sums, residual, epilogue: Epilogue::None, requant: None }
+    }
+}
+
+// SAFETY: each method is `S`'s integer operations on pairs; `finish` moves bits only.
+unsafe impl<S: Simd> Dot<S> for Words {
+    type X = u32;
+    type P = u32;
+    type Acc = S::I;
+    type W = S::I;
+    #[inline(always)]
+    unsafe fn start(_: Option<S::V>, _: Option<S::V>) -> S::I {
+        // SAFETY: the trait's contract.
+        unsafe { S::izero() }
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const u32) -> S::I {
+        // SAFETY: the trait's contract.
+        unsafe { S::load_pairs(p) }
+    }
+    #[inline(always)]
+    unsafe fn splat(x: u32) -> S::I {
+        // SAFETY: the trait's contract.
+        unsafe { S::splat_pair(x) }
+    }
+    #[inline(always)]
+    unsafe fn madd(acc: S::I, a: S::I, w: S::I) -> S::I {
+        // SAFETY: the trait's contract.
+        unsafe { S::dot_pairs(acc, a, w) }
+    }
+    #[inline(always)]
+    unsafe fn finish(acc: S::I, _: Option<S::V>, _: Option<S::V>) -> S::V {
+        // SAFETY: the trait's contract.
+        unsafe { S::bits(acc) }
+    }
+}
+
 /// Where a GEMM tile reads each row's elements: `taps` runs of `cin` per row, which the
 /// weight's panel rows follow in order.
 pub(super) trait Rows<X>: Copy {

@@ -122,6 +122,10 @@ pub struct Table {
     pub(super) attention: unsafe fn(&attention::Operands<'_>, std::ops::Range<usize>) -> bool,
     pub(super) max_pool: unsafe fn(&pool::Operands, std::ops::Range<usize>),
     pub(super) winograd: winograd::Run,
+    /// The int8 GEMM's block on int16 pairs storing raw int32 sums (`gemm::Words`), and the
+    /// int8 Winograd convolution's bands over it (`super::int8::winograd`).
+    pub(super) gemm_words: gemm::Block<u32>,
+    pub(super) winograd_int8: super::int8::winograd::Run,
 }
 
 /// A [`Table`] of `$simd`'s kernels, each entry compiled with `$features` enabled (none for
@@ -237,6 +241,26 @@ macro_rules! table {
             // enables; the caller upholds the generic body\'s contract.
             unsafe { winograd::bands(ops, range) }
         }
+        $(#[target_feature(enable = $features)])?
+        unsafe fn gemm_words(
+            source: gemm::Source<u32>,
+            range: std::ops::Range<usize>,
+            s: &gemm::Shape,
+            panels: &[u32],
+            out: gemm::Out,
+            j: usize,
+            k: usize,
+        ) {
+            // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
+            // enables; the caller upholds the generic body\'s contract.
+            unsafe { gemm::block::<S, gemm::Words>(source, range, s, panels, out, j, k) }
+        }
+        $(#[target_feature(enable = $features)])?
+        unsafe fn winograd_int8(ops: &super::int8::winograd::Operands<'_>, range: std::ops::Range<usize>) {
+            // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
+            // enables; the caller upholds the generic body\'s contract.
+            unsafe { super::int8::winograd::bands::<S>(ops, range) }
+        }
         Table {
             isa: $isa,
             strip: super::gemm::strip::<S>(),
@@ -255,6 +279,8 @@ macro_rules! table {
             attention,
             max_pool,
             winograd,
+            gemm_words,
+            winograd_int8,
         }
     }};
 }

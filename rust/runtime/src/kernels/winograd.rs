@@ -162,7 +162,7 @@ pub fn conv_strided(
 
 /// The blocks per band: a band's transformed inputs and products stay in L2 (16 matrices
 /// each).
-fn band(cin: usize, cout: usize) -> usize {
+pub(super) fn band(cin: usize, cout: usize) -> usize {
     (64 * 1024 / (16 * cin.max(cout))).clamp(6, 96)
 }
 

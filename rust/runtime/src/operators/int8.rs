@@ -31,6 +31,9 @@ pub struct Int8Weight {
     pub k: i64,
     pub scale: Raw,
     pub bias: Option<Raw>,
+    /// A 3×3 convolution's weight for the Winograd kernel (`kernels::int8::winograd`), where
+    /// packed.
+    pub winograd: Option<Raw>,
 }
 
 /// An int8 linear's or convolution's weight packed for the kernel on its first call (as
@@ -44,11 +47,12 @@ pub struct Int8Panels {
     groups: usize,
     levels: i64,
     packed: OnceLock<Option<(Tensor, Layout, u8)>>,
+    winograd: OnceLock<Option<Tensor>>,
 }
 
 impl Int8Panels {
     pub fn new(weight: usize, zero_point: usize, groups: usize, levels: i64) -> Int8Panels {
-        Int8Panels { weight, zero_point, groups, levels, packed: OnceLock::new() }
+        Int8Panels { weight, zero_point, groups, levels, packed: OnceLock::new(), winograd: OnceLock::new() }
     }
 
     /// The packed panels, their layout (one the kernels that run here read) and the weight's
@@ -61,6 +65,27 @@ impl Int8Panels {
             Operators(abi).pack_int8_panels(weight, zero_point, self.levels, self.groups)
         });
         packed.as_ref().map(|(t, layout, peak)| (t.raw(), *layout, *peak))
+    }
+
+    /// The weight as the int8 Winograd kernel's panels (`kernels::int8::winograd::pack`), for
+    /// a convolution of geometry `g` on input `x` that the transforms pay on
+    /// (`kernels::int8::winograd::pays`: pairs, which [`get`] chose, with enough channels and
+    /// pixels), packed now if no call did yet; `None` elsewhere.
+    ///
+    /// # Safety
+    /// `x` must be a live handle.
+    ///
+    /// [`get`]: Int8Panels::get
+    pub unsafe fn winograd(&self, abi: &Abi, consts: &[Tensor], g: &kernels::Conv2d, x: Raw) -> Option<Raw> {
+        let (_, layout, _) = self.get(abi, consts)?;
+        // SAFETY: a live handle (the caller's).
+        let (sizes, _) = unsafe { abi.sizes_strides(x)? };
+        let [_, _, h, w] = <[i64; 4]>::try_from(sizes).ok()?.map(|d| usize::try_from(d).ok());
+        if !kernels::int8::winograd::pays(g, layout, [h?, w?]) {
+            return None;
+        }
+        let packed = self.winograd.get_or_init(|| Operators(abi).pack_int8_winograd(consts.get(self.weight)?.raw()));
+        packed.as_ref().map(Tensor::raw)
     }
 }
 
@@ -135,6 +160,32 @@ impl Operators<'_> {
         Some((out, layout, peak))
     }
 
+    /// An int8 CPU `[n, cin, 3, 3]` weight (any strides; its zero points checked by
+    /// `pack_int8_panels`) as the int8 Winograd kernel's panels, held in a float32 tensor's
+    /// bytes.
+    fn pack_int8_winograd(&self, weight: Raw) -> Option<Tensor> {
+        let shims = self.0.shims.as_ref()?;
+        // SAFETY: a live handle (the plan's constant).
+        let (sizes, strides) = unsafe { self.0.sizes_strides(weight)? };
+        let (shape, st): ([i64; 4], [i64; 4]) = (sizes.try_into().ok()?, strides.try_into().ok()?);
+        let (shape, st) = (unsigned(shape)?, unsigned(st)?);
+        if shims.dtype(weight) != self.0.dtype_code("int8") || shape[2..] != [3, 3] {
+            return None;
+        }
+        // SAFETY: an int8 CPU tensor (checked by `pack_int8_panels` before) spanning these
+        // elements from its first at these strides.
+        let src =
+            unsafe { std::slice::from_raw_parts(shims.data_ptr(weight)? as *const i8, kernels::span(&shape, &st)) };
+        let len = kernels::int8::winograd::packed_len([shape[0], shape[1]]);
+        let out = self.owned(shims.empty_f32(&[i64::try_from(len).ok()?])).ok()?;
+        // SAFETY: the fresh output, which aliases nothing, as 4-byte words.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(shims.data_ptr(out.raw())? as *mut u32, len);
+            kernels::int8::winograd::pack(src, [shape[0], shape[1]], st, dst);
+        }
+        Some(out)
+    }
+
     /// The value of a one-element CPU tensor of float32, float64, int64 or int32 (a dynamic
     /// quantization's scale or zero point), as a double.
     ///
@@ -201,7 +252,7 @@ impl Operators<'_> {
         weight: Int8Weight,
         (epilogue, output): (kernels::Epilogue, Option<Quant>),
     ) -> Option<Result<Tensor, CError>> {
-        let Int8Weight { panels, layout, peak, n, k, scale: w_scale, bias } = weight;
+        let Int8Weight { panels, layout, peak, n, k, scale: w_scale, bias, .. } = weight;
         let shims = self.0.shims.as_ref()?;
         // SAFETY: live handles.
         let (xs, ld, ws, bias, mut sizes) = unsafe {
@@ -260,7 +311,7 @@ impl Operators<'_> {
         (g, residual): (&kernels::Conv2d, Option<Raw>),
         (epilogue, output): (kernels::Epilogue, Option<Quant>),
     ) -> Option<Result<Tensor, CError>> {
-        let Int8Weight { panels, layout, peak, scale: w_scale, bias, .. } = weight;
+        let Int8Weight { panels, layout, peak, scale: w_scale, bias, winograd, .. } = weight;
         let (cin, n) = (g.in_channels, g.out_channels);
         let shims = self.0.shims.as_ref()?;
         let image: Vec<f32>;
@@ -302,8 +353,20 @@ impl Operators<'_> {
             let words = std::slice::from_raw_parts(shims.data_ptr(panels)? as *const u32, len);
             let os = self.floats_mut(&mut out, batch * ho * wo * n)?;
             let post = (epilogue, output.as_ref());
-            let weight = Packed { words, layout, peak };
-            kernels::int8::conv((xs, ld), [batch, h, w], g, &input, weight, ws, (bias, rs), post, os)
+            let fast = winograd.filter(|_| kernels::int8::winograd::pays(g, layout, [h, w]));
+            let by_winograd = fast.and_then(|p| {
+                let len = kernels::int8::winograd::packed_len([n, cin]);
+                let panels = std::slice::from_raw_parts(shims.data_ptr(p)? as *const u32, len);
+                let dims = [batch, h, w];
+                Some(kernels::int8::winograd::conv((xs, ld), dims, g, &input, panels, ws, (bias, rs), post, os))
+            });
+            match by_winograd {
+                Some(Ok(())) => Ok(()),
+                _ => {
+                    let weight = Packed { words, layout, peak };
+                    kernels::int8::conv((xs, ld), [batch, h, w], g, &input, weight, ws, (bias, rs), post, os)
+                }
+            }
         };
         ran.ok().map(|()| Ok(out))
     }

@@ -23,6 +23,7 @@
 #[cfg(target_arch = "x86_64")]
 pub(super) mod amx;
 mod conv;
+pub mod winograd;
 
 pub use conv::conv;
 

@@ -199,6 +199,10 @@ unsafe impl Simd for Avx2 {
         unsafe { _mm256_cvtepi32_ps(a) }
     }
     #[inline(always)]
+    unsafe fn bits(a: __m256i) -> __m256 {
+        unsafe { _mm256_castsi256_ps(a) }
+    }
+    #[inline(always)]
     unsafe fn store_i16(p: *mut i16, a: __m256) {
         unsafe {
             // Pack to int16 within each 128-bit half, then gather the halves' low quarters.

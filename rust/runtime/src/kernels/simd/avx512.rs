@@ -160,6 +160,10 @@ unsafe impl Simd for Avx512 {
         unsafe { _mm512_cvtepi32_ps(a) }
     }
     #[inline(always)]
+    unsafe fn bits(a: __m512i) -> __m512 {
+        unsafe { _mm512_castsi512_ps(a) }
+    }
+    #[inline(always)]
     unsafe fn store_i16(p: *mut i16, a: __m512) {
         unsafe { _mm256_storeu_si256(p.cast(), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(a))) }
     }

@@ -185,6 +185,12 @@ pub unsafe trait Simd: Copy + 'static {
     /// # Safety
     /// See the trait.
     unsafe fn to_float(a: Self::I) -> Self::V;
+    /// Each int32 lane's bits as a float32 lane, unchanged (a GEMM that stores exact int32
+    /// sums through the float32 output, `super::gemm::Words`).
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn bits(a: Self::I) -> Self::V;
     /// Stores each lane, an integer within int16's range (as [`Simd::round`] leaves it), as
     /// an int16 at `p`.
     ///

@@ -200,6 +200,10 @@ unsafe impl Simd for Portable {
         a.map(|v| v as f32)
     }
     #[inline(always)]
+    unsafe fn bits(a: [i32; L]) -> [f32; L] {
+        a.map(|v| f32::from_bits(v as u32))
+    }
+    #[inline(always)]
     unsafe fn store_i16(p: *mut i16, a: [f32; L]) {
         // SAFETY: `L` int16s from `p` are writable (the caller's).
         unsafe { p.cast::<[i16; L]>().write_unaligned(a.map(|v| v as i16)) }
