@@ -636,15 +636,13 @@ impl CStep {
                 // SAFETY: as above.
                 unsafe {
                     let (n, k, scale, bias) = (l.n, l.k, tensor(6)??, tensor(8)?);
-                    let winograd = match &l.conv {
-                        Some(c) => l.panels.winograd(abi, consts, &c.geometry, tensor(0)??),
-                        None => None,
-                    };
-                    let weight = crate::operators::Int8Weight { panels, layout, peak, n, k, scale, bias, winograd };
+                    let weight = crate::operators::Int8Weight { panels, layout, peak, n, k, scale, bias };
                     match &l.conv {
                         Some(c) => {
                             let residual = if c.residual { Some(tensor(12)??) } else { None };
-                            ops.conv_int8(tensor(0)??, input, weight, (&c.geometry, residual), (l.epilogue, l.output))
+                            let winograd = |hw| l.panels.winograd(abi, consts, &c.geometry, hw);
+                            let geometry = (&c.geometry, residual);
+                            ops.conv_int8(tensor(0)??, input, weight, geometry, (l.epilogue, l.output), winograd)
                         }
                         None => ops.linear_int8(tensor(0)??, input, weight, (l.epilogue, l.output)),
                     }

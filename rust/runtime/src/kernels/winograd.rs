@@ -120,13 +120,46 @@ pub fn conv_strided(
     if !super::all_finite(&x[..batch * h * w * cin]) {
         return Err(Declined::Values);
     }
-    let (blocks, threads) = (ho.div_ceil(2) * wo.div_ceil(2), super::parallel::threads());
+    let blocks = ho.div_ceil(2) * wo.div_ceil(2);
     // A band holds at least as many blocks as the weight outweighs (`band * (cin + cout) >=
     // cin * cout`, as the GEMM's rows do, `gemm::each_block`): each band streams all 16
     // transformed matrices, and ResNet-18's 512-channel 3×3s at 7×7 (16 blocks, 16.8 MB
     // transformed) ran as two bands of 8, 3.5 ms a node, where one band takes 2.4 (Zen 3, one
     // thread).
-    let mut per_image = blocks.div_ceil(band(cin, cout).max(cin * cout / (cin + cout).max(1)));
+    let least = band(cin, cout).max(cin * cout / (cin + cout).max(1));
+    let Split { band, cols, items, threads } = split(batch, blocks, least, [cin, cout]);
+    let (add, gemm, out_ptr) = ((bias, residual), t.gemm_block, out.as_mut_ptr());
+    let ops = Operands { x, dims: [batch, h, w], panels, g, add, band, cols, gemm, out: out_ptr, ldo };
+    // SAFETY: the table's functions run on this CPU; the slices hold what the shapes say,
+    // and each item writes its own blocks' outputs in its own channels.
+    super::parallel::for_each(items, threads, &|begin, end| unsafe { (t.winograd)(&ops, begin..end) });
+    // One pass over the output (in cache at these sizes): applied per pixel inside the
+    // transform's loop it measured slower.
+    match epilogue {
+        Epilogue::None => Ok(()),
+        _ if pixels == 0 => Ok(()),
+        _ if ldo == cout => super::epilogue_f32(epilogue, &mut out[..pixels * cout]),
+        // Per pixel: the channels between belong to the concatenation's other parts.
+        _ => out[..(pixels - 1) * ldo + cout]
+            .chunks_mut(ldo)
+            .try_for_each(|pixel| super::epilogue_f32(epilogue, &mut pixel[..cout])),
+    }
+}
+
+/// How a call's blocks share out (float32's and int8's kernels): bands of `band` blocks
+/// across the batch, each item a band's `cols` output channels, `items` items on `threads`.
+pub(super) struct Split {
+    pub(super) band: usize,
+    pub(super) cols: usize,
+    pub(super) items: usize,
+    pub(super) threads: usize,
+}
+
+/// The [`Split`] of `batch` images of `blocks` blocks each, `cin -> cout` channels, in bands
+/// of at least `least` blocks where the threads allow.
+pub(super) fn split(batch: usize, blocks: usize, least: usize, [cin, cout]: [usize; 2]) -> Split {
+    let threads = super::parallel::threads();
+    let mut per_image = blocks.div_ceil(least.max(1));
     // Fewer bands than threads (a 4×4 image's 4 blocks, resnet18's 256-channel 3×3s at 64×64):
     // each thread takes a share of the output channels of every band, and so streams its
     // share of the 16 transformed weights, where splitting the blocks had each thread stream
@@ -144,25 +177,9 @@ pub fn conv_strided(
     }
     let band = blocks.div_ceil(per_image);
     let bands = blocks.div_ceil(band);
-    let (add, gemm, out_ptr) = ((bias, residual), t.gemm_block, out.as_mut_ptr());
-    let ops = Operands { x, dims: [batch, h, w], panels, g, add, band, cols, gemm, out: out_ptr, ldo };
     let flops = 2 * 16 * batch * bands * band * cin * cout;
     let items = groups * batch * bands;
-    let threads = super::parallel::share(flops, items, super::parallel::threads());
-    // SAFETY: the table's functions run on this CPU; the slices hold what the shapes say,
-    // and each item writes its own blocks' outputs in its own channels.
-    super::parallel::for_each(items, threads, &|begin, end| unsafe { (t.winograd)(&ops, begin..end) });
-    // One pass over the output (in cache at these sizes): applied per pixel inside the
-    // transform's loop it measured slower.
-    match epilogue {
-        Epilogue::None => Ok(()),
-        _ if pixels == 0 => Ok(()),
-        _ if ldo == cout => super::epilogue_f32(epilogue, &mut out[..pixels * cout]),
-        // Per pixel: the channels between belong to the concatenation's other parts.
-        _ => out[..(pixels - 1) * ldo + cout]
-            .chunks_mut(ldo)
-            .try_for_each(|pixel| super::epilogue_f32(epilogue, &mut pixel[..cout])),
-    }
+    Split { band, cols, items, threads: super::parallel::share(flops, items, threads) }
 }
 
 /// The blocks per band for its transformed inputs and products to stay in L2 (16 matrices

@@ -31,9 +31,6 @@ pub struct Int8Weight {
     pub k: i64,
     pub scale: Raw,
     pub bias: Option<Raw>,
-    /// A 3×3 convolution's weight for the Winograd kernel (`kernels::int8::winograd`), where
-    /// packed.
-    pub winograd: Option<Raw>,
 }
 
 /// An int8 linear's or convolution's weight packed for the kernel on its first call (as
@@ -68,20 +65,14 @@ impl Int8Panels {
     }
 
     /// The weight as the int8 Winograd kernel's panels (`kernels::int8::winograd::pack`), for
-    /// a convolution of geometry `g` on input `x` that the transforms pay on
+    /// a convolution of geometry `g` on `[h, w]` images that the transforms pay on
     /// (`kernels::int8::winograd::pays`: pairs, which [`get`] chose, with enough channels and
     /// pixels), packed now if no call did yet; `None` elsewhere.
     ///
-    /// # Safety
-    /// `x` must be a live handle.
-    ///
     /// [`get`]: Int8Panels::get
-    pub unsafe fn winograd(&self, abi: &Abi, consts: &[Tensor], g: &kernels::Conv2d, x: Raw) -> Option<Raw> {
+    pub fn winograd(&self, abi: &Abi, consts: &[Tensor], g: &kernels::Conv2d, hw: [usize; 2]) -> Option<Raw> {
         let (_, layout, _) = self.get(abi, consts)?;
-        // SAFETY: a live handle (the caller's).
-        let (sizes, _) = unsafe { abi.sizes_strides(x)? };
-        let [_, _, h, w] = <[i64; 4]>::try_from(sizes).ok()?.map(|d| usize::try_from(d).ok());
-        if !kernels::int8::winograd::pays(g, layout, [h?, w?]) {
+        if !kernels::int8::winograd::pays(g, layout, hw) {
             return None;
         }
         let packed = self.winograd.get_or_init(|| Operators(abi).pack_int8_winograd(consts.get(self.weight)?.raw()));
@@ -252,7 +243,7 @@ impl Operators<'_> {
         weight: Int8Weight,
         (epilogue, output): (kernels::Epilogue, Option<Quant>),
     ) -> Option<Result<Tensor, CError>> {
-        let Int8Weight { panels, layout, peak, n, k, scale: w_scale, bias, .. } = weight;
+        let Int8Weight { panels, layout, peak, n, k, scale: w_scale, bias } = weight;
         let shims = self.0.shims.as_ref()?;
         // SAFETY: live handles.
         let (xs, ld, ws, bias, mut sizes) = unsafe {
@@ -300,6 +291,8 @@ impl Operators<'_> {
     /// channels-last `[N, n, Ho, Wo]` tensor, or `None` where the tensors don't qualify (the
     /// caller runs the op's Python form). A `residual` (`passes::conv_residual`: the output's
     /// shape, channels-last, float32) is added to each result before the epilogue.
+    /// `winograd` gives, for the input's `[H, W]`, the weight's panels for the Winograd kernel
+    /// where that kernel pays (`Int8Panels::winograd`), which then runs it.
     ///
     /// # Safety
     /// Every handle must be live, and nothing writes the residual during the call.
@@ -310,8 +303,9 @@ impl Operators<'_> {
         weight: Int8Weight,
         (g, residual): (&kernels::Conv2d, Option<Raw>),
         (epilogue, output): (kernels::Epilogue, Option<Quant>),
+        winograd: impl FnOnce([usize; 2]) -> Option<Raw>,
     ) -> Option<Result<Tensor, CError>> {
-        let Int8Weight { panels, layout, peak, scale: w_scale, bias, winograd, .. } = weight;
+        let Int8Weight { panels, layout, peak, scale: w_scale, bias, .. } = weight;
         let (cin, n) = (g.in_channels, g.out_channels);
         let shims = self.0.shims.as_ref()?;
         let image: Vec<f32>;
@@ -353,8 +347,7 @@ impl Operators<'_> {
             let words = std::slice::from_raw_parts(shims.data_ptr(panels)? as *const u32, len);
             let os = self.floats_mut(&mut out, batch * ho * wo * n)?;
             let post = (epilogue, output.as_ref());
-            let fast = winograd.filter(|_| kernels::int8::winograd::pays(g, layout, [h, w]));
-            let by_winograd = fast.and_then(|p| {
+            let by_winograd = winograd([h, w]).and_then(|p| {
                 let len = kernels::int8::winograd::packed_len([n, cin]);
                 let panels = std::slice::from_raw_parts(shims.data_ptr(p)? as *const u32, len);
                 let dims = [batch, h, w];
