@@ -948,7 +948,7 @@ unsafe fn rows<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const U: usize
 
 /// Asks for the cache line at `p` in L2, ahead of its use (`rows`' next strip).
 #[inline(always)]
-fn prefetch_l2<T>(p: *const T) {
+pub(super) fn prefetch_l2<T>(p: *const T) {
     // SAFETY: a prefetch is a hint: it reads nothing the program sees and never faults, at
     // any address (past the panels, after the last strip).
     #[cfg(target_arch = "x86_64")]

@@ -213,7 +213,8 @@ fn depthwise_matches_the_reference() {
         // (c, kernel, stride, padding, h, w): mobilenet's shapes, odd sizes, a kernel larger
         // than the image with padding, channels that aren't a multiple of 16, 7×7 (ConvNeXt's),
         // rows wide enough for quads of pixels with every tap inside (two whole vectors at a
-        // time, then the channels left).
+        // time, then the channels left), images of 1 MB and more (their next rows asked for
+        // ahead, at stride 1 and 2).
         for (c, k, s, p, h, w) in [
             (48, 3, 1, 1, 12, 12),
             (40, 5, 2, 2, 20, 19),
@@ -226,6 +227,8 @@ fn depthwise_matches_the_reference() {
             (24, 7, 1, 3, 9, 8),
             (19, 7, 2, 3, 10, 10),
             (64, 7, 1, 3, 28, 28),
+            (96, 3, 2, 1, 56, 57),
+            (144, 3, 1, 1, 48, 40),
         ] {
             let g = Depthwise::new([c as i64, k as i64, k as i64], [s as i64; 2], [p as i64; 2]).unwrap();
             let [ho, wo] = g.output(h, w).unwrap();
