@@ -374,8 +374,8 @@ const PREFETCHED_IMAGE_BYTES: usize = 1 << 20;
 fn next_rows_to_l2(xp: *const f32, ops: &Operands<Depthwise>, b: usize, oy: usize, ix: isize) {
     let ([_, h, w], lx, g) = (ops.dims, ops.pixels[0], &ops.g);
     let ([kh, _], [sh, sw], [ph, _]) = (g.kernel, g.stride, g.padding);
-    // The rows output row `oy - 1` didn't read: its window's last `sh` rows (all of them
-    // where the kernel is shorter than the stride).
+    // Output row `oy`'s window's last `sh` rows, which row `oy - 1`'s didn't hold (the whole
+    // window where the kernel is shorter than the stride).
     let last = (oy * sh + kh) as isize - ph as isize;
     let first = last - sh.min(kh) as isize;
     let c0 = ix.clamp(0, w as isize - 1) as usize;
@@ -383,7 +383,7 @@ fn next_rows_to_l2(xp: *const f32, ops: &Operands<Depthwise>, b: usize, oy: usiz
     for r in first.max(0) as usize..last.clamp(0, h as isize) as usize {
         let base = xp.wrapping_add(((b * h + r) * w + c0) * lx).cast::<u8>();
         for offset in (0..(c1 - c0) * lx * 4).step_by(64) {
-            super::gemm::prefetch_l2(base.wrapping_add(offset));
+            super::prefetch_l2(base.wrapping_add(offset));
         }
     }
 }

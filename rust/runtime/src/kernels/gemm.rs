@@ -946,19 +946,6 @@ unsafe fn rows<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const U: usize
     }
 }
 
-/// Asks for the cache line at `p` in L2, ahead of its use (`rows`' next strip).
-#[inline(always)]
-pub(super) fn prefetch_l2<T>(p: *const T) {
-    // SAFETY: a prefetch is a hint: it reads nothing the program sees and never faults, at
-    // any address (past the panels, after the last strip).
-    #[cfg(target_arch = "x86_64")]
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p.cast());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
-
 /// Rows `[i, i + T)` times the panel's columns `[j, j + V LANES)` (zero past `n`), plus the
 /// bias, then the epilogue, into `out` (row stride `n`, masked past `n`): `T * V`
 /// accumulators held in registers across all the rows' taps and values, each weight
@@ -1007,7 +994,7 @@ unsafe fn tile<S: Simd, D: Dot<S>, R: Rows<D::X>, const T: usize, const V: usize
             for c in 0..s.cin {
                 let at = (t * s.cin + c) * strip;
                 if prefetch_next {
-                    prefetch_l2(column[0].wrapping_add(depth * strip + at));
+                    super::prefetch_l2(column[0].wrapping_add(depth * strip + at));
                 }
                 let mut w = [D::load(column[0].add(at)); V];
                 for v in 1..V {

@@ -108,6 +108,20 @@ fn layer_norm_rows(x: &[f32], w: &[f32], b: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+/// Asks for the cache line at `p` in L2, ahead of its use (the GEMM's next strip of a panel,
+/// a depthwise convolution's next input rows).
+#[inline(always)]
+fn prefetch_l2<T>(p: *const T) {
+    // SAFETY: a prefetch is a hint: it reads nothing the program sees and never faults, at
+    // any address (past the panels, after the last strip, past the image's last row).
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p.cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// Whether every element of `x` is finite (neither NaN nor infinite): `v * 0` is 0 for a
 /// finite `v` and NaN otherwise, summed in sixteen independent lanes so that the loop
 /// vectorizes without reassociating.
