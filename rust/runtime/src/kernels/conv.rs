@@ -132,6 +132,42 @@ pub(super) struct Operands<G> {
     bias: *const f32,
     epilogue: Epilogue,
     out: *mut f32,
+    /// Whether the depthwise kernel asks for its next input rows ahead ([`next_rows_to_l2`]):
+    /// for an image of at least [`PREFETCHED_IMAGE_BYTES`], not for rows already in cache.
+    ahead: bool,
+}
+
+impl Operands<Depthwise> {
+    /// A depthwise convolution's operands over one image of `[h, w]` pixels of `c` channels,
+    /// whose rows are in cache (`super::expand_depthwise`'s scratch): `x` is the image's
+    /// origin, which may lie before the rows a caller's range reads, the only ones that need
+    /// exist.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn banded(
+        x: *const f32,
+        [h, w]: [usize; 2],
+        c: usize,
+        taps: &[f32],
+        g: &Depthwise,
+        hw: [usize; 2],
+        bias: Option<&[f32]>,
+        epilogue: Epilogue,
+        (out, lo): (*mut f32, usize),
+    ) -> Self {
+        Operands {
+            x,
+            dims: [1, h, w],
+            strides: [0; 4],
+            pixels: [c, lo],
+            taps: taps.as_ptr(),
+            g: *g,
+            hw,
+            bias: bias.map_or(std::ptr::null(), |b| b.as_ptr()),
+            epilogue,
+            out,
+            ahead: false,
+        }
+    }
 }
 
 // SAFETY: the inputs are read only and kept alive by the caller for the whole call; the
@@ -213,6 +249,7 @@ pub unsafe fn depthwise_f32_strided(
         bias: bias.map_or(std::ptr::null(), |b| b.as_ptr()),
         epilogue,
         out,
+        ahead: h * w * lx * 4 >= PREFETCHED_IMAGE_BYTES,
     };
     let flops = 2 * batch * ho * wo * c * g.kernel[0] * g.kernel[1];
     // SAFETY: the table's functions run on this CPU; the pointers reach what the shapes say
@@ -254,6 +291,7 @@ pub fn direct_f32(
         bias: bias.map_or(std::ptr::null(), |b| b.as_ptr()),
         epilogue,
         out: out.as_mut_ptr(),
+        ahead: false,
     };
     let flops = 2 * batch * ho * wo * g.out_channels * g.taps();
     // SAFETY: the table's functions run on this CPU; the slices hold what the shapes say.
@@ -280,7 +318,7 @@ pub(super) unsafe fn depthwise<S: Simd>(ops: &Operands<Depthwise>, range: std::o
     let (xp, tp, op, bp, epilogue) = (ops.x, ops.taps, ops.out, ops.bias, ops.epilogue);
     // Channel blocks per tile: four vectors where there are 32 registers, two where 16.
     let most = if S::REGISTERS >= 32 { 4 } else { 2 };
-    let ahead = h * w * lx * 4 >= PREFETCHED_IMAGE_BYTES;
+    let ahead = ops.ahead;
     for row in range {
         let (b, oy) = (row / ho, row % ho);
         let (iy, i0, i1) = inside(oy, sh, ph, kh, h);

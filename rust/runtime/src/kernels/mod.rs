@@ -14,6 +14,7 @@ pub mod attention;
 pub mod bf16;
 pub mod conv;
 pub mod copy;
+pub mod expand_depthwise;
 pub mod gemm;
 pub mod int8;
 pub mod isa;
@@ -24,6 +25,8 @@ pub mod rotary;
 pub mod simd;
 pub mod winograd;
 
+#[cfg(test)]
+mod expand_depthwise_tests;
 #[cfg(test)]
 mod nonfinite_tests;
 #[cfg(test)]
