@@ -658,6 +658,67 @@ def test_fast_fuses_relu6_into_convolutions(tmp_path):
     assert rel_err(got.detach(), want) < 1e-5 and rel_err(xg.grad, xe.grad) < 1e-5
 
 
+class InvertedResiduals(nn.Module):
+    """Two inverted residual heads over an image whose expansion is over 1 MB (kwexport runs
+    each 1×1 expansion and its depthwise convolution as one kernel over bands of rows): ReLU6
+    then a 3×3 at stride 1, Hardswish then a 5×5 at stride 2 without a bias; and a third whose
+    expanded image is also returned, which must stay apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.expand1, self.dw1 = nn.Conv2d(16, 72, 1), nn.Conv2d(72, 72, 3, padding=1, groups=72)
+        self.project1 = nn.Conv2d(72, 16, 1)
+        self.expand2 = nn.Conv2d(16, 80, 1)
+        self.dw2 = nn.Conv2d(80, 80, 5, stride=2, padding=2, groups=80, bias=False)
+        self.expand3, self.dw3 = nn.Conv2d(80, 96, 1), nn.Conv2d(96, 96, 3, padding=1, groups=96)
+        self.relu6 = nn.ReLU6()  # `hardtanh(x, 0, 6)`, the form the passes fuse
+
+    def forward(self, x):
+        h = self.relu6(self.dw1(self.relu6(self.expand1(x))))
+        h = self.project1(h) + x
+        h = nn.functional.hardswish(self.dw2(nn.functional.hardswish(self.expand2(h))))
+        e = nn.functional.relu(self.expand3(h))
+        return nn.functional.relu(self.dw3(e)), e
+
+
+def test_fast_runs_an_expansion_with_its_depthwise_convolution(tmp_path):
+    """An expansion and the depthwise convolution that alone reads it run as one step (the
+    profile shows one node for the pair) on each kernel family, within tolerance of eager,
+    with eager's NaN and infinities; an expansion whose output is also returned runs apart."""
+    torch.manual_seed(0)
+    model = InvertedResiduals().eval()
+    x = torch.randn(2, 16, 64, 60).contiguous(memory_format=torch.channels_last)
+    bad = x.clone()
+    bad[0, 3, 10, 20], bad[1, :, 40, 7], bad[1, 5, 63, 0] = float("nan"), float("inf"), -float("inf")
+    path = tmp_path / "heads.kwx"
+    kwexport.save(kwexport.export(model, (x,)), path)
+    torch.save((x, bad), tmp_path / "x.pt")
+    script = (
+        "import sys, torch, kwexport\n"
+        f"x, bad = torch.load({str(tmp_path / 'x.pt')!r})\n"
+        f"prog = kwexport.load({str(path)!r}, optimize='fast')\n"
+        "ran = [n['op'] for n in prog.profile(x)]\n"
+        "torch.save((prog(x), prog(bad), ran), sys.argv[1])\n"
+    )
+    with torch.no_grad():
+        want, want_bad = model(x), model(bad)
+    for isa in kwexport.kernel_info()["supported"]:
+        env = dict(os.environ, KWEXPORT_ISA=isa, KWEXPORT_LINEAR_KERNEL="kwexport")
+        dst = tmp_path / f"{isa}.pt"
+        r = subprocess.run([sys.executable, "-c", script, str(dst)], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        got, got_bad, ran = torch.load(dst)
+        for g, w in zip(got, want):
+            assert rel_err(g, w) < 1e-5, isa
+        for g, w in zip(got_bad, want_bad):
+            assert torch.equal(g.isnan(), w.isnan()) and torch.equal(g.isinf(), w.isinf()), isa
+            finite = w.isfinite()
+            assert rel_err(g[finite], w[finite]) < 1e-5, isa
+        convs = sum(op.startswith("mkldnn::_convolution_pointwise") for op in ran)
+        # Seven convolutions, two pairs of them one step each, on kwexport's kernels.
+        assert convs == (5 if own_kernels() else 7), (isa, ran)
+
+
 class GeluConvs(nn.Module):
     """ConvNeXt's pointwise MLP (1×1 convolution, GELU, 1×1 convolution) with the tanh GELU
     after a 3×3 convolution in front."""

@@ -198,7 +198,7 @@ impl CStep {
 /// kernel where both qualify (for tests and for comparing the two); read once per process.
 /// It chooses for every node kwexport's GEMM is a candidate for: linears, and the 1×1
 /// convolutions where the other kernel is oneDNN's.
-fn forced_linear_kernel() -> Option<bool> {
+pub(super) fn forced_linear_kernel() -> Option<bool> {
     static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
     *FORCED.get_or_init(|| match std::env::var("KWEXPORT_LINEAR_KERNEL").as_deref() {
         Ok("kwexport") => Some(true),

@@ -4,6 +4,7 @@
 //! batched call each way, where the plan said.
 
 mod choice;
+mod heads;
 
 use choice::{choose_linear, faster, Pick};
 
@@ -136,11 +137,27 @@ impl Plan {
                     let consts = &self.consts;
                     if let Some(times) = profile.as_mut() {
                         let mut stack = Vec::with_capacity(16);
-                        for s in steps {
+                        // A depthwise convolution a 1×1 carries (`plan::heads`) is a node of
+                        // its own where the two ran apart; fused, the 1×1's node is both.
+                        let mut timed = |s: &CStep, run: &mut dyn FnMut() -> RtResult<()>| -> RtResult<()> {
                             let started = Instant::now();
-                            s.run(abi, &mut natives, consts, &mut stack, direct)?;
+                            run()?;
                             let ns = started.elapsed().as_nanos() as u64;
                             times.push(NodeTime { node: Some(s.node), op: s.op_name(), path: "c", ns });
+                            Ok(())
+                        };
+                        for s in steps {
+                            let mut fused = false;
+                            timed(s, &mut || {
+                                fused = s.run_fused(abi, &mut natives, consts, direct)?;
+                                if fused {
+                                    return Ok(());
+                                }
+                                s.run_alone(abi, &mut natives, consts, &mut stack, direct)
+                            })?;
+                            if let (false, Some(dw)) = (fused, &s.then) {
+                                timed(dw, &mut || dw.run(abi, &mut natives, consts, &mut stack, direct))?;
+                            }
                         }
                         for &s in free_py {
                             pys[s] = None;
@@ -299,9 +316,42 @@ fn c_error(op: &str, e: CError) -> RtError {
 }
 
 impl CStep {
-    /// Runs the node. `stack` is scratch space reused across nodes; `direct` says whether
-    /// shims that skip the dispatcher may run on this call.
+    /// Runs the node, and the depthwise convolution it carries (`then`), fused with it where
+    /// they qualify. `stack` is scratch space reused across nodes; `direct` says whether shims
+    /// that skip the dispatcher may run on this call.
     fn run(
+        &self,
+        abi: &Abi,
+        slots: &mut [Option<Native>],
+        consts: &[abi::Tensor],
+        stack: &mut Vec<StableIValue>,
+        direct: Direct,
+    ) -> RtResult<()> {
+        if self.run_fused(abi, slots, consts, direct)? {
+            return Ok(());
+        }
+        self.run_alone(abi, slots, consts, stack, direct)?;
+        match &self.then {
+            Some(dw) => dw.run(abi, slots, consts, stack, direct),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs the node with the depthwise convolution it carries as one kernel (`heads`):
+    /// `false` where it carries none or they don't qualify (nothing ran).
+    fn run_fused(
+        &self,
+        abi: &Abi,
+        slots: &mut [Option<Native>],
+        consts: &[abi::Tensor],
+        direct: Direct,
+    ) -> RtResult<bool> {
+        let Some(dw) = &self.then else { return Ok(false) };
+        self.run_head(abi, dw, slots, consts, direct).map_err(|e| self.error(e))
+    }
+
+    /// Runs the node alone (not what it carries).
+    fn run_alone(
         &self,
         abi: &Abi,
         slots: &mut [Option<Native>],
@@ -314,7 +364,12 @@ impl CStep {
         } else {
             self.call(abi, slots, consts, stack, direct)
         };
-        ran.map_err(|e| c_error(&format!("graph.nodes[{}] ({})", self.node, self.op_name()), e))
+        ran.map_err(|e| self.error(e))
+    }
+
+    /// A failure of the node, with its place in the graph.
+    fn error(&self, e: CError) -> RtError {
+        c_error(&format!("graph.nodes[{}] ({})", self.node, self.op_name()), e)
     }
 
     fn call(

@@ -108,6 +108,55 @@ impl Operators<'_> {
         ran.ok().map(|()| Ok(out.tensor))
     }
 
+    /// An inverted residual's 1×1 expansion and the depthwise convolution over its output in
+    /// one kernel (`kernels::expand_depthwise`): `x` as [`Operators::conv1x1`] takes it, the
+    /// expansion's `panels` (to `g.channels` channels), bias and epilogue, then the depthwise
+    /// convolution's `taps`, bias and epilogue as [`Operators::depthwise`] takes them: a new
+    /// channels-last `[N, C, Ho, Wo]` tensor, the depthwise convolution's output. `None`
+    /// where the tensors don't qualify, the CPU lacks the kernels, or the expanded image is
+    /// small enough to stay in cache between the two kernels run apart
+    /// (`kernels::expand_depthwise::pays`).
+    ///
+    /// # Safety
+    /// `x`, `panels`, `taps` and the biases must be live handles.
+    pub unsafe fn expand_depthwise(
+        &self,
+        x: Raw,
+        (panels, bias, epilogue): (Raw, Option<Raw>, kernels::Epilogue),
+        (taps, g, dw_bias, dw_epilogue): (Raw, &kernels::Depthwise, Option<Raw>, kernels::Epilogue),
+    ) -> Option<Result<Tensor, CError>> {
+        let c = g.channels;
+        // SAFETY: live handles.
+        let (xs, [batch, h, w, k], ld, ps, bs, ts, dbs) = unsafe {
+            if self.0.shims.as_ref()?.dim(x)? != 4 {
+                return None;
+            }
+            let k = usize::try_from(self.0.size(x, 1)?).ok()?;
+            let (xs, [batch, h, w], ld) = self.channels_last_rows(x, k)?;
+            if !kernels::expand_depthwise::pays(h * w * c) {
+                return None;
+            }
+            let ps = self.contiguous_f32(panels, &kernels::gemm::pack_size([c, k, 1, 1]).map(|s| s as i64))?;
+            let ts = self.contiguous_f32(taps, &[(g.kernel[0] * g.kernel[1]) as i64, c as i64])?;
+            (xs, [batch, h, w, k], ld, ps, self.bias_f32(bias, c)?, ts, self.bias_f32(dw_bias, c)?)
+        };
+        let [ho, wo] = g.output(h, w)?;
+        // SAFETY: no part: a new tensor.
+        let out = match unsafe { self.conv_output([batch, c, ho, wo], None) }? {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        let expansion = kernels::expand_depthwise::Expansion { panels: ps, bias: bs, epilogue };
+        let dw = kernels::expand_depthwise::DepthwiseWeights { taps: ts, bias: dbs, epilogue: dw_epilogue };
+        // SAFETY: `xs` spans the input's pixels and `out` is a new tensor of the output's;
+        // nothing else writes either while the kernel runs.
+        let ran = unsafe {
+            let x = (xs.as_ptr(), ld);
+            kernels::expand_depthwise::expand_depthwise_f32(x, [batch, h, w, k], expansion, g, dw, (out.ptr, out.ld))
+        };
+        ran.ok().map(|()| Ok(out.tensor))
+    }
+
     /// A direct convolution (`kernels::direct_f32`) on `x`, a float32 CPU `[N, C, H, W]`
     /// tensor of any layout, with the weight as `taps` (`[C * kh * kw, out]`), `bias`
     /// (`[out]`) and `epilogue`: a new channels-last `[N, out, Ho, Wo]` tensor. `None` where

@@ -57,6 +57,7 @@ impl CStep {
             node: 0,
             to_caller: false,
             part: None,
+            then: None,
         })
     }
 
@@ -75,6 +76,7 @@ impl CStep {
             node: 0,
             to_caller: false,
             part: None,
+            then: None,
         }
     }
 

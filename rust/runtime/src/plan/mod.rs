@@ -11,6 +11,8 @@
 //! - `cost`      which C-capable runs are worth their crossings
 //! - `segments`  grouping by path, and the crossings each segment needs
 //! - `fold`      the nodes that read only constants, run once at load (`fast`)
+//! - `concat`    concatenations whose convolutions write their parts in place (`fast`)
+//! - `heads`     1×1 expansions run with the depthwise convolution after them (`fast`)
 
 mod choices;
 mod concat;
@@ -18,6 +20,7 @@ mod consts;
 mod cost;
 mod cstep;
 pub mod fold;
+mod heads;
 mod hop;
 mod segments;
 mod shims;
@@ -145,6 +148,9 @@ pub struct CStep {
     /// For a convolution whose output is one of the inputs of a concatenation made in place
     /// (`concat`): where it goes in the concatenation's result.
     pub(crate) part: Option<concat::PartOf>,
+    /// For a 1×1 convolution: the depthwise convolution after it, the only reader of its
+    /// output, which runs with it (`heads`).
+    pub(crate) then: Option<Box<CStep>>,
 }
 
 /// A kernel of kwexport's for a node that otherwise dispatches (`CStep::own`).
@@ -647,7 +653,10 @@ pub fn build(cx: &Context<'_, '_>, graph: &SlotGraph, leaf_is_tensor: &[bool]) -
     if cx.fast && cx.on_cpu {
         concat::in_place(graph, &mut compiled);
     }
-    let (segments, outputs_to_py) = segments::segment(graph, compiled);
+    let (mut segments, outputs_to_py) = segments::segment(graph, compiled);
+    if cx.fast && cx.on_cpu {
+        heads::fuse(graph, &mut segments);
+    }
     Ok(Plan {
         n_slots: graph.n_slots,
         user_inputs: graph.user_inputs.clone(),

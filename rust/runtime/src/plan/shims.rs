@@ -569,6 +569,7 @@ fn conv_step(
         node: 0,
         to_caller: false,
         part: None,
+        then: None,
     })
 }
 
@@ -636,6 +637,7 @@ fn shim_step(
         node: 0,
         to_caller: false,
         part: None,
+        then: None,
     })
 }
 
@@ -667,6 +669,7 @@ fn wrapped_overload(
         node: 0,
         to_caller: false,
         part: None,
+        then: None,
     })
 }
 

@@ -1,0 +1,52 @@
+//! An inverted residual's head (`plan::heads`): a 1×1 expansion and the depthwise
+//! convolution after it, run as one kernel where both qualify, else one after the other.
+
+use super::*;
+
+impl CStep {
+    /// Runs this 1×1 convolution and `dw`, the depthwise convolution that reads only its
+    /// output, as one kernel (`operators::expand_depthwise`), storing `dw`'s output and
+    /// freeing what both steps read last: `true` where it ran, `false` where the tensors or
+    /// the call don't qualify (nothing is written; the caller runs the two steps).
+    pub(super) fn run_head(
+        &self,
+        abi: &Abi,
+        dw: &CStep,
+        slots: &mut [Option<Native>],
+        consts: &[abi::Tensor],
+        direct: Direct,
+    ) -> Result<bool, CError> {
+        // The same conditions as each step's own kernel (`call_conv`): no autograd or autocast
+        // to honour, and kwexport's kernels not switched off.
+        if !(direct.no_autograd && direct.no_autocast) || choice::forced_linear_kernel() == Some(false) {
+            return Ok(false);
+        }
+        fn conv_of(s: &CStep) -> Option<&crate::plan::Conv> {
+            s.shim.as_ref()?.conv.as_deref()
+        }
+        let (Some(conv), Some(dw_conv)) = (conv_of(self), conv_of(dw)) else { return Ok(false) };
+        let (Some(own), Some(dw_own)) = (conv.own.as_deref(), dw_conv.own.as_deref()) else { return Ok(false) };
+        let (OwnKernel::Gemm { panels, .. }, OwnKernel::Depthwise { taps, geometry }) = (&own.kernel, &dw_own.kernel)
+        else {
+            return Ok(false);
+        };
+        let tensor = |s: &CStep, i: usize| tensor_arg(&s.args.get(i)?.1, slots, consts).flatten();
+        let bias = |s: &CStep, has: bool| if has { tensor(s, 2).map(Some) } else { Some(None) };
+        let (Some(x), Some(b), Some(dw_b)) = (tensor(self, 0), bias(self, conv.bias), bias(dw, dw_conv.bias)) else {
+            return Ok(false);
+        };
+        let Some(panels) = panels.get(abi, consts) else { return Ok(false) };
+        let Some(taps) = consts.get(*taps) else { return Ok(false) };
+        // SAFETY: live handles: the input from its slot, the biases from slots or constants,
+        // the packed panels and taps constants of the plan.
+        let ran = unsafe {
+            Operators(abi).expand_depthwise(x, (panels, b, own.epilogue), (taps.raw(), geometry, dw_b, dw_own.epilogue))
+        };
+        let Some(result) = ran else { return Ok(false) };
+        dw.finish(slots, result?);
+        for &s in &self.free {
+            slots[s] = None;
+        }
+        Ok(true)
+    }
+}
