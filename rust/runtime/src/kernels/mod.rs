@@ -7,7 +7,8 @@
 //! `activation`, `bf16`), are written once over [`simd::Simd`] and instantiated per
 //! instruction set (`simd::avx512`, `simd::avx2`, `simd::portable`); [`isa`] is the one place
 //! that picks which instantiation runs, and `parallel` splits each kernel's work on torch's
-//! intra-op threads.
+//! intra-op threads. `expand_depthwise` composes two families' table entries (the GEMM's
+//! block and the depthwise rows) into one kernel over bands of rows.
 
 pub mod activation;
 pub mod attention;
