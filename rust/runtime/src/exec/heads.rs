@@ -4,18 +4,19 @@
 use super::*;
 
 impl CStep {
-    /// Runs this 1×1 convolution and `dw`, the depthwise convolution that reads only its
-    /// output, as one kernel (`operators::expand_depthwise`), storing `dw`'s output and
-    /// freeing what both steps read last: `true` where it ran, `false` where the tensors or
-    /// the call don't qualify (nothing is written; the caller runs the two steps).
-    pub(super) fn run_head(
+    /// Runs this 1×1 convolution and the depthwise convolution it carries (`then`, which
+    /// reads only its output) as one kernel (`operators::expand_depthwise`), storing the
+    /// depthwise step's output and freeing what both steps read last: `true` where it ran,
+    /// `false` where the step carries none or the tensors or the call don't qualify (nothing
+    /// is written; the caller runs the two steps).
+    pub(super) fn run_fused(
         &self,
         abi: &Abi,
-        dw: &CStep,
         slots: &mut [Option<Native>],
         consts: &[abi::Tensor],
         direct: Direct,
-    ) -> Result<bool, CError> {
+    ) -> RtResult<bool> {
+        let Some(dw) = self.then.as_deref() else { return Ok(false) };
         // The same conditions as each step's own kernel (`call_conv`): no autograd or autocast
         // to honour, and kwexport's kernels not switched off.
         if !(direct.no_autograd && direct.no_autocast) || choice::forced_linear_kernel() == Some(false) {
@@ -43,7 +44,7 @@ impl CStep {
             Operators(abi).expand_depthwise(x, (panels, b, own.epilogue), (taps.raw(), geometry, dw_b, dw_own.epilogue))
         };
         let Some(result) = ran else { return Ok(false) };
-        dw.finish(slots, result?);
+        dw.finish(slots, result.map_err(|e| self.error(e))?);
         for &s in &self.free {
             slots[s] = None;
         }

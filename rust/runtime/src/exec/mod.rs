@@ -337,19 +337,6 @@ impl CStep {
         }
     }
 
-    /// Runs the node with the depthwise convolution it carries as one kernel (`heads`):
-    /// `false` where it carries none or they don't qualify (nothing ran).
-    fn run_fused(
-        &self,
-        abi: &Abi,
-        slots: &mut [Option<Native>],
-        consts: &[abi::Tensor],
-        direct: Direct,
-    ) -> RtResult<bool> {
-        let Some(dw) = &self.then else { return Ok(false) };
-        self.run_head(abi, dw, slots, consts, direct).map_err(|e| self.error(e))
-    }
-
     /// Runs the node alone (not what it carries).
     fn run_alone(
         &self,

@@ -93,7 +93,7 @@ pub unsafe fn expand_depthwise_f32(
         epilogue: expansion.epilogue,
         requant: None,
     };
-    let job = Job { x: Dense { x, ld: lx }, dims: [batch, h, w], g: *g, hw: [ho, wo], shape, dw, out, lo };
+    let job = Job { x: Dense { x, ld: lx }, dims: [h, w], g: *g, hw: [ho, wo], shape, dw, out, lo };
     let rows = batch * ho;
     let flops = 2 * batch * (h * w * k * c + ho * wo * c * g.kernel[0] * g.kernel[1]);
     let threads = super::parallel::share(flops, rows.div_ceil(band), super::parallel::threads());
@@ -109,7 +109,8 @@ pub unsafe fn expand_depthwise_f32(
 /// What every thread of one call reads.
 struct Job<'a> {
     x: Dense<f32>,
-    dims: [usize; 3],
+    /// The input images' height and width.
+    dims: [usize; 2],
     g: Depthwise,
     hw: [usize; 2],
     shape: Shape,
@@ -136,7 +137,7 @@ impl Job<'_> {
         band: usize,
         scratch: &mut [f32],
     ) {
-        let ([_, h, w], [ho, wo], c) = (self.dims, self.hw, self.g.channels);
+        let ([h, w], [ho, wo], c) = (self.dims, self.hw, self.g.channels);
         let ([kh, _], [sh, _], [ph, _]) = (self.g.kernel, self.g.stride, self.g.padding);
         // The image and its rows `held` the scratch holds, from its start.
         let mut held: Option<(usize, std::ops::Range<usize>)> = None;
