@@ -75,6 +75,7 @@ MODELS = {
     "depthwise 7x7 + relu": (lambda: Conv(32, 32, 7, nn.ReLU(), groups=32), lambda: (image(32),)),
     "depthwise 3x3 + relu6": (lambda: Conv(32, 32, 3, nn.ReLU6(), groups=32), lambda: (image(32),)),
     "1x1 + relu6": (lambda: Conv(16, 40, 1, nn.ReLU6()), lambda: (image(16),)),
+    "depthwise 3x3 + F.relu6": (lambda: Conv(32, 32, 3, F.relu6, groups=32), lambda: (image(32),)),
     "residual + relu": (Residual, lambda: (image(16), image(16))),
     "linears, norm, gelu": (Mlp, lambda: (torch.randn(3, 24),)),
     "attention": (Attention, lambda: tuple(torch.randn(1, 2, 9, 16) for _ in range(3))),

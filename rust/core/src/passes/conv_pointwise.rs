@@ -112,14 +112,8 @@ fn find(
             continue;
         }
         let activation = sole_reader(readers, conv).and_then(|ai| {
-            let a = &g.nodes[ai];
-            let attr = super::post_ops::attr_of_op(op_of(a), ACTIVATIONS)?;
-            // GELU's approximation is its `algorithm`; the others take scalars (ReLU6's bounds).
-            if attr == "gelu" {
-                return Some((ai, attr, Vec::new(), super::post_ops::algorithm(attr, a)?));
-            }
-            let scalars = super::post_ops::scalars(attr, &a.args).filter(|_| a.kwargs.is_empty())?;
-            Some((ai, attr, scalars, Arg::None(())))
+            let m = super::post_ops::matched(op_of(&g.nodes[ai]), &g.nodes[ai], ACTIVATIONS)?;
+            Some((ai, m.attr, m.scalars, m.algorithm))
         });
         let (x, bias) = (conv.args[0].clone(), conv.args.get(2).cloned().unwrap_or(Arg::None(())));
         let node = Node {
@@ -274,6 +268,36 @@ mod tests {
                     assert_eq!(nodes[0].args[7..], [Arg::Str("gelu".into()), Arg::List(vec![]), Arg::Str(a.into())]);
                 }
                 None => assert_eq!((nodes.len(), &nodes[0].args[7]), (2, &Arg::Str("none".into()))),
+            }
+        }
+    }
+
+    #[test]
+    fn takes_relu6_in_either_form_as_hardtanh_with_its_bounds() {
+        // `nn.ReLU6` exports as `hardtanh(x, 0, 6)`, `F.relu6` as `relu6(x)`; other bounds stay.
+        let f = |v: f64| json!({"float": v});
+        for (op, extra, fused) in [
+            ("aten::hardtanh.default", json!([{"int": 0}, f(6.0)]), true),
+            ("aten::relu6.default", json!([]), true),
+            ("aten::relu6_.default", json!([]), true),
+            ("aten::hardtanh.default", json!([f(-1.0), f(1.0)]), false),
+        ] {
+            let mut d = doc(|h| {
+                let m = &mut h["methods"]["forward"];
+                m["ops"][1]["name"] = json!(op);
+                m["graph"]["nodes"][1]["args"]
+                    .as_array_mut()
+                    .unwrap()
+                    .extend(extra.as_array().unwrap().iter().cloned());
+            });
+            assert_eq!(apply(&mut d, false), 1);
+            let nodes = &d.methods["forward"].graph.nodes;
+            let relu6 = Arg::List(vec![Arg::Float(crate::schema::Float(0.0)), Arg::Float(crate::schema::Float(6.0))]);
+            if fused {
+                assert_eq!(nodes.len(), 1, "{op}");
+                assert_eq!(nodes[0].args[7..], [Arg::Str("hardtanh".into()), relu6, Arg::None(())], "{op}");
+            } else {
+                assert_eq!((nodes.len(), &nodes[0].args[7]), (2, &Arg::Str("none".into())), "{op}");
             }
         }
     }

@@ -149,10 +149,7 @@ fn find(m: &Method, readers: &Readers, kind: &Lowered) -> Vec<(usize, Vec<usize>
         }
         let relu = sole_reader(readers, add).filter(|&ri| {
             let r = &g.nodes[ri];
-            ri > ai
-                && super::post_ops::attr_of_op(op_of(r), &["relu"]).is_some()
-                && r.args.len() == 1
-                && r.kwargs.is_empty()
+            ri > ai && super::post_ops::matched(op_of(r), r, &["relu"]).is_some()
         });
         // A ReLU later than right after the add would move the add's result past its readers.
         let relu = relu.filter(|&ri| g.nodes[ai + 1..ri].iter().all(writes_nothing));

@@ -178,16 +178,11 @@ fn absorb_activations(m: &mut Method) -> usize {
             }
             let ai = sole_reader(&read, node)?;
             let a = &g.nodes[ai];
-            let attr = super::post_ops::attr_of_op(Some(name(a)), ACTIVATIONS)?;
             // ReLU6's bounds are implied by its name (`hardtanh` with other bounds stays).
-            let algorithm = match attr {
-                "hardtanh" => {
-                    super::post_ops::scalars(attr, &a.args).filter(|_| a.kwargs.is_empty()).map(|_| Arg::None(()))
-                }
-                _ => super::post_ops::algorithm(attr, a),
-            };
+            let super::post_ops::Matched { attr, algorithm, .. } =
+                super::post_ops::matched(Some(name(a)), a, ACTIVATIONS)?;
             let mut node = node.clone();
-            node.args[len - 1] = algorithm?;
+            node.args[len - 1] = algorithm;
             node.args[len - 2] = Arg::Str(attr.to_owned());
             node.outputs = a.outputs.clone();
             Some((i, ai, node))
@@ -670,6 +665,7 @@ mod tests {
             ("aten::relu.default", json!([]), "relu", json!(null)),
             ("aten::silu_.default", json!([]), "swish", json!(null)),
             ("aten::hardtanh_.default", json!([{"float": 0.0}, {"float": 6.0}]), "hardtanh", json!(null)),
+            ("aten::relu6.default", json!([]), "hardtanh", json!(null)),
             ("aten::hardswish.default", json!([]), "hardswish", json!(null)),
         ] {
             let mut m = with_activation(op, args);

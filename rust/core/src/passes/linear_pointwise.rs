@@ -89,8 +89,11 @@ fn find(m: &Method, readers: &Readers, is_weight: impl Fn(&str) -> bool) -> Vec<
         }
         let Some(ai) = sole_reader(readers, linear) else { continue };
         let a = &g.nodes[ai];
-        let Some(attr) = super::post_ops::attr_of_op(op_of(a), ACTIVATIONS) else { continue };
-        let Some(algorithm) = super::post_ops::algorithm(attr, a) else { continue };
+        // None of these takes scalars.
+        let Some(super::post_ops::Matched { attr, algorithm, .. }) = super::post_ops::matched(op_of(a), a, ACTIVATIONS)
+        else {
+            continue;
+        };
         let node = Node {
             op: 0,
             args: vec![
