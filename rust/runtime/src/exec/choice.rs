@@ -323,7 +323,7 @@ pub(super) const STREAMED_WEIGHT_BYTES: usize = 1 << 20;
 /// from its arena: `abi::arena`), so its outputs stay alive until the trial ends; and each
 /// run finds the weight in cache, which in the model the other nodes have evicted. On the
 /// AVX2 server, with ties to the other kernel and its memory reused, the choices left 9 conv
-/// nets and 4 transformers 3–12% slower than kwexport's kernels everywhere (BENCHMARKS.md).
+/// nets 1–14% slower than kwexport's kernels everywhere, and BERT up to 14% (BENCHMARKS.md).
 /// A node with a larger weight (`weight_bytes`
 /// at least [`STREAMED_WEIGHT_BYTES`]) is measured in the model instead: back to back each
 /// run finds the weight where the last one left it, so a layer that streams megabytes of
