@@ -112,7 +112,8 @@ fn find(
             continue;
         }
         let activation = sole_reader(readers, conv).and_then(|ai| {
-            let m = super::post_ops::matched(op_of(&g.nodes[ai]), &g.nodes[ai], ACTIVATIONS)?;
+            let a = &g.nodes[ai];
+            let m = super::post_ops::matched(op_of(a), a, ACTIVATIONS)?;
             Some((ai, m.attr, m.scalars, m.algorithm))
         });
         let (x, bias) = (conv.args[0].clone(), conv.args.get(2).cloned().unwrap_or(Arg::None(())));
@@ -216,6 +217,17 @@ mod tests {
         super::super::tests::document(header, mutate)
     }
 
+    /// [`doc`] with the activation `op` in place of `relu_`, taking `extra` arguments after
+    /// its input.
+    fn with_activation(op: &str, extra: &serde_json::Value) -> Document {
+        doc(|h| {
+            let m = &mut h["methods"]["forward"];
+            m["ops"][1]["name"] = json!(op);
+            let args = m["graph"]["nodes"][1]["args"].as_array_mut().unwrap();
+            args.extend(extra.as_array().unwrap().iter().cloned());
+        })
+    }
+
     fn ints(v: &[i64]) -> Arg {
         Arg::List(v.iter().map(|&i| Arg::Int(i)).collect())
     }
@@ -252,14 +264,7 @@ mod tests {
         for (extra, algorithm) in
             [(json!([]), Some("none")), (json!([{"str": "tanh"}]), Some("tanh")), (json!([{"str": "sigmoid"}]), None)]
         {
-            let mut d = doc(|h| {
-                let m = &mut h["methods"]["forward"];
-                m["ops"][1]["name"] = json!("aten::gelu.default");
-                m["graph"]["nodes"][1]["args"]
-                    .as_array_mut()
-                    .unwrap()
-                    .extend(extra.as_array().unwrap().iter().cloned());
-            });
+            let mut d = with_activation("aten::gelu.default", &extra);
             assert_eq!(apply(&mut d, false), 1);
             let nodes = &d.methods["forward"].graph.nodes;
             match algorithm {
@@ -282,14 +287,7 @@ mod tests {
             ("aten::relu6_.default", json!([]), true),
             ("aten::hardtanh.default", json!([f(-1.0), f(1.0)]), false),
         ] {
-            let mut d = doc(|h| {
-                let m = &mut h["methods"]["forward"];
-                m["ops"][1]["name"] = json!(op);
-                m["graph"]["nodes"][1]["args"]
-                    .as_array_mut()
-                    .unwrap()
-                    .extend(extra.as_array().unwrap().iter().cloned());
-            });
+            let mut d = with_activation(op, &extra);
             assert_eq!(apply(&mut d, false), 1);
             let nodes = &d.methods["forward"].graph.nodes;
             let relu6 = Arg::List(vec![Arg::Float(crate::schema::Float(0.0)), Arg::Float(crate::schema::Float(6.0))]);

@@ -324,8 +324,8 @@ pub(super) const STREAMED_WEIGHT_BYTES: usize = 1 << 20;
 /// run finds the weight in cache, which in the model the other nodes have evicted. On the
 /// AVX2 server, with ties to the other kernel and its memory reused, the choices left 9 conv
 /// nets 1–14% slower than kwexport's kernels everywhere, and BERT up to 14% (BENCHMARKS.md).
-/// A node with a larger weight (`weight_bytes`
-/// at least [`STREAMED_WEIGHT_BYTES`]) is measured in the model instead: back to back each
+/// A node with a larger weight (`weight_bytes` at least [`STREAMED_WEIGHT_BYTES`]) is
+/// measured in the model instead: back to back each
 /// run finds the weight where the last one left it, so a layer that streams megabytes of
 /// weight from memory in the model measured as if it ran from cache, and the kernel that
 /// computes faster from cache won where the one that streams better is faster in the model
