@@ -218,6 +218,50 @@ def test_fast_fake_quantizes_an_int8_linears_result_as_its_gemm_stores_it(tmp_pa
             assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
 
 
+class InvertedResidualHeads(nn.Module):
+    """Two MobileNet heads whose expanded images are over 1 MB: a 1×1 expansion with ReLU6
+    into a 3×3 depthwise convolution, and one with SiLU into a 5×5 at stride 2 (EfficientNet's),
+    each then projected; a float32 stem first (3 channels), so that the expansions' input is
+    channels-last."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+        self.expand1 = nn.Sequential(nn.Conv2d(8, 48, 1), nn.ReLU6())
+        self.dw1 = nn.Sequential(nn.Conv2d(48, 48, 3, padding=1, groups=48), nn.ReLU6())
+        self.project1 = nn.Conv2d(48, 16, 1)
+        self.expand2 = nn.Sequential(nn.Conv2d(16, 64, 1), nn.SiLU())
+        self.dw2 = nn.Sequential(nn.Conv2d(64, 64, 5, stride=2, padding=2, groups=64), nn.SiLU())
+        self.project2 = nn.Conv2d(64, 8, 1)
+
+    def forward(self, x):
+        h = self.project1(self.dw1(self.expand1(self.stem(x))))
+        return self.project2(self.dw2(self.expand2(h)))
+
+
+def test_fast_runs_an_int8_expansion_with_its_depthwise_convolution(tmp_path):
+    """An int8 expansion, its `movedim` back to an image and the depthwise convolution that
+    alone reads it run as one step (the profile shows the linear's node for the three) where
+    the expanded image is large; within a quantization step of the reference, and under
+    autograd (each node on its own) the same."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 80, 80)
+    q = quantized(InvertedResidualHeads(), x, dynamic=False)
+    fast = kwexport.load(saved(tmp_path, q, x), optimize="fast")
+    ran = [n["op"] for n in fast.profile(x) if "::" in n["op"]]
+    assert ran.count("kwexport::linear_int8.default") == 4, ran
+    convs = ran.count("mkldnn::_convolution_pointwise.default")
+    assert convs == (1 if kwexport.kernel_info()["isa"] is not None else 3), ran
+    for inputs in [x, torch.randn(1, 3, 80, 80) * 3]:
+        want = q(inputs)
+        got = fast(inputs)
+        assert got.shape == want.shape and got.is_contiguous(memory_format=torch.channels_last)
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
+        with torch.enable_grad():
+            apart = fast(inputs.clone().requires_grad_()).detach()
+        assert ((got - apart).abs().max() / want.abs().max()).item() < 1e-2
+
+
 class GhostModule(nn.Module):
     """GhostNet's module: a 1×1 convolution whose result a depthwise convolution and the
     concatenation both read, so pt2e dequantizes its one quantize twice; the concatenation's

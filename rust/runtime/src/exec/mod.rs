@@ -137,8 +137,8 @@ impl Plan {
                     let consts = &self.consts;
                     if let Some(times) = profile.as_mut() {
                         let mut stack = Vec::with_capacity(16);
-                        // A depthwise convolution a 1×1 carries (`plan::heads`) is a node of
-                        // its own where the two ran apart; fused, the 1×1's node is both.
+                        // The steps a 1×1 carries (`plan::heads`) are nodes of their own
+                        // where they ran apart; fused, the 1×1's node is all of them.
                         let mut timed = |s: &CStep, run: &mut dyn FnMut() -> RtResult<()>| -> RtResult<()> {
                             let started = Instant::now();
                             run()?;
@@ -155,8 +155,12 @@ impl Plan {
                                 }
                                 s.run_alone(abi, &mut natives, consts, &mut stack, direct)
                             })?;
-                            if let (false, Some(dw)) = (fused, &s.then) {
-                                timed(dw, &mut || dw.run(abi, &mut natives, consts, &mut stack, direct))?;
+                            // Apart, each carried step (an int8 head's view, then its
+                            // depthwise convolution) is a node of its own.
+                            let mut carried = if fused { None } else { s.then.as_deref() };
+                            while let Some(t) = carried {
+                                timed(t, &mut || t.run_alone(abi, &mut natives, consts, &mut stack, direct))?;
+                                carried = t.then.as_deref();
                             }
                         }
                         for &s in free_py {

@@ -12,7 +12,7 @@
 
 use super::activation::Epilogue;
 use super::conv::{Depthwise, Operands};
-use super::gemm::{Dense, Out, Shape, Source, PANEL};
+use super::gemm::{Dense, Out, Rows, Shape, Source, PANEL};
 use super::Ran;
 
 /// The bytes of expanded rows a band holds at most: half of a Zen 3's 512 KB L2, with room
@@ -67,7 +67,7 @@ pub unsafe fn expand_depthwise_f32(
     (out, lo): (*mut f32, usize),
 ) -> Ran {
     let c = g.channels;
-    let Some([ho, wo]) = g.output(h, w) else { return Err(super::Declined::Shapes) };
+    g.output(h, w).ok_or(super::Declined::Shapes)?;
     let fits = lx >= k
         && lo >= c
         && expansion.panels.len() >= super::panels_len(k, c)
@@ -75,12 +75,6 @@ pub unsafe fn expand_depthwise_f32(
         && dw.taps.len() >= g.kernel[0] * g.kernel[1] * c
         && dw.bias.is_none_or(|b| b.len() >= c);
     let t = super::table_if(fits)?;
-    let ([kh, _], [sh, _]) = (g.kernel, g.stride);
-    // Output rows a band: as many as keep their input rows within `BAND_BYTES`.
-    let row_bytes = w * c * 4;
-    let band_rows = (BAND_BYTES / row_bytes.max(1)).max(kh);
-    let band = ((band_rows - kh) / sh + 1).clamp(1, ho.max(1));
-    let scratch_rows = (band - 1) * sh + kh;
     let shape = Shape {
         taps: 1,
         cin: k,
@@ -93,7 +87,54 @@ pub unsafe fn expand_depthwise_f32(
         epilogue: expansion.epilogue,
         requant: None,
     };
-    let job = Job { x: Dense { x, ld: lx }, dims: [h, w], g: *g, hw: [ho, wo], shape, dw, out, lo };
+    let src = Dense { x, ld: lx };
+    let expand = |first: usize, pixels: usize, out: *mut f32| {
+        // SAFETY: the input's pixels `first..first + pixels` exist and `out` holds as many
+        // rows of `c` (`banded`'s contract).
+        unsafe {
+            let src = Dense { x: src.at(first, 0), ld: src.ld };
+            for j in (0..c).step_by(PANEL) {
+                (t.gemm_block)(Source::Dense(src), 0..pixels, &shape, expansion.panels, Out(out), j, k);
+            }
+        }
+    };
+    // SAFETY: the caller's pointers reach what the shapes say (checked above for the weights).
+    unsafe { banded(t, [batch, h, w], k, g, dw, (out, lo), &expand) };
+    Ok(())
+}
+
+/// Writes the expanded channels of `pixels` input pixels from pixel `first` (counted across
+/// the batch) into `out`, dense rows of the depthwise convolution's channels: a float32 or
+/// an int8 1×1 convolution (`super::int8::expand_depthwise`).
+pub(super) type Expand<'a> = dyn Fn(usize, usize, *mut f32) + Sync + 'a;
+
+/// The depthwise convolution `g` (`dw`) of the image `expand` makes from `batch` images of
+/// `[h, w]` pixels of `k` channels, into `out` (`[batch, ho, wo, c]`, pixels `out.1` apart),
+/// over bands of output rows shared out over the threads, each band's input rows expanded
+/// into a scratch image of the thread's.
+///
+/// # Safety
+/// The table's functions run on this CPU; `dw`'s weights hold what `g` says; `expand` writes
+/// the rows it is asked for within the image and `out.0` is writable for every output pixel's
+/// `c`, which nothing else writes while this runs.
+pub(super) unsafe fn banded(
+    t: &super::isa::Table,
+    [batch, h, w]: [usize; 3],
+    k: usize,
+    g: &Depthwise,
+    dw: DepthwiseWeights<'_>,
+    (out, lo): (*mut f32, usize),
+    expand: &Expand<'_>,
+) {
+    let c = g.channels;
+    let Some([ho, wo]) = g.output(h, w) else { return };
+    let ([kh, _], [sh, _]) = (g.kernel, g.stride);
+    // Output rows a band: as many as keep their input rows within `BAND_BYTES`.
+    let row_bytes = w * c * 4;
+    let band_rows = (BAND_BYTES / row_bytes.max(1)).max(kh);
+    let band = ((band_rows - kh) / sh + 1).clamp(1, ho.max(1));
+    let scratch_rows = (band - 1) * sh + kh;
+    let job = Job { dims: [h, w], g: *g, hw: [ho, wo], dw, out, lo, expand };
     let rows = batch * ho;
     let flops = 2 * batch * (h * w * k * c + ho * wo * c * g.kernel[0] * g.kernel[1]);
     let threads = super::parallel::share(flops, rows.div_ceil(band), super::parallel::threads());
@@ -101,22 +142,20 @@ pub unsafe fn expand_depthwise_f32(
         let mut scratch = vec![0f32; scratch_rows * w * c];
         // SAFETY: the table's functions run on this CPU; each thread writes its own output
         // rows and its own scratch (the caller's pointers reach what the shapes say).
-        unsafe { job.run(t, expansion.panels, begin..end, band, &mut scratch) };
+        unsafe { job.run(t, begin..end, band, &mut scratch) };
     });
-    Ok(())
 }
 
 /// What every thread of one call reads.
 struct Job<'a> {
-    x: Dense<f32>,
     /// The input images' height and width.
     dims: [usize; 2],
     g: Depthwise,
     hw: [usize; 2],
-    shape: Shape,
     dw: DepthwiseWeights<'a>,
     out: *mut f32,
     lo: usize,
+    expand: &'a Expand<'a>,
 }
 
 // SAFETY: the input and weights are read only and kept alive by the caller for the whole call;
@@ -129,14 +168,7 @@ impl Job<'_> {
     /// # Safety
     /// The table's functions run on this CPU; the job's pointers reach what its sizes say and
     /// `scratch` holds the input rows of a band.
-    unsafe fn run(
-        &self,
-        t: &super::isa::Table,
-        panels: &[f32],
-        rows: std::ops::Range<usize>,
-        band: usize,
-        scratch: &mut [f32],
-    ) {
+    unsafe fn run(&self, t: &super::isa::Table, rows: std::ops::Range<usize>, band: usize, scratch: &mut [f32]) {
         let ([h, w], [ho, wo], c) = (self.dims, self.hw, self.g.channels);
         let ([kh, _], [sh, _], [ph, _]) = (self.g.kernel, self.g.stride, self.g.padding);
         // The image and its rows `held` the scratch holds, from its start.
@@ -160,16 +192,10 @@ impl Job<'_> {
             };
             let fresh = first + kept..last;
             if !fresh.is_empty() {
-                let pixels = fresh.len() * w;
-                // SAFETY: the image's rows `fresh` exist in `x`; the scratch holds them after
-                // the kept rows (`scratch_rows` of them).
-                unsafe {
-                    let src = Dense { x: self.x.x.add((b * h + fresh.start) * w * self.x.ld), ld: self.x.ld };
-                    let op = Out(scratch.as_mut_ptr().add(kept * w * c));
-                    for j in (0..c).step_by(PANEL) {
-                        (t.gemm_block)(Source::Dense(src), 0..pixels, &self.shape, panels, op, j, self.shape.cin);
-                    }
-                }
+                // SAFETY: the scratch holds the image's rows `fresh` after the kept rows
+                // (`scratch_rows` of them).
+                let at = unsafe { scratch.as_mut_ptr().add(kept * w * c) };
+                (self.expand)((b * h + fresh.start) * w, fresh.len() * w, at);
             }
             held = Some((b, first..last));
             // The depthwise kernel reads the scratch as the image's rows from `first`: its

@@ -720,6 +720,8 @@ unsafe impl<X> Sync for Source<X> {}
 // SAFETY: as for `Source`.
 unsafe impl<X> Sync for Table<X> {}
 // SAFETY: as for `Source`.
+unsafe impl<X> Sync for Dense<X> {}
+// SAFETY: as for `Source`.
 unsafe impl Sync for Shape {}
 
 /// One block of a GEMM, as the kernel table holds it: rows `range` of `source` times the

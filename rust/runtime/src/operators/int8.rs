@@ -283,6 +283,76 @@ impl Operators<'_> {
 }
 
 impl Operators<'_> {
+    /// An int8 1×1 expansion and the float32 depthwise convolution of its result as one
+    /// kernel (`kernels::int8::expand_depthwise`; `plan::heads`): `x` is the linear's input,
+    /// a float32 CPU `[N, H, W, K]` tensor whose pixels' channels are rows evenly apart (the
+    /// `movedim` of a channels-last image), quantized by `quant`; `weight`, `epilogue` and
+    /// `output` are the linear's, `taps` (`[kh * kw, C]`), `g`, `dw_bias` and `dw_epilogue`
+    /// the depthwise convolution's. A new channels-last `[N, C, Ho, Wo]` tensor, or `None`
+    /// where the tensors don't qualify, the expanded image is too small for the fused kernel
+    /// to pay (`kernels::expand_depthwise::pays`) or the kernel declines (nothing written:
+    /// the caller runs the two nodes).
+    ///
+    /// # Safety
+    /// Every handle must be live.
+    pub unsafe fn expand_depthwise_int8(
+        &self,
+        x: Raw,
+        quant: &Quant,
+        weight: Int8Weight,
+        (epilogue, output): (kernels::Epilogue, Option<Quant>),
+        (taps, g, dw_bias, dw_epilogue): (Raw, &kernels::Depthwise, Option<Raw>, kernels::Epilogue),
+    ) -> Option<Result<Tensor, CError>> {
+        let Int8Weight { panels, layout, peak, n, k, scale: w_scale, bias } = weight;
+        let shims = self.0.shims.as_ref()?;
+        let c = g.channels;
+        let [n, k] = [usize::try_from(n).ok()?, usize::try_from(k).ok()?];
+        // SAFETY: live handles.
+        let (xs, [batch, h, w], ld, ws, bias, ts, dbs) = unsafe {
+            let (sizes, strides) = self.0.sizes_strides(x)?;
+            let &[batch, h, w, kx] = sizes.as_slice() else { return None };
+            if kx != k as i64 || n != c || batch * h * w == 0 || !shims.is_cpu_f32(x) {
+                return None;
+            }
+            let dims = [batch, h, w].map(|d| d as usize);
+            if !kernels::expand_depthwise::pays(dims[1] * dims[2] * c) {
+                return None;
+            }
+            let ld = usize::try_from(super::copy::row_stride(&[0, 1, 2, 3], 3, &sizes, &strides)?).ok()?;
+            let pixels = dims.iter().product::<usize>();
+            let xs = self.floats(x, (pixels - 1) * ld + k)?;
+            let ts = self.contiguous_f32(taps, &[(g.kernel[0] * g.kernel[1]) as i64, c as i64])?;
+            let ws = self.contiguous_f32(w_scale, &[n as i64])?;
+            (xs, dims, ld, ws, self.bias_f32(bias, n)?, ts, self.bias_f32(dw_bias, c)?)
+        };
+        let [ho, wo] = g.output(h, w)?;
+        // SAFETY: no part: a new tensor.
+        let out = match unsafe { self.conv_output([batch, c, ho, wo], None) }? {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        let dw = kernels::expand_depthwise::DepthwiseWeights { taps: ts, bias: dbs, epilogue: dw_epilogue };
+        // SAFETY: the panels are `layout.packed_len([n, k])` words (`pack_int8_panels` made
+        // them); `xs` spans the input's pixels and `out` is a new tensor of the output's,
+        // which nothing else writes while the kernel runs.
+        let ran = unsafe {
+            let len = layout.packed_len([n, k]);
+            let words = std::slice::from_raw_parts(shims.data_ptr(panels)? as *const u32, len);
+            kernels::int8::expand_depthwise(
+                (xs.as_ptr(), ld),
+                [batch, h, w, k],
+                quant,
+                Packed { words, layout, peak },
+                (ws, bias),
+                (epilogue, output.as_ref()),
+                g,
+                dw,
+                (out.ptr, out.ld),
+            )
+        };
+        ran.ok().map(|()| Ok(out.tensor))
+    }
+
     /// kwexport's int8 convolution (`kernels::int8::conv`) of `x`, a float32 CPU `[N, C, H,
     /// W]` tensor (channels-last, or a slice of a wider one's channels; a contiguous one is
     /// transposed to that first: an image), quantized as `input` says (parameters chosen from

@@ -23,9 +23,11 @@
 #[cfg(target_arch = "x86_64")]
 pub(super) mod amx;
 mod conv;
+mod expand_depthwise;
 pub mod winograd;
 
 pub use conv::conv;
+pub use expand_depthwise::expand_depthwise;
 
 use super::activation::Epilogue;
 use super::gemm::{self, Dense, Shape, Source};
