@@ -21,7 +21,8 @@ use crate::abi::encode::Enc;
 use crate::views::ViewKind;
 
 /// Moves each depthwise convolution that can run with the 1×1 convolution before it into
-/// that step.
+/// that step (`pairs`), or with an int8 linear and its view into the view, which moves into
+/// the linear (`pairs_int8`).
 pub(super) fn fuse(graph: &SlotGraph, segments: &mut [Segment]) {
     let mut readers = vec![0usize; graph.n_slots];
     for node in &graph.nodes {

@@ -74,8 +74,8 @@ impl Layout {
 /// `[batch, ho, wo, n]` result (and the residual, if any, laid out as it: a ResNet block's
 /// add, `passes::conv_residual`); then, with an `output` quantization, each result quantized
 /// and dequantized by it as it is stored. The same sums as the linear's ([`super::linear`]),
-/// exact. With groups, one GEMM per group over its channels of each pixel's row (the threads
-/// take whole groups), which must start on a word: declines otherwise, where the slices
+/// exact. With groups, one GEMM per group over its channels of each pixel's row (each thread
+/// a share of the rows over every group: `gemm::grouped`), which must start on a word: declines otherwise, where the slices
 /// don't fit, or where the quantizations or the layout aren't ones the kernels here take.
 #[allow(clippy::too_many_arguments)]
 pub fn conv(
