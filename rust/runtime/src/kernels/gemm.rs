@@ -706,6 +706,18 @@ pub(super) struct Shape {
     pub(super) requant: Option<super::int8::Requant>,
 }
 
+impl Shape {
+    /// The shape of the GEMM whose output's (and residual's) rows start at row `first` of
+    /// this one's.
+    pub(super) fn rows_from(&self, first: usize) -> Shape {
+        let residual = match self.residual.is_null() {
+            true => self.residual,
+            false => self.residual.wrapping_add(first * self.ldo),
+        };
+        Shape { residual, ..*self }
+    }
+}
+
 /// A bias and a residual as the tiles read them (null where absent).
 fn addends((bias, residual): (Option<&[f32]>, Option<&[f32]>)) -> (*const f32, *const f32) {
     let at = |s: Option<&[f32]>| s.map_or(std::ptr::null(), |s| s.as_ptr());
@@ -720,6 +732,13 @@ pub(super) struct Out(pub(super) *mut f32);
 // SAFETY: the threads of one call write disjoint elements through it (`columns`), and the
 // call returns only once every thread has finished.
 unsafe impl Sync for Out {}
+
+impl Out {
+    /// The output from element `i` on (a method, so closures capture the whole `Sync` value).
+    pub(super) fn at(self, i: usize) -> Out {
+        Out(self.0.wrapping_add(i))
+    }
+}
 // SAFETY: the tables and shapes point at memory the caller keeps alive and unwritten for
 // the whole call; the threads only read through them.
 unsafe impl<X> Sync for Source<X> {}

@@ -7,10 +7,10 @@
 //! rounded up to whole words (their weights zero), so the weight is packed as the `[n, taps *
 //! words * per word]` matrix [`Layout::pack_conv`] makes.
 
-use super::super::gemm::{self, tap_table, Dense, Source, Table};
+use super::super::gemm::{self, tap_table, Source, Table};
 use super::super::parallel;
 use super::super::{Conv2d, Declined, Ran};
-use super::{quantize_rows, with_rows, Layout, Packed, Products, Quant, RowsAt, QUANTIZE_WORK};
+use super::{quantize_band, quantize_rows, with_rows, Layout, Packed, Products, Quant, RowsAt, QUANTIZE_WORK};
 use crate::kernels::activation::Epilogue;
 
 impl Layout {
@@ -185,13 +185,13 @@ fn pointwise(
         let (b, oy, ox) = (r / (ho * wo), r / wo % ho, r % wo);
         ((b * h + oy * sh) * w + ox * sw) * ld
     };
-    with_rows(m * words, |rows| {
-        quantize_rows(p.kernel, x, cin, p.quant, RowsAt::Each(&pixel), rows);
-        // SAFETY: `rows` holds `m` rows of `words` words; the weight its panels for `[n, words
-        // * per word]` (a 1×1 weight packs as its matrix), the rest what the shapes say (the
-        // caller's checks).
-        unsafe { p.run(Source::Dense(Dense { x: rows.as_ptr(), ld: words }), [m, 1, words, n], out) };
-    });
+    // At a stride of 1 the output's pixels are the input's, its rows `ld` apart.
+    let at = if g.stride == [1, 1] { RowsAt::Strided(ld) } else { RowsAt::Each(&pixel) };
+    let fill = |first: usize, band: &mut [u32]| quantize_band(p.kernel, x, cin, p.quant, at, first, band);
+    // SAFETY: `fill` writes every word of a band's rows; the weight holds its panels for `[n,
+    // words * per word]` (a 1×1 weight packs as its matrix), the rest what the shapes say (the
+    // caller's checks).
+    unsafe { p.run_filled(&fill, [m, words, n], out) };
     Ok(())
 }
 
@@ -400,16 +400,15 @@ fn patches(p: &Products<'_>, (x, ld): (&[f32], usize), [batch, h, w]: [usize; 3]
     }
     // Every byte of every row is written below, into the calling thread's kept rows (zeroing
     // fresh rows first cost as much as the gather).
-    with_rows(m * words, |rows| {
-        parallel::units(rows, words, 20 * kh * kw, &|first, rows| {
-            // SAFETY: this chunk's rows, written by it only, hold the patches (and every byte
-            // of their `words`); the levels are alive until the end of this function.
-            unsafe { patches.write_rows(first, rows.len() / words, rows.as_mut_ptr().cast(), words * 4, words * 4) };
-        });
-        // SAFETY: `rows` holds `m` rows of `words` words; the weight its panels for `[n, words *
-        // per word]` (`Layout::pack_conv`), the rest what the shapes say (the caller's checks).
-        unsafe { p.run(Source::Dense(Dense { x: rows.as_ptr(), ld: words }), [m, 1, words, n], out) };
-    });
+    let fill = |first: usize, band: &mut [u32]| {
+        // SAFETY: the band's rows hold the patches (and every byte of their `words`); the
+        // levels are alive until the end of this function.
+        unsafe { patches.write_rows(first, band.len() / words, band.as_mut_ptr().cast(), words * 4, words * 4) };
+    };
+    // SAFETY: `fill` writes every word of a band's rows; the weight holds its panels for `[n,
+    // words * per word]` (`Layout::pack_conv`), the rest what the shapes say (the caller's
+    // checks).
+    unsafe { p.run_filled(&fill, [m, words, n], out) };
     Ok(())
 }
 
