@@ -499,6 +499,52 @@ def test_fast_adds_an_int8_convolutions_residual_and_relu_as_it_stores_its_resul
         assert ((graded - exact(inputs)).abs().max() / want.abs().max()).item() < 1e-5
 
 
+class BottleneckNet(nn.Module):
+    """ResNet's bottleneck blocks: 1×1, 3×3, then a 1×1 whose result the block's input (or,
+    downsampling, a strided 1×1's) is added to before a ReLU; then MobileNetV2's projection,
+    a 1×1 added to its input with no ReLU after."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(8, 32, 3, padding=1), nn.ReLU())
+        self.a = nn.Sequential(nn.Conv2d(32, 16, 1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU())
+        self.a_out = nn.Conv2d(16, 32, 1)
+        self.b = nn.Sequential(nn.Conv2d(32, 16, 1), nn.ReLU(), nn.Conv2d(16, 16, 3, stride=2, padding=1), nn.ReLU())
+        self.b_out, self.down = nn.Conv2d(16, 48, 1), nn.Conv2d(32, 48, 1, stride=2)
+        self.project = nn.Sequential(nn.Conv2d(48, 96, 3, padding=1, groups=48), nn.ReLU6(), nn.Conv2d(96, 48, 1))
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = torch.relu(self.a_out(self.a(x)) + x)
+        x = torch.relu(self.b_out(self.b(x)) + self.down(x))
+        return self.project(x) + x
+
+
+def test_fast_adds_an_int8_1x1_convolutions_residual_as_it_stores_its_results(tmp_path, monkeypatch):
+    """A 1×1 convolution, which `linear_int8` makes an int8 linear over its pixels, takes its
+    residual add (and ReLU) as the int8 convolution it is (`conv_int8.residual`): no add or
+    ReLU left, the same bits as the program without the fusion, within a quantization step of
+    the reference, and the reference's ops off the kernel (autograd)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 12, 11)
+    q = quantized(BottleneckNet(), x, dynamic=False)
+    path = saved(tmp_path, q, x)
+    exact, fast = kwexport.load(path), kwexport.load(path, optimize="fast")
+    monkeypatch.setenv("KWEXPORT_SKIP_PASSES", "conv_residual")
+    apart = kwexport.load(path, optimize="fast")
+    ran = [n["op"] for n in fast.profile(x) if "::" in n["op"]]
+    assert ran.count("kwexport::conv_int8.residual") == 3, ran
+    assert not [op for op in ran if op.startswith(("aten::add", "aten::relu"))], ran
+    assert "kwexport::conv_int8.residual" not in [n["op"] for n in apart.profile(x)]
+    for inputs in [x, torch.randn(2, 8, 12, 11) * 3]:
+        want, got = q(inputs), fast(inputs)
+        assert torch.equal(got, apart(inputs))
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
+        with torch.enable_grad():
+            graded = fast(inputs.clone().requires_grad_()).detach()
+        assert ((graded - exact(inputs)).abs().max() / want.abs().max()).item() < 1e-5
+
+
 class PointwiseNet(nn.Module):
     """1×1 convolutions (MobileNet's expand and project), the first on the NCHW input."""
 

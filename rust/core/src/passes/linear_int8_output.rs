@@ -18,9 +18,10 @@
 //!
 //! Only where the fake quantization alone reads the chain (nothing else sees the unquantized
 //! result), or, besides it, int8 ops that quantize the linear's result with the same
-//! parameters (a ResNet block's output, read by the next block's convolution and its
-//! residual add: they then read the quantized value, whose levels are the same), with literal parameters (a static scale; dynamic ones are chosen per call from
-//! the values), on a linear that quantizes nothing yet. It runs after `fake_quantize`, which
+//! parameters, directly or through the view that makes it a 1×1 convolution's pixels (a ResNet
+//! block's output, read by the next block's convolution and its residual add: they then read
+//! the quantized value, whose levels are the same), with literal parameters (a static scale;
+//! dynamic ones are chosen per call from the values), on a linear that quantizes nothing yet. It runs after `fake_quantize`, which
 //! makes the node (`super::registered`).
 
 use super::fake_quantize::FAKE;
@@ -79,11 +80,23 @@ pub fn apply(m: &mut Method) -> usize {
         // value: the same levels (quantizing `(q - zp) * scale` again gives `q`: its error is
         // far under half a step).
         let others: Vec<usize> = read.get(x.as_str()).into_iter().flatten().copied().filter(|&j| j != i).collect();
+        // An int8 op reading `input` once as its quantized input, with these parameters.
+        let quantizes = |r: &Node, input: &Arg| {
+            let same = r.args.get(1..5) == Some(&f.args[1..]) && r.args.first() == Some(input);
+            let once = r.args.iter().filter(|a| *a == input).count() == 1;
+            [FUSED, CONV, CONV_RESIDUAL].contains(&op_of(r)) && same && once
+        };
+        // Such an op, or the view that makes the result a 1×1 convolution's pixels
+        // (`linear_int8`) read by such an op alone.
         let requantizes = |j: usize| {
-            let r = g.nodes.get(j).filter(|_| j != OUTSIDE);
-            let same = |r: &Node| r.args.get(1..5) == Some(&f.args[1..]) && r.args.first() == Some(&f.args[0]);
-            let once = |r: &Node| r.args.iter().filter(|a| **a == f.args[0]).count() == 1;
-            r.is_some_and(|r| [FUSED, CONV, CONV_RESIDUAL].contains(&op_of(r)) && same(r) && once(r))
+            let Some(r) = g.nodes.get(j).filter(|_| j != OUTSIDE) else { return false };
+            let pixels = [f.args[0].clone(), Arg::Int(-3), Arg::Int(-1)];
+            if op_of(r) == "aten::movedim.int" && r.args == pixels && r.kwargs.is_empty() {
+                let view = one(r).map(|v| Arg::Ref(v.to_owned()));
+                let reader = sole_reader(&read, r).map(|l| &g.nodes[l]);
+                return view.zip(reader).is_some_and(|(view, l)| quantizes(l, &view));
+            }
+            quantizes(r, &f.args[0])
         };
         let direct = op_of(&g.nodes[p]) != "aten::movedim.int";
         if !others.iter().all(|&j| direct && requantizes(j)) {
@@ -227,5 +240,34 @@ mod tests {
         // With another scale it would quantize other levels: left alone.
         let mut m = read_by_a_linear(0.07);
         assert_eq!(apply(&mut m), 0);
+    }
+
+    /// `read_by_a_linear(scale)` with the second linear a 1×1 convolution's, reading `y`
+    /// through the view to pixels (`pixels`: its source and destination).
+    fn read_through_pixels(scale: f64, pixels: [i64; 2]) -> Method {
+        let mut m = serde_json::to_value(read_by_a_linear(scale)).unwrap();
+        let nodes = m["graph"]["nodes"].as_array_mut().unwrap();
+        nodes[3]["args"][0] = json!({"ref": "yp"});
+        nodes[3]["args"][2] = json!({"int": 3});
+        let view =
+            json!({"op": 1, "args": [{"ref": "y"}, {"int": pixels[0]}, {"int": pixels[1]}], "outputs": {"one": "yp"}});
+        nodes.insert(3, view);
+        serde_json::from_value(m).unwrap()
+    }
+
+    #[test]
+    fn a_1x1_convolution_quantizing_the_result_alike_reads_the_quantized_value_through_its_view() {
+        // A ResNet bottleneck's output, read by the next block's 1×1 convolution (an int8
+        // linear over its pixels) and, fake-quantized, by that block's residual add.
+        let mut m = read_through_pixels(0.05, [-3, -1]);
+        assert_eq!(apply(&mut m), 1);
+        let ops: Vec<&str> = m.graph.nodes.iter().map(|n| m.ops[n.op].name.as_str()).collect();
+        assert_eq!(ops, [FUSED, "aten::relu.default", "aten::movedim.int", FUSED]);
+        assert_eq!(m.graph.nodes[2].args[0], Arg::Ref("yq".into()));
+        // Another scale, or another view, is left alone.
+        for m in [read_through_pixels(0.07, [-3, -1]), read_through_pixels(0.05, [-1, -3])] {
+            let mut m = m;
+            assert_eq!(apply(&mut m), 0);
+        }
     }
 }
