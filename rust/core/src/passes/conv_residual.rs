@@ -15,6 +15,8 @@
 //! whether the other tensor has the output's shape and layout is the runtime's check on each
 //! call (it runs torch's ops where it hasn't, broadcasting as the add did).
 
+use std::collections::HashMap;
+
 use super::linear_int8::{CONV, CONV_RESIDUAL, FUSED as LINEAR, FUSED_OPS};
 use super::pass::{Ctx, Pass};
 use super::readers::{one, sole_reader, weight_inputs, Readers, OUTSIDE};
@@ -142,7 +144,7 @@ struct Candidate<'a> {
 fn candidate<'a>(
     m: &'a Method,
     readers: &Readers,
-    weights: &Weights,
+    (weights, weight_of): (&Weights, &HashMap<&str, &str>),
     kind: &Lowered,
     ci: usize,
 ) -> Option<Candidate<'a>> {
@@ -162,6 +164,13 @@ fn candidate<'a>(
     if !pixels || conv.args[9] != Arg::Str("none".into()) {
         return None;
     }
+    let w = match &conv.args[5] {
+        Arg::Ref(w) => weights.tensors.get(*weight_of.get(w.as_str())?)?,
+        _ => return None,
+    };
+    if w.shape.len() != 4 || w.shape[2..] != [1, 1] {
+        return None;
+    }
     let movedim = |n: &'a Node, from: i64, to: i64| -> Option<&'a str> {
         let [Arg::Ref(v), Arg::Int(a), Arg::Int(b)] = n.args.as_slice() else { return None };
         (op_of(n) == Some(MOVEDIM) && n.kwargs.is_empty() && (*a, *b) == (from, to)).then_some(v.as_str())
@@ -171,14 +180,6 @@ fn candidate<'a>(
     let vi = sole_reader(readers, conv).filter(|&vi| vi > ci)?;
     let view = &g.nodes[vi];
     movedim(view, -1, -3).filter(|&v| v == y)?;
-    let weight_of = weight_inputs(g);
-    let w = match &conv.args[5] {
-        Arg::Ref(w) => weights.tensors.get(*weight_of.get(w.as_str())?)?,
-        _ => return None,
-    };
-    if w.shape.len() != 4 || w.shape[2..] != [1, 1] {
-        return None;
-    }
     let ints = |v: i64| Arg::List(vec![Arg::Int(v), Arg::Int(v)]);
     let args =
         [&[Arg::Ref(x.to_owned())], &conv.args[1..9], &[ints(1), ints(0), Arg::Int(1)], &conv.args[9..]].concat();
@@ -198,8 +199,11 @@ fn find(m: &Method, readers: &Readers, weights: &Weights, kind: &Lowered) -> Vec
     // Adds already absorbed: of two convolutions added together, the first absorbs the add
     // and the second stays, its output the residual.
     let mut taken = std::collections::HashSet::new();
+    let weight_of = weight_inputs(g);
     for ci in 0..g.nodes.len() {
-        let Some(Candidate { nodes, args, y }) = candidate(m, readers, weights, kind, ci) else { continue };
+        let Some(Candidate { nodes, args, y }) = candidate(m, readers, (weights, &weight_of), kind, ci) else {
+            continue;
+        };
         // (A reader before the node is possible: the passes run before validation.)
         let last = *nodes.last().expect("a node");
         let Some(ai) = readers.get(y).and_then(|r| match r.as_slice() {
