@@ -188,13 +188,13 @@ macro_rules! table {
             unsafe { gemm::block::<S, gemm::Bf16>(source, range, s, panels, out, j, k) }
         }
         $(#[target_feature(enable = $features)])?
-        unsafe fn quantize_pairs(x: &[f32], k: usize, q: &super::int8::Levels, out: &mut [u32]) {
+        unsafe fn quantize_pairs(x: &[f32], k: [usize; 2], q: &super::int8::Levels, out: &mut [u32]) {
             // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
             // enables; the caller upholds the generic body\'s contract.
             unsafe { super::int8::quantize::<S, i16>(x, k, q, out) }
         }
         $(#[target_feature(enable = $features)])?
-        unsafe fn quantize_quads(x: &[f32], k: usize, q: &super::int8::Levels, out: &mut [u32]) {
+        unsafe fn quantize_quads(x: &[f32], k: [usize; 2], q: &super::int8::Levels, out: &mut [u32]) {
             // SAFETY: `Isa::table` hands this entry out only where the CPU has the features it
             // enables; the caller upholds the generic body\'s contract.
             unsafe { super::int8::quantize::<S, u8>(x, k, q, out) }
@@ -308,6 +308,9 @@ pub(super) fn bf16_block(t: &Table) -> (gemm::Block<u32>, bool) {
 /// enabled): the choosers below hand it out only where the CPU has them.
 macro_rules! extension_block {
     ($(#[$doc:meta])* $name:ident, $simd:ty, $dot:ty, $features:literal) => {
+        extension_block!($(#[$doc])* $name, $simd, $dot, u32, $features);
+    };
+    ($(#[$doc:meta])* $name:ident, $simd:ty, $dot:ty, $x:ty, $features:literal) => {
         $(#[$doc])*
         ///
         /// # Safety
@@ -315,10 +318,10 @@ macro_rules! extension_block {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         unsafe fn $name(
-            source: gemm::Source<u32>,
+            source: gemm::Source<$x>,
             range: std::ops::Range<usize>,
             s: &gemm::Shape,
-            panels: &[u32],
+            panels: &[$x],
             out: gemm::Out,
             j: usize,
             k: usize,
@@ -336,6 +339,18 @@ extension_block!(
 extension_block!(
     /// AVX512-VNNI's int8 GEMM block ([`int8`]).
     avx512_vnni_block, simd::avx512::Avx512, super::int8::Vnni, "avx512f,avx512bw,avx512vnni"
+);
+extension_block!(
+    /// AVX512-VNNI's int8 GEMM block for groups of at most 8 outputs in lane pairs
+    /// (`super::int8::Paired`, [`int8`]).
+    avx512_vnni_paired_block, simd::avx512::Avx512, super::int8::Paired<super::int8::Vnni>, [u32; 2],
+    "avx512f,avx512bw,avx512vnni"
+);
+extension_block!(
+    /// The int8 GEMM block on quads without VNNI for groups of at most 8 outputs in lane
+    /// pairs (`super::int8::Paired`, [`int8`]).
+    avx512_madd_paired_block, simd::avx512::Avx512, super::int8::Paired<super::int8::Madd>, [u32; 2],
+    "avx512f,avx512bw"
 );
 extension_block!(
     /// AVX-VNNI's int8 GEMM block, on AVX2's vectors ([`int8`]).
@@ -363,6 +378,9 @@ pub(super) struct Int8 {
     pub(super) quantize: super::int8::Quantize,
     pub(super) saturates: bool,
     pub(super) tiles: bool,
+    /// The block for a grouped convolution's groups of at most 8 outputs in lane pairs
+    /// (`super::int8::conv::pairs_groups`), where the kernel has one: AVX-512's quads.
+    pub(super) paired: Option<gemm::Block<[u32; 2]>>,
 }
 
 /// The int8 GEMM of a table's family that reads `layout`: for quads VNNI's where the CPU has
@@ -412,7 +430,8 @@ fn int8_amx(t: &'static Table) -> Option<Int8> {
     if t.isa == Isa::Avx512 && int8_tiles() {
         let block: gemm::Block<u32> = super::int8::amx::block;
         let quantize = t.quantize_quads;
-        return Some(Int8 { block, layout: super::int8::Layout::Quads, quantize, saturates: false, tiles: true });
+        let layout = super::int8::Layout::Quads;
+        return Some(Int8 { block, layout, quantize, saturates: false, tiles: true, paired: None });
     }
     let _ = t;
     None
@@ -426,6 +445,7 @@ fn int8_pairs(t: &'static Table) -> Int8 {
         quantize: t.quantize_pairs,
         saturates: false,
         tiles: false,
+        paired: None,
     }
 }
 
@@ -434,17 +454,21 @@ fn int8_vnni(t: &'static Table) -> Option<Int8> {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::is_x86_feature_detected as has;
-        let quads = |block| Int8 {
+        let quads = |block, paired| Int8 {
             block,
             layout: super::int8::Layout::Quads,
             quantize: t.quantize_quads,
             saturates: false,
             tiles: false,
+            paired,
         };
         // A table is handed out only where the CPU has its family (`Isa::table`).
         match t.isa {
-            Isa::Avx512 if has!("avx512vnni") => return Some(quads(avx512_vnni_block)),
-            Isa::Avx2 if has!("avxvnni") => return Some(quads(avx2_vnni_block)),
+            Isa::Avx512 if has!("avx512vnni") => {
+                let paired: gemm::Block<[u32; 2]> = avx512_vnni_paired_block;
+                return Some(quads(avx512_vnni_block, Some(paired)));
+            }
+            Isa::Avx2 if has!("avxvnni") => return Some(quads(avx2_vnni_block, None)),
             _ => {}
         }
     }
@@ -455,16 +479,20 @@ fn int8_vnni(t: &'static Table) -> Option<Int8> {
 fn int8_madd(t: &'static Table) -> Option<Int8> {
     #[cfg(target_arch = "x86_64")]
     {
-        let quads = |block| Int8 {
+        let quads = |block, paired| Int8 {
             block,
             layout: super::int8::Layout::Quads,
             quantize: t.quantize_quads,
             saturates: true,
             tiles: false,
+            paired,
         };
         match t.isa {
-            Isa::Avx512 => return Some(quads(avx512_madd_block)),
-            Isa::Avx2 => return Some(quads(avx2_madd_block)),
+            Isa::Avx512 => {
+                let paired: gemm::Block<[u32; 2]> = avx512_madd_paired_block;
+                return Some(quads(avx512_madd_block, Some(paired)));
+            }
+            Isa::Avx2 => return Some(quads(avx2_madd_block, None)),
             Isa::Portable => {}
         }
     }

@@ -141,12 +141,13 @@ impl Operators<'_> {
         if !zeros {
             return None;
         }
-        let len = layout.conv_packed_len(shape, groups);
+        let paired = kernels::int8::pairs_groups(layout, shape, groups);
+        let len = layout.conv_packed_len(shape, groups, paired);
         let out = self.owned(shims.empty_f32(&[i64::try_from(len).ok()?])).ok()?;
         // SAFETY: the fresh output, which aliases nothing, as 4-byte words.
         unsafe {
             let dst = std::slice::from_raw_parts_mut(shims.data_ptr(out.raw())? as *mut u32, len);
-            layout.pack_conv(src, shape, st, groups, dst);
+            layout.pack_conv(src, shape, st, groups, paired, dst);
         }
         Some((out, layout, peak))
     }
@@ -413,7 +414,9 @@ impl Operators<'_> {
         // (`pack_int8_panels` made them), and the new output has its floats, which nothing
         // else holds.
         let ran = unsafe {
-            let len = layout.conv_packed_len([n, cin / g.groups, g.kernel[0], g.kernel[1]], g.groups);
+            let shape = [n, cin / g.groups, g.kernel[0], g.kernel[1]];
+            let paired = kernels::int8::pairs_groups(layout, shape, g.groups);
+            let len = layout.conv_packed_len(shape, g.groups, paired);
             let words = std::slice::from_raw_parts(shims.data_ptr(panels)? as *const u32, len);
             let os = self.floats_mut(&mut out, batch * ho * wo * n)?;
             let post = (epilogue, output.as_ref());

@@ -34,18 +34,34 @@ impl Layout {
     }
 
     /// The words of a convolution weight [`Layout::pack_conv`] packs: one packed matrix per
-    /// group.
-    pub fn conv_packed_len(self, shape: [usize; 4], groups: usize) -> usize {
-        groups * self.packed_len([shape[0] / groups, self.conv_depth(shape)])
+    /// group (`paired`: of twice the outputs and half the depth, [`pairs_groups`]).
+    pub fn conv_packed_len(self, shape: [usize; 4], groups: usize, paired: bool) -> usize {
+        let (per_out, depth) = (shape[0] / groups, self.conv_depth(shape));
+        match paired {
+            true => groups * self.packed_len([2 * per_out, depth / 2]),
+            false => groups * self.packed_len([per_out, depth]),
+        }
     }
 
     /// An int8 `[n, cin, kh, kw]` weight of `groups` groups (`cin` channels each, at element
     /// `strides`) as, per group, the panels of its `[n / groups, conv_depth]` matrix, whose
     /// column `(i * kw + j) * cin_words + c` holds input channel `c` at tap `(i, j)` (zero
     /// for `c >= cin`; `cin_words` is `cin` itself for [`Layout::patches`]), packed by
-    /// [`Layout::pack`]. A 1×1 weight packs as its `[n, cin]` matrix does. `packed` holds
-    /// [`Layout::conv_packed_len`]'s words.
-    pub fn pack_conv(self, w: &[i8], shape: [usize; 4], strides: [usize; 4], groups: usize, packed: &mut [u32]) {
+    /// [`Layout::pack`]. A 1×1 weight packs as its `[n, cin]` matrix does. `paired` (where
+    /// [`pairs_groups`] says so) packs each group's outputs in lane pairs instead
+    /// ([`Layout::pack_paired`]). `packed` holds [`Layout::conv_packed_len`]'s words.
+    pub fn pack_conv(
+        self,
+        w: &[i8],
+        shape: [usize; 4],
+        strides: [usize; 4],
+        groups: usize,
+        paired: bool,
+        packed: &mut [u32],
+    ) {
+        if paired {
+            return self.pack_paired(w, shape, strides, groups, packed);
+        }
         let [n, cin, kh, kw] = shape;
         let per_tap = if self.patches(shape) { cin } else { cin.next_multiple_of(self.per_word()) };
         let (k, per_out) = (self.conv_depth(shape), n / groups);
@@ -64,6 +80,45 @@ impl Layout {
             self.pack(&matrix, [per_out, k], [k, 1], packed);
         }
     }
+
+    /// [`Layout::pack_conv`] in lane pairs (`super::Paired`): per group, the `[2 * per_out,
+    /// taps * cin / 2]` matrix whose row `2 * o + h` holds output `o`'s weights for the `h`-th
+    /// word of each pair of words of each tap (channels `(2 * p + h) * 4..` at column `(tap *
+    /// pairs + p) * 4..`), packed by [`Layout::pack`]; its column sums are the halves'.
+    fn pack_paired(self, w: &[i8], shape: [usize; 4], strides: [usize; 4], groups: usize, packed: &mut [u32]) {
+        let [n, cin, kh, kw] = shape;
+        let (per_out, pairs, taps) = (n / groups, cin / 8, kh * kw);
+        let k = taps * pairs * 4;
+        let len = self.packed_len([2 * per_out, k]);
+        for (group, packed) in packed.chunks_exact_mut(len).take(groups).enumerate() {
+            let mut matrix = vec![0i8; 2 * per_out * k];
+            for (row, values) in matrix.chunks_exact_mut(k).enumerate() {
+                let (o, h) = (group * per_out + row / 2, row % 2);
+                for (col, v) in values.iter_mut().enumerate() {
+                    let (tap, p, b) = (col / 4 / pairs, col / 4 % pairs, col % 4);
+                    let (c, i, j) = ((2 * p + h) * 4 + b, tap / kw, tap % kw);
+                    *v = w[o * strides[0] + c * strides[1] + i * strides[2] + j * strides[3]];
+                }
+            }
+            self.pack(&matrix, [2 * per_out, k], [k, 1], packed);
+        }
+    }
+}
+
+/// Whether `kernel` runs a `[n, cin, kh, kw]` weight of `groups` groups (`cin` channels
+/// each) in lane pairs (`super::Paired`): groups of at most 8 outputs over whole pairs of
+/// words (`cin` a multiple of 8), on a kernel that has the paired block.
+fn pairs_groups_on(kernel: super::super::isa::Int8, [n, cin, kh, kw]: [usize; 4], groups: usize) -> bool {
+    let layout = kernel.layout;
+    let grouped = groups > 1 && n.is_multiple_of(groups) && n / groups <= 8;
+    kernel.paired.is_some() && grouped && cin.is_multiple_of(8) && !layout.patches([n, cin, kh, kw])
+}
+
+/// [`pairs_groups_on`] the int8 kernel that runs `layout` on this CPU (the one [`conv`]
+/// takes): whether [`Layout::pack_conv`] packs the weight in lane pairs for it.
+pub fn pairs_groups(layout: Layout, shape: [usize; 4], groups: usize) -> bool {
+    let kernel = super::super::isa::kernels().and_then(|t| super::super::isa::int8(t, layout));
+    kernel.is_some_and(|k| k.layout == layout && pairs_groups_on(k, shape, groups))
 }
 
 /// `out[pixel, n] = epilogue(bias[n] + conv(dequantize(quantize(x)), w * w_scale[n]) +
@@ -112,8 +167,9 @@ fn conv_with(
     let Some([ho, wo]) = g.output(h, w).filter(|_| whole_words) else { return Err(Declined::Shapes) };
     let shape = [n, cin / groups, g.kernel[0], g.kernel[1]];
     let (pixels, m, k) = (batch * h * w, batch * ho * wo, layout.conv_depth(shape));
+    let paired = kernel.paired.filter(|_| pairs_groups_on(kernel, shape, groups));
     let fits = gemm::rows_fit(x.len(), [pixels, cin], ld)
-        && weight.words.len() >= layout.conv_packed_len(shape, groups)
+        && weight.words.len() >= layout.conv_packed_len(shape, groups, paired.is_some())
         && w_scale.len() >= n
         && gemm::results_fit([m, n], n, bias, residual, out.len());
     if !fits {
@@ -152,7 +208,30 @@ fn conv_with(
             return;
         }
         let (per_out, group_words) = (n / groups, words / groups);
-        let group_len = layout.conv_packed_len([per_out, shape[1], shape[2], shape[3]], 1);
+        if let Some(block) = paired {
+            // Rows of pairs of words, and each group's matrix of twice the outputs.
+            let pairs = group_words / 2;
+            let group_len = layout.packed_len([2 * per_out, taps * pairs * 4]);
+            let panels_len = layout.panel_words(2 * per_out, taps * pairs);
+            let sum = |c: usize| {
+                let sums = &weight.words[c / per_out * group_len + panels_len + 2 * (c % per_out)..];
+                (sums[0] as i32).wrapping_add(sums[1] as i32) as u32
+            };
+            let factors = products.columns(n, sum);
+            let shape = products.shape([taps, pairs, per_out, n], (&factors.0, &factors.1));
+            let table = Table { table: table.table.cast::<*const [u32; 2]>(), taps, offset: 0 };
+            // SAFETY: as below, the table's rows and the panels read as pairs of words
+            // (`[u32; 2]`, of `u32`'s alignment): every row and the panels are whole pairs
+            // (`group_words` is even, checked; a group's words are `packed_len`'s, even).
+            unsafe {
+                let panels =
+                    std::slice::from_raw_parts(weight.words.as_ptr().cast::<[u32; 2]>(), weight.words.len() / 2);
+                let geometry = [groups, pairs, taps * pairs, 2 * m * k * n];
+                gemm::grouped(block, table, m, &shape, geometry, (panels, group_len / 2, panels_len / 2), out)
+            };
+            return;
+        }
+        let group_len = layout.conv_packed_len([per_out, shape[1], shape[2], shape[3]], 1, false);
         let panels_len = layout.panel_words(per_out, taps * group_words);
         let sum = |c: usize| weight.words[c / per_out * group_len + panels_len + c % per_out];
         let factors = products.columns(n, sum);
@@ -243,16 +322,13 @@ fn shifted(
                     line[..pw * words].fill(pad);
                     line[(pw + w) * words..].fill(pad);
                     let (dst, first) = (&mut line[pw * words..][..w * words], (b * h + y) * w);
-                    if ld == cin {
-                        // SAFETY: the quantizer runs on this CPU; the line's `w * cin` floats into
-                        // as many levels; the range fits the layout (`check`).
-                        unsafe { (p.kernel.quantize)(&x[first * cin..][..w * cin], w * cin, &levels, dst) };
+                    if w == 0 {
                         continue;
                     }
-                    for (px, d) in (first..).zip(dst.chunks_exact_mut(words)) {
-                        // SAFETY: as above, for one pixel (`rows_fit`).
-                        unsafe { (p.kernel.quantize)(&x[px * ld..px * ld + cin], cin, &levels, d) };
-                    }
+                    // SAFETY: the quantizer runs on this CPU; the line's `w` pixels of `cin`
+                    // floats, `ld` apart (`rows_fit`), into as many rows of `words`; the range
+                    // fits the layout (`check`).
+                    unsafe { (p.kernel.quantize)(&x[first * ld..][..(w - 1) * ld + cin], [cin, ld], &levels, dst) };
                 }
             });
             let at = b * ho * wo * n;
@@ -378,7 +454,7 @@ fn patches(p: &Products<'_>, (x, ld): (&[f32], usize), [batch, h, w]: [usize; 3]
     let mut levels = vec![0u32; (pixels * cin).div_ceil(per)];
     // SAFETY: the quantizer runs on this CPU, into one row of `pixels * cin` levels; the
     // range fits the layout (`check`).
-    unsafe { (p.kernel.quantize)(&dense, pixels * cin, &quant.levels(), &mut levels) };
+    unsafe { (p.kernel.quantize)(&dense, [pixels * cin; 2], &quant.levels(), &mut levels) };
     // A pixel's levels, in bytes; the padding's level less the base (`Level::base`) in each
     // level of a word: `zero_point - qmin` bytes for quads, int16 zeros for pairs.
     let pad = match layout {
@@ -467,8 +543,10 @@ mod tests {
             (conv([40, 400, 1, 1], [1, 1], [0, 0]), [1, 16, 14], u8(0.02, 3)),
             // A ResNet block's strided shortcut (`pointwise`): two images, odd sizes.
             (conv([128, 64, 1, 1], [2, 2], [0, 0]), [2, 13, 11], u8(0.03, 60)),
-            // RegNet's groups of 8 channels, and groups past one panel of columns.
+            // RegNet's groups of 8 channels (in lane pairs on AVX-512, as groups of 4 outputs
+            // over 16 channels, 2 pairs of words, are), and groups past one panel of columns.
             (grouped([48, 8, 3, 3], [1, 1], [1, 1], 6), [2, 7, 6], u8(0.04, 9)),
+            (grouped([12, 16, 3, 3], [2, 2], [1, 1], 3), [1, 9, 7], u8(0.05, 31)),
             (grouped([160, 12, 3, 3], [2, 2], [1, 1], 2), [1, 9, 9], u8(0.03, 200)),
             // Large enough that the quantization and the table split across threads.
             (conv([64, 64, 3, 3], [1, 1], [1, 1]), [1, 48, 48], u8(0.05, 128)),
@@ -543,9 +621,10 @@ mod tests {
                     super::super::tests::fit(kernel, (0..len).map(|i| ((i * 53 % 256) as i32 - 128) as i8).collect());
                 let ws: Vec<f32> = (0..n).map(|i| 0.001 + i as f32 / 7000.0).collect();
                 let bias: Vec<f32> = (0..n).map(|i| i as f32 / 7.0 - 1.0).collect();
-                let mut words = vec![0u32; layout.conv_packed_len(shape, g.groups)];
+                let paired = pairs_groups_on(kernel, shape, g.groups);
+                let mut words = vec![0u32; layout.conv_packed_len(shape, g.groups, paired)];
                 let strides = [shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1];
-                layout.pack_conv(&wt, shape, strides, g.groups, &mut words);
+                layout.pack_conv(&wt, shape, strides, g.groups, paired, &mut words);
                 let weight = super::super::tests::weight(&words, layout, &wt);
                 for ld in [cin, cin + 3] {
                     let pixels = batch * h * w;
@@ -577,8 +656,8 @@ mod tests {
         let w: Vec<i8> = (0..70 * 9).map(|i| (i % 200) as i8).collect();
         for layout in [Layout::Pairs, Layout::Quads] {
             let (mut conv, mut matrix) =
-                (vec![0; layout.conv_packed_len([70, 9, 1, 1], 1)], vec![0; layout.packed_len([70, 9])]);
-            layout.pack_conv(&w, [70, 9, 1, 1], [9, 1, 1, 1], 1, &mut conv);
+                (vec![0; layout.conv_packed_len([70, 9, 1, 1], 1, false)], vec![0; layout.packed_len([70, 9])]);
+            layout.pack_conv(&w, [70, 9, 1, 1], [9, 1, 1, 1], 1, false, &mut conv);
             layout.pack(&w, [70, 9], [9, 1], &mut matrix);
             assert_eq!(conv, matrix, "{layout:?}");
         }
@@ -589,7 +668,7 @@ mod tests {
         let Some(layout) = Layout::current() else { return };
         // Groups of 3 channels: not whole words of pairs or quads.
         let g = Conv2d::grouped([6, 3, 3, 3], [1, 1], [1, 1], 2).unwrap();
-        let words = vec![0u32; layout.conv_packed_len([6, 6, 3, 3], 1)];
+        let words = vec![0u32; layout.conv_packed_len([6, 6, 3, 3], 1, false)];
         let q = Quant { scale: 0.1, zero_point: 0, qmin: 0, qmax: 255 };
         let weight = Packed { words: &words, layout, peak: 0 };
         let run = |g: &Conv2d, out: &mut [f32]| {

@@ -59,18 +59,15 @@ pub unsafe fn expand_depthwise(
     let (panels, levels, x) = (&weight.words[..panels_len], quant.levels(), Dense { x, ld: lx });
     let expand = |first: usize, pixels: usize, out: *mut f32| {
         with_rows(pixels * words, |rows| {
+            if pixels == 0 {
+                return;
+            }
             // SAFETY: the quantizer runs on this CPU; the input's pixels `first..first +
             // pixels` have `k` floats each, `x.ld` apart (`banded` asks for the image's pixels
             // only), and `rows` as many rows of `words` words.
             unsafe {
-                if x.ld == k {
-                    let px = std::slice::from_raw_parts(x.at(first, 0), pixels * k);
-                    (kernel.quantize)(px, k, &levels, rows);
-                } else {
-                    for (p, row) in (first..first + pixels).zip(rows.chunks_exact_mut(words)) {
-                        (kernel.quantize)(std::slice::from_raw_parts(x.at(p, 0), k), k, &levels, row);
-                    }
-                }
+                let px = std::slice::from_raw_parts(x.at(first, 0), (pixels - 1) * x.ld + k);
+                (kernel.quantize)(px, [k, x.ld], &levels, rows);
             }
             let rows = Source::Dense(Dense { x: rows.as_ptr(), ld: words });
             for j in (0..n).step_by(PANEL) {

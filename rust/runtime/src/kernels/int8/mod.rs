@@ -26,7 +26,7 @@ mod conv;
 mod expand_depthwise;
 pub mod winograd;
 
-pub use conv::conv;
+pub use conv::{conv, pairs_groups};
 pub use expand_depthwise::expand_depthwise;
 
 use super::activation::Epilogue;
@@ -207,6 +207,19 @@ pub(super) trait Level: Copy + Default + 'static {
     /// # Safety
     /// `S`'s features must be enabled; `S::LANES` values from `p` are writable.
     unsafe fn store<S: Simd>(p: *mut Self, v: S::V);
+    /// [`Level::store`] of four vectors, one after another from `p`.
+    ///
+    /// # Safety
+    /// As [`Level::store`], for `4 * S::LANES` values.
+    #[inline(always)]
+    unsafe fn store4<S: Simd>(p: *mut Self, v: [S::V; 4]) {
+        // SAFETY: the caller's.
+        unsafe {
+            for (i, v) in v.into_iter().enumerate() {
+                Self::store::<S>(p.add(i * S::LANES), v);
+            }
+        }
+    }
     /// What each level is less: the zero point or `qmin`.
     fn base(q: &Levels) -> f32;
 }
@@ -228,39 +241,60 @@ impl Level for u8 {
         // SAFETY: the caller's.
         unsafe { S::store_u8(p, v) }
     }
+    #[inline(always)]
+    unsafe fn store4<S: Simd>(p: *mut u8, v: [S::V; 4]) {
+        // SAFETY: the caller's.
+        unsafe { S::store_u8x4(p, v) }
+    }
     fn base(q: &Levels) -> f32 {
         q.qmin
     }
 }
 
-/// A quantizer of the int8 GEMM's rows: `x`'s rows of `k` floats as rows of words, the
-/// kernel table's `quantize_pairs` and `quantize_quads` ([`quantize`]).
-pub(super) type Quantize = unsafe fn(&[f32], usize, &Levels, &mut [u32]);
+/// A quantizer of the int8 GEMM's rows: `x`'s rows of `k` floats, `ld` apart (`[k, ld]`), as
+/// rows of words, the kernel table's `quantize_pairs` and `quantize_quads` ([`quantize`]).
+pub(super) type Quantize = unsafe fn(&[f32], [usize; 2], &Levels, &mut [u32]);
 
-/// Each of `x`'s rows of `k` floats quantized as torch's `quantize_per_tensor` computes it
-/// (`clamp(round(x * (1.0 / scale)) + zero_point, qmin, qmax)`, in float32), less
-/// [`Level::base`], into `out`'s rows of `ceil(k / per word)` words (`L`s in order,
-/// little-endian; zero past `k`). A NaN, which torch's cast to 8 bits leaves undefined, is
-/// quantized to `qmin`.
+/// Each of `x`'s rows of `k` floats (rows `ld` apart, as many as `out` holds) quantized as
+/// torch's `quantize_per_tensor` computes it (`clamp(round(x * (1.0 / scale)) + zero_point,
+/// qmin, qmax)`, in float32), less [`Level::base`], into `out`'s rows of `ceil(k / per word)`
+/// words (`L`s in order, little-endian; zero past `k`). A NaN, which torch's cast to 8 bits
+/// leaves undefined, is quantized to `qmin`.
 ///
 /// # Safety
-/// `S`'s features must be enabled; `x` holds whole rows of `k`, `out` as many rows of words,
-/// and the levels less the base fit `L`.
+/// `S`'s features must be enabled; `k > 0`; `out` holds whole rows of words and `x` as many
+/// rows of `k` floats `ld` apart; the levels less the base fit `L`.
 #[inline(always)]
-pub(super) unsafe fn quantize<S: Simd, L: Level>(x: &[f32], k: usize, q: &Levels, out: &mut [u32]) {
+pub(super) unsafe fn quantize<S: Simd, L: Level>(x: &[f32], [k, ld]: [usize; 2], q: &Levels, out: &mut [u32]) {
     let width = k.div_ceil(4 / size_of::<L>()) * (4 / size_of::<L>());
     // SAFETY: the same memory as `width` `L`s per row, which `u32`'s alignment covers.
     let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<L>(), out.len() * 4 / size_of::<L>()) };
+    let rows = out.len() / width;
+    debug_assert!(rows == 0 || (rows - 1) * ld + k <= x.len());
+    // Dense rows of whole words are one run of levels: no row's tail (24-channel pixels).
+    let (rows, k, ld, width) = match ld == k && width == k {
+        true => (rows.min(1), rows * k, rows * k, rows * k),
+        false => (rows, k, ld, width),
+    };
     // SAFETY (all below): row `r`'s `k` floats and `width` levels exist (the caller's); a
-    // partial vector's lanes past `k` are neither read nor, from the buffer, copied.
+    // partial vector's lanes past `k` are not read.
     unsafe {
         let (inv, zp, lo, hi) = (S::splat(q.inv), S::splat(q.zero_point), S::splat(q.qmin), S::splat(q.qmax));
         let at = [inv, zp, lo, hi, S::splat(L::base(q))];
-        // Whole vectors unmasked, two at a time: a mask per vector cost a third of the loop.
+        // Whole vectors unmasked, four at a time, then two, then one: a mask per vector cost
+        // a third of the loop.
         let full = k / S::LANES * S::LANES;
-        for (row, dst) in x.chunks_exact(k).zip(out.chunks_exact_mut(width)) {
-            let (row, dst) = (row.as_ptr(), dst.as_mut_ptr());
+        for r in 0..rows {
+            let (row, dst) = (x.as_ptr().add(r * ld), out.as_mut_ptr().add(r * width));
             let mut c = 0;
+            while c + 4 * S::LANES <= full {
+                let v = [S::load(row.add(c)), S::load(row.add(c + S::LANES))];
+                let w = [S::load(row.add(c + 2 * S::LANES)), S::load(row.add(c + 3 * S::LANES))];
+                let (v0, v1) = (level::<S>(v[0], at), level::<S>(v[1], at));
+                let (v2, v3) = (level::<S>(w[0], at), level::<S>(w[1], at));
+                L::store4::<S>(dst.add(c), [v0, v1, v2, v3]);
+                c += 4 * S::LANES;
+            }
             while c + 2 * S::LANES <= full {
                 let (v0, v1) = (S::load(row.add(c)), S::load(row.add(c + S::LANES)));
                 L::store::<S>(dst.add(c), level::<S>(v0, at));
@@ -271,12 +305,22 @@ pub(super) unsafe fn quantize<S: Simd, L: Level>(x: &[f32], k: usize, q: &Levels
                 L::store::<S>(dst.add(c), level::<S>(S::load(row.add(c)), at));
                 c += S::LANES;
             }
+            // The last partial vector, its lanes past `k` zero: stored whole where it ends
+            // inside `out` (the rows after this one, which it reaches into, are written after
+            // it), through a buffer at the end. Copying every row's tail (a call to `memcpy`,
+            // then one to `memset` for the word's padding) took a fifth of a 24-channel 1×1
+            // convolution's time.
             if c < k {
-                let mut tail = [L::default(); 16];
-                L::store::<S>(tail.as_mut_ptr(), level::<S>(S::load_masked(S::first(k - c), row.add(c)), at));
-                std::ptr::copy_nonoverlapping(tail.as_ptr(), dst.add(c), k - c);
+                let lanes = S::first(k - c);
+                let v = S::select(lanes, level::<S>(S::load_masked(lanes, row.add(c)), at), S::zero());
+                if r * width + c + S::LANES <= out.len() {
+                    L::store::<S>(dst.add(c), v);
+                } else {
+                    let mut tail = [L::default(); 16];
+                    L::store::<S>(tail.as_mut_ptr(), v);
+                    std::ptr::copy_nonoverlapping(tail.as_ptr(), dst.add(c), width - c);
+                }
             }
-            std::slice::from_raw_parts_mut(dst.add(k), width - k).fill(L::default());
         }
     }
 }
@@ -567,22 +611,24 @@ pub(super) fn quantize_band(
         return;
     }
     let count = band.len() / words;
+    if count == 0 {
+        return;
+    }
     match at {
-        // Dense rows: one call for the band.
-        RowsAt::Strided(ld) if ld == k => {
-            // SAFETY: the kernel's quantizer runs on this CPU; `x` holds the band's rows of
-            // `k` (the slice is checked), `band` as many rows of `words`; quads are used only
-            // for a range of 256 levels at most (`Products::check`).
-            unsafe { (kernel.quantize)(&x[first * k..(first + count) * k], k, &levels, band) };
+        // Rows `ld` apart: one call for the band.
+        RowsAt::Strided(ld) => {
+            let x = &x[first * ld..][..(count - 1) * ld + k];
+            // SAFETY: the kernel's quantizer runs on this CPU; `x` holds the band's `count`
+            // rows of `k`, `ld` apart (the slice is checked; `count > 0`: `band` holds whole
+            // rows, at least one), `band` as many rows of `words`; quads are used only for a
+            // range of 256 levels at most (`Products::check`).
+            unsafe { (kernel.quantize)(x, [k, ld], &levels, band) };
         }
-        _ => {
+        RowsAt::Each(at) => {
             for (r, row) in (first..).zip(band.chunks_exact_mut(words)) {
-                let start = match at {
-                    RowsAt::Strided(ld) => r * ld,
-                    RowsAt::Each(at) => at(r),
-                };
+                let start = at(r);
                 // SAFETY: as above, for one row of `k`.
-                unsafe { (kernel.quantize)(&x[start..start + k], k, &levels, row) };
+                unsafe { (kernel.quantize)(&x[start..start + k], [k, k], &levels, row) };
             }
         }
     }
@@ -745,6 +791,16 @@ pub(super) struct Vnni;
 #[derive(Clone, Copy)]
 pub(super) struct Madd;
 
+/// A quads micro-kernel (`Vnni` or `Madd`) on AVX-512 for a grouped convolution's groups of
+/// at most 8 outputs over whole pairs of words (`conv::pairs_groups`): each output's sums in
+/// a pair of lanes, the even lane over the first word of each pair of a row's words and the
+/// odd over the second, so that one broadcast of two words feeds all 16 lanes where a group
+/// of 8 outputs filled half of them (RegNet's groups of 8 channels); the pair is added as the
+/// tile finishes, the outputs then in the first 8 lanes.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub(super) struct Paired<Q>(std::marker::PhantomData<Q>);
+
 /// The byte-quad micro-kernels: rows of four unsigned bytes a word, panels of four signed
 /// bytes, int32 sums from the columns' starting sums, finished as pairs' are. They differ
 /// only in how a lane's four products are added to its sum.
@@ -754,7 +810,7 @@ mod quads {
 
     use super::super::gemm::{Dot, Pairs};
     use super::super::simd::{avx2::Avx2, avx512::Avx512};
-    use super::{Madd, Vnni};
+    use super::{Madd, Paired, Vnni};
 
     macro_rules! quads {
         ($dot:ty, Avx512, |$acc:ident, $a:ident, $w:ident| $madd:expr) => {
@@ -813,6 +869,62 @@ mod quads {
         };
     }
 
+    macro_rules! paired {
+        ($q:ty, |$acc:ident, $a:ident, $w:ident| $madd:expr) => {
+            // SAFETY: each method is AVX-512's (and, for `madd`, the extension's that
+            // `super::super::isa` compiles this micro-kernel's block with, only where the CPU
+            // has it).
+            unsafe impl Dot<Avx512> for Paired<$q> {
+                type X = [u32; 2];
+                type P = u32;
+                type Acc = __m512i;
+                type W = __m512i;
+                #[inline(always)]
+                unsafe fn start(_: Option<__m512>, sums: Option<__m512>) -> __m512i {
+                    // SAFETY: register operations; `sums` holds an output's int32 sum in each
+                    // of its first 8 lanes, which go to the even lane of each pair (the odd
+                    // starting at 0).
+                    unsafe {
+                        match sums {
+                            Some(s) => _mm512_cvtepu32_epi64(_mm512_castsi512_si256(_mm512_castps_si512(s))),
+                            None => _mm512_setzero_si512(),
+                        }
+                    }
+                }
+                #[inline(always)]
+                unsafe fn load(p: *const u32) -> __m512i {
+                    // SAFETY: the trait's contract.
+                    unsafe { _mm512_loadu_si512(p.cast()) }
+                }
+                #[inline(always)]
+                unsafe fn splat(x: [u32; 2]) -> __m512i {
+                    // SAFETY: a register operation.
+                    unsafe { _mm512_set1_epi64((x[0] as u64 | (x[1] as u64) << 32) as i64) }
+                }
+                #[inline(always)]
+                unsafe fn madd($acc: __m512i, $a: __m512i, $w: __m512i) -> __m512i {
+                    // SAFETY: as the quads' `madd`.
+                    unsafe { $madd }
+                }
+                #[inline(always)]
+                unsafe fn finish(acc: __m512i, scale: Option<__m512>, bias: Option<__m512>) -> __m512 {
+                    // SAFETY: register operations: each pair's sum in its even lane, the even
+                    // lanes into the first 8, then the quads' finish.
+                    unsafe {
+                        let sums = _mm512_add_epi32(acc, _mm512_srli_epi64::<32>(acc));
+                        let outputs = _mm512_zextsi256_si512(_mm512_cvtepi64_epi32(sums));
+                        <Pairs as Dot<Avx512>>::finish(outputs, scale, bias)
+                    }
+                }
+            }
+        };
+    }
+
+    paired!(Vnni, |acc, a, w| _mm512_dpbusd_epi32(acc, a, w));
+    paired!(Madd, |acc, a, w| _mm512_add_epi32(
+        acc,
+        _mm512_madd_epi16(_mm512_maddubs_epi16(a, w), _mm512_set1_epi16(1))
+    ));
     quads!(Vnni, Avx512, |acc, a, w| _mm512_dpbusd_epi32(acc, a, w));
     quads!(Vnni, Avx2, |acc, a, w| _mm256_dpbusd_avx_epi32(acc, a, w));
     quads!(Madd, Avx512, |acc, a, w| _mm512_add_epi32(
@@ -1083,7 +1195,7 @@ mod tests {
     }
 
     /// Each family's two quantizers, every case at every position of rows shorter and longer
-    /// than two vectors: torch's levels (ties to even, clamped to the range, NaN to `qmin`),
+    /// than two vectors, dense or apart: torch's levels (ties to even, clamped to the range, NaN to `qmin`),
     /// less the zero point as int16 pairs, less `qmin` as bytes.
     #[test]
     fn each_family_quantizes_as_torch_does() {
@@ -1100,22 +1212,32 @@ mod tests {
                         Layout::Quads => w.to_le_bytes().map(|b| b as i64).to_vec(),
                     }
                 };
-                for k in [1usize, 3, 37] {
+                // Rows of `k` floats `ld` apart, the last vector's tail inside the output and,
+                // in the last row, at its end; dense rows of whole words (one run), and rows of
+                // four vectors and more.
+                let shapes =
+                    [(1usize, 1usize), (3, 3), (3, 8), (37, 37), (37, 40), (24, 29), (24, 24), (70, 70), (130, 133)];
+                for (k, ld) in shapes {
                     let words = k.div_ceil(per);
                     for at in 0..k {
                         for (x, level) in cases {
-                            // Row 0 all zeros (the zero point's level), row 1 the case at `at`.
-                            let mut rows = vec![0.0f32; 2 * k];
-                            rows[k + at] = x;
-                            let mut out = vec![0xDEAD_BEEF_u32; 2 * words];
-                            // SAFETY: the table's quantizer runs on this CPU; two rows of `k` into
-                            // two of `words`; 255 levels.
-                            unsafe { quantize(&rows, k, &q.levels(), &mut out) };
+                            // Rows 0 and 2 all zeros (the zero point's level), row 1 the case at
+                            // `at`, NaNs between the rows.
+                            let mut rows = vec![f32::NAN; 2 * ld + k];
+                            for r in 0..3 {
+                                rows[r * ld..][..k].fill(0.0);
+                            }
+                            rows[ld + at] = x;
+                            let mut out = vec![0xDEAD_BEEF_u32; 3 * words];
+                            // SAFETY: the table's quantizer runs on this CPU; three rows of `k`
+                            // `ld` apart into three of `words`; 255 levels.
+                            unsafe { quantize(&rows, [k, ld], &q.levels(), &mut out) };
                             let got: Vec<i64> = out.iter().flat_map(|&w| levels(w)).collect();
                             // Zero past `k`.
-                            let mut want = vec![0; 2 * per * words];
-                            want[..k].fill(q.zero_point - base);
-                            want[per * words..][..k].fill(q.zero_point - base);
+                            let mut want = vec![0; 3 * per * words];
+                            for r in 0..3 {
+                                want[r * per * words..][..k].fill(q.zero_point - base);
+                            }
                             want[per * words + at] = level - base;
                             assert_eq!(got, want, "{isa:?} {layout:?} k={k} at={at} x={x}");
                         }

@@ -376,8 +376,8 @@ mod tests {
                 let output = Quant { scale: 0.5, zero_point: -3, qmin: -128, qmax: 127 };
                 let strides = [cin * 9, 9, 3, 1];
                 let shape = [n, cin, 3, 3];
-                let mut words = vec![0u32; Layout::Pairs.conv_packed_len(shape, 1)];
-                Layout::Pairs.pack_conv(&wt, shape, strides, 1, &mut words);
+                let mut words = vec![0u32; Layout::Pairs.conv_packed_len(shape, 1, false)];
+                Layout::Pairs.pack_conv(&wt, shape, strides, 1, false, &mut words);
                 let weight = Packed { words: &words, layout: Layout::Pairs, peak: 127 };
                 let mut panels = vec![0u32; packed_len([n, cin])];
                 pack(&wt, [n, cin], strides, &mut panels);
@@ -410,8 +410,8 @@ mod tests {
             let w_scale = vec![1.0f32; n];
             let quant = Quant { scale: 1.0, zero_point: 0, qmin: 0, qmax: 255 };
             let (strides, shape) = ([cin * 9, 9, 3, 1], [n, cin, 3, 3]);
-            let mut words = vec![0u32; Layout::Pairs.conv_packed_len(shape, 1)];
-            Layout::Pairs.pack_conv(&wt, shape, strides, 1, &mut words);
+            let mut words = vec![0u32; Layout::Pairs.conv_packed_len(shape, 1, false)];
+            Layout::Pairs.pack_conv(&wt, shape, strides, 1, false, &mut words);
             let weight = Packed { words: &words, layout: Layout::Pairs, peak: 128 };
             let mut panels = vec![0u32; packed_len([n, cin])];
             pack(&wt, [n, cin], strides, &mut panels);

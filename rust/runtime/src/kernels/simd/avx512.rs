@@ -172,6 +172,19 @@ unsafe impl Simd for Avx512 {
         unsafe { _mm_storeu_si128(p.cast(), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(a))) }
     }
     #[inline(always)]
+    unsafe fn store_u8x4(p: *mut u8, [a, b, c, d]: [__m512; 4]) {
+        // Packs within each 128-bit lane (dwords 0-3 of each lane from a, b, c, d in turn),
+        // then one permute into order and one store: `vpmovdb` to memory, four a call, took
+        // most of a quantization's time on a Zen 4.
+        unsafe {
+            let (a, b, c, d) =
+                (_mm512_cvtps_epi32(a), _mm512_cvtps_epi32(b), _mm512_cvtps_epi32(c), _mm512_cvtps_epi32(d));
+            let bytes = _mm512_packus_epi16(_mm512_packus_epi32(a, b), _mm512_packus_epi32(c, d));
+            let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+            _mm512_storeu_si512(p.cast(), _mm512_permutexvar_epi32(order, bytes))
+        }
+    }
+    #[inline(always)]
     unsafe fn dot_bf16(acc: __m512, a: __m512i, b: __m512i) -> __m512 {
         unsafe {
             let high = _mm512_set1_epi32(0xFFFF_0000_u32 as i32);

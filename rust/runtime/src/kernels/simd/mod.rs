@@ -203,6 +203,20 @@ pub unsafe trait Simd: Copy + 'static {
     /// # Safety
     /// `LANES` bytes from `p` are writable; see the trait.
     unsafe fn store_u8(p: *mut u8, a: Self::V);
+    /// [`Simd::store_u8`] of four vectors, one after another from `p`.
+    ///
+    /// # Safety
+    /// `4 * LANES` bytes from `p` are writable; see the trait.
+    #[inline(always)]
+    unsafe fn store_u8x4(p: *mut u8, [a, b, c, d]: [Self::V; 4]) {
+        // SAFETY: the caller's.
+        unsafe {
+            Self::store_u8(p, a);
+            Self::store_u8(p.add(Self::LANES), b);
+            Self::store_u8(p.add(2 * Self::LANES), c);
+            Self::store_u8(p.add(3 * Self::LANES), d);
+        }
+    }
     /// `acc + a.lo * b.lo + a.hi * b.hi` in each lane, the halves of each pair bfloat16 (each
     /// widened exactly to float32; two fused multiply-adds, the low half first).
     ///
