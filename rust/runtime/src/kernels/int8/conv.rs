@@ -489,23 +489,32 @@ fn patches(p: &Products<'_>, (x, ld): (&[f32], usize), [batch, h, w]: [usize; 3]
 }
 
 /// Copies `src` to `dst`: a patch's line of taps (a few dozen bytes: 21 for a 7×7 over 3
-/// channels) as two overlapping 16-byte moves where it is 16 to 32 bytes long, where a call to
-/// `memcpy` per line cost as much as the copy.
+/// channels, 9 for a 3×3) as two overlapping moves of 16, 8 or 4 bytes where it is 4 to 32
+/// bytes long, where a call to `memcpy` per line cost as much as the copy.
 ///
 /// # Safety
 /// `dst` is valid for `src.len()` bytes' writes, and doesn't overlap `src`.
 #[inline(always)]
 unsafe fn copy_short(dst: *mut u8, src: *const u8, len: usize) {
-    // SAFETY (all): `len` bytes at `src` and `dst` (the caller's), the last 16 of them at
-    // `len - 16`.
-    unsafe {
-        if !(16..=32).contains(&len) {
-            return std::ptr::copy_nonoverlapping(src, dst, len);
+    /// Two moves of `N` bytes, the first and the last `N` of `len` (`N <= len <= 2 N`).
+    #[inline(always)]
+    unsafe fn two<const N: usize>(dst: *mut u8, src: *const u8, len: usize) {
+        // SAFETY: `len >= N` bytes at `src` and `dst` (the caller's).
+        unsafe {
+            let (head, tail) =
+                (src.cast::<[u8; N]>().read_unaligned(), src.add(len - N).cast::<[u8; N]>().read_unaligned());
+            dst.cast::<[u8; N]>().write_unaligned(head);
+            dst.add(len - N).cast::<[u8; N]>().write_unaligned(tail);
         }
-        let (head, tail) =
-            (src.cast::<[u8; 16]>().read_unaligned(), src.add(len - 16).cast::<[u8; 16]>().read_unaligned());
-        dst.cast::<[u8; 16]>().write_unaligned(head);
-        dst.add(len - 16).cast::<[u8; 16]>().write_unaligned(tail);
+    }
+    // SAFETY (all): `len` bytes at `src` and `dst` (the caller's).
+    unsafe {
+        match len {
+            16..=32 => two::<16>(dst, src, len),
+            8..=15 => two::<8>(dst, src, len),
+            4..=7 => two::<4>(dst, src, len),
+            _ => std::ptr::copy_nonoverlapping(src, dst, len),
+        }
     }
 }
 
