@@ -207,11 +207,40 @@ pub(super) fn tap_table<T>(
     g: &Conv2d,
     (first, stride, padding): (*const T, usize, *const T),
 ) -> Vec<*const T> {
-    let ([kh, kw], [sh, sw], [ph, pw]) = (g.kernel, g.stride, g.padding);
+    let taps = g.kernel[0] * g.kernel[1];
+    let mut table = vec![padding; m * taps];
+    let geometry = TapGeometry { image: [h, w], out: [ho, wo], g: *g };
     let first = super::parallel::Shared(first.cast_mut());
-    let mut table = vec![padding; m * kh * kw];
     // An entry costs about what 20 of the GEMM's flops do (0.5 ns).
-    super::parallel::units(&mut table, kh * kw, 20 * kh * kw, &|start, entries| {
+    super::parallel::units(&mut table, taps, TAP_WORK * taps, &|start, entries| {
+        geometry.fill(start, entries, (first, stride))
+    });
+    table
+}
+
+/// The work an entry of [`tap_table`] counts.
+pub(super) const TAP_WORK: usize = 20;
+
+/// Where an indirect convolution's taps lie: its input images' `[h, w]`, its output's `[ho,
+/// wo]` and its kernel, stride and padding ([`tap_table`]).
+#[derive(Clone, Copy)]
+pub(super) struct TapGeometry {
+    pub(super) image: [usize; 2],
+    pub(super) out: [usize; 2],
+    pub(super) g: Conv2d,
+}
+
+impl TapGeometry {
+    /// [`tap_table`]'s entries of the output pixels from `start` that `entries` holds (whole
+    /// pixels' taps), those in the padding left as they are.
+    pub(super) fn fill<T>(
+        self,
+        start: usize,
+        entries: &mut [*const T],
+        (first, stride): (super::parallel::Shared<T>, usize),
+    ) {
+        let ([h, w], [ho, wo], g) = (self.image, self.out, &self.g);
+        let ([kh, kw], [sh, sw], [ph, pw]) = (g.kernel, g.stride, g.padding);
         // The chunk's first output pixel; the later ones by counting (no division per pixel).
         let (mut b, mut oy, mut ox) = (start / (ho * wo), start / wo % ho, start % wo);
         for entries in entries.chunks_exact_mut(kh * kw) {
@@ -246,8 +275,7 @@ pub(super) fn tap_table<T>(
                 }
             }
         }
-    });
-    table
+    }
 }
 
 /// A convolution over channels-last images (`x`: `[batch, h, w, cin]`) as an indirect GEMM:

@@ -107,6 +107,40 @@ pub fn units<T>(out: &mut [T], width: usize, work: usize, f: &(dyn Fn(usize, &mu
     });
 }
 
+/// [`units`] of two independent jobs in one parallel region (one wake-up of the pool's
+/// threads instead of two): each thread takes its share of each job's units, `fa(first, a)`
+/// then `fb(first, b)`.
+#[allow(clippy::type_complexity)]
+pub fn units_pair<A, B>(
+    (a, width_a, work_a, fa): (&mut [A], usize, usize, &(dyn Fn(usize, &mut [A]) + Sync)),
+    (b, width_b, work_b, fb): (&mut [B], usize, usize, &(dyn Fn(usize, &mut [B]) + Sync)),
+) {
+    let (units_a, units_b) = (a.len().div_ceil(width_a.max(1)), b.len().div_ceil(width_b.max(1)));
+    let threads = share(units_a * work_a + units_b * work_b, units_a.max(units_b), threads());
+    if threads <= 1 {
+        fa(0, a);
+        return fb(0, b);
+    }
+    let (len_a, len_b, pa, pb) = (a.len(), b.len(), Shared(a.as_mut_ptr()), Shared(b.as_mut_ptr()));
+    for_each(threads, threads, &|begin, end| {
+        for t in begin..end {
+            let (first_a, end_a) = (units_a * t / threads, units_a * (t + 1) / threads);
+            let (from, to) = (first_a * width_a, (end_a * width_a).min(len_a));
+            if from < to {
+                // SAFETY: `a`'s elements `from..to`, this share's alone (the shares of
+                // `0..threads` don't overlap), while `a` is borrowed for the whole call.
+                fa(first_a, unsafe { std::slice::from_raw_parts_mut(pa.at(from), to - from) });
+            }
+            let (first_b, end_b) = (units_b * t / threads, units_b * (t + 1) / threads);
+            let (from, to) = (first_b * width_b, (end_b * width_b).min(len_b));
+            if from < to {
+                // SAFETY: as for `a`.
+                fb(first_b, unsafe { std::slice::from_raw_parts_mut(pb.at(from), to - from) });
+            }
+        }
+    });
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -194,6 +228,31 @@ pub(crate) mod tests {
                 }
             }
         });
+    }
+
+    /// Two jobs of different unit widths and counts in one region: every element written
+    /// once, by the share whose first unit the body was told.
+    #[test]
+    fn units_pair_writes_each_job_once() {
+        install_test_pool();
+        for (len_a, len_b) in [(10, 1000), (1000, 7), (0, 9), (3000, 3000)] {
+            let (mut a, mut b) = (vec![usize::MAX; len_a * 3], vec![usize::MAX; len_b * 5 + 2]);
+            let fa = |first: usize, out: &mut [usize]| {
+                for (i, v) in out.iter_mut().enumerate() {
+                    assert_eq!(*v, usize::MAX);
+                    *v = first * 3 + i;
+                }
+            };
+            let fb = |first: usize, out: &mut [usize]| {
+                for (i, v) in out.iter_mut().enumerate() {
+                    assert_eq!(*v, usize::MAX);
+                    *v = first * 5 + i;
+                }
+            };
+            units_pair((&mut a, 3, MIN_FLOPS_PER_THREAD, &fa), (&mut b, 5, MIN_FLOPS_PER_THREAD, &fb));
+            assert!(a.iter().enumerate().all(|(i, &v)| v == i), "{len_a}");
+            assert!(b.iter().enumerate().all(|(i, &v)| v == i), "{len_b}");
+        }
     }
 
     #[test]

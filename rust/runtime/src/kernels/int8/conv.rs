@@ -7,10 +7,10 @@
 //! rounded up to whole words (their weights zero), so the weight is packed as the `[n, taps *
 //! words * per word]` matrix [`Layout::pack_conv`] makes.
 
-use super::super::gemm::{self, tap_table, Source, Table};
+use super::super::gemm::{self, Source, Table};
 use super::super::parallel;
 use super::super::{Conv2d, Declined, Ran};
-use super::{quantize_band, quantize_rows, with_rows, Layout, Packed, Products, Quant, RowsAt, QUANTIZE_WORK};
+use super::{quantize_band, with_rows, Layout, Packed, Products, Quant, RowsAt, QUANTIZE_WORK};
 use crate::kernels::activation::Epilogue;
 
 impl Layout {
@@ -196,9 +196,17 @@ fn conv_with(
             Layout::Quads => u32::from_le_bytes([(quant.zero_point - quant.qmin) as u8; 4]),
             Layout::Pairs => 0,
         });
-        quantize_rows(kernel, x, cin, quant, RowsAt::Strided(ld), pixel_rows);
-        let table = tap_table(m, [h, w], [ho, wo], g, (rows.as_ptr(), words, rows[pixels * words..].as_ptr()));
+        // The image's levels and the table of pointers to them in one parallel region (the
+        // table only points at the rows: nothing reads them before the GEMM's region).
         let taps = g.kernel[0] * g.kernel[1];
+        let (first, mut table) = (parallel::Shared(pixel_rows.as_mut_ptr()), vec![padding.as_ptr(); m * taps]);
+        let geometry = gemm::TapGeometry { image: [h, w], out: [ho, wo], g: *g };
+        let quantize =
+            |row: usize, band: &mut [u32]| quantize_band(kernel, x, cin, quant, RowsAt::Strided(ld), row, band);
+        let fill = |pixel: usize, entries: &mut [*const u32]| geometry.fill(pixel, entries, (first, words));
+        let rows_job = (pixel_rows, words, QUANTIZE_WORK * cin, &quantize as &(dyn Fn(usize, &mut [u32]) + Sync));
+        let fill: &(dyn Fn(usize, &mut [*const u32]) + Sync) = &fill;
+        parallel::units_pair(rows_job, (&mut table, taps, gemm::TAP_WORK * taps, fill));
         let table = Table { table: table.as_ptr(), taps, offset: 0 };
         if groups == 1 {
             // SAFETY: every pointer of the table starts `words` words of `rows`, alive until
